@@ -1,0 +1,34 @@
+"""paddle_dcp: distributed checkpoints for PaddlePaddle semi-auto-parallel training.
+
+Switch with one import::
+
+    import paddle_dcp as dcp
+    dcp.save_state_dict(state_dict, "ckpt")
+    dcp.load_state_dict(state_dict, "ckpt")
+"""
+from .api import load_state_dict, save_state_dict
+from .errors import (
+    CollectiveError,
+    DcpError,
+    FormatError,
+    IntegrityError,
+    MismatchError,
+    PlanError,
+    StorageError,
+)
+from .metadata import FORMAT_VERSION
+from .version import __version__
+
+__all__ = [
+    "save_state_dict",
+    "load_state_dict",
+    "DcpError",
+    "FormatError",
+    "IntegrityError",
+    "MismatchError",
+    "StorageError",
+    "CollectiveError",
+    "PlanError",
+    "FORMAT_VERSION",
+    "__version__",
+]

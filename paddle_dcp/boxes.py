@@ -1,0 +1,238 @@
+"""Boxes in a tensor's index space: the shard arithmetic of save and load.
+
+A :class:`Box` is a hyper-rectangle ``offsets .. offsets + shape`` in elements. Variables say
+which space a box lives in: ``in_global`` (the whole tensor), ``in_saved`` (relative to a saved
+piece), ``in_target`` (relative to a rank's local piece).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle of elements.
+
+    Attributes:
+        offsets: first index in every dimension, in elements.
+        shape: extent in every dimension, in elements (0 allowed: an empty box).
+    """
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.offsets) != len(self.shape):
+            raise PlanError(f"box offsets {self.offsets} and shape {self.shape} differ in rank")
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> "Box":
+        shape = tuple(int(s) for s in shape)
+        return cls((0,) * len(shape), shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.shape))
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.shape)
+
+    def intersect(self, other: "Box") -> "Box | None":
+        """The common part of two boxes in the same space, or None when it is empty."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def contains(self, other: "Box") -> bool:
+        return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
+            a >= b for a, b in zip(self.end, other.end)
+        )
+
+    def relative_to(self, origin: "Box") -> "Box":
+        """This box expressed in the coordinates of ``origin`` (which must contain it)."""
+        return Box(tuple(a - b for a, b in zip(self.offsets, origin.offsets)), self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
+
+
+def split_extent(extent: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, size) of chunk ``index`` when ``extent`` is cut into ``parts`` chunks.
+
+    Paddle's rule: every chunk has ceil(extent / parts) elements, except the last non-empty one
+    which holds the rest; chunks past the end are empty (offset clamped to ``extent``).
+    """
+    if parts <= 0 or not 0 <= index < parts:
+        raise PlanError(f"chunk {index} of {parts} does not exist")
+    step = -(-extent // parts)
+    lo = min(index * step, extent)
+    return lo, min(step, extent - lo)
+
+
+def shard_box(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    mesh_dims_of_tensor_dim: Sequence[Sequence[int]],
+    coord: Sequence[int],
+) -> Box:
+    """The box one rank holds of a tensor sharded over a process mesh.
+
+    Args:
+        global_shape: the tensor's shape, in elements.
+        mesh_shape: size of every mesh dimension.
+        mesh_dims_of_tensor_dim: for every tensor dim, the mesh dims that shard it, in the
+            order they split it (outermost first); empty for an unsharded dim. Replicate and
+            Partial mesh dims appear nowhere.
+        coord: the rank's coordinate in the mesh.
+
+    Returns:
+        The rank's box in the global tensor (possibly empty, when a split runs out).
+    """
+    if len(mesh_dims_of_tensor_dim) != len(global_shape):
+        raise PlanError(
+            f"{len(mesh_dims_of_tensor_dim)} shard lists for a tensor of rank {len(global_shape)}"
+        )
+    offsets, shape = [], []
+    for extent, mesh_dims in zip(global_shape, mesh_dims_of_tensor_dim):
+        lo, size = 0, int(extent)
+        for mesh_dim in mesh_dims:
+            sub_lo, size = split_extent(size, int(mesh_shape[mesh_dim]), int(coord[mesh_dim]))
+            lo += sub_lo
+        offsets.append(lo)
+        shape.append(size)
+    return Box(tuple(offsets), tuple(shape))
+
+
+def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides in elements of a C-order array of ``shape``."""
+    strides, acc = [], 1
+    for extent in reversed(shape):
+        strides.append(acc)
+        acc *= int(extent)
+    return tuple(reversed(strides))
+
+
+def element_span(shape: Sequence[int], region: Box) -> tuple[int, int]:
+    """[first, last + 1) flat element indices of ``region`` inside a C-order array of ``shape``."""
+    if region.volume == 0:
+        return 0, 0
+    strides = c_strides(shape)
+    first = sum(o * s for o, s in zip(region.offsets, strides))
+    last = sum((e - 1) * s for e, s in zip(region.end, strides))
+    return first, last + 1
+
+
+def is_contiguous(shape: Sequence[int], region: Box) -> bool:
+    """True when ``region`` occupies one unbroken run of a C-order array of ``shape``."""
+    first, stop = element_span(shape, region)
+    return stop - first == region.volume
+
+
+def split_region(region: Box, max_elements: int, array_shape: Sequence[int]) -> list[Box]:
+    """Cut ``region`` into parts whose span in a C-order array of ``array_shape`` (the array
+    the region lives in) is at most ``max_elements``; cuts go along the outermost dims first."""
+    if region.volume == 0:
+        return []
+    first, stop = element_span(array_shape, region)
+    if stop - first <= max_elements:
+        return [region]
+    d = next(i for i, extent in enumerate(region.shape) if extent > 1)
+    stride = math.prod(array_shape[d + 1:])
+    k = max(1, max_elements // stride)
+    parts: list[Box] = []
+    for start in range(0, region.shape[d], k):
+        offsets, shape = list(region.offsets), list(region.shape)
+        offsets[d] += start
+        shape[d] = min(k, region.shape[d] - start)
+        parts.extend(split_region(Box(tuple(offsets), tuple(shape)), max_elements, array_shape))
+    return parts
+
+
+def check_tiling(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray) -> None:
+    """Raise PlanError unless the boxes (rows of ``offsets`` / ``shapes``) tile the tensor
+    exactly: every box inside it, no two overlapping, their volumes adding up to the whole.
+
+    Runs in O(p log p) for grid layouts (the only kind a save from placements produces) and
+    falls back to a sweep along dim 0 otherwise.
+    """
+    global_shape = tuple(int(s) for s in global_shape)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    shapes = np.asarray(shapes, dtype=np.int64)
+    if offsets.ndim != 2 or offsets.shape != shapes.shape or offsets.shape[1] != len(global_shape):
+        raise PlanError(f"{key}: piece boxes do not match a tensor of rank {len(global_shape)}")
+    p, ndim = shapes.shape
+    total = math.prod(global_shape)
+    if ndim == 0:
+        if p != 1:
+            raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
+        return
+    if p == 0:
+        if total == 0:
+            return
+        raise PlanError(f"{key}: no piece covers this tensor of shape {global_shape}")
+    ends = offsets + shapes
+    limit = np.asarray(global_shape, dtype=np.int64)
+    bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (ends > limit).any(1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(
+            f"{key}: piece at offset {tuple(offsets[i].tolist())} with shape "
+            f"{tuple(shapes[i].tolist())} is empty or outside the tensor's shape {global_shape}"
+        )
+    volumes = np.prod(shapes, axis=1, dtype=np.int64)
+    covered = int(volumes.sum())
+    if _is_grid(offsets, ends, global_shape):
+        if covered != total:
+            raise PlanError(f"{key}: pieces cover {covered} of {total} elements (gap or overlap)")
+        return
+    # general layouts: sweep along dim 0, compare each box with those still open
+    order = np.lexsort(tuple(offsets[:, d] for d in reversed(range(ndim))))
+    o, e = offsets[order], ends[order]
+    open_idx: list[int] = []
+    for i in range(p):
+        open_idx = [j for j in open_idx if e[j, 0] > o[i, 0]]
+        if open_idx:
+            js = np.asarray(open_idx)
+            lo = np.maximum(o[js], o[i])
+            hi = np.minimum(e[js], e[i])
+            hit = (hi > lo).all(1)
+            if hit.any():
+                j = int(js[np.flatnonzero(hit)[0]])
+                raise PlanError(
+                    f"{key}: pieces at offsets {tuple(o[j].tolist())} and {tuple(o[i].tolist())} overlap"
+                )
+        open_idx.append(i)
+    if covered != total:
+        raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
+
+
+def _is_grid(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...]) -> bool:
+    """True when the boxes are distinct cells of one grid spanning the tensor: then a volume
+    count alone proves exact tiling."""
+    p, ndim = offsets.shape
+    cells = 1
+    cell_index = np.zeros(p, dtype=np.int64)
+    for d in range(ndim):
+        cuts = np.unique(np.concatenate([offsets[:, d], ends[:, d], [0, global_shape[d]]]))
+        lo = np.searchsorted(cuts, offsets[:, d])
+        hi = np.searchsorted(cuts, ends[:, d])
+        if not (hi == lo + 1).all():
+            return False
+        cell_index = cell_index * (len(cuts) - 1) + lo
+        cells *= len(cuts) - 1
+        if cells > (1 << 62):
+            return False
+    return len(np.unique(cell_index)) == p and cells == p

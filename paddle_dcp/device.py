@@ -1,0 +1,116 @@
+"""Where bytes meet paddle's memory: host views of tensors, device copies, message tensors.
+
+The only module with device-specific lines. A CPU tensor is viewed in place (no copy); a
+tensor on a GPU is copied to host memory once, whole (pinned where paddle offers it), and a
+loaded piece is assembled in host memory and copied to the target's place once.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+
+import numpy as np
+
+from .dtypes import storage_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def dtype_name(tensor) -> str:
+    """The format's dtype name of a paddle tensor (``paddle.float32`` -> ``float32``)."""
+    return str(tensor.dtype).replace("paddle.", "")
+
+
+def is_host(tensor) -> bool:
+    place = tensor.place
+    return bool(place.is_cpu_place() or place.is_cuda_pinned_place())
+
+
+def _view(tensor, dtype_name_: str) -> np.ndarray:
+    """A writable numpy view of a host tensor's own memory, in storage dtype."""
+    dtype = storage_dtype(dtype_name_)
+    shape = tuple(int(s) for s in tensor.shape)
+    count = math.prod(shape)
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    if not tensor.is_contiguous():
+        raise ValueError("tensor is not contiguous")
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(tensor.data_ptr())
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+class HostBytes:
+    """Host memory holding a tensor's bytes for writing; keeps what it views alive."""
+
+    def __init__(self, array: np.ndarray, owner):
+        self.array = array
+        self._owner = owner
+
+
+def host_bytes(tensor) -> HostBytes:
+    """The bytes of a (local, dense) tensor in host memory: the tensor's own memory on the
+    CPU, else one copy (to pinned memory when the build has it)."""
+    if isinstance(tensor, np.ndarray):
+        from .dtypes import name_of_numpy
+
+        return HostBytes(np.ascontiguousarray(tensor, dtype=storage_dtype(name_of_numpy(tensor.dtype))), tensor)
+    name = dtype_name(tensor)
+    if is_host(tensor) and tensor.is_contiguous():
+        return HostBytes(_view(tensor, name), tensor)
+    if not is_host(tensor):
+        host = tensor.pin_memory() if _has_pinned() else tensor.cpu()
+    else:
+        host = tensor.contiguous()
+    return HostBytes(_view(host, name), host)
+
+
+class TargetBuffer:
+    """The host array a load fills for one target tensor, and how it reaches the tensor.
+
+    On the CPU the array is the tensor's own memory. Elsewhere it is a host buffer whose
+    contents are copied to the tensor's place by :meth:`finish`; with ``offload`` the host
+    tensor itself becomes the loaded value (``replacement``).
+    """
+
+    def __init__(self, tensor, offload: bool = False):
+        self.tensor = tensor
+        self.replacement = None
+        name = dtype_name(tensor)
+        if is_host(tensor) and tensor.is_contiguous():
+            self.host = tensor
+        else:
+            import paddle
+
+            self.host = paddle.empty(tensor.shape, dtype=tensor.dtype).cpu()
+            if _has_pinned() and not offload:
+                self.host = self.host.pin_memory()
+            if offload:
+                self.replacement = self.host
+        self.array = _view(self.host, name)
+
+    def fill(self, value) -> None:
+        """Set every element to ``value`` (in the tensor's dtype, bfloat16 included)."""
+        import paddle
+
+        constant = paddle.full(self.host.shape, value, dtype=self.host.dtype)
+        self.array[...] = _view(constant, dtype_name(constant))
+
+    def finish(self) -> None:
+        """Copy the filled host buffer to the tensor's place, when it is not the tensor."""
+        if self.host is self.tensor or self.replacement is not None:
+            return
+        self.tensor.copy_(self.host.to(self.tensor.place), False)
+
+
+def _has_pinned() -> bool:
+    import paddle
+
+    return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+
+
+def message_tensor(array: np.ndarray):
+    """A paddle tensor for a collective: on the CPU for gloo, on the current GPU for NCCL."""
+    import paddle
+
+    return paddle.to_tensor(array)

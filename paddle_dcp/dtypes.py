@@ -1,0 +1,49 @@
+"""Dtype names of the format and their numpy storage types (bfloat16 included)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import FormatError
+
+# name -> numpy dtype used to hold the raw little-endian bytes. bfloat16 has no numpy type:
+# its bytes travel as uint16 and only paddle interprets them.
+_STORAGE = {
+    "bool": np.dtype("|b1"),
+    "uint8": np.dtype("|u1"),
+    "int8": np.dtype("|i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "complex64": np.dtype("<c8"),
+    "complex128": np.dtype("<c16"),
+}
+
+DTYPE_NAMES = tuple(_STORAGE)
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype whose bytes equal the format's bytes for dtype ``name``."""
+    try:
+        return _STORAGE[name]
+    except KeyError:
+        raise FormatError(
+            f"unknown dtype {name!r}; supported: {', '.join(DTYPE_NAMES)}"
+        ) from None
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of dtype ``name``."""
+    return storage_dtype(name).itemsize
+
+
+def name_of_numpy(dtype: np.dtype) -> str:
+    """The format's name for a numpy array's dtype (uint16 is never read as bfloat16)."""
+    dtype = np.dtype(dtype)
+    for name, storage in _STORAGE.items():
+        if name != "bfloat16" and storage.kind == dtype.kind and storage.itemsize == dtype.itemsize:
+            return name
+    raise FormatError(f"numpy dtype {dtype} has no checkpoint dtype; supported: {', '.join(DTYPE_NAMES)}")

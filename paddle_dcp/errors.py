@@ -1,0 +1,70 @@
+"""The one exception hierarchy of paddle_dcp.
+
+::
+
+    DcpError(Exception)
+      FormatError        unreadable, corrupt, or unsupported checkpoint (metadata or data)
+        IntegrityError   bytes whose checksum or size disagrees with the metadata
+      MismatchError      key missing or unexpected; shape or dtype differs (names key + both)
+      StorageError       I/O failure on a named path
+      CollectiveError    a step failed on some ranks; .failures maps rank -> message
+      PlanError          boxes that overlap, leave gaps, or fall out of bounds
+
+Every message says what went wrong, where (key, file, rank) and, where it helps, what to do.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class DcpError(Exception):
+    """Base class of every error paddle_dcp raises on purpose."""
+
+
+class FormatError(DcpError):
+    """A checkpoint that cannot be read: malformed, corrupt, or of an unsupported version."""
+
+
+class IntegrityError(FormatError):
+    """Bytes on disk that disagree with the metadata (checksum, size, missing file)."""
+
+
+class MismatchError(DcpError):
+    """The state dict and the checkpoint disagree: a key, a shape, a dtype or a structure."""
+
+
+class StorageError(DcpError):
+    """An operating-system error while reading or writing a named path."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class PlanError(DcpError):
+    """Pieces that do not tile their tensor: overlap, gap, or out of bounds."""
+
+
+class CollectiveError(DcpError):
+    """A step of a collective save or load failed on one or more ranks.
+
+    Every rank of the group raises it, with the same ``step`` and ``failures``.
+
+    Attributes:
+        step: name of the step that failed (e.g. ``"write"``).
+        failures: rank -> "ErrorType: message" for every rank that failed.
+    """
+
+    def __init__(self, step: str, failures: Mapping[int, str]):
+        self.step = step
+        self.failures = dict(sorted(failures.items()))
+        shown = list(self.failures.items())[:8]
+        lines = [f"rank {r}: {msg}" for r, msg in shown]
+        if len(self.failures) > len(shown):
+            lines.append(f"... and {len(self.failures) - len(shown)} more ranks")
+        super().__init__(
+            f"step '{step}' failed on {len(self.failures)} rank(s):\n  " + "\n  ".join(lines)
+        )
+
+    def __reduce__(self):  # keep the exception picklable for multiprocessing users
+        return (CollectiveError, (self.step, self.failures))

@@ -1,0 +1,409 @@
+"""The checkpoint's metadata: frozen dataclasses, their JSON form, and its validation.
+
+``{unique_id}.metadata`` is UTF-8 JSON (docs/format.md). Per-piece data is columnar: one
+column per field and tensor, written as a JSON list when short and as ``"z:" + base64(zlib(
+little-endian int64 / uint64 bytes))`` when long, so the file stays small and fast to parse at
+thousands of ranks. Reading validates everything before anything is allocated from it: the
+version, names of files (plain names inside the checkpoint directory), dtypes, shapes and their
+products, piece boxes (inside the tensor, tiling it exactly) and byte ranges (inside the files).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import nested
+from .boxes import Box, check_tiling
+from .dtypes import DTYPE_NAMES, itemsize
+from .errors import FormatError, PlanError
+
+FORMAT_NAME = "paddle_dcp"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+CHECKSUM_ALGORITHMS = ("xxh3_64",)
+DEFAULT_BLOCK_BYTES = 4 << 20
+ALIGNMENT = 64  # bytes; every piece starts at a multiple of it in its data file
+MAX_METADATA_BYTES = 1 << 30
+_MAX_INT = 1 << 62
+_PLAIN_COLUMN_MAX = 64
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,255}$")
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """The saved pieces of one tensor, one row per piece.
+
+    Attributes:
+        offsets: (p, ndim) int64, each piece's global offset, in elements.
+        shapes: (p, ndim) int64, each piece's local shape, in elements.
+        files: (p,) int64, index into ``Metadata.files`` of the file holding the piece.
+        byte_offsets: (p,) int64, where the piece starts in its file, in bytes.
+        checksums: (sum of blocks,) uint64, xxh3_64 of every block of every piece, in piece
+            order; a piece of n bytes has max(1, ceil(n / block_bytes)) blocks.
+    """
+
+    offsets: np.ndarray
+    shapes: np.ndarray
+    files: np.ndarray
+    byte_offsets: np.ndarray
+    checksums: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return int(self.files.shape[0])
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A data file of the checkpoint.
+
+    Attributes:
+        name: plain file name inside the checkpoint directory.
+        nbytes: its size, in bytes.
+    """
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SavedPiece:
+    """One saved piece of a tensor, as a load needs it."""
+
+    key: str
+    index: int  # row in the tensor's PieceTable
+    box: Box  # in_global
+    file: int
+    byte_offset: int
+    nbytes: int
+    first_block: int  # index of its first checksum in PieceTable.checksums
+    nblocks: int
+
+
+@dataclass(frozen=True, eq=False)
+class TensorEntry:
+    """A tensor of the checkpoint: global shape, dtype and saved pieces."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: PieceTable
+    block_bytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def piece_nbytes(self) -> np.ndarray:
+        p = self.pieces
+        return np.prod(p.shapes, axis=1, dtype=np.int64) * self.itemsize
+
+    def block_starts(self) -> np.ndarray:
+        """(p + 1,) index of every piece's first checksum, then the total."""
+        nblocks = blocks_of(self.piece_nbytes(), self.block_bytes)
+        return np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
+
+    def piece(self, i: int, starts: np.ndarray | None = None) -> SavedPiece:
+        p = self.pieces
+        starts = self.block_starts() if starts is None else starts
+        box = Box(tuple(int(x) for x in p.offsets[i]), tuple(int(x) for x in p.shapes[i]))
+        return SavedPiece(
+            key=self.key,
+            index=i,
+            box=box,
+            file=int(p.files[i]),
+            byte_offset=int(p.byte_offsets[i]),
+            nbytes=box.volume * self.itemsize,
+            first_block=int(starts[i]),
+            nblocks=int(starts[i + 1] - starts[i]),
+        )
+
+
+def blocks_of(nbytes: np.ndarray | int, block_bytes: int):
+    """Number of checksum blocks of pieces of ``nbytes`` (at least one, even when empty)."""
+    return np.maximum(1, -(-np.asarray(nbytes, dtype=np.int64) // block_bytes))
+
+
+@dataclass(frozen=True, eq=False)
+class Metadata:
+    """Everything a load needs to know about a checkpoint but its tensor bytes.
+
+    Attributes:
+        unique_id: the checkpoint's id; its metadata file is ``{unique_id}.metadata``.
+        world_size: number of ranks that saved it.
+        files: the data files, referenced by index from the pieces.
+        tensors: flat key -> TensorEntry.
+        structure: the nested skeleton (see :mod:`paddle_dcp.nested`), plain values included.
+        block_bytes: size of a checksum block, in bytes.
+        checksum_algorithm: name of the checksum of every block.
+        created_by: the writer's name and version.
+        format_version: the version of this format.
+    """
+
+    unique_id: int
+    world_size: int
+    files: tuple[FileEntry, ...]
+    tensors: Mapping[str, TensorEntry]
+    structure: dict
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    checksum_algorithm: str = "xxh3_64"
+    created_by: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def values(self) -> dict[str, Any]:
+        """Flat key -> plain (non-tensor) value saved in the checkpoint."""
+        return nested.values_of(self.structure)
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of all tensors."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # ---------------------------------------------------------------- JSON
+    def to_json(self) -> bytes:
+        tensors = {}
+        for key, t in self.tensors.items():
+            p = t.pieces
+            tensors[key] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "count": p.count,
+                "offsets": _encode_column(p.offsets),
+                "shapes": _encode_column(p.shapes),
+                "file": _encode_column(p.files),
+                "byte_offset": _encode_column(p.byte_offsets),
+                "checksums": _encode_column(p.checksums, hex_digits=True),
+            }
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "unique_id": self.unique_id,
+            "world_size": self.world_size,
+            "created_by": self.created_by,
+            "checksum": {"algorithm": self.checksum_algorithm, "block_bytes": self.block_bytes},
+            "files": [{"name": f.name, "bytes": f.nbytes} for f in self.files],
+            "structure": self.structure,
+            "tensors": tensors,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, source: str = "metadata") -> "Metadata":
+        """Parse and validate metadata.
+
+        Raises:
+            FormatError: naming ``source`` and what is wrong, for anything malformed, out of
+                bounds, or of an unsupported version.
+        """
+        if len(data) > MAX_METADATA_BYTES:
+            raise FormatError(
+                f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata"
+            )
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+            raise FormatError(f"{source}: not valid JSON ({exc})") from None
+        try:
+            return _parse(doc, source)
+        except FormatError:
+            raise
+        except PlanError as exc:
+            raise FormatError(f"{source}: {exc}") from None
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
+
+
+# -------------------------------------------------------------------- columns
+def _encode_column(a: np.ndarray, hex_digits: bool = False):
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if flat.size <= _PLAIN_COLUMN_MAX:
+        if hex_digits:
+            return [f"{int(x):016x}" for x in flat]
+        return [int(x) for x in flat]
+    dtype = "<u8" if hex_digits else "<i8"
+    raw = flat.astype(dtype, copy=False).tobytes()
+    return "z:" + base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+
+
+def _decode_column(value: Any, count: int, what: str, hex_digits: bool = False) -> np.ndarray:
+    dtype = np.dtype("<u8") if hex_digits else np.dtype("<i8")
+    if count < 0 or count > _MAX_INT // 8:
+        raise FormatError(f"{what}: impossible length {count}")
+    if isinstance(value, list):
+        if len(value) != count:
+            raise FormatError(f"{what}: {len(value)} entries, expected {count}")
+        if hex_digits:
+            if not all(isinstance(x, str) and re.fullmatch(r"[0-9a-f]{16}", x) for x in value):
+                raise FormatError(f"{what}: checksums must be 16 lowercase hex digits")
+            return np.array([int(x, 16) for x in value], dtype=dtype)
+        if not all(type(x) is int and -_MAX_INT <= x <= _MAX_INT for x in value):
+            raise FormatError(f"{what}: entries must be integers")
+        return np.array(value, dtype=dtype)
+    if isinstance(value, str) and value.startswith("z:"):
+        expected = count * 8
+        try:
+            packed = base64.b64decode(value[2:], validate=True)
+        except (binascii.Error, ValueError):
+            raise FormatError(f"{what}: packed column is not base64") from None
+        if expected > len(packed) * 1100 + 64:  # more than zlib can expand to: a lie
+            raise FormatError(f"{what}: {count} entries cannot come from {len(packed)} packed bytes")
+        try:
+            d = zlib.decompressobj()
+            raw = d.decompress(packed, expected)
+            if d.unconsumed_tail or not d.eof:
+                raise FormatError(f"{what}: packed column is longer than {count} entries")
+        except zlib.error as exc:
+            raise FormatError(f"{what}: packed column does not decompress ({exc})") from None
+        if len(raw) != expected:
+            raise FormatError(f"{what}: packed column holds {len(raw) // 8} entries, expected {count}")
+        return np.frombuffer(raw, dtype=dtype).copy()
+    raise FormatError(f"{what}: a column must be a list or a 'z:' packed string")
+
+
+# -------------------------------------------------------------------- parsing
+def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise FormatError(f"{what} must be an integer in [{lo}, {hi}], found {str(value)[:40]!r}")
+    return value
+
+
+def check_file_name(name: Any, what: str = "file name") -> str:
+    """A data file's name: a plain name that stays inside the checkpoint directory."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", "..") or name.startswith(".."):
+        raise FormatError(
+            f"{what} {str(name)[:80]!r} is not a plain file name inside the checkpoint directory"
+        )
+    return name
+
+
+def _parse(doc: Any, source: str) -> Metadata:
+    if not isinstance(doc, dict):
+        raise FormatError(f"{source}: metadata must be a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{source}: not a paddle_dcp metadata file (format={str(doc.get('format'))[:40]!r})")
+    version = doc.get("format_version")
+    if version not in SUPPORTED_VERSIONS:
+        raise FormatError(
+            f"{source}: format_version {str(version)[:20]!r} is not supported; this paddle_dcp "
+            f"reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
+    unique_id = _int(doc["unique_id"], "unique_id")
+    world_size = _int(doc["world_size"], "world_size", 1, 1 << 24)
+    checksum = doc["checksum"]
+    algorithm = checksum["algorithm"]
+    if algorithm not in CHECKSUM_ALGORITHMS:
+        raise FormatError(f"{source}: unknown checksum algorithm {str(algorithm)[:40]!r}")
+    block_bytes = _int(checksum["block_bytes"], "checksum.block_bytes", 64, 1 << 30)
+    created_by = doc.get("created_by", "")
+    if not isinstance(created_by, str):
+        raise FormatError(f"{source}: created_by must be a string")
+
+    files_doc = doc["files"]
+    if not isinstance(files_doc, list):
+        raise FormatError(f"{source}: files must be a list")
+    files = []
+    seen_names = set()
+    for i, f in enumerate(files_doc):
+        name = check_file_name(f["name"], f"{source}: files[{i}]")
+        if name in seen_names:
+            raise FormatError(f"{source}: file {name!r} is listed twice")
+        seen_names.add(name)
+        files.append(FileEntry(name, _int(f["bytes"], f"files[{i}].bytes")))
+    file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+
+    tensors_doc = doc["tensors"]
+    if not isinstance(tensors_doc, dict):
+        raise FormatError(f"{source}: tensors must be an object")
+    tensors = {}
+    for key, t in tensors_doc.items():
+        tensors[key] = _parse_tensor(key, t, file_sizes, block_bytes)
+
+    structure = doc["structure"]
+    leaves = set()
+    for path, tag, node in nested.walk(structure):
+        if tag == "t":
+            leaves.add(nested.flat_key(path))
+        elif tag in ("v", "f"):
+            nested.decode_value(node, nested.flat_key(path))
+        elif tag == "x":
+            raise FormatError(f"{source}: value {nested.flat_key(path)!r} has no value")
+    if leaves != set(tensors):
+        extra = sorted(leaves ^ set(tensors))[:5]
+        raise FormatError(f"{source}: structure and tensors disagree on keys {extra}")
+    return Metadata(
+        unique_id=unique_id,
+        world_size=world_size,
+        files=tuple(files),
+        tensors=MappingProxyType(tensors),
+        structure=structure,
+        block_bytes=block_bytes,
+        checksum_algorithm=algorithm,
+        created_by=created_by,
+        format_version=version,
+    )
+
+
+def _parse_tensor(key: str, t: Any, file_sizes: np.ndarray, block_bytes: int) -> TensorEntry:
+    if not isinstance(t, dict):
+        raise FormatError(f"tensor {key!r}: entry must be an object")
+    dtype = t["dtype"]
+    if dtype not in DTYPE_NAMES:
+        raise FormatError(f"tensor {key!r}: unknown dtype {str(dtype)[:40]!r}; supported: {', '.join(DTYPE_NAMES)}")
+    shape_doc = t["shape"]
+    if not isinstance(shape_doc, list) or len(shape_doc) > 64:
+        raise FormatError(f"tensor {key!r}: shape must be a list of at most 64 integers")
+    shape = tuple(_int(s, f"tensor {key!r}: shape entry") for s in shape_doc)
+    volume = 1
+    for s in shape:
+        volume *= s
+        if volume * 16 > _MAX_INT:
+            raise FormatError(f"tensor {key!r}: shape {shape} has too many elements")
+    ndim = len(shape)
+    count = _int(t["count"], f"tensor {key!r}: count", 0, 1 << 40)
+    what = f"tensor {key!r}"
+    offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
+    shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
+    files = _decode_column(t["file"], count, f"{what}: file")
+    byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
+    check_tiling(key, shape, offsets, shapes)
+    if count and ((files < 0).any() or (files >= len(file_sizes)).any()):
+        raise FormatError(f"{what}: a piece names a file index outside the file list")
+    isz = itemsize(dtype)
+    nbytes = np.prod(shapes, axis=1, dtype=np.int64) * isz
+    if count:
+        ends = byte_offsets + nbytes
+        bad = (byte_offsets < 0) | (ends > file_sizes[files])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise FormatError(
+                f"{what}: piece {i} reads bytes [{int(byte_offsets[i])}, {int(ends[i])}) past the "
+                f"end of its file ({int(file_sizes[files[i]])} bytes)"
+            )
+    nblocks = int(blocks_of(nbytes, block_bytes).sum()) if count else 0
+    checksums = _decode_column(t["checksums"], nblocks, f"{what}: checksums", hex_digits=True)
+    pieces = PieceTable(
+        offsets=_frozen(offsets),
+        shapes=_frozen(shapes),
+        files=_frozen(files),
+        byte_offsets=_frozen(byte_offsets),
+        checksums=_frozen(checksums),
+    )
+    return TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)

@@ -1,0 +1,267 @@
+"""Nested state dicts <-> flat keys, and the JSON skeleton that records their structure.
+
+A state dict is a tree of dicts (str keys), lists and tuples whose leaves are tensors or plain
+values (None, bool, int, float, str). A tensor leaf's flat key is its path joined by ``.``
+(``{"model": {"w": t}}`` -> ``"model.w"``), as ``paddle.distributed`` names them.
+
+The skeleton is the tree in JSON, one node per container or leaf::
+
+    {"d": [[key, node], ...]}   dict, in insertion order
+    {"l": [node, ...]}          list
+    {"u": [node, ...]}          tuple
+    {"t": 0}                    tensor leaf (its flat key is its path)
+    {"v": value}                plain value: null, true/false, int, finite float, str
+    {"f": "nan" | "inf" | "-inf"}  a float JSON cannot hold
+    {"x": 0}                    a plain value left out (a non-coordinator rank's summary)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .errors import FormatError, MismatchError
+
+Path = tuple  # of str (dict key) or int (list / tuple index)
+
+_SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def flat_key(path: Path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+@dataclass
+class Flat:
+    """A state dict taken apart: tensors and values by flat key, and its skeleton."""
+
+    tensors: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, Path] = field(default_factory=dict)
+    skeleton: dict = field(default_factory=dict)
+
+
+def flatten(state_dict: dict, is_tensor: Callable[[Any], bool], keep_values: bool = True) -> Flat:
+    """Take a nested state dict apart.
+
+    Args:
+        state_dict: the nested dict.
+        is_tensor: tells tensor leaves from plain values.
+        keep_values: write plain values into the skeleton (else an ``{"x": 0}`` placeholder).
+
+    Raises:
+        FormatError: a leaf that is neither a tensor nor a JSON-safe value, a non-str dict key,
+            or two paths that flatten to the same key.
+    """
+    if not isinstance(state_dict, dict):
+        raise FormatError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    flat = Flat()
+
+    def visit(node: Any, path: Path) -> dict:
+        if isinstance(node, dict):
+            items = []
+            for k, v in node.items():
+                if not isinstance(k, str):
+                    raise FormatError(
+                        f"state dict keys must be str; {flat_key(path) or '<root>'} has key {k!r} "
+                        f"of type {type(k).__name__}"
+                    )
+                items.append([k, visit(v, path + (k,))])
+            return {"d": items}
+        if isinstance(node, (list, tuple)) and not is_tensor(node):
+            children = [visit(v, path + (i,)) for i, v in enumerate(node)]
+            return {"u": children} if isinstance(node, tuple) else {"l": children}
+        key = flat_key(path)
+        if key in flat.paths:
+            raise FormatError(
+                f"two entries of the state dict flatten to the same key {key!r}: "
+                f"{flat.paths[key]} and {path}"
+            )
+        flat.paths[key] = path
+        if is_tensor(node):
+            flat.tensors[key] = node
+            return {"t": 0}
+        value = plain_value(node, key)
+        flat.values[key] = value
+        return encode_value(value) if keep_values else {"x": 0}
+
+    flat.skeleton = visit(state_dict, ())
+    return flat
+
+
+def plain_value(value: Any, key: str) -> Any:
+    """``value`` as a JSON-safe Python scalar, or FormatError naming ``key``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic) and value.shape == ():
+        return value.item()
+    raise FormatError(
+        f"{key}: cannot save a value of type {type(value).__name__}; a state dict leaf must be a "
+        f"tensor or None, bool, int, float or str (no pickle is used, so objects are refused)"
+    )
+
+
+def encode_value(value: Any) -> dict:
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"f": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    return {"v": value}
+
+
+def decode_value(node: dict, key: str) -> Any:
+    if "v" in node:
+        value = node["v"]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise FormatError(f"{key}: value of type {type(value).__name__} in the metadata")
+    if node.get("f") in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[node["f"]]
+    raise FormatError(f"{key}: malformed value node {str(node)[:80]}")
+
+
+_CONTAINERS = {"d", "l", "u"}
+_LEAVES = {"t", "v", "f", "x"}
+
+
+def kind(node: Any, key: str = "") -> str:
+    """The node's tag (one of d, l, u, t, v, f, x), or FormatError."""
+    if not isinstance(node, dict) or len(node) != 1:
+        raise FormatError(f"{key or '<root>'}: malformed structure node {str(node)[:80]}")
+    (tag,) = node
+    if tag not in _CONTAINERS and tag not in _LEAVES:
+        raise FormatError(f"{key or '<root>'}: unknown structure node {tag!r}")
+    return tag
+
+
+def walk(skeleton: dict) -> Iterator[tuple[Path, str, dict]]:
+    """Every leaf of a skeleton as (path, tag, node), depth first, validating as it goes."""
+    stack: list[tuple[Path, Any]] = [((), skeleton)]
+    while stack:
+        path, node = stack.pop()
+        tag = kind(node, flat_key(path))
+        body = node[tag]
+        if tag == "d":
+            if not isinstance(body, list):
+                raise FormatError(f"{flat_key(path) or '<root>'}: dict node must hold a list")
+            for item in reversed(body):
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                    raise FormatError(f"{flat_key(path) or '<root>'}: malformed dict item {str(item)[:80]}")
+                stack.append((path + (item[0],), item[1]))
+        elif tag in ("l", "u"):
+            if not isinstance(body, list):
+                raise FormatError(f"{flat_key(path) or '<root>'}: list node must hold a list")
+            for i in reversed(range(len(body))):
+                stack.append((path + (i,), body[i]))
+        else:
+            yield path, tag, node
+
+
+def merge(base: dict, other: dict, path: Path = ()) -> dict:
+    """Union of two skeletons (``base`` wins where both hold a plain value).
+
+    Raises:
+        FormatError: the same path is a tensor on one side and something else on the other.
+    """
+    tb, to = kind(base, flat_key(path)), kind(other, flat_key(path))
+    values = ("v", "f", "x")
+    if tb in values and to in values:
+        return other if tb == "x" else base
+    if tb != to:
+        raise FormatError(
+            f"{flat_key(path) or '<root>'}: ranks disagree on this entry's kind ({tb} vs {to})"
+        )
+    if tb == "t":
+        return base
+    if tb == "d":
+        index = {k: i for i, (k, _) in enumerate(base["d"])}
+        items = [list(item) for item in base["d"]]
+        for k, node in other["d"]:
+            if k in index:
+                items[index[k]][1] = merge(items[index[k]][1], node, path + (k,))
+            else:
+                index[k] = len(items)
+                items.append([k, node])
+        return {"d": items}
+    a, b = base[tb], other[tb]
+    merged = [merge(x, y, path + (i,)) for i, (x, y) in enumerate(zip(a, b))]
+    longer = a if len(a) >= len(b) else b
+    return {tb: merged + list(longer[len(merged):])}
+
+
+def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]]:
+    """Replace ``{"x": 0}`` placeholders whose flat key is in ``values``; returns the new
+    skeleton and the keys of placeholders that had no value (they are dropped)."""
+    dropped: list[str] = []
+
+    def visit(node: dict, path: Path):
+        tag = kind(node, flat_key(path))
+        if tag == "d":
+            items = []
+            for k, child in node["d"]:
+                new = visit(child, path + (k,))
+                if new is not None:
+                    items.append([k, new])
+            return {"d": items}
+        if tag in ("l", "u"):
+            return {tag: [visit(c, path + (i,)) or {"v": None} for i, c in enumerate(node[tag])]}
+        if tag == "x":
+            key = flat_key(path)
+            if key in values:
+                return encode_value(values[key])
+            dropped.append(key)
+            return None
+        return node
+
+    return visit(skeleton, ()) or {"d": []}, dropped
+
+
+def tensor_keys(skeleton: dict) -> list[str]:
+    """Flat keys of the skeleton's tensor leaves, depth first."""
+    return [flat_key(path) for path, tag, _ in walk(skeleton) if tag == "t"]
+
+
+def values_of(skeleton: dict) -> dict[str, Any]:
+    """Flat key -> plain value of every value leaf of a skeleton."""
+    out = {}
+    for path, tag, node in walk(skeleton):
+        if tag in ("v", "f"):
+            key = flat_key(path)
+            out[key] = decode_value(node, key)
+    return out
+
+
+def set_values(state_dict: dict, flat: Flat, values: dict[str, Any]) -> list[str]:
+    """Write checkpoint values into ``state_dict`` in place at the flat keys of ``flat.values``
+    that ``values`` holds; returns the keys written. Tuples, being immutable, are rebuilt in
+    their parent."""
+    written = []
+    for key in flat.values:
+        if key not in values:
+            continue
+        _assign(state_dict, flat.paths[key], values[key])
+        written.append(key)
+    return written
+
+
+def set_tensor(state_dict: dict, path: Path, tensor: Any) -> None:
+    """Replace the tensor leaf at ``path`` (used when a loaded value must move, e.g. offload)."""
+    _assign(state_dict, path, tensor)
+
+
+def _assign(root: Any, path: Path, value: Any) -> None:
+    if not path:
+        raise MismatchError("cannot replace the root of a state dict")
+    chain = [root]
+    for p in path[:-1]:
+        chain.append(chain[-1][p])
+    for i in range(len(path) - 1, -1, -1):
+        container = chain[i]
+        if isinstance(container, tuple):
+            items = list(container)
+            items[path[i]] = value
+            value = tuple(items)
+            continue
+        container[path[i]] = value
+        return
+    raise MismatchError("cannot replace a value inside a tuple at the root of a state dict")

@@ -1,0 +1,588 @@
+"""Save and load plans: pure functions from what ranks hold to who writes and reads what.
+
+Save: every rank summarises the pieces it holds (:class:`SaveSummary`); the coordinator alone
+sees all summaries, writes every distinct piece once (replicas deduplicated), picks the writers
+so that bytes written per rank are balanced (:func:`plan_save`), and once the ranks report
+their checksums, assembles the metadata (:func:`build_metadata`). Work is vectorised over
+pieces with numpy and grows as O(pieces log pieces).
+
+Load: a rank intersects its target pieces with the saved pieces of the metadata and turns
+every overlap into block-aligned byte ranges to read and regions to copy (:func:`plan_reads`),
+without asking any other rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from . import nested
+from .boxes import Box, check_tiling, element_span, is_contiguous, split_region
+from .dtypes import itemsize
+from .errors import MismatchError, PlanError
+from .metadata import (
+    ALIGNMENT,
+    FileEntry,
+    Metadata,
+    PieceTable,
+    SavedPiece,
+    TensorEntry,
+    blocks_of,
+)
+
+
+# ====================================================================== save
+@dataclass(frozen=True)
+class LocalPiece:
+    """What one rank holds of one tensor.
+
+    Attributes:
+        key: flat state-dict key.
+        dtype: the format's dtype name.
+        global_shape: the whole tensor's shape, in elements.
+        box: the rank's piece in global coordinates, or None when it holds none of it.
+    """
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box | None
+
+
+@dataclass(frozen=True, eq=False)
+class SaveSummary:
+    """A rank's description of its state dict for the coordinator.
+
+    Attributes:
+        rank: the global rank that sent it.
+        skeleton: the nested structure; plain values only in the coordinator's own.
+        dtypes / global_shapes: per tensor leaf, in the skeleton's depth-first order.
+        boxes: (leaves, 1 + 2 * max_ndim) int64 rows ``[present, offsets, shape]``, offsets
+            and shape each padded with zeros to the summary's largest rank.
+        header_id: equal for summaries whose skeleton, dtypes and shapes are equal (lets the
+            coordinator parse and check each distinct layout once).
+    """
+
+    rank: int
+    skeleton: dict
+    dtypes: tuple[str, ...]
+    global_shapes: tuple[tuple[int, ...], ...]
+    boxes: np.ndarray
+    header_id: object = None
+
+    @classmethod
+    def from_pieces(cls, rank: int, skeleton: dict, pieces: Sequence[LocalPiece]) -> "SaveSummary":
+        keys = nested.tensor_keys(skeleton)
+        if [p.key for p in pieces] != keys:
+            raise PlanError("local pieces are not in the skeleton's tensor order")
+        max_nd = max((len(p.global_shape) for p in pieces), default=0)
+        boxes = np.zeros((len(pieces), 1 + 2 * max_nd), dtype=np.int64)
+        for i, p in enumerate(pieces):
+            if p.box is not None and p.box.volume > 0:
+                nd = p.box.ndim
+                boxes[i, 0] = 1
+                boxes[i, 1 : 1 + nd] = p.box.offsets
+                boxes[i, 1 + max_nd : 1 + max_nd + nd] = p.box.shape
+        return cls(
+            rank=rank,
+            skeleton=skeleton,
+            dtypes=tuple(p.dtype for p in pieces),
+            global_shapes=tuple(tuple(p.global_shape) for p in pieces),
+            boxes=boxes,
+        )
+
+    def piece_box(self, i: int) -> Box | None:
+        row = self.boxes[i]
+        if not row[0]:
+            return None
+        nd = len(self.global_shapes[i])
+        max_nd = (self.boxes.shape[1] - 1) // 2
+        return Box(tuple(int(x) for x in row[1 : 1 + nd]), tuple(int(x) for x in row[1 + max_nd : 1 + max_nd + nd]))
+
+
+@dataclass(frozen=True, eq=False)
+class SavePlan:
+    """The coordinator's decision: who writes which piece, and where in its file.
+
+    Attributes:
+        keys: every tensor key, sorted; a piece's key is ``keys[key_id]``.
+        dtypes / shapes: per key.
+        piece_key / piece_offsets / piece_shapes: the distinct pieces (rows), sorted by key
+            then offsets.
+        piece_writer: global rank that writes each piece.
+        piece_leaf: index of the piece in the writer's summary.
+        piece_byte_offset: where the piece starts in the writer's file, in bytes.
+        writes: global rank -> leaf indices it writes, ascending (the order of its file).
+        file_bytes: global rank -> size of its data file, in bytes (ranks that write).
+        skeleton: the merged structure (placeholders where the coordinator has no value).
+    """
+
+    keys: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    piece_key: np.ndarray
+    piece_offsets: np.ndarray
+    piece_shapes: np.ndarray
+    piece_writer: np.ndarray
+    piece_leaf: np.ndarray
+    piece_nbytes: np.ndarray
+    piece_byte_offset: np.ndarray
+    writes: dict[int, np.ndarray]
+    file_bytes: dict[int, int]
+    skeleton: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.piece_nbytes.sum())
+
+
+def layout_offsets(nbytes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]:
+    """Byte offsets of pieces written back to back, each aligned to ALIGNMENT; and the
+    file's size. Writer and coordinator both use it, so offsets need not be sent."""
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    padded = -(-sizes // ALIGNMENT) * ALIGNMENT
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes) else sizes
+    total = int(starts[-1] + sizes[-1]) if len(sizes) else 0
+    return starts, total
+
+
+def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
+    """Deduplicate replicated pieces and balance the bytes each rank writes.
+
+    Every distinct (key, box) is written once, by one of the ranks that hold it: pieces held by
+    a single rank go to it; the others, largest first, to the holder with the fewest bytes so
+    far (ties to the lowest rank). The result does not depend on the order of ``summaries``.
+
+    Raises:
+        MismatchError: ranks disagree on a key's dtype, shape, or kind.
+        PlanError: the distinct pieces of a key do not tile it exactly.
+    """
+    summaries = sorted(summaries, key=lambda s: s.rank)
+    # -- distinct layouts: keys, dtypes and shapes checked once per distinct header
+    key_info: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    layouts: dict[object, tuple[list[str], SaveSummary]] = {}
+    skeleton = None
+    for s in summaries:
+        hid = s.header_id if s.header_id is not None else id(s)
+        if hid in layouts:
+            continue
+        keys = nested.tensor_keys(s.skeleton)
+        if len(keys) != len(s.dtypes) or len(keys) != len(s.global_shapes) or len(keys) != len(s.boxes):
+            raise PlanError(f"rank {s.rank}: summary lists {len(s.dtypes)} tensors for {len(keys)} leaves")
+        layouts[hid] = (keys, s)
+        skeleton = s.skeleton if skeleton is None else nested.merge(skeleton, s.skeleton)
+        for key, dtype, shape in zip(keys, s.dtypes, s.global_shapes):
+            seen = key_info.get(key)
+            if seen is None:
+                key_info[key] = (dtype, shape, s.rank)
+            elif seen[0] != dtype or seen[1] != shape:
+                raise MismatchError(
+                    f"{key}: rank {seen[2]} holds dtype {seen[0]} shape {seen[1]}, "
+                    f"rank {s.rank} holds dtype {dtype} shape {shape}"
+                )
+    keys_sorted = tuple(sorted(key_info))
+    key_id = {k: i for i, k in enumerate(keys_sorted)}
+    max_nd = max((len(info[1]) for info in key_info.values()), default=0)
+    width = 1 + 2 * max_nd
+
+    # -- one row per held piece: [key_id, offsets(max_nd), shape(max_nd)] + rank, leaf
+    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
+    rows, ranks, leaves = [], [], []
+    for s in summaries:
+        hid = s.header_id if s.header_id is not None else id(s)
+        b = s.boxes
+        present = np.flatnonzero(b[:, 0]) if len(b) else np.zeros(0, np.int64)
+        if not len(present):
+            continue
+        block = np.zeros((len(present), width), dtype=np.int64)
+        block[:, 0] = layout_ids[hid][present]
+        nd = (b.shape[1] - 1) // 2  # the summary's own padding
+        block[:, 1 : 1 + nd] = b[present, 1 : 1 + nd]
+        block[:, 1 + max_nd : 1 + max_nd + nd] = b[present, 1 + nd : 1 + 2 * nd]
+        rows.append(block)
+        ranks.append(np.full(len(present), s.rank, dtype=np.int64))
+        leaves.append(present.astype(np.int64))
+    if rows:
+        table = np.concatenate(rows)
+        row_rank = np.concatenate(ranks)
+        row_leaf = np.concatenate(leaves)
+    else:
+        table = np.zeros((0, width), np.int64)
+        row_rank = row_leaf = np.zeros(0, np.int64)
+
+    # -- distinct pieces, sorted by (key, offsets, shape); rows grouped per piece by rank
+    order = np.lexsort((row_rank,) + tuple(table[:, c] for c in reversed(range(width))))
+    t_sorted = table[order]
+    new_group = np.ones(len(order), dtype=bool)
+    if len(order) > 1:
+        new_group[1:] = (t_sorted[1:] != t_sorted[:-1]).any(axis=1)
+    group_start = np.flatnonzero(new_group)
+    uniq = t_sorted[group_start]
+    counts = np.diff(np.concatenate([group_start, [len(order)]]))
+    holders_rank = row_rank[order]
+    holders_leaf = row_leaf[order]
+
+    n = len(uniq)
+    p_key = uniq[:, 0] if n else np.zeros(0, np.int64)
+    p_off = uniq[:, 1 : 1 + max_nd]
+    p_shape = uniq[:, 1 + max_nd :]
+    isz = np.array([itemsize(key_info[k][0]) for k in keys_sorted], dtype=np.int64)
+    nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
+    if n:
+        masked = np.where(np.arange(max_nd)[None, :] < nds[p_key][:, None], p_shape, 1)
+        p_nbytes = np.prod(masked, axis=1, dtype=np.int64) * isz[p_key]
+    else:
+        p_nbytes = np.zeros(0, np.int64)
+
+    # -- tiling of every key by its distinct pieces
+    bounds = np.searchsorted(p_key, np.arange(len(keys_sorted) + 1))
+    for k, key in enumerate(keys_sorted):
+        nd = int(nds[k])
+        lo, hi = bounds[k], bounds[k + 1]
+        check_tiling(key, key_info[key][1], p_off[lo:hi, :nd], p_shape[lo:hi, :nd])
+
+    # -- writers: single holders first, then the rest largest first to the least loaded
+    writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
+    loads: dict[int, int] = {}
+    single = counts == 1
+    for r, nb in zip(holders_rank[group_start[single]].tolist(), p_nbytes[single].tolist()):
+        loads[r] = loads.get(r, 0) + nb
+    multi = np.flatnonzero(~single)
+    if len(multi):
+        # largest first; ties broken by (key, offsets), which the sort of uniq already orders
+        multi = multi[np.argsort(-p_nbytes[multi], kind="stable")]
+        all_ranks = np.unique(holders_rank)
+        dense = np.zeros(len(all_ranks), dtype=np.int64)
+        for r, nb in loads.items():
+            dense[np.searchsorted(all_ranks, r)] = nb
+        dense_holders = np.searchsorted(all_ranks, holders_rank)
+        for u in multi.tolist():
+            lo = group_start[u]
+            hs = dense_holders[lo : lo + counts[u]]
+            j = int(np.argmin(dense[hs]))  # holders are sorted by rank: ties go to the lowest
+            dense[hs[j]] += p_nbytes[u]
+            writer_pos[u] = lo + j
+    p_writer = holders_rank[writer_pos]
+    p_leaf = holders_leaf[writer_pos]
+
+    # -- every writer's file: its pieces in leaf order, back to back
+    p_byte_offset = np.zeros(n, dtype=np.int64)
+    writes: dict[int, np.ndarray] = {}
+    file_bytes: dict[int, int] = {}
+    if n:
+        by_writer = np.lexsort((p_leaf, p_writer))
+        w_sorted = p_writer[by_writer]
+        cuts = np.flatnonzero(np.diff(w_sorted)) + 1
+        for chunk in np.split(by_writer, cuts):
+            r = int(p_writer[chunk[0]])
+            starts, total = layout_offsets(p_nbytes[chunk])
+            p_byte_offset[chunk] = starts
+            writes[r] = p_leaf[chunk]
+            file_bytes[r] = total
+    return SavePlan(
+        keys=keys_sorted,
+        dtypes=tuple(key_info[k][0] for k in keys_sorted),
+        shapes=tuple(key_info[k][1] for k in keys_sorted),
+        piece_key=p_key,
+        piece_offsets=p_off,
+        piece_shapes=p_shape,
+        piece_writer=p_writer,
+        piece_leaf=p_leaf,
+        piece_nbytes=p_nbytes,
+        piece_byte_offset=p_byte_offset,
+        writes=writes,
+        file_bytes=file_bytes,
+        skeleton=skeleton if skeleton is not None else {"d": []},
+    )
+
+
+def data_file_name(rank: int, unique_id: int) -> str:
+    return f"{rank}_{unique_id}.distcp"
+
+
+def build_metadata(
+    plan: SavePlan,
+    checksums: dict[int, np.ndarray],
+    structure: dict,
+    unique_id: int,
+    world_size: int,
+    block_bytes: int,
+    created_by: str = "",
+) -> Metadata:
+    """Assemble the metadata once every writer reported its checksums.
+
+    Args:
+        plan: the save plan.
+        checksums: writer rank -> uint64 checksums of its pieces, in file order.
+        structure: the skeleton with plain values filled in.
+    """
+    writers = sorted(plan.file_bytes)
+    file_index = {r: i for i, r in enumerate(writers)}
+    files = tuple(FileEntry(data_file_name(r, unique_id), plan.file_bytes[r]) for r in writers)
+    n = len(plan.piece_key)
+    nblocks = blocks_of(plan.piece_nbytes, block_bytes) if n else np.zeros(0, np.int64)
+    # where each piece's checksums start in its writer's report
+    start_in_report = np.zeros(n, dtype=np.int64)
+    report_base = {}
+    base = 0
+    for r in writers:
+        chunk = np.flatnonzero(plan.piece_writer == r)
+        chunk = chunk[np.argsort(plan.piece_leaf[chunk], kind="stable")]
+        expected = int(nblocks[chunk].sum())
+        got = np.asarray(checksums.get(r, np.zeros(0, np.uint64)), dtype=np.uint64)
+        if len(got) != expected:
+            raise PlanError(f"rank {r} reported {len(got)} checksums, expected {expected}")
+        start_in_report[chunk] = base + np.concatenate([[0], np.cumsum(nblocks[chunk])[:-1]])
+        report_base[r] = base
+        base += expected
+    all_sums = (
+        np.concatenate([np.asarray(checksums[r], dtype=np.uint64) for r in writers]) if writers else np.zeros(0, np.uint64)
+    )
+    bounds = np.searchsorted(plan.piece_key, np.arange(len(plan.keys) + 1))
+    tensors = {}
+    for k, key in enumerate(plan.keys):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        nd = len(plan.shapes[k])
+        nb = nblocks[lo:hi]
+        total = int(nb.sum())
+        idx = np.repeat(start_in_report[lo:hi] - np.concatenate([[0], np.cumsum(nb)[:-1]]), nb) + np.arange(total)
+        table = PieceTable(
+            offsets=np.ascontiguousarray(plan.piece_offsets[lo:hi, :nd]),
+            shapes=np.ascontiguousarray(plan.piece_shapes[lo:hi, :nd]),
+            files=np.array([file_index[int(r)] for r in plan.piece_writer[lo:hi]], dtype=np.int64),
+            byte_offsets=plan.piece_byte_offset[lo:hi].copy(),
+            checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
+        )
+        tensors[key] = TensorEntry(key, plan.dtypes[k], plan.shapes[k], table, block_bytes)
+    return Metadata(
+        unique_id=unique_id,
+        world_size=world_size,
+        files=files,
+        tensors=tensors,
+        structure=structure,
+        block_bytes=block_bytes,
+        created_by=created_by,
+    )
+
+
+# ====================================================================== load
+@dataclass(frozen=True)
+class TargetPiece:
+    """What one rank must fill of one tensor: its local piece, in global coordinates."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``region_in_saved`` of a saved piece into ``region_in_target`` of target ``target``."""
+
+    target: int
+    region_in_saved: Box
+    region_in_target: Box
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The bytes [start, stop) of one saved piece inside a read: whole checksum blocks."""
+
+    piece: SavedPiece
+    start: int  # in the file, in bytes
+    stop: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """One read of the byte range [start, stop) of file ``file``, then its copies.
+
+    Attributes:
+        direct: the read is exactly one copy of a contiguous region into a contiguous region
+            of its target, so the bytes may land straight in the target's memory.
+    """
+
+    file: int
+    start: int
+    stop: int
+    segments: tuple[Segment, ...]
+    direct: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+def check_targets(meta: Metadata, targets: Sequence[TargetPiece]) -> None:
+    """Raise MismatchError naming the key and both sides when a target's dtype or global shape
+    differs from the checkpoint's."""
+    for t in targets:
+        entry = meta.tensors[t.key]
+        if tuple(entry.shape) != tuple(t.global_shape):
+            raise MismatchError(
+                f"{t.key}: checkpoint has shape {tuple(entry.shape)}, state_dict has {tuple(t.global_shape)}"
+            )
+        if entry.dtype != t.dtype:
+            raise MismatchError(f"{t.key}: checkpoint has dtype {entry.dtype}, state_dict has {t.dtype}")
+
+
+def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
+    """Rows of ``entry``'s pieces that overlap ``box`` (in_global), ascending."""
+    p = entry.pieces
+    if box.ndim == 0:
+        return np.arange(p.count)
+    lo = np.maximum(p.offsets, np.asarray(box.offsets, dtype=np.int64))
+    hi = np.minimum(p.offsets + p.shapes, np.asarray(box.end, dtype=np.int64))
+    return np.flatnonzero((hi > lo).all(axis=1))
+
+
+def plan_reads(
+    meta: Metadata,
+    targets: Sequence[TargetPiece],
+    max_read_bytes: int = 64 << 20,
+    coalesce_gap: int = 1 << 16,
+    direct_min_bytes: int = 1 << 20,
+) -> list[ReadOp]:
+    """The reads that fill every target piece exactly, sorted by file and offset.
+
+    Each overlap of a target with a saved piece becomes a segment covering whole checksum
+    blocks of that piece; a segment larger than ``max_read_bytes`` is cut along the region's
+    outer dims; neighbouring segments of one file less than ``coalesce_gap`` bytes apart are
+    merged into one read of at most ``max_read_bytes`` (many small pieces, one syscall);
+    exact segments of at least ``direct_min_bytes`` stay alone so they can land in place.
+
+    Raises:
+        MismatchError: a target's shape or dtype differs from the checkpoint's.
+        PlanError: the checkpoint's pieces do not cover a target exactly.
+    """
+    check_targets(meta, targets)
+    block = meta.block_bytes
+    max_read_bytes = max(max_read_bytes, 2 * block + 64)
+    segments: list[tuple[int, int, int, Segment, bool, bool]] = []
+    starts_cache: dict[str, np.ndarray] = {}
+    for ti, t in enumerate(targets):
+        entry = meta.tensors[t.key]
+        if t.box.volume == 0 and t.box.ndim > 0:
+            continue
+        isz = entry.itemsize
+        starts = starts_cache.get(t.key)
+        if starts is None:
+            starts = starts_cache[t.key] = entry.block_starts()
+        covered = 0
+        for i in overlapping_pieces(entry, t.box).tolist():
+            piece = entry.piece(i, starts)
+            overlap = piece.box.intersect(t.box) if piece.box.ndim else piece.box
+            if overlap is None:
+                continue
+            covered += overlap.volume
+            in_saved = overlap.relative_to(piece.box)
+            in_target = overlap.relative_to(t.box)
+            max_elems = max(1, (max_read_bytes - 2 * block) // isz)
+            parts = split_region(in_saved, max_elems, piece.box.shape) if in_saved.ndim else [in_saved]
+            for part in parts:
+                first, stop = element_span(piece.box.shape, part) if part.ndim else (0, 1)
+                b0 = (first * isz) // block * block
+                b1 = min(-(-(stop * isz) // block) * block, piece.nbytes)
+                shift = tuple(a - b for a, b in zip(part.offsets, in_saved.offsets))
+                part_in_target = Box(tuple(a + s for a, s in zip(in_target.offsets, shift)), part.shape)
+                seg = Segment(
+                    piece=piece,
+                    start=piece.byte_offset + b0,
+                    stop=piece.byte_offset + b1,
+                    copies=(Copy(ti, part, part_in_target),),
+                )
+                exact = (
+                    b0 == first * isz
+                    and b1 == stop * isz
+                    and (part.ndim == 0 or is_contiguous(piece.box.shape, part))
+                    and (part.ndim == 0 or is_contiguous(t.box.shape, part_in_target))
+                )
+                alone = exact and (b1 - b0) >= direct_min_bytes
+                segments.append((piece.file, seg.start, seg.stop, seg, exact, alone))
+        if covered != t.box.volume:
+            raise PlanError(
+                f"{t.key}: the checkpoint's pieces cover {covered} of the {t.box.volume} elements "
+                f"of the target box {t.box}"
+            )
+    segments.sort(key=lambda s: (s[0], s[1]))
+    ops: list[ReadOp] = []
+    group: list[tuple[int, int, int, Segment, bool, bool]] = []
+
+    def flush():
+        if not group:
+            return
+        f, start = group[0][0], group[0][1]
+        stop = max(g[2] for g in group)
+        direct = len(group) == 1 and group[0][4]
+        ops.append(ReadOp(f, start, stop, tuple(g[3] for g in group), direct))
+        group.clear()
+
+    for item in segments:
+        if group:
+            f0, start0 = group[0][0], group[0][1]
+            stop0 = max(g[2] for g in group)
+            if (
+                item[0] != f0
+                or item[1] > stop0 + coalesce_gap
+                or item[1] < stop0  # two targets reading the same blocks: keep them apart
+                or max(stop0, item[2]) - start0 > max_read_bytes
+                or group[0][5]
+                or item[5]
+            ):
+                flush()
+        group.append(item)
+    flush()
+    return ops
+
+
+# ====================================================================== keys
+def mw_compatible_name(key: str) -> str | None:
+    """The other spelling of an optimizer master weight's key, as paddle.distributed's
+    ``mw_name_compatibility`` maps them: ``opt.master_weights.w`` <-> ``opt.w_fp32_master_0``."""
+    parts = key.split(".")
+    if "master_weights" in parts:
+        parts.remove("master_weights")
+        return ".".join(parts) + "_fp32_master_0"
+    if parts[-1].endswith("_fp32_master_0"):
+        parts[-1] = parts[-1][: -len("_fp32_master_0")]
+        parts.insert(1, "master_weights")
+        return ".".join(parts)
+    return None
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """How a state dict's keys meet a checkpoint's.
+
+    Attributes:
+        source: state-dict key -> checkpoint key to load it from.
+        missing: state-dict keys the checkpoint lacks (left untouched).
+        unexpected: checkpoint keys the state dict lacks (not loaded).
+    """
+
+    source: dict[str, str]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def match_keys(wanted: Sequence[str], available: Sequence[str], mw_name_compatibility: bool = True) -> KeyMatch:
+    """Pair state-dict keys with checkpoint keys, trying the master-weight spelling of a key
+    the checkpoint lacks when ``mw_name_compatibility`` is on."""
+    have = set(available)
+    source, missing = {}, []
+    for key in wanted:
+        if key in have:
+            source[key] = key
+            continue
+        alt = mw_compatible_name(key) if mw_name_compatibility else None
+        if alt is not None and alt in have:
+            source[key] = alt
+        else:
+            missing.append(key)
+    used = set(source.values())
+    unexpected = tuple(k for k in available if k not in used)
+    return KeyMatch(source, tuple(missing), unexpected)

@@ -1,0 +1,349 @@
+"""Files on disk: listing checkpoints, writing data files and metadata atomically, and reading
+byte ranges straight into the buffers that need them, with checksums checked.
+
+Only this module touches the checkpoint directory. OSError becomes StorageError naming the
+path; bytes that disagree with the metadata become IntegrityError naming file and key.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from .boxes import Box, c_strides, element_span
+from .dtypes import storage_dtype
+from .errors import FormatError, IntegrityError, StorageError
+from .metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, SavedPiece, check_file_name
+from .planner import ReadOp, Segment
+
+logger = logging.getLogger(__name__)
+
+METADATA_RE = re.compile(r"^(\d+)\.metadata$")
+DATA_RE = re.compile(r"^(\d+)_(\d+)\.distcp$")
+TMP_MARK = ".tmp."
+
+
+def metadata_name(unique_id: int) -> str:
+    return f"{unique_id}.metadata"
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a directory holds: complete checkpoint ids (their metadata exists) and, per id,
+    the ranks whose data files are present."""
+
+    complete: frozenset[int]
+    data_ranks: dict[int, frozenset[int]]
+
+    @property
+    def latest(self) -> int | None:
+        return max(self.complete) if self.complete else None
+
+
+def list_checkpoints(path: str) -> Listing:
+    """Scan ``path``; a missing directory is an empty listing."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return Listing(frozenset(), {})
+    except OSError as exc:
+        raise StorageError(f"cannot list checkpoint directory {path}: {exc}", path) from exc
+    complete, data = set(), {}
+    for name in names:
+        m = METADATA_RE.match(name)
+        if m:
+            complete.add(int(m.group(1)))
+            continue
+        m = DATA_RE.match(name)
+        if m:
+            data.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+    return Listing(frozenset(complete), {k: frozenset(v) for k, v in data.items()})
+
+
+def inside(path: str, name: str) -> str:
+    """``path/name`` for a validated plain ``name`` that resolves inside ``path``."""
+    check_file_name(name)
+    full = os.path.join(path, name)
+    real_dir = os.path.realpath(path)
+    real = os.path.realpath(full)
+    if os.path.dirname(real) != real_dir:
+        raise FormatError(f"{full} resolves to {real}, outside the checkpoint directory {real_dir}")
+    return full
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> None:
+    """Write ``data`` to ``path/name`` through a temporary file and a rename."""
+    final = os.path.join(path, name)
+    tmp = f"{final}{TMP_MARK}{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if durable:
+            _fsync_dir(path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise StorageError(f"cannot write {final}: {exc}", final) from exc
+
+
+def read_metadata(path: str, unique_id: int) -> Metadata:
+    """Read and validate ``path/{unique_id}.metadata``."""
+    full = os.path.join(path, metadata_name(unique_id))
+    try:
+        with open(full, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                raise FormatError(f"{full}: {size} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata")
+            data = f.read()
+    except FileNotFoundError:
+        raise StorageError(f"checkpoint {unique_id} has no metadata file {full}", full) from None
+    except OSError as exc:
+        raise StorageError(f"cannot read {full}: {exc}", full) from exc
+    meta = Metadata.from_json(data, source=full)
+    if meta.unique_id != unique_id:
+        raise FormatError(f"{full} describes checkpoint {meta.unique_id}, not {unique_id}")
+    return meta
+
+
+def checksum(buf) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def block_checksums(buf: memoryview, block_bytes: int) -> list[int]:
+    """xxh3_64 of every ``block_bytes`` block of ``buf`` (one for an empty buffer)."""
+    n = len(buf)
+    if n == 0:
+        return [checksum(b"")]
+    return [checksum(buf[i : i + block_bytes]) for i in range(0, n, block_bytes)]
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("array must be C-contiguous")
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+# ---------------------------------------------------------------------- writing
+class DataWriter:
+    """Writes one rank's data file: pieces back to back at ALIGNMENT boundaries, under a
+    temporary name until :meth:`commit`."""
+
+    def __init__(self, path: str, name: str, block_bytes: int):
+        self.final = os.path.join(path, name)
+        self.tmp = f"{self.final}{TMP_MARK}{secrets.token_hex(4)}"
+        self.block_bytes = block_bytes
+        self.offset = 0
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
+
+    def write(self, data: memoryview) -> list[int]:
+        """Append one piece (bytes in C order); returns its block checksums."""
+        pad = -self.offset % ALIGNMENT
+        if pad:
+            self._write_all(memoryview(bytes(pad)))
+        sums = block_checksums(data, self.block_bytes)
+        self._write_all(data)
+        return sums
+
+    def _write_all(self, data: memoryview) -> None:
+        view = data.cast("B") if data.format != "B" else data
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], self.offset + done)
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.tmp}: {exc}", self.tmp) from exc
+        self.offset += len(view)
+
+    def commit(self, durable: bool = False) -> int:
+        """Close and rename into place; returns the file's size."""
+        try:
+            if durable:
+                os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.final)
+        except OSError as exc:
+            raise StorageError(f"cannot commit {self.final}: {exc}", self.final) from exc
+        return self.offset
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------- reading
+class FileSet:
+    """Open data files of one checkpoint, by index into ``Metadata.files``; checks each file's
+    size against the metadata the first time it is opened."""
+
+    def __init__(self, path: str, meta: Metadata):
+        self.path = path
+        self.meta = meta
+        self._fds: dict[int, int] = {}
+
+    def fd(self, index: int) -> int:
+        fd = self._fds.get(index)
+        if fd is not None:
+            return fd
+        entry = self.meta.files[index]
+        full = inside(self.path, entry.name)
+        try:
+            fd = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            raise IntegrityError(f"data file {full} of checkpoint {self.meta.unique_id} is missing") from None
+        except OSError as exc:
+            raise StorageError(f"cannot open {full}: {exc}", full) from exc
+        size = os.fstat(fd).st_size
+        if size != entry.nbytes:
+            os.close(fd)
+            raise IntegrityError(f"data file {full} has {size} bytes, the metadata says {entry.nbytes}")
+        self._fds[index] = fd
+        return fd
+
+    def name(self, index: int) -> str:
+        return os.path.join(self.path, self.meta.files[index].name)
+
+    def read_into(self, index: int, offset: int, out: memoryview) -> None:
+        fd = self.fd(index)
+        done = 0
+        try:
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise IntegrityError(
+                        f"data file {self.name(index)} ends at {offset + done} bytes, before the "
+                        f"{offset + len(out)} the metadata promises"
+                    )
+                done += n
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.name(index)}: {exc}", self.name(index)) from exc
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def piece_view(buf: np.ndarray, buf_start: int, piece: SavedPiece, region: Box, dtype: np.dtype) -> np.ndarray:
+    """A strided view of ``region`` (in_saved) of ``piece`` inside ``buf``, which holds the
+    file's bytes from offset ``buf_start`` on. numpy checks that the view stays inside."""
+    isz = dtype.itemsize
+    first = element_span(piece.box.shape, region)[0] if region.ndim else 0
+    strides = tuple(s * isz for s in c_strides(piece.box.shape))
+    return np.ndarray(
+        shape=region.shape,
+        dtype=dtype,
+        buffer=buf,
+        offset=piece.byte_offset + first * isz - buf_start,
+        strides=strides,
+    )
+
+
+def verify_segment(meta: Metadata, files: "FileSet", file: int, seg: Segment, data: memoryview) -> None:
+    """Check the checksums of the whole blocks of ``seg`` held in ``data``."""
+    piece = seg.piece
+    entry = meta.tensors[piece.key]
+    block = meta.block_bytes
+    rel = seg.start - piece.byte_offset
+    first_block = rel // block
+    sums = entry.pieces.checksums
+    for k, at in enumerate(range(0, max(len(data), 1), block)):
+        got = checksum(data[at : at + block])
+        want = int(sums[piece.first_block + first_block + k])
+        if got != want:
+            lo = seg.start + at
+            raise IntegrityError(
+                f"{files.name(file)}: bytes [{lo}, {lo + min(block, len(data) - at)}) of tensor "
+                f"{piece.key!r} (piece at offset {piece.box.offsets}) fail their checksum: the "
+                f"file is damaged or does not belong to this metadata"
+            )
+
+
+class Staging:
+    """One reusable host buffer for reads that cannot land in place (bounded by the plan's
+    largest read)."""
+
+    def __init__(self):
+        self.buf = np.empty(0, dtype=np.uint8)
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if len(self.buf) < nbytes:
+            self.buf = np.empty(nbytes, dtype=np.uint8)
+        return self.buf[:nbytes]
+
+
+def execute_reads(
+    ops: Sequence[ReadOp],
+    files: "FileSet",
+    targets: Sequence[np.ndarray],
+    verify: bool = True,
+    staging: Staging | None = None,
+    fetch: Callable[[ReadOp, memoryview], None] | None = None,
+) -> int:
+    """Carry out read ops: bytes land in ``targets`` (host arrays of the target pieces, in
+    storage dtype), straight in place for direct ops, else through one staging buffer.
+
+    Args:
+        fetch: fills a buffer with an op's bytes instead of reading the file (bytes received
+            from another rank); defaults to reading from ``files``.
+
+    Returns:
+        bytes read.
+    """
+    meta = files.meta
+    staging = staging or Staging()
+    fetch = fetch or (lambda op, out: files.read_into(op.file, op.start, out))
+    total = 0
+    for op in ops:
+        total += op.nbytes
+        if op.direct:
+            seg = op.segments[0]
+            copy = seg.copies[0]
+            target = targets[copy.target]
+            first = element_span(target.shape, copy.region_in_target)[0] if target.ndim else 0
+            dest = as_bytes(target.reshape(-1)[first : first + copy.region_in_target.volume])
+            fetch(op, dest)
+            if verify:
+                verify_segment(meta, files, op.file, seg, dest)
+            continue
+        buf = staging.get(op.nbytes)
+        fetch(op, memoryview(buf))
+        for seg in op.segments:
+            entry = meta.tensors[seg.piece.key]
+            data = memoryview(buf)[seg.start - op.start : seg.stop - op.start]
+            if verify:
+                verify_segment(meta, files, op.file, seg, data)
+            dtype = storage_dtype(entry.dtype)
+            for c in seg.copies:
+                src = piece_view(buf, op.start, seg.piece, c.region_in_saved, dtype)
+                targets[c.target][c.region_in_target.slices()] = src
+    return total

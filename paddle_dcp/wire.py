@@ -1,0 +1,107 @@
+"""Bytes that travel between ranks: compact, versioned encodings of the planning messages.
+
+Nothing here unpickles. Each message starts with a 4-byte tag; lengths are little-endian.
+The coordinator caches the parse of summary headers, which are equal across the ranks of a
+pipeline stage, so a save at thousands of ranks parses each distinct layout once.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import FormatError
+from .planner import SaveSummary
+
+_SUMMARY = b"DCS1"
+_REPORT = b"DCR1"
+_ASSIGN = b"DCA1"
+
+
+def encode_summary(summary: SaveSummary) -> bytes:
+    header = json.dumps(
+        {"s": summary.skeleton, "d": list(summary.dtypes), "g": [list(g) for g in summary.global_shapes]},
+        separators=(",", ":"),
+        allow_nan=False,
+    ).encode()
+    hz = zlib.compress(header, 6)
+    boxes = np.ascontiguousarray(summary.boxes, dtype="<i8")
+    bz = zlib.compress(boxes.tobytes(), 6)
+    return _SUMMARY + struct.pack("<QQQ", len(hz), boxes.shape[0], boxes.shape[1]) + hz + bz
+
+
+def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSummary:
+    """Parse a rank's summary; ``cache`` (shared across calls) keeps parsed headers."""
+    if data[:4] != _SUMMARY:
+        raise FormatError(f"rank {rank}: not a save summary")
+    hlen, rows, width = struct.unpack_from("<QQQ", data, 4)
+    body = 28
+    hz = bytes(data[body : body + hlen])
+    hid = xxhash.xxh3_128_digest(hz)
+    parsed = cache.get(hid) if cache is not None else None
+    if parsed is None:
+        header = json.loads(zlib.decompress(hz))
+        parsed = (header["s"], tuple(header["d"]), tuple(tuple(g) for g in header["g"]))
+        if cache is not None:
+            cache[hid] = parsed
+    raw = zlib.decompress(data[body + hlen :])
+    boxes = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
+    return SaveSummary(rank, parsed[0], parsed[1], parsed[2], boxes, header_id=hid)
+
+
+def encode_assignment(writes: np.ndarray, leaves: int) -> bytes:
+    """Which of a rank's ``leaves`` it writes, as a bit mask."""
+    mask = np.zeros(leaves, dtype=bool)
+    mask[np.asarray(writes, dtype=np.int64)] = True
+    return _ASSIGN + struct.pack("<Q", leaves) + np.packbits(mask).tobytes()
+
+
+def decode_assignment(data: bytes) -> np.ndarray:
+    if data[:4] != _ASSIGN:
+        raise FormatError("not an assignment message")
+    (leaves,) = struct.unpack_from("<Q", data, 4)
+    mask = np.unpackbits(np.frombuffer(data, dtype=np.uint8, offset=12), count=leaves).astype(bool)
+    return np.flatnonzero(mask)
+
+
+def encode_report(file_bytes: int, checksums: np.ndarray) -> bytes:
+    sums = np.ascontiguousarray(checksums, dtype="<u8")
+    return _REPORT + struct.pack("<QQ", file_bytes, len(sums)) + sums.tobytes()
+
+
+def decode_report(data: bytes, rank: int) -> tuple[int, np.ndarray]:
+    if data[:4] != _REPORT:
+        raise FormatError(f"rank {rank}: not a write report")
+    file_bytes, n = struct.unpack_from("<QQ", data, 4)
+    sums = np.frombuffer(data, dtype="<u8", offset=20, count=n)
+    return file_bytes, sums
+
+
+def encode_json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_json(data: bytes):
+    return json.loads(bytes(data)) if data else None
+
+
+def rle(values: Sequence[int]) -> list[list[int]]:
+    """Sorted ints as [first, last] runs: node-local file sets stay a few bytes long."""
+    runs: list[list[int]] = []
+    for v in sorted(set(int(x) for x in values)):
+        if runs and runs[-1][1] == v - 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return runs
+
+
+def unrle(runs) -> set[int]:
+    out: set[int] = set()
+    for first, last in runs:
+        out.update(range(int(first), int(last) + 1))
+    return out

@@ -1,0 +1,28 @@
+import os
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+version = {}
+with open(os.path.join(here, "paddle_dcp", "version.py")) as f:
+    exec(f.read(), version)
+with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
+    long_description = f.read()
+
+setup(
+    name="paddle_dcp",
+    version=version["__version__"],
+    description="Distributed checkpoints for PaddlePaddle semi-auto-parallel training",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["paddle_dcp", "paddle_dcp.*"]),
+    python_requires=">=3.9",
+    install_requires=["numpy", "xxhash>=3"],
+    extras_require={
+        "cpu": ["paddlepaddle==3.3.1"],
+        "gpu": ["paddlepaddle-gpu==3.3.1"],
+        "test": ["pytest", "hypothesis", "psutil"],
+    },
+    entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.cli:main"]},
+    classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
+)
