@@ -6,7 +6,7 @@ Switch with one import::
     dcp.save_state_dict(state_dict, "ckpt")
     dcp.load_state_dict(state_dict, "ckpt")
 """
-from .api import load_state_dict, save_state_dict
+from .api import load_state_dict, read_metadata, save_state_dict
 from .errors import (
     CollectiveError,
     DcpError,
@@ -22,6 +22,7 @@ from .version import __version__
 __all__ = [
     "save_state_dict",
     "load_state_dict",
+    "read_metadata",
     "DcpError",
     "FormatError",
     "IntegrityError",

@@ -312,3 +312,16 @@ class _NumpyTarget:
 
     def finish(self):
         pass
+
+
+def read_metadata(path: str, unique_id: int | None = None) -> Metadata:
+    """The metadata of a checkpoint (default: the highest complete one), validated. Reads one
+    file, needs no process group."""
+    path = os.fspath(path)
+    _check_id(unique_id)
+    listing = storage.list_checkpoints(path)
+    if unique_id is None:
+        if listing.latest is None:
+            raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
+        unique_id = listing.latest
+    return storage.read_metadata(path, unique_id)
