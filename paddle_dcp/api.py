@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import nested, planner, storage, wire
+from . import exchange, nested, planner, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes
 from .errors import DcpError, FormatError, MismatchError, StorageError
@@ -152,11 +152,14 @@ def load_state_dict(
     offload: bool = False,
     mw_name_compatibility: bool = True,
 ) -> None:
-    """Fill a (nested) state dict in place from a checkpoint.
+    """Fill a (nested) state dict in place from a checkpoint, on any layout.
 
-    Each rank reads only the byte ranges its own pieces need, checks their checksums, and
-    copies them into its tensors; plain values are replaced by the checkpoint's. Keys of the
-    state dict that the checkpoint lacks are left as they are, with a warning naming them.
+    Each rank intersects its own pieces with the saved ones, reads only the byte ranges it
+    needs, checks their checksums, and copies them into its tensors; plain values are replaced
+    by the checkpoint's. A rank that cannot read a file (node-local disks) receives the bytes
+    from a rank that can; a rank that cannot read the metadata receives the part it needs.
+    Keys of the state dict that the checkpoint lacks are left as they are, with a warning
+    naming them, as are keys of the checkpoint that the state dict lacks.
 
     Args:
         state_dict: nested dicts / lists / tuples of paddle tensors (dist or not), numpy
@@ -165,13 +168,14 @@ def load_state_dict(
         process_group: the group of ranks that load; default: all ranks.
         coordinator_rank: global rank that coordinates.
         unique_id: which checkpoint; default: the highest complete one in ``path``.
-        offload: keep loaded values in CPU memory (see docs).
+        offload: put every loaded tensor in CPU memory (on a GPU, the state dict's tensors are
+            replaced by CPU ones; on the CPU nothing changes).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back,
             as paddle.distributed does.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both).
-        FormatError / StorageError: no or a damaged checkpoint.
+        FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
     path = os.fspath(path)
@@ -181,90 +185,188 @@ def load_state_dict(
     with comm.step("inspect"):
         _check_id(unique_id)
         flat = nested.flatten(state_dict, is_tensor)
-        if not os.path.isdir(path):
-            raise StorageError(f"checkpoint directory {path} does not exist", path)
+        held = [describe(k, v, comm.rank) for k, v in flat.tensors.items()]
         listing = storage.list_checkpoints(path)
         latest = listing.latest if listing.latest is not None else -1
     uid = unique_id if unique_id is not None else comm.call("choose id", lambda: comm.all_max([latest]))[0]
     meta: Metadata | None = None
     with comm.step("read metadata"):
         if uid < 0:
-            raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
-        if uid not in listing.complete:
+            where = "" if os.path.isdir(path) else " (the directory does not exist)"
+            raise FormatError(f"no complete checkpoint in {path}{where}: no *.metadata file was found")
+        if uid in listing.complete:
+            meta = storage.read_metadata(path, uid)
+        status = wire.encode_json({"m": meta is not None, "f": wire.rle(listing.data_ranks.get(uid, ()))})
+    statuses = [wire.decode_json(s) for s in comm.call("locate", lambda: comm.all_gather(status))]
+    readers = [r for r, s in zip(comm.ranks, statuses) if s["m"]]
+    with comm.step("check"):
+        if not readers:
             raise StorageError(
-                f"checkpoint {uid} is not complete in {path}: no {storage.metadata_name(uid)}; "
-                f"complete checkpoints there: {sorted(listing.complete) or 'none'}",
+                f"checkpoint {uid} is not complete in {path}: no rank finds {storage.metadata_name(uid)}"
+                f"; complete checkpoints there: {sorted(listing.complete) or 'none'}",
                 path,
             )
-        meta = storage.read_metadata(path, uid)
+    if len(readers) < comm.size:
+        meta = _metadata_from_helpers(comm, readers, meta, flat, held, mw_name_compatibility)
     with comm.step("plan"):
-        reads = _plan_load(comm, flat, meta, path, offload, mw_name_compatibility)
+        plan = _plan_load(comm, flat, held, meta, path, offload, mw_name_compatibility)
+        local, remote = _split_by_reader(comm, plan, meta, uid, listing, statuses)
+    clients = _route(comm, remote)
     with comm.step("read"):
-        ops, files, buffers, fills = reads
+        run = plan.runner()
         try:
-            storage.execute_reads(ops, files, [b.array for b in buffers])
+            for op in local:
+                run(op, None)
+            if clients is None:
+                plan.finish()
         finally:
-            files.close()
-        for buffer, fill in zip(buffers, fills):
-            if fill is not None:
-                buffer.fill(fill)
-            buffer.finish()
+            if clients is None:
+                plan.files.close()
+    if clients is not None:
+        with comm.step("exchange"):
+            try:
+                exchange.fetch_remote(comm, path, remote, clients, lambda i: meta.files[i].name, run)
+                plan.finish()
+            finally:
+                plan.files.close()
     with comm.step("values"):
-        for key, buffer in zip(flat.tensors, buffers):
+        for key, buffer in zip(flat.tensors, plan.buffers):
             if buffer.replacement is not None:
                 nested.set_tensor(state_dict, flat.paths[key], buffer.replacement)
         saved_values = meta.values()
         nested.set_values(state_dict, flat, {k: saved_values[k] for k in flat.values if k in saved_values})
     logger.info(
-        "loaded checkpoint %d from %s: %d bytes read by this rank in %.3f s",
-        uid, path, sum(op.nbytes for op in ops), time.perf_counter() - started,
+        "loaded checkpoint %d from %s: %d bytes by this rank in %.3f s",
+        uid, path, sum(op.nbytes for op in plan.ops), time.perf_counter() - started,
     )
 
 
-def _plan_load(comm: Comm, flat: nested.Flat, meta: Metadata, path: str, offload: bool, mw: bool):
+def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Metadata:
+    """Ranks without the metadata file get the part they need from a rank that has it."""
+    non_readers = [r for r in comm.ranks if r not in readers]
+    helper_of = {r: readers[i % len(readers)] for i, r in enumerate(non_readers)}
+    my_helper = helper_of.get(comm.rank)
+    my_clients = [r for r, h in helper_of.items() if h == comm.rank]
+    request = b""
+    if my_helper is not None:
+        pieces = [h.piece for h in held]
+        request = wire.encode_summary(planner.SaveSummary.from_pieces(comm.rank, flat.skeleton, pieces))
+
+    def answer(client: int, question: bytes) -> bytes:
+        summary = wire.decode_summary(question, client)
+        keys = nested.tensor_keys(summary.skeleton)
+        match = planner.match_keys(keys, list(meta.tensors), mw)
+        targets = []
+        for i, key in enumerate(keys):
+            box = summary.piece_box(i)
+            if box is not None and key in match.source:
+                targets.append(planner.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
+        value_keys = [nested.flat_key(p) for p, tag, _ in nested.walk(summary.skeleton) if tag in ("v", "f", "x")]
+        return planner.restrict(meta, targets, value_keys).to_json()
+
+    with comm.step("metadata from helpers"):
+        reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
+        if reply is not None:
+            meta = Metadata.from_json(reply, source=f"part of the metadata sent by rank {my_helper}")
+    return meta
+
+
+class _LoadPlan:
+    """One rank's load: read ops, the buffers they fill, and what finishes each buffer."""
+
+    def __init__(self, ops, files, buffers, fills):
+        self.ops, self.files, self.buffers, self.fills = ops, files, buffers, fills
+        self.staging = storage.Staging()
+
+    def runner(self):
+        arrays = [b.array for b in self.buffers]
+
+        def run(op, fetch):
+            storage.execute_op(op, self.files, arrays, self.staging, True, fetch)
+
+        return run
+
+    def finish(self):
+        for buffer, fill in zip(self.buffers, self.fills):
+            if fill is not None:
+                buffer.fill(fill)
+            buffer.finish()
+
+
+def _plan_load(comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool) -> _LoadPlan:
     saved_values = meta.values()
-    wanted = list(flat.tensors) + [k for k in flat.values]
     match = planner.match_keys(list(flat.tensors), list(meta.tensors), mw)
-    missing = list(match.missing) + [k for k in flat.values if k not in saved_values]
     for key in match.missing:
         if key in saved_values:
             raise MismatchError(f"{key}: the checkpoint holds a plain value here, the state_dict a tensor")
     for key in flat.values:
         if key in meta.tensors:
             raise MismatchError(f"{key}: the checkpoint holds a tensor here, the state_dict a plain value")
-    unexpected = [k for k in match.unexpected if k not in wanted] + [
-        k for k in saved_values if k not in flat.values and k not in flat.tensors
-    ]
+    missing = list(match.missing) + [k for k in flat.values if k not in saved_values]
     if missing:
         logger.warning("keys of the state_dict not found in checkpoint %s (left unchanged): %s", path, missing)
-    if unexpected:
-        logger.warning("keys of checkpoint %s not in the state_dict (not loaded): %s", path, unexpected)
+    if not meta.subset:
+        unexpected = list(match.unexpected) + [k for k in saved_values if k not in flat.values]
+        if unexpected:
+            logger.warning("keys of checkpoint %s not in the state_dict (not loaded): %s", path, unexpected)
     targets, buffers, fills, index = [], [], [], []
-    for key, value in flat.tensors.items():
-        held = describe(key, value, comm.rank)
-        source = match.source.get(key)
-        if held.local is None or source is None:
+    for h in held:
+        source = match.source.get(h.piece.key)
+        if h.local is None or source is None:
             buffers.append(_NoTarget())
             fills.append(None)
             continue
-        buffer = TargetBuffer(held.local, offload) if not isinstance(held.local, np.ndarray) else _NumpyTarget(held.local)
-        buffers.append(buffer)
-        fill = _partial_fill(held)
+        buffers.append(_NumpyTarget(h.local) if isinstance(h.local, np.ndarray) else TargetBuffer(h.local, offload))
+        fill = _partial_fill(h)
         fills.append(fill)
-        piece = held.piece
-        target = planner.TargetPiece(source, piece.dtype, piece.global_shape, piece.box)
+        target = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
         if fill is None:
             targets.append(target)
             index.append(len(buffers) - 1)
         else:  # nothing to read, but the shape and dtype must still agree
             planner.check_targets(meta, [target])
-    ops = planner.plan_reads(meta, targets)
-    # ops refer to targets by their position in `targets`; map to buffers
-    ops = [_retarget(op, index) for op in ops]
-    files = storage.FileSet(path, meta)
-    for f in sorted({op.file for op in ops}):
-        files.fd(f)  # every file opened and its size checked before any byte moves
-    return ops, files, buffers, fills
+    ops = [_retarget(op, index) for op in planner.plan_reads(meta, targets)]
+    return _LoadPlan(ops, storage.FileSet(path, meta), buffers, fills)
+
+
+def _split_by_reader(comm: Comm, plan: "_LoadPlan", meta: Metadata, uid: int, listing, statuses):
+    """Ops on files this rank can read, and the others by the rank that will serve them.
+    Every local file is opened (and its size checked) before any byte moves."""
+    mine = {planner.data_file_name(r, uid) for r in listing.data_ranks.get(uid, ())}
+    local, remote = [], {}
+    for op in plan.ops:
+        name = meta.files[op.file].name
+        if name in mine:
+            local.append(op)
+            continue
+        m = storage.DATA_RE.match(name)
+        writer = int(m.group(1)) if m else -1
+        servers = [r for r, s in zip(comm.ranks, statuses) if r != comm.rank and wire.in_runs(s["f"], writer)]
+        if not servers:
+            keys = sorted({seg.piece.key for seg in op.segments})
+            raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
+        remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
+    for f in sorted({op.file for op in local}):
+        plan.files.fd(f)
+    return local, remote
+
+
+def _route(comm: Comm, remote: dict) -> list[int] | None:
+    """Tell every server which ranks will ask it for bytes; None when no rank needs any.
+    The coordinator alone sees every rank's servers; each rank receives its own clients."""
+    if comm.size == 1:
+        return None
+    if not comm.call("route", lambda: comm.all_max([1 if remote else 0]))[0]:
+        return None
+    asked = comm.call("route", lambda: comm.gather(wire.encode_json(sorted(remote)), comm.coordinator))
+    parts = None
+    if comm.is_coordinator:
+        clients: dict[int, list[int]] = {r: [] for r in comm.ranks}
+        for client, blob in zip(comm.ranks, asked):
+            for server in wire.decode_json(blob):
+                clients[int(server)].append(client)
+        parts = [wire.encode_json(clients[r]) for r in comm.ranks]
+    return [int(c) for c in wire.decode_json(comm.call("route", lambda: comm.scatter(parts, comm.coordinator)))]
 
 
 def _retarget(op: planner.ReadOp, index: list[int]) -> planner.ReadOp:

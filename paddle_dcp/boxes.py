@@ -161,9 +161,16 @@ def split_region(region: Box, max_elements: int, array_shape: Sequence[int]) -> 
     return parts
 
 
-def check_tiling(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray) -> None:
+def check_tiling(
+    key: str,
+    global_shape: Sequence[int],
+    offsets: np.ndarray,
+    shapes: np.ndarray,
+    require_cover: bool = True,
+) -> None:
     """Raise PlanError unless the boxes (rows of ``offsets`` / ``shapes``) tile the tensor
-    exactly: every box inside it, no two overlapping, their volumes adding up to the whole.
+    exactly: every box inside it, no two overlapping, their volumes adding up to the whole
+    (the last only when ``require_cover``: a subset of a checkpoint's pieces may leave gaps).
 
     Runs in O(p log p) for grid layouts (the only kind a save from placements produces) and
     falls back to a sweep along dim 0 otherwise.
@@ -180,7 +187,7 @@ def check_tiling(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
             raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
         return
     if p == 0:
-        if total == 0:
+        if total == 0 or not require_cover:
             return
         raise PlanError(f"{key}: no piece covers this tensor of shape {global_shape}")
     ends = offsets + shapes
@@ -194,9 +201,13 @@ def check_tiling(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
         )
     volumes = np.prod(shapes, axis=1, dtype=np.int64)
     covered = int(volumes.sum())
-    if _is_grid(offsets, ends, global_shape):
-        if covered != total:
-            raise PlanError(f"{key}: pieces cover {covered} of {total} elements (gap or overlap)")
+    grid = _grid_cells(offsets, ends, global_shape)
+    if grid is not None:
+        cells, distinct = grid
+        if distinct != p:
+            raise PlanError(f"{key}: two pieces cover the same elements (overlap)")
+        if require_cover and covered != total:
+            raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
         return
     # general layouts: sweep along dim 0, compare each box with those still open
     order = np.lexsort(tuple(offsets[:, d] for d in reversed(range(ndim))))
@@ -215,13 +226,14 @@ def check_tiling(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
                     f"{key}: pieces at offsets {tuple(o[j].tolist())} and {tuple(o[i].tolist())} overlap"
                 )
         open_idx.append(i)
-    if covered != total:
+    if require_cover and covered != total:
         raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
 
 
-def _is_grid(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...]) -> bool:
-    """True when the boxes are distinct cells of one grid spanning the tensor: then a volume
-    count alone proves exact tiling."""
+def _grid_cells(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...]):
+    """When every box is one cell of the grid cut by all boxes' edges (the layouts placements
+    produce), (number of cells, number of distinct cells hit); else None. Distinct cells mean
+    no overlap; as many cells as boxes, with volumes adding up, mean exact tiling."""
     p, ndim = offsets.shape
     cells = 1
     cell_index = np.zeros(p, dtype=np.int64)
@@ -230,9 +242,9 @@ def _is_grid(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...
         lo = np.searchsorted(cuts, offsets[:, d])
         hi = np.searchsorted(cuts, ends[:, d])
         if not (hi == lo + 1).all():
-            return False
-        cell_index = cell_index * (len(cuts) - 1) + lo
+            return None
         cells *= len(cuts) - 1
         if cells > (1 << 62):
-            return False
-    return len(np.unique(cell_index)) == p and cells == p
+            return None
+        cell_index = cell_index * (len(cuts) - 1) + lo
+    return cells, len(np.unique(cell_index))

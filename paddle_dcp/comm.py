@@ -12,6 +12,8 @@ longest one with an 8-byte length in front, which is what the byte counts includ
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import struct
 from contextlib import contextmanager
 from typing import Iterator, Sequence
@@ -59,6 +61,15 @@ class Comm:
         raise NotImplementedError
 
     def all_gather(self, data: bytes) -> list[bytes]:
+        raise NotImplementedError
+
+    # -- point to point, between two ranks that both expect the message
+    def send(self, peer: int, data: np.ndarray) -> None:
+        """Send the uint8 array ``data`` to ``peer`` (blocks until it is taken)."""
+        raise NotImplementedError
+
+    def recv_into(self, peer: int, out: np.ndarray) -> None:
+        """Receive exactly ``len(out)`` bytes from ``peer`` into the uint8 array ``out``."""
         raise NotImplementedError
 
     # -- agreement
@@ -196,6 +207,68 @@ class PaddleComm(Comm):
         out = []
         self._dist.all_gather(out, self._tensor(_pad(data, width)), group=self.group)
         return [_unpad(t.numpy()) for t in out]
+
+    def _pair(self, peer: int):
+        """(process group of this rank and ``peer`` alone, peer's index in it).
+
+        Point-to-point messages go through such pair groups, never through the shared group:
+        gloo matches messages by a counter of operations per group, so traffic between two
+        ranks must not advance the counter of a group that others use. Each pair group has a
+        store of its own (hosted by the lower rank, announced through the job's store), since
+        gloo groups created at the same time through one store can connect to wrong peers.
+        """
+        a, b = sorted((self.rank, peer))
+        entry = _PAIRS.get((a, b))
+        if entry is None:
+            entry = _PAIRS[(a, b)] = (_make_pair_group(self.rank, a, b), 1 if self.rank == a else 0)
+        return entry
+
+    def send(self, peer, data):
+        from . import device
+
+        group, index = self._pair(peer)
+        group.send(device.wire_tensor(data), index, True).wait()
+
+    def recv_into(self, peer, out):
+        from . import device
+
+        group, index = self._pair(peer)
+        with device.wire_buffer(out) as t:
+            group.recv(t, index, True).wait()
+
+
+def _host() -> str:
+    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    return endpoint.rsplit(":", 1)[0] if ":" in endpoint else "127.0.0.1"
+
+
+def _make_pair_group(rank: int, a: int, b: int):
+    from paddle.base import core
+    from paddle.distributed import collective
+
+    job_store = collective._default_store
+    key = f"paddle_dcp/pair/{a}/{b}"
+    timeout = int(os.environ.get("PADDLE_DCP_PAIR_TIMEOUT", "600"))
+    if rank == a:
+        host = _host()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        job_store.set(key, f"{host}:{port}".encode())
+        store = core.TCPStore(host, port, True, 2, timeout)
+    else:
+        host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
+        store = core.TCPStore(host, int(port), False, 2, timeout)
+    index = 0 if rank == a else 1
+    if collective._default_backend == "nccl":
+        from paddle.distributed.parallel import _get_global_env
+
+        return core.ProcessGroupNCCL.create(store, index, 2, _PAIR_GID, _get_global_env().pg_timeout, 0, None)
+    return core.ProcessGroupGloo.create(store, index, 2, _PAIR_GID)
+
+
+_PAIRS: dict[tuple[int, int], object] = {}
+_PAIR_GID = 1 << 20
 
 
 def make_comm(process_group=None, coordinator_rank: int = 0) -> Comm:

@@ -109,6 +109,44 @@ def _has_pinned() -> bool:
     return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
 
 
+def _on_gpu() -> bool:
+    import paddle
+
+    return "gpu" in str(paddle.get_device())
+
+
+def wire_tensor(array: np.ndarray):
+    """A tensor to send ``array``'s bytes: the array's own memory on the CPU (zero copy),
+    a device copy for NCCL."""
+    import paddle
+
+    if _on_gpu():
+        return paddle.to_tensor(array)
+    return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(array))
+
+
+class wire_buffer:
+    """A tensor to receive into ``out`` (uint8): ``out``'s own memory on the CPU; on a GPU a
+    device buffer copied into ``out`` when the context ends."""
+
+    def __init__(self, out: np.ndarray):
+        self.out = out
+
+    def __enter__(self):
+        import paddle
+
+        if _on_gpu():
+            self.tensor = paddle.empty([len(self.out)], dtype="uint8")
+        else:
+            self.tensor = paddle.utils.dlpack.from_dlpack(self.out)
+        return self.tensor
+
+    def __exit__(self, *exc):
+        if exc[0] is None and _on_gpu():
+            self.out[...] = self.tensor.numpy()
+        return False
+
+
 def message_tensor(array: np.ndarray):
     """A paddle tensor for a collective: on the CPU for gloo, on the current GPU for NCCL."""
     import paddle

@@ -156,6 +156,8 @@ class Metadata:
         checksum_algorithm: name of the checksum of every block.
         created_by: the writer's name and version.
         format_version: the version of this format.
+        subset: only some pieces of some tensors, as one rank needs them (sent between ranks
+            when a rank cannot read the metadata file; never written to disk).
     """
 
     unique_id: int
@@ -167,6 +169,7 @@ class Metadata:
     checksum_algorithm: str = "xxh3_64"
     created_by: str = ""
     format_version: int = FORMAT_VERSION
+    subset: bool = False
 
     def values(self) -> dict[str, Any]:
         """Flat key -> plain (non-tensor) value saved in the checkpoint."""
@@ -203,6 +206,8 @@ class Metadata:
             "structure": self.structure,
             "tensors": tensors,
         }
+        if self.subset:
+            doc["subset"] = True
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -332,9 +337,12 @@ def _parse(doc: Any, source: str) -> Metadata:
     tensors_doc = doc["tensors"]
     if not isinstance(tensors_doc, dict):
         raise FormatError(f"{source}: tensors must be an object")
+    subset = doc.get("subset", False)
+    if subset not in (True, False):
+        raise FormatError(f"{source}: subset must be true or false")
     tensors = {}
     for key, t in tensors_doc.items():
-        tensors[key] = _parse_tensor(key, t, file_sizes, block_bytes)
+        tensors[key] = _parse_tensor(key, t, file_sizes, block_bytes, require_cover=not subset)
 
     structure = doc["structure"]
     leaves = set()
@@ -358,10 +366,13 @@ def _parse(doc: Any, source: str) -> Metadata:
         checksum_algorithm=algorithm,
         created_by=created_by,
         format_version=version,
+        subset=subset,
     )
 
 
-def _parse_tensor(key: str, t: Any, file_sizes: np.ndarray, block_bytes: int) -> TensorEntry:
+def _parse_tensor(
+    key: str, t: Any, file_sizes: np.ndarray, block_bytes: int, require_cover: bool = True
+) -> TensorEntry:
     if not isinstance(t, dict):
         raise FormatError(f"tensor {key!r}: entry must be an object")
     dtype = t["dtype"]
@@ -383,7 +394,7 @@ def _parse_tensor(key: str, t: Any, file_sizes: np.ndarray, block_bytes: int) ->
     shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
     files = _decode_column(t["file"], count, f"{what}: file")
     byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
-    check_tiling(key, shape, offsets, shapes)
+    check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
     if count and ((files < 0).any() or (files >= len(file_sizes)).any()):
         raise FormatError(f"{what}: a piece names a file index outside the file list")
     isz = itemsize(dtype)

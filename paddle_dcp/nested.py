@@ -265,3 +265,22 @@ def _assign(root: Any, path: Path, value: Any) -> None:
         container[path[i]] = value
         return
     raise MismatchError("cannot replace a value inside a tuple at the root of a state dict")
+
+
+def restrict(skeleton: dict, keys: set[str]) -> dict:
+    """The skeleton with only the leaves whose flat key is in ``keys`` (and the containers on
+    their paths); list and tuple positions are kept by turning dropped items into None."""
+
+    def visit(node: dict, path: Path):
+        tag = kind(node, flat_key(path))
+        if tag == "d":
+            items = [[k, c] for k, c in ((k, visit(c, path + (k,))) for k, c in node["d"]) if c is not None]
+            return {"d": items} if items or not path else None
+        if tag in ("l", "u"):
+            children = [visit(c, path + (i,)) for i, c in enumerate(node[tag])]
+            if all(c is None for c in children):
+                return None
+            return {tag: [c if c is not None else {"v": None} for c in children]}
+        return node if flat_key(path) in keys else None
+
+    return visit(skeleton, ()) or {"d": []}

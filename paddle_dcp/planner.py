@@ -586,3 +586,50 @@ def match_keys(wanted: Sequence[str], available: Sequence[str], mw_name_compatib
     used = set(source.values())
     unexpected = tuple(k for k in available if k not in used)
     return KeyMatch(source, tuple(missing), unexpected)
+
+
+def restrict(meta: Metadata, targets: Sequence[TargetPiece], value_keys: Sequence[str] = ()) -> Metadata:
+    """The part of ``meta`` a rank with these targets needs: the pieces that overlap them
+    (with their checksums and files) and the plain values it asks for. Its size grows with
+    that rank's pieces, not with the job; sent to ranks that cannot read the metadata file.
+
+    Raises:
+        MismatchError: a target's shape or dtype differs from the checkpoint's.
+    """
+    check_targets(meta, targets)
+    rows: dict[str, set[int]] = {}
+    for t in targets:
+        entry = meta.tensors[t.key]
+        hit = overlapping_pieces(entry, t.box) if t.box.volume or t.box.ndim == 0 else np.zeros(0, np.int64)
+        rows.setdefault(t.key, set()).update(hit.tolist())
+    used_files = sorted({int(meta.tensors[k].pieces.files[i]) for k, idx in rows.items() for i in idx})
+    new_index = {f: i for i, f in enumerate(used_files)}
+    tensors = {}
+    for key, idx in rows.items():
+        entry = meta.tensors[key]
+        sel = np.array(sorted(idx), dtype=np.int64)
+        starts = entry.block_starts()
+        blocks = (
+            np.concatenate([np.arange(starts[i], starts[i + 1]) for i in sel]) if len(sel) else np.zeros(0, np.int64)
+        )
+        p = entry.pieces
+        table = PieceTable(
+            offsets=p.offsets[sel],
+            shapes=p.shapes[sel],
+            files=np.array([new_index[int(f)] for f in p.files[sel]], dtype=np.int64),
+            byte_offsets=p.byte_offsets[sel],
+            checksums=p.checksums[blocks],
+        )
+        tensors[key] = TensorEntry(key, entry.dtype, entry.shape, table, entry.block_bytes)
+    keep = set(tensors) | {k for k in value_keys if k not in meta.tensors}
+    return Metadata(
+        unique_id=meta.unique_id,
+        world_size=meta.world_size,
+        files=tuple(meta.files[f] for f in used_files),
+        tensors=tensors,
+        structure=nested.restrict(meta.structure, keep),
+        block_bytes=meta.block_bytes,
+        checksum_algorithm=meta.checksum_algorithm,
+        created_by=meta.created_by,
+        subset=True,
+    )

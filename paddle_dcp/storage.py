@@ -301,49 +301,91 @@ class Staging:
         return self.buf[:nbytes]
 
 
+def execute_op(
+    op: ReadOp,
+    files: "FileSet",
+    targets: Sequence[np.ndarray],
+    staging: Staging,
+    verify: bool = True,
+    fetch: Callable[[ReadOp, memoryview], None] | None = None,
+) -> None:
+    """Carry out one read op: its bytes land in ``targets`` (host arrays of the target pieces,
+    in storage dtype), straight in place for a direct op, else through ``staging``.
+
+    Args:
+        fetch: fills a buffer with the op's bytes instead of reading the file (bytes received
+            from another rank).
+    """
+    meta = files.meta
+    if fetch is None:
+        fetch = lambda op, out: files.read_into(op.file, op.start, out)  # noqa: E731
+    if op.direct:
+        seg = op.segments[0]
+        copy = seg.copies[0]
+        target = targets[copy.target]
+        first = element_span(target.shape, copy.region_in_target)[0] if target.ndim else 0
+        dest = as_bytes(target.reshape(-1)[first : first + copy.region_in_target.volume])
+        fetch(op, dest)
+        if verify:
+            verify_segment(meta, files, op.file, seg, dest)
+        return
+    buf = staging.get(op.nbytes)
+    fetch(op, memoryview(buf))
+    for seg in op.segments:
+        entry = meta.tensors[seg.piece.key]
+        if verify:
+            verify_segment(meta, files, op.file, seg, memoryview(buf)[seg.start - op.start : seg.stop - op.start])
+        dtype = storage_dtype(entry.dtype)
+        for c in seg.copies:
+            targets[c.target][c.region_in_target.slices()] = piece_view(buf, op.start, seg.piece, c.region_in_saved, dtype)
+
+
 def execute_reads(
     ops: Sequence[ReadOp],
     files: "FileSet",
     targets: Sequence[np.ndarray],
     verify: bool = True,
     staging: Staging | None = None,
-    fetch: Callable[[ReadOp, memoryview], None] | None = None,
 ) -> int:
-    """Carry out read ops: bytes land in ``targets`` (host arrays of the target pieces, in
-    storage dtype), straight in place for direct ops, else through one staging buffer.
-
-    Args:
-        fetch: fills a buffer with an op's bytes instead of reading the file (bytes received
-            from another rank); defaults to reading from ``files``.
-
-    Returns:
-        bytes read.
-    """
-    meta = files.meta
+    """Carry out read ops from local files (see :func:`execute_op`); returns bytes read."""
     staging = staging or Staging()
-    fetch = fetch or (lambda op, out: files.read_into(op.file, op.start, out))
-    total = 0
     for op in ops:
-        total += op.nbytes
-        if op.direct:
-            seg = op.segments[0]
-            copy = seg.copies[0]
-            target = targets[copy.target]
-            first = element_span(target.shape, copy.region_in_target)[0] if target.ndim else 0
-            dest = as_bytes(target.reshape(-1)[first : first + copy.region_in_target.volume])
-            fetch(op, dest)
-            if verify:
-                verify_segment(meta, files, op.file, seg, dest)
-            continue
-        buf = staging.get(op.nbytes)
-        fetch(op, memoryview(buf))
-        for seg in op.segments:
-            entry = meta.tensors[seg.piece.key]
-            data = memoryview(buf)[seg.start - op.start : seg.stop - op.start]
-            if verify:
-                verify_segment(meta, files, op.file, seg, data)
-            dtype = storage_dtype(entry.dtype)
-            for c in seg.copies:
-                src = piece_view(buf, op.start, seg.piece, c.region_in_saved, dtype)
-                targets[c.target][c.region_in_target.slices()] = src
-    return total
+        execute_op(op, files, targets, staging, verify)
+    return sum(op.nbytes for op in ops)
+
+
+class RangeReader:
+    """Reads byte ranges of named data files for other ranks (a server of node-local data)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fds: dict[str, int] = {}
+
+    def read_into(self, name: str, start: int, out: memoryview) -> None:
+        fd = self._fds.get(name)
+        if fd is None:
+            full = inside(self.path, name)
+            try:
+                fd = os.open(full, os.O_RDONLY)
+            except FileNotFoundError:
+                raise IntegrityError(f"data file {full} is missing") from None
+            except OSError as exc:
+                raise StorageError(f"cannot open {full}: {exc}", full) from exc
+            self._fds[name] = fd
+        done = 0
+        try:
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], start + done)
+                if n == 0:
+                    raise IntegrityError(
+                        f"data file {os.path.join(self.path, name)} ends at {start + done} bytes, "
+                        f"before the {start + len(out)} a reader asked for"
+                    )
+                done += n
+        except OSError as exc:
+            raise StorageError(f"cannot read {os.path.join(self.path, name)}: {exc}") from exc
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -100,8 +100,6 @@ def rle(values: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def unrle(runs) -> set[int]:
-    out: set[int] = set()
-    for first, last in runs:
-        out.update(range(int(first), int(last) + 1))
-    return out
+def in_runs(runs, value: int) -> bool:
+    """Whether ``value`` lies in one of the [first, last] ``runs``."""
+    return any(int(first) <= value <= int(last) for first, last in runs)

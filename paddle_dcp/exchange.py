@@ -1,0 +1,188 @@
+"""Moving checkpoint bytes between ranks when a rank cannot read a file itself.
+
+On clusters whose disks are local to each node, a rank may lack the metadata file or some data
+files. Ranks then talk in pairs, over a process group of the two (see ``PaddleComm._pair``):
+
+* a rank without the metadata sends its targets to a helper that has it, and receives only
+  the part of the metadata its targets need (:func:`ask_for_metadata`);
+* a rank that needs bytes of a file it cannot read asks a rank that can (its server), and
+  receives them one read at a time, each at most the plan's largest read (:func:`fetch_remote`).
+
+Deadlock freedom: every rank visits its partners in one global order of pairs (by lower rank,
+then higher rank); the smallest pair still pending always has both its ranks waiting for
+each other, so it completes, and so on. Within a pair, the lower rank's request and its answer
+come first. Every answer starts with a header (status, length): a server that fails to read
+sends its error instead of bytes, the client records it and the pair stays in step, so errors
+surface at the next agreement instead of as a hang.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .comm import Comm, describe_error
+from .errors import DcpError, StorageError
+from .planner import ReadOp
+from .storage import RangeReader, Staging
+
+logger = logging.getLogger(__name__)
+
+_OK, _FAILED = 0, 1
+MAX_MESSAGE = 1 << 30
+
+
+def _send_header(comm: Comm, peer: int, status: int, length: int) -> None:
+    comm.send(peer, np.array([status, length], dtype="<i8").view(np.uint8))
+
+
+def _recv_header(comm: Comm, peer: int) -> tuple[int, int]:
+    buf = np.zeros(16, dtype=np.uint8)
+    comm.recv_into(peer, buf)
+    status, length = (int(x) for x in buf.view("<i8"))
+    if status not in (_OK, _FAILED) or not 0 <= length <= MAX_MESSAGE:
+        raise DcpError(f"rank {peer} sent a malformed message header ({status}, {length})")
+    return status, length
+
+
+def send_message(comm: Comm, peer: int, data: bytes | np.ndarray, status: int = _OK) -> None:
+    arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else data
+    _send_header(comm, peer, status, len(arr))
+    if len(arr):
+        comm.send(peer, arr)
+
+
+def recv_message(comm: Comm, peer: int) -> bytes:
+    """The next message from ``peer``; a failure it reported is raised as DcpError."""
+    status, length = _recv_header(comm, peer)
+    buf = np.zeros(length, dtype=np.uint8)
+    if length:
+        comm.recv_into(peer, buf)
+    if status == _FAILED:
+        raise DcpError(f"rank {peer}: {buf.tobytes().decode(errors='replace')}")
+    return buf.tobytes()
+
+
+def pair_order(me: int, peers) -> list[int]:
+    """``peers`` in the global order of pairs (min, max) as seen from rank ``me``."""
+    return sorted(set(peers), key=lambda p: (min(me, p), max(me, p)))
+
+
+def directions(me: int, peer: int) -> list[tuple[int, int]]:
+    """The (client, server) directions of a pair, in the order both ranks handle them."""
+    lo, hi = min(me, peer), max(me, peer)
+    return [(lo, hi), (hi, lo)]
+
+
+def ask_for_metadata(
+    comm: Comm,
+    my_helper: int | None,
+    request: bytes,
+    my_clients: Sequence[int],
+    answer: Callable[[int, bytes], bytes],
+) -> bytes | None:
+    """Pairwise: send ``request`` to ``my_helper`` and return its answer; answer every rank of
+    ``my_clients`` with ``answer(client, its request)``. Errors are sent back, not left hanging."""
+    me = comm.rank
+    reply, error = None, None
+    asking = {my_helper} if my_helper is not None else set()
+    for peer in pair_order(me, asking | set(my_clients)):
+        for client, server in directions(me, peer):
+            if client == me and server == my_helper:
+                send_message(comm, peer, request)
+                try:
+                    reply = recv_message(comm, peer)
+                except DcpError as exc:
+                    error = error or exc
+            elif server == me and client in my_clients:
+                question = recv_message(comm, peer)
+                try:
+                    send_message(comm, peer, answer(peer, question))
+                except DcpError as exc:
+                    send_message(comm, peer, describe_error(exc).encode(), _FAILED)
+                    error = error or exc
+    if error is not None:
+        raise error
+    return reply
+
+
+def fetch_remote(
+    comm: Comm,
+    path: str,
+    my_servers: dict[int, list[ReadOp]],
+    my_clients: Sequence[int],
+    file_name: Callable[[int], str],
+    run_op: Callable[[ReadOp, Callable[[ReadOp, memoryview], None]], None],
+) -> int:
+    """Pairwise: fetch the bytes of this rank's remote ops from their servers and serve the
+    ranges other ranks ask of this rank. Returns the bytes received.
+
+    Args:
+        my_servers: server rank -> this rank's ops in files it cannot read.
+        my_clients: ranks that will ask this rank for bytes.
+        file_name: data file name of a file index of this rank's metadata.
+        run_op: carries out one op, taking its bytes from the fetch function it is given.
+    """
+    me = comm.rank
+    reader = RangeReader(path)
+    staging = Staging()
+    received, error = 0, None
+    try:
+        for peer in pair_order(me, set(my_servers) | set(my_clients)):
+            for client, server in directions(me, peer):
+                if client == me and server in my_servers:
+                    ops = my_servers[server]
+                    request = json.dumps([[file_name(op.file), op.start, op.stop] for op in ops]).encode()
+                    send_message(comm, peer, request)
+                    for op in ops:
+                        taken = [False]
+
+                        def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
+                            status, length = _recv_header(comm, peer)
+                            taken[0] = True
+                            if status == _FAILED or length != len(out):
+                                msg = np.zeros(length, np.uint8)
+                                if length:
+                                    comm.recv_into(peer, msg)
+                                raise StorageError(
+                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of "
+                                    f"{file_name(op.file)}: {msg.tobytes().decode(errors='replace')}"
+                                )
+                            comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
+
+                        try:
+                            if error is None:
+                                run_op(op, fetch)
+                                received += op.nbytes
+                        except DcpError as exc:
+                            error = error or exc
+                        if not taken[0]:  # keep the pair in step after an error
+                            status, length = _recv_header(comm, peer)
+                            if length:
+                                comm.recv_into(peer, np.zeros(length, np.uint8))
+                elif server == me and client in my_clients:
+                    error = _serve(comm, peer, reader, staging) or error
+    finally:
+        reader.close()
+    if error is not None:
+        raise error
+    return received
+
+
+def _serve(comm: Comm, client: int, reader: RangeReader, staging: Staging) -> DcpError | None:
+    request = json.loads(recv_message(comm, client))
+    error = None
+    for name, start, stop in request:
+        try:
+            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > MAX_MESSAGE:
+                raise StorageError(f"rank {client} asked for a malformed range [{start}, {stop}) of {name!r}")
+            buf = staging.get(stop - start)
+            reader.read_into(str(name), start, memoryview(buf))
+        except DcpError as exc:
+            send_message(comm, client, describe_error(exc).encode(), _FAILED)
+            error = error or exc
+            continue
+        send_message(comm, client, buf)
+    return error
