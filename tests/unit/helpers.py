@@ -1,0 +1,232 @@
+"""Oracles and builders shared by the unit tests.
+
+Everything here is written from the definitions (paddle's chunking rule, the documented file
+format), not by calling the functions under test, so that the tests compare two independent
+computations. The one exception is :func:`save_checkpoint` / :func:`load_rank`, which drive the
+real pipeline (planner -> storage -> metadata) the way ``api.py`` does, with numpy arrays.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from paddle_dcp import nested, planner, storage, wire
+from paddle_dcp.boxes import Box
+from paddle_dcp.metadata import Metadata
+
+# No example database: the suite leaves no .hypothesis directory behind and runs the same way
+# on a fresh clone.
+def fast(max_examples: int) -> settings:
+    return settings(max_examples=max_examples, deadline=None, database=None)
+
+
+def is_tensor(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+STORAGE = {
+    "bool": np.dtype("|b1"),
+    "uint8": np.dtype("|u1"),
+    "int8": np.dtype("|i1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "complex64": np.dtype("<c8"),
+    "complex128": np.dtype("<c16"),
+}
+
+
+# ------------------------------------------------------------------ paddle's chunking rule
+def ref_chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """[lo, hi) of chunk i of n elements cut in k chunks, by the definition: every chunk
+    has ceil(n / k) elements, offsets clamped to n."""
+    c = -(-n // k)
+    return min(i * c, n), min((i + 1) * c, n)
+
+
+def mesh_dims_of(placements: Sequence[int | None], ndim: int) -> list[list[int]]:
+    """placements[m] is the tensor dim mesh dim m shards (Shard(d)), or None (Replicate)."""
+    return [[m for m, p in enumerate(placements) if p == d] for d in range(ndim)]
+
+
+def ref_indices(global_shape, mesh, placements, coord) -> list[np.ndarray]:
+    """The global indices a rank holds, per tensor dim: start from every index and cut it by
+    each mesh dim that shards this dim, in mesh-dim order."""
+    out = []
+    for d, n in enumerate(global_shape):
+        idx = np.arange(n)
+        for m, p in enumerate(placements):
+            if p == d:
+                lo, hi = ref_chunk(len(idx), mesh[m], coord[m])
+                idx = idx[lo:hi]
+        out.append(idx)
+    return out
+
+
+def ref_box(global_shape, mesh, placements, coord) -> Box:
+    """The rank's box (shape 0 somewhere when it holds nothing; offsets then 0)."""
+    idx = ref_indices(global_shape, mesh, placements, coord)
+    if any(len(i) == 0 for i in idx):
+        return Box((0,) * len(idx), tuple(len(i) for i in idx))
+    for i in idx:
+        assert (np.diff(i) == 1).all()
+    return Box(tuple(int(i[0]) for i in idx), tuple(len(i) for i in idx))
+
+
+def coords(mesh: Sequence[int]):
+    return [tuple(int(c) for c in np.unravel_index(r, mesh)) for r in range(math.prod(mesh))]
+
+
+# ------------------------------------------------------------------ strategies
+@st.composite
+def meshes(draw, max_world: int = 8, max_ndim: int = 3):
+    ndim = draw(st.integers(1, max_ndim))
+    mesh = []
+    for _ in range(ndim):
+        room = max_world // max(1, math.prod(mesh))
+        mesh.append(draw(st.integers(1, max(1, min(4, room)))))
+    return tuple(mesh)
+
+
+def placements_for(mesh_ndim: int, tensor_ndim: int):
+    choice = st.none() if tensor_ndim == 0 else st.one_of(st.none(), st.integers(0, tensor_ndim - 1))
+    return st.lists(choice, min_size=mesh_ndim, max_size=mesh_ndim).map(tuple)
+
+
+def shapes(max_ndim: int = 3, max_side: int = 9, min_ndim: int = 0, allow_zero: bool = True):
+    side = st.integers(0 if allow_zero else 1, max_side)
+    return st.lists(side, min_size=min_ndim, max_size=max_ndim).map(tuple)
+
+
+# ------------------------------------------------------------------ data
+def random_array(rng: np.random.Generator, dtype: str, shape) -> np.ndarray:
+    """Arbitrary bit patterns (NaN payloads included) for every dtype but bool (0 / 1)."""
+    dt = STORAGE[dtype]
+    n = math.prod(shape)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def garbage_like(shape, dtype: str) -> np.ndarray:
+    """An array of 0xA5 bytes: whatever a load leaves unwritten shows up."""
+    dt = STORAGE[dtype]
+    raw = np.full(math.prod(shape) * dt.itemsize, 0xA5, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+# ------------------------------------------------------------------ a save, as api.py does it
+@dataclass
+class Saved:
+    path: str
+    unique_id: int
+    world: int
+    summaries: list
+    plan: object
+    meta: object
+
+
+def state_dict_of(tensors: dict[str, np.ndarray], values: dict | None = None) -> dict:
+    sd = {"model": dict(tensors)}
+    if values is not None:
+        sd.update(values)
+    return sd
+
+
+def rank_states(arrays, dtypes, mesh, placements, values=None, via_wire=False):
+    """What every rank of ``mesh`` holds of the global ``arrays`` under ``placements[name]``:
+    a list, by rank, of (Flat of its state dict, its LocalPieces, its SaveSummary)."""
+    out = []
+    cache: dict = {}
+    for r, coord in enumerate(coords(mesh)):
+        boxes = {name: ref_box(a.shape, mesh, placements[name], coord) for name, a in arrays.items()}
+        local = {name: np.ascontiguousarray(a[boxes[name].slices()]) for name, a in arrays.items()}
+        flat = nested.flatten(state_dict_of(local, values), is_tensor, keep_values=(r == 0))
+        pieces = []
+        for key in flat.tensors:
+            name = key.split(".", 1)[1]
+            pieces.append(planner.LocalPiece(key, dtypes[name], arrays[name].shape, boxes[name]))
+        s = planner.SaveSummary.from_pieces(r, flat.skeleton, pieces)
+        if via_wire:
+            s = wire.decode_summary(wire.encode_summary(s), r, cache)
+        out.append((flat, pieces, s))
+    return out
+
+
+def save_checkpoint(
+    path: str,
+    arrays: dict[str, np.ndarray],
+    dtypes: dict[str, str],
+    mesh: Sequence[int],
+    placements: dict[str, Sequence[int | None]],
+    block_bytes: int = 64,
+    values: dict | None = None,
+    unique_id: int = 0,
+    via_wire: bool = True,
+) -> Saved:
+    """Save the global ``arrays`` (state dict ``{"model": arrays, **values}``) as the ranks of
+    ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own."""
+    ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire)
+    summaries = [s for _, _, s in ranks]
+    plan = planner.plan_save(summaries)
+    sums = {}
+    for r, leaves in plan.writes.items():
+        flat, pieces, _ = ranks[r]
+        w = storage.DataWriter(path, planner.data_file_name(r, unique_id), block_bytes)
+        cs: list[int] = []
+        for leaf in leaves.tolist():
+            cs += w.write(storage.as_bytes(np.ascontiguousarray(flat.tensors[pieces[leaf].key])))
+        assert w.commit() == plan.file_bytes[r]
+        sums[r] = np.array(cs, dtype=np.uint64)
+    structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)
+    meta = planner.build_metadata(plan, sums, structure, unique_id, len(ranks), block_bytes)
+    storage.write_atomic(path, storage.metadata_name(unique_id), meta.to_json())
+    return Saved(path, unique_id, len(ranks), summaries, plan, meta)
+
+
+def load_rank(path: str, unique_id: int, targets: Sequence[planner.TargetPiece], restrict: bool = False, **plan_kw):
+    """Read a rank's target pieces (into arrays prefilled with garbage); returns (arrays, ops).
+    With ``restrict``, plan from the part of the metadata these targets need, sent as JSON (as a
+    rank that cannot read the metadata file gets it)."""
+    meta = storage.read_metadata(path, unique_id)
+    if restrict:
+        part = planner.restrict(meta, targets)
+        meta = Metadata.from_json(part.to_json(), source="part")
+        assert meta.subset and len(meta.files) <= len(part.files)
+    ops = planner.plan_reads(meta, targets, **plan_kw)
+    out = [garbage_like(t.box.shape, t.dtype) for t in targets]
+    files = storage.FileSet(path, meta)
+    try:
+        storage.execute_reads(ops, files, out)
+    finally:
+        files.close()
+    return out, ops
+
+
+def count_copies(ops, targets) -> list[np.ndarray]:
+    """How many times the copies of ``ops`` write each element of each target."""
+    counts = [np.zeros(t.box.shape, dtype=np.int64) for t in targets]
+    for op in ops:
+        for seg in op.segments:
+            for c in seg.copies:
+                counts[c.target][c.region_in_target.slices()] += 1
+    return counts
+
+
+def listdir(path: str) -> list[str]:
+    return sorted(os.listdir(path))

@@ -1,0 +1,360 @@
+"""Box arithmetic: intersections, paddle's chunking rule, shard boxes, spans and tilings.
+
+Oracles: numpy marker arrays (which elements a box covers) and paddle's chunking rule written
+from its definition, never the functions under test.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paddle_dcp.boxes import (
+    Box,
+    check_tiling,
+    element_span,
+    is_contiguous,
+    shard_box,
+    split_extent,
+    split_region,
+)
+from paddle_dcp.errors import PlanError
+
+from .helpers import coords, fast, mesh_dims_of, meshes, placements_for, ref_box, ref_chunk, shapes
+
+KEY = "layer.w"
+
+
+def mark(box: Box, space) -> np.ndarray:
+    a = np.zeros(space, dtype=np.int64)
+    a[box.slices()] += 1
+    return a
+
+
+@st.composite
+def boxes_in(draw, ndim, side=8):
+    offsets = tuple(draw(st.integers(0, side)) for _ in range(ndim))
+    shape = tuple(draw(st.integers(0, side)) for _ in range(ndim))
+    return Box(offsets, shape)
+
+
+@st.composite
+def box_pairs(draw):
+    ndim = draw(st.integers(0, 3))
+    return draw(boxes_in(ndim)), draw(boxes_in(ndim))
+
+
+@st.composite
+def region_in(draw, array_shape):
+    offsets, shape = [], []
+    for n in array_shape:
+        lo = draw(st.integers(0, n))
+        offsets.append(lo)
+        shape.append(draw(st.integers(0, n - lo)))
+    return Box(tuple(offsets), tuple(shape))
+
+
+# ------------------------------------------------------------------ Box
+def test_box_basics():
+    b = Box((1, 2), (3, 4))
+    assert b.ndim == 2 and b.end == (4, 6) and b.volume == 12
+    assert b.slices() == (slice(1, 4), slice(2, 6))
+    assert Box.whole((5, 7)) == Box((0, 0), (5, 7))
+    assert Box((2, 3), (1, 1)).relative_to(b) == Box((1, 1), (1, 1))
+    assert Box((), ()).volume == 1  # a scalar is one element
+    with pytest.raises(PlanError):
+        Box((0,), (1, 2))
+
+
+@fast(300)
+@given(box_pairs())
+def test_intersect_is_symmetric_and_inside_both(pair):
+    a, b = pair
+    ab, ba = a.intersect(b), b.intersect(a)
+    assert ab == ba
+    space = tuple(18 for _ in range(a.ndim))
+    common = int(((mark(a, space) > 0) & (mark(b, space) > 0)).sum())
+    if ab is None:
+        assert common == 0
+    else:
+        assert a.contains(ab) and b.contains(ab)
+        assert ab.volume == common > 0
+        assert (mark(ab, space) <= (mark(a, space) * mark(b, space))).all()
+
+
+def test_intersect_of_touching_boxes_is_none():
+    assert Box((0, 0), (2, 2)).intersect(Box((2, 0), (2, 2))) is None
+    assert Box((0,), (3,)).intersect(Box((1,), (0,))) is None
+
+
+# ------------------------------------------------------------------ split_extent
+def test_split_extent_matches_the_definition_exhaustively():
+    for n in range(0, 41):
+        for k in range(1, 10):
+            c = -(-n // k)
+            got = [split_extent(n, k, i) for i in range(k)]
+            for i, (lo, size) in enumerate(got):
+                want_lo, want_hi = ref_chunk(n, k, i)  # [min(i*c, n), min((i+1)*c, n))
+                assert (lo, size) == (want_lo, want_hi - want_lo), (n, k, i)
+            sizes = [s for _, s in got]
+            nonempty = [s for s in sizes if s]
+            assert sum(sizes) == n
+            assert all(s == c for s in nonempty[:-1])  # only the last non-empty one is short
+            first_empty = next((i for i, s in enumerate(sizes) if s == 0), k)
+            assert all(s == 0 for s in sizes[first_empty:])  # empty chunks all at the end
+            assert all(got[i][0] == n for i in range(first_empty, k))  # offsets clamped
+
+
+@pytest.mark.parametrize(
+    "n, k, sizes",
+    [(7, 4, [2, 2, 2, 1]), (2, 4, [1, 1, 0, 0]), (9, 2, [5, 4]), (10, 4, [3, 3, 3, 1]), (5, 4, [2, 2, 1, 0])],
+)
+def test_split_extent_known_sizes(n, k, sizes):
+    assert [split_extent(n, k, i)[1] for i in range(k)] == sizes
+
+
+@pytest.mark.parametrize("parts, index", [(0, 0), (3, 3), (3, -1), (-1, 0)])
+def test_split_extent_rejects_chunks_that_do_not_exist(parts, index):
+    with pytest.raises(PlanError, match="does not exist"):
+        split_extent(10, parts, index)
+
+
+# ------------------------------------------------------------------ shard_box
+def test_shard_box_two_mesh_dims_on_one_tensor_dim_as_paddle_does():
+    # paddle: 9 rows on mesh [2, 2] with [Shard(0), Shard(0)]
+    want = {(0, 0): (0, 3), (0, 1): (3, 2), (1, 0): (5, 2), (1, 1): (7, 2)}
+    for coord, (offset, size) in want.items():
+        b = shard_box((9, 4), (2, 2), [[0, 1], []], coord)
+        assert b == Box((offset, 0), (size, 4)), coord
+
+
+def test_shard_box_uneven_and_smaller_than_the_mesh():
+    assert [shard_box((7,), (4,), [[0]], (r,)).shape[0] for r in range(4)] == [2, 2, 2, 1]
+    assert [shard_box((2,), (4,), [[0]], (r,)).shape[0] for r in range(4)] == [1, 1, 0, 0]
+    assert [shard_box((2,), (4,), [[0]], (r,)).offsets[0] for r in range(2)] == [0, 1]
+
+
+def test_shard_box_replicate_and_two_tensor_dims():
+    # mesh [2, 3]: Shard(1) on mesh dim 0, Replicate on mesh dim 1
+    for c1 in range(3):
+        assert shard_box((4, 5), (2, 3), [[], [0]], (1, c1)) == Box((0, 3), (4, 2))
+    # Shard(1), Shard(0)
+    assert shard_box((4, 5), (2, 3), [[1], [0]], (1, 2)) == Box((4, 3), (0, 2))
+    assert shard_box((4, 5), (2, 3), [[1], [0]], (1, 1)) == Box((2, 3), (2, 2))
+
+
+def test_shard_box_scalar_and_rank_mismatch():
+    assert shard_box((), (2, 2), [], (1, 1)) == Box((), ())
+    with pytest.raises(PlanError):
+        shard_box((4, 4), (2,), [[0]], (0,))
+
+
+@st.composite
+def layouts(draw):
+    shape = draw(shapes(max_ndim=3, max_side=11))
+    mesh = draw(meshes(max_world=16))
+    placements = draw(placements_for(len(mesh), len(shape)))
+    return shape, mesh, placements
+
+
+@fast(300)
+@given(layouts())
+def test_shard_boxes_tile_the_tensor_exactly(layout):
+    shape, mesh, placements = layout
+    dims = mesh_dims_of(placements, len(shape))
+    boxes = {c: shard_box(shape, mesh, dims, c) for c in coords(mesh)}
+    distinct = set()
+    for c, b in boxes.items():
+        want = ref_box(shape, mesh, placements, c)
+        assert b.shape == want.shape, (c, b, want)
+        if b.volume:
+            assert b.offsets == want.offsets, (c, b, want)
+            distinct.add(b)
+        assert all(0 <= o and o + s <= n for o, s, n in zip(b.offsets, b.shape, shape))
+    counter = np.zeros(shape, dtype=np.int64)
+    for b in distinct:
+        counter[b.slices()] += 1
+    assert (counter == 1).all()
+    # ranks that differ only along Replicate mesh dims hold the same box
+    for c, b in boxes.items():
+        for m, p in enumerate(placements):
+            if p is None:
+                other = list(c)
+                other[m] = (c[m] + 1) % mesh[m]
+                assert boxes[tuple(other)] == b
+
+
+# ------------------------------------------------------------------ spans and splits
+@st.composite
+def arrays_and_regions(draw):
+    array_shape = draw(shapes(max_ndim=4, max_side=6, min_ndim=1))
+    return array_shape, draw(region_in(array_shape))
+
+
+@fast(300)
+@given(arrays_and_regions())
+def test_element_span_and_is_contiguous(case):
+    array_shape, region = case
+    flat = np.arange(math.prod(array_shape)).reshape(array_shape)[region.slices()]
+    if flat.size == 0:
+        assert element_span(array_shape, region) == (0, 0)
+        assert is_contiguous(array_shape, region)
+        return
+    first, stop = int(flat.min()), int(flat.max()) + 1
+    assert element_span(array_shape, region) == (first, stop)
+    assert is_contiguous(array_shape, region) == (stop - first == flat.size)
+
+
+def test_is_contiguous_examples():
+    assert is_contiguous((4, 5), Box((1, 0), (2, 5)))  # whole rows
+    assert is_contiguous((4, 5), Box((1, 2), (1, 3)))  # part of one row
+    assert not is_contiguous((4, 5), Box((1, 0), (2, 4)))  # two partial rows
+    assert element_span((4, 5), Box((1, 1), (2, 2))) == (6, 13)
+
+
+@fast(300)
+@given(arrays_and_regions(), st.integers(1, 200))
+def test_split_region_parts_fit_the_limit_and_tile_the_region(case, limit):
+    array_shape, region = case
+    parts = split_region(region, limit, array_shape)
+    if region.volume == 0:
+        assert parts == []
+        return
+    counter = np.zeros(array_shape, dtype=np.int64)
+    for p in parts:
+        assert p.volume > 0 and region.contains(p)
+        first, stop = element_span(array_shape, p)
+        idx = np.arange(math.prod(array_shape)).reshape(array_shape)[p.slices()]
+        assert (first, stop) == (idx.min(), idx.max() + 1)
+        assert stop - first <= limit
+        counter[p.slices()] += 1
+    want = np.zeros(array_shape, dtype=np.int64)
+    want[region.slices()] = 1
+    assert (counter == want).all()
+
+
+def test_split_region_leaves_a_region_within_the_limit_whole():
+    r = Box((1, 0), (2, 5))
+    assert split_region(r, 10, (4, 5)) == [r]
+
+
+# ------------------------------------------------------------------ check_tiling
+def rows(boxes, ndim):
+    offs = np.array([b.offsets for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    shps = np.array([b.shape for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    return offs, shps
+
+
+def tiles(shape, boxes):
+    check_tiling(KEY, shape, *rows(boxes, len(shape)))
+
+
+def refuses(shape, boxes, match=None):
+    with pytest.raises(PlanError, match=match) as info:
+        check_tiling(KEY, shape, *rows(boxes, len(shape)))
+    assert KEY in str(info.value)
+
+
+@st.composite
+def guillotine_tilings(draw):
+    """Random exact tilings by repeated cuts of random boxes: most are not grids."""
+    shape = draw(shapes(max_ndim=3, max_side=8, min_ndim=1, allow_zero=False))
+    boxes = [Box.whole(shape)]
+    for _ in range(draw(st.integers(0, 12))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        b = boxes[i]
+        cuttable = [d for d in range(b.ndim) if b.shape[d] >= 2]
+        if not cuttable:
+            continue
+        d = draw(st.sampled_from(cuttable))
+        at = draw(st.integers(1, b.shape[d] - 1))
+        lo_shape = list(b.shape)
+        lo_shape[d] = at
+        hi_off, hi_shape = list(b.offsets), list(b.shape)
+        hi_off[d] += at
+        hi_shape[d] -= at
+        boxes[i : i + 1] = [Box(b.offsets, tuple(lo_shape)), Box(tuple(hi_off), tuple(hi_shape))]
+    order = draw(st.permutations(range(len(boxes))))
+    return shape, [boxes[j] for j in order]
+
+
+@fast(300)
+@given(guillotine_tilings())
+def test_check_tiling_accepts_exact_tilings(case):
+    shape, boxes = case
+    counter = np.zeros(shape, dtype=np.int64)
+    for b in boxes:
+        counter[b.slices()] += 1
+    assert (counter == 1).all()  # the generator's own check
+    tiles(shape, boxes)
+
+
+@fast(300)
+@given(guillotine_tilings(), st.data())
+def test_check_tiling_refuses_any_broken_tiling(case, data):
+    shape, boxes = case
+    i = data.draw(st.integers(0, len(boxes) - 1))
+    b = boxes[i]
+    d = data.draw(st.integers(0, len(shape) - 1))
+    how = data.draw(st.sampled_from(["drop", "duplicate", "grow", "shrink", "shift", "empty"]))
+    off, shp = list(b.offsets), list(b.shape)
+    if how == "drop":
+        broken = boxes[:i] + boxes[i + 1 :]
+    elif how == "duplicate":
+        broken = boxes + [b]
+    elif how == "grow":
+        shp[d] += 1
+        broken = boxes[:i] + [Box(tuple(off), tuple(shp))] + boxes[i + 1 :]
+    elif how == "shrink":
+        if shp[d] < 2:
+            return
+        shp[d] -= 1
+        broken = boxes[:i] + [Box(tuple(off), tuple(shp))] + boxes[i + 1 :]
+    elif how == "shift":
+        off[d] += 1
+        broken = boxes[:i] + [Box(tuple(off), tuple(shp))] + boxes[i + 1 :]
+    else:
+        shp[d] = 0
+        broken = boxes + [Box(tuple(off), tuple(shp))]
+    refuses(shape, broken)
+
+
+def test_check_tiling_accepts_grid_and_l_shaped_and_pinwheel_layouts():
+    tiles((4, 6), [Box((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)])  # grid
+    # L-shape: a full top half and two quarters below, uneven columns
+    tiles((4, 4), [Box((0, 0), (2, 4)), Box((2, 0), (2, 1)), Box((2, 1), (2, 3))])
+    # pinwheel: no straight cut splits it (not a guillotine tiling)
+    pinwheel = [Box((0, 0), (1, 2)), Box((0, 2), (2, 1)), Box((2, 1), (1, 2)), Box((1, 0), (2, 1)), Box((1, 1), (1, 1))]
+    tiles((3, 3), pinwheel)
+    tiles((), [Box((), ())])  # a scalar: one piece
+    tiles((0, 3), [])  # nothing to cover
+
+
+def test_check_tiling_names_gap_overlap_out_of_bounds_and_empty():
+    refuses((4, 4), [Box((0, 0), (2, 4))], match="gap")
+    refuses((4, 4), [Box((0, 0), (3, 4)), Box((2, 0), (2, 4))], match="overlap")
+    refuses((4, 4), [Box((0, 0), (2, 4)), Box((2, 0), (3, 4))], match="outside")
+    refuses((4, 4), [Box((0, 0), (4, 4)), Box((1, 1), (0, 2))], match="empty")
+    refuses((4, 4), [Box((-1, 0), (5, 4))])
+    refuses((4,), [], match="no piece")
+    refuses((), [Box((), ()), Box((), ())], match="scalar")
+    refuses((), [], match="scalar")
+
+
+def test_check_tiling_catches_an_overlap_that_hides_a_gap():
+    # volumes add up to the whole (2 + 2 = 4) but rows 1 overlap and row 3 is missing
+    refuses((4,), [Box((0,), (2,)), Box((1,), (2,))])
+    refuses((3, 3), [Box((0, 0), (2, 2)), Box((1, 1), (2, 2)), Box((0, 2), (1, 1))])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="check_tiling computes offsets + shapes in int64: a piece at offset 2**62 with extent "
+    "2**62 wraps to a negative end and escapes the bounds check, and its volume wraps to 0",
+)
+def test_check_tiling_refuses_a_piece_whose_end_overflows_int64():
+    big = 1 << 62  # the largest value the metadata format admits
+    with pytest.raises(PlanError):
+        check_tiling(KEY, (4, 4), np.array([[0, 0], [big, 0]]), np.array([[4, 4], [big, 4]]))

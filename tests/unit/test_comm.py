@@ -1,0 +1,25 @@
+"""SoloComm: the world of one that runs without paddle.distributed."""
+import pytest
+
+from paddle_dcp.comm import SoloComm
+from paddle_dcp.errors import FormatError
+
+
+def test_solo_collectives_return_their_own_input():
+    c = SoloComm(rank=5)
+    assert (c.size, c.rank, c.ranks, c.coordinator, c.is_coordinator) == (1, 5, (5,), 5, True)
+    assert c.all_max([3, 1]) == [3, 1]
+    assert c.gather(b"ab", 5) == [b"ab"]
+    assert c.scatter([b"x"], 5) == b"x"
+    assert c.broadcast(b"y", 5) == b"y"
+    assert c.all_gather(b"z") == [b"z"]
+
+
+def test_solo_step_re_raises_the_original_error():
+    c = SoloComm()
+    with pytest.raises(FormatError, match="broken"):
+        with c.step("read"):
+            raise FormatError("broken")
+    with c.step("fine"):
+        pass
+    c.agree("fine", None)

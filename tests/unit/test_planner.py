@@ -1,0 +1,352 @@
+"""Save plans (dedup, balance, order independence, refusals), load plans end to end through
+real files, and key matching.
+
+Oracles: the set of boxes every rank holds (from paddle's chunking rule written by hand, see
+helpers.ref_box) and numpy slices of the global arrays, compared bit for bit.
+"""
+import math
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paddle_dcp import nested, planner, storage, wire
+from paddle_dcp.boxes import Box
+from paddle_dcp.errors import MismatchError, PlanError
+from paddle_dcp.metadata import ALIGNMENT
+
+from .helpers import (
+    coords,
+    count_copies,
+    fast,
+    load_rank,
+    meshes,
+    placements_for,
+    random_array,
+    rank_states,
+    ref_box,
+    same_bits,
+    save_checkpoint,
+    shapes,
+)
+
+DTYPES = ["float32", "int64", "bool", "float16", "uint8"]
+ITEMSIZE = {"float32": 4, "int64": 8, "bool": 1, "float16": 2, "uint8": 1, "float64": 8}
+
+
+def summary(rank: int, pieces) -> planner.SaveSummary:
+    """A summary of (key, dtype, global_shape, box or None) pieces; keys are top-level."""
+    skeleton = {"d": [[key, {"t": 0}] for key, *_ in pieces]}
+    local = [planner.LocalPiece(k, d, tuple(g), b) for k, d, g, b in pieces]
+    return planner.SaveSummary.from_pieces(rank, skeleton, local)
+
+
+def through_wire(summaries):
+    cache: dict = {}
+    return [wire.decode_summary(wire.encode_summary(s), s.rank, cache) for s in summaries]
+
+
+def plan_rows(plan):
+    """(key, offsets, shape) -> row index of every planned piece."""
+    out = {}
+    for i, k in enumerate(plan.piece_key.tolist()):
+        nd = len(plan.shapes[k])
+        row = (plan.keys[k], tuple(plan.piece_offsets[i, :nd].tolist()), tuple(plan.piece_shapes[i, :nd].tolist()))
+        assert row not in out, f"piece {row} planned twice"
+        out[row] = i
+    return out
+
+
+def assert_same_plan(a, b):
+    assert (a.keys, a.dtypes, a.shapes) == (b.keys, b.dtypes, b.shapes)
+    for f in ("piece_key", "piece_offsets", "piece_shapes", "piece_writer", "piece_leaf", "piece_nbytes",
+              "piece_byte_offset"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.writes.keys() == b.writes.keys()
+    assert all(np.array_equal(a.writes[r], b.writes[r]) for r in a.writes)
+    assert a.file_bytes == b.file_bytes
+    assert a.skeleton == b.skeleton
+
+
+# ------------------------------------------------------------------ strategies
+@st.composite
+def layouts(draw, max_world=8, max_tensors=3, max_side=7):
+    n = draw(st.integers(1, max_tensors))
+    names = [f"t{i}" for i in range(n)]
+    shape = {k: draw(shapes(max_ndim=3, max_side=max_side)) for k in names}
+    dtypes = {k: draw(st.sampled_from(DTYPES)) for k in names}
+    mesh = draw(meshes(max_world))
+    placements = {k: draw(placements_for(len(mesh), len(shape[k]))) for k in names}
+    return shape, dtypes, mesh, placements
+
+
+def arrays_for(shape, dtypes, seed):
+    rng = np.random.default_rng(seed)
+    return {k: random_array(rng, dtypes[k], s) for k, s in shape.items()}
+
+
+# ------------------------------------------------------------------ plan_save
+@fast(150)
+@given(layouts(max_world=16), st.booleans(), st.randoms(use_true_random=False))
+def test_plan_save_writes_each_distinct_piece_once_by_a_holder_in_any_order(layout, via_wire, rnd):
+    shape, dtypes, mesh, placements = layout
+    arrays = arrays_for(shape, dtypes, 0)
+    ranks = rank_states(arrays, dtypes, mesh, placements, {"step": 1}, via_wire=via_wire)
+    summaries = [s for _, _, s in ranks]
+    plan = planner.plan_save(summaries)
+
+    holders: dict[tuple, set[int]] = {}
+    for r, (_, pieces, _) in enumerate(ranks):
+        for p in pieces:
+            if p.box.volume > 0:
+                holders.setdefault((p.key, p.box.offsets, p.box.shape), set()).add(r)
+    rows = plan_rows(plan)
+    assert set(rows) == set(holders)  # every distinct piece, once
+    for row, i in rows.items():
+        writer, leaf = int(plan.piece_writer[i]), int(plan.piece_leaf[i])
+        assert writer in holders[row]  # by a rank that holds it
+        p = ranks[writer][1][leaf]
+        assert (p.key, p.box.offsets, p.box.shape) == row  # leaf is the writer's own piece
+        key, _, shp = row
+        assert plan.piece_nbytes[i] == math.prod(shp) * ITEMSIZE[dtypes[key.split(".")[1]]]
+    # each writer's file: its leaves ascending, back to back at 64-byte boundaries
+    for r, leaves in plan.writes.items():
+        assert (np.diff(leaves) > 0).all()
+        idx = [i for i in range(len(plan.piece_key)) if plan.piece_writer[i] == r]
+        idx.sort(key=lambda i: plan.piece_leaf[i])
+        assert [int(plan.piece_leaf[i]) for i in idx] == leaves.tolist()
+        at = 0
+        for i in idx:
+            start = int(plan.piece_byte_offset[i])
+            assert start % ALIGNMENT == 0 and at <= start < at + ALIGNMENT
+            at = start + int(plan.piece_nbytes[i])
+        assert plan.file_bytes[r] == at
+    assert set(plan.writes) == set(plan.piece_writer.tolist())
+
+    shuffled = list(summaries)
+    rnd.shuffle(shuffled)
+    assert_same_plan(plan, planner.plan_save(shuffled))
+    assert_same_plan(plan, planner.plan_save(through_wire(shuffled)))
+
+
+@fast(200)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 9))
+def test_plan_save_balances_fully_replicated_pieces_within_the_largest_piece(sizes, world):
+    pieces = [(f"k{i}", "uint8", (n,), Box.whole((n,))) for i, n in enumerate(sizes)]
+    plan = planner.plan_save([summary(r, pieces) for r in range(world)])
+    per_rank = np.zeros(world, dtype=np.int64)
+    np.add.at(per_rank, plan.piece_writer, plan.piece_nbytes)
+    assert per_rank.sum() == sum(sizes)  # each piece written once
+    assert per_rank.max() - per_rank.min() <= max(sizes)
+
+
+def test_plan_save_ties_go_to_the_lowest_rank_and_single_holders_write_their_own():
+    shared = ("w", "float32", (4,), Box.whole((4,)))
+    plan = planner.plan_save([summary(2, [shared, ("a", "uint8", (3,), Box.whole((3,)))]), summary(1, [shared])])
+    rows = plan_rows(plan)
+    assert plan.piece_writer[rows[("w", (0,), (4,))]] == 1
+    assert plan.piece_writer[rows[("a", (0,), (3,))]] == 2
+
+
+def test_plan_save_of_ranks_holding_different_keys_merges_their_structure():
+    s0 = summary(0, [("a", "float32", (2,), Box.whole((2,)))])
+    s1 = summary(1, [("b", "int64", (3,), Box.whole((3,)))])
+    plan = planner.plan_save([s1, s0])
+    assert plan.keys == ("a", "b")
+    assert nested.tensor_keys(plan.skeleton) == ["a", "b"]
+    assert plan.writes[0].tolist() == [0] and plan.writes[1].tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "other, words",
+    [
+        (("w", "float64", (4, 4)), ["float32", "float64"]),
+        (("w", "float32", (4, 5)), ["(4, 4)", "(4, 5)"]),
+    ],
+)
+@pytest.mark.parametrize("via_wire", [False, True])
+def test_plan_save_refuses_ranks_that_disagree_on_dtype_or_shape(other, words, via_wire):
+    key, dtype, g = other
+    summaries = [
+        summary(0, [("w", "float32", (4, 4), Box((0, 0), (2, 4)))]),
+        summary(1, [(key, dtype, g, Box((2, 0), (2, 4)))]),
+    ]
+    if via_wire:
+        summaries = through_wire(summaries)
+    with pytest.raises(MismatchError) as info:
+        planner.plan_save(summaries)
+    message = str(info.value)
+    for w in ["w", "rank 0", "rank 1", *words]:
+        assert w in message, (w, message)
+
+
+@pytest.mark.parametrize(
+    "boxes, words",
+    [
+        ([Box((0,), (3,)), Box((4,), (2,))], ["gap"]),  # row 3 missing
+        ([Box((0,), (4,)), Box((2,), (4,))], ["overlap"]),
+        ([Box((0,), (3,)), Box((1,), (2,)), Box((3,), (3,))], ["overlap"]),
+        ([None, None], ["no piece"]),
+    ],
+)
+def test_plan_save_refuses_pieces_that_do_not_tile(boxes, words):
+    summaries = [summary(r, [("layer.w", "float32", (6,), b)]) for r, b in enumerate(boxes)]
+    with pytest.raises(PlanError) as info:
+        planner.plan_save(summaries)
+    assert "layer.w" in str(info.value)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_build_metadata_refuses_a_wrong_number_of_checksums():
+    plan = planner.plan_save([summary(0, [("w", "uint8", (200,), Box.whole((200,)))])])
+    with pytest.raises(PlanError, match="rank 0 reported 1 checksums, expected 4"):
+        planner.build_metadata(plan, {0: np.zeros(1, np.uint64)}, plan.skeleton, 0, 1, 64)
+
+
+# ------------------------------------------------------------------ save then load, through files
+def load_everything(path, shape, dtypes, mesh, placements, arrays, block_bytes, **plan_kw):
+    max_read = max(plan_kw.get("max_read_bytes", 64 << 20), 2 * block_bytes + 64)
+    for coord in coords(mesh):
+        targets = [
+            planner.TargetPiece(f"model.{k}", dtypes[k], shape[k], ref_box(shape[k], mesh, placements[k], coord))
+            for k in shape
+        ]
+        out, ops = load_rank(path, 0, targets, **plan_kw)
+        part, _ = load_rank(path, 0, targets, restrict=True, **plan_kw)
+        for t, got, got_part in zip(targets, out, part):
+            want = arrays[t.key.split(".")[1]][t.box.slices()]
+            assert same_bits(got, want), (t, got, want)
+            assert same_bits(got_part, want), ("restricted metadata", t, got_part, want)
+        for t, n in zip(targets, count_copies(ops, targets)):
+            assert (n == 1).all(), f"{t.key}: elements copied {np.unique(n)} times"
+        for op in ops:
+            assert 0 < op.nbytes <= max_read
+            for seg in op.segments:
+                assert (seg.start - seg.piece.byte_offset) % block_bytes == 0  # whole blocks
+
+
+@fast(150)
+@given(
+    layouts(),
+    st.data(),
+    st.sampled_from([64, 128, 4096]),
+    st.sampled_from([1, 300, 64 << 20]),
+    st.sampled_from([0, 64, 1 << 16]),
+    st.sampled_from([0, 1 << 20]),
+    st.integers(0, 2**32 - 1),
+)
+def test_any_saved_layout_loads_into_any_target_layout_bit_for_bit(
+    layout, data, block_bytes, max_read_bytes, coalesce_gap, direct_min_bytes, seed
+):
+    shape, dtypes, save_mesh, save_pl = layout
+    load_mesh = data.draw(meshes(8), label="load mesh")
+    load_pl = {k: data.draw(placements_for(len(load_mesh), len(s)), label=f"load {k}") for k, s in shape.items()}
+    arrays = arrays_for(shape, dtypes, seed)
+    values = {"step": 7, "lr": [0.5, float("nan")]}
+    with tempfile.TemporaryDirectory() as d:
+        saved = save_checkpoint(d, arrays, dtypes, save_mesh, save_pl, block_bytes, values)
+        meta = storage.read_metadata(d, 0)
+        assert meta.world_size == math.prod(save_mesh)
+        assert meta.values()["step"] == 7 and math.isnan(meta.values()["lr.1"])
+        assert sorted(meta.tensors) == sorted(f"model.{k}" for k in shape)
+        assert len(saved.plan.file_bytes) == len(meta.files)
+        load_everything(d, shape, dtypes, load_mesh, load_pl, arrays, block_bytes,
+                        max_read_bytes=max_read_bytes, coalesce_gap=coalesce_gap,
+                        direct_min_bytes=direct_min_bytes)  # fmt: skip
+
+
+@pytest.mark.parametrize("max_read_bytes", [1, 64 << 20])
+def test_every_dtype_and_scalars_round_trip_with_many_checksum_blocks(tmp_path, max_read_bytes):
+    rng = np.random.default_rng(1)
+    names = ["float32", "int64", "bool", "float16", "uint8", "bfloat16", "complex64", "float64", "int8"]
+    shape = {f"{n}_m": (13, 6) for n in names}
+    shape.update({f"{n}_s": () for n in names})
+    dtypes = {k: k.rsplit("_", 1)[0] for k in shape}
+    arrays = {k: random_array(rng, dtypes[k], s) for k, s in shape.items()}
+    save_pl = {k: ((0, 1) if s else (None, None)) for k, s in shape.items()}  # Shard(0), Shard(1)
+    save_checkpoint(str(tmp_path), arrays, dtypes, (3, 2), save_pl, block_bytes=64)
+    load_pl = {k: ((1, None, 0) if s else (None,) * 3) for k, s in shape.items()}
+    load_everything(str(tmp_path), shape, dtypes, (2, 2, 2), load_pl, arrays, 64, max_read_bytes=max_read_bytes)
+    # NaN payloads included: random bits of float16 / float32 hold many NaNs
+    assert np.isnan(arrays["float16_m"]).any()
+
+
+def test_zero_size_tensors_round_trip(tmp_path):
+    shape = {"e": (0, 4), "f": (3, 0), "w": (5,)}
+    dtypes = {"e": "float32", "f": "int64", "w": "uint8"}
+    arrays = arrays_for(shape, dtypes, 2)
+    pl = {"e": (0,), "f": (1,), "w": (0,)}
+    save_checkpoint(str(tmp_path), arrays, dtypes, (2,), pl)
+    meta = storage.read_metadata(str(tmp_path), 0)
+    assert meta.tensors["model.e"].pieces.count == 0 and meta.tensors["model.e"].shape == (0, 4)
+    load_everything(str(tmp_path), shape, dtypes, (3,), {"e": (1,), "f": (None,), "w": (0,)}, arrays, 64)
+
+
+def test_plan_reads_refuses_a_target_of_another_shape_or_dtype(tmp_path):
+    arrays = {"w": np.zeros((4, 4), np.float32)}
+    save_checkpoint(str(tmp_path), arrays, {"w": "float32"}, (1,), {"w": (None,)})
+    meta = storage.read_metadata(str(tmp_path), 0)
+    with pytest.raises(MismatchError) as info:
+        planner.plan_reads(meta, [planner.TargetPiece("model.w", "float32", (4, 5), Box.whole((4, 5)))])
+    assert all(w in str(info.value) for w in ["model.w", "(4, 4)", "(4, 5)"])
+    with pytest.raises(MismatchError) as info:
+        planner.plan_reads(meta, [planner.TargetPiece("model.w", "float16", (4, 4), Box.whole((4, 4)))])
+    assert all(w in str(info.value) for w in ["model.w", "float32", "float16"])
+
+
+# ------------------------------------------------------------------ keys
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("opt.master_weights.linear_0.w_0", "opt.linear_0.w_0_fp32_master_0"),
+        ("optimizer.master_weights.embedding_0.w_0", "optimizer.embedding_0.w_0_fp32_master_0"),
+    ],
+)
+def test_mw_compatible_name_maps_both_ways(a, b):
+    assert planner.mw_compatible_name(a) == b
+    assert planner.mw_compatible_name(b) == a
+
+
+@pytest.mark.parametrize("key", ["model.linear_0.w_0", "opt.linear_0.w_0_moment1_0", "step"])
+def test_mw_compatible_name_of_other_keys_is_none(key):
+    assert planner.mw_compatible_name(key) is None
+
+
+def test_match_keys_reports_missing_and_unexpected():
+    m = planner.match_keys(["a", "b", "c"], ["b", "c", "d", "e"])
+    assert m.source == {"b": "b", "c": "c"}
+    assert m.missing == ("a",)
+    assert m.unexpected == ("d", "e")
+
+
+def test_match_keys_loads_master_weights_saved_under_the_other_spelling():
+    wanted = ["opt.master_weights.linear_0.w_0", "opt.linear_1.w_0_fp32_master_0", "model.w"]
+    available = ["opt.linear_0.w_0_fp32_master_0", "opt.master_weights.linear_1.w_0", "model.w"]
+    m = planner.match_keys(wanted, available)
+    assert m.source == {
+        "opt.master_weights.linear_0.w_0": "opt.linear_0.w_0_fp32_master_0",
+        "opt.linear_1.w_0_fp32_master_0": "opt.master_weights.linear_1.w_0",
+        "model.w": "model.w",
+    }
+    assert m.missing == () and m.unexpected == ()
+    off = planner.match_keys(wanted, available, mw_name_compatibility=False)
+    assert off.source == {"model.w": "model.w"}
+    assert off.missing == tuple(wanted[:2])
+    assert off.unexpected == tuple(available[:2])
+
+
+def test_match_keys_prefers_the_exact_key():
+    m = planner.match_keys(["opt.master_weights.w"], ["opt.master_weights.w", "opt.w_fp32_master_0"])
+    assert m.source == {"opt.master_weights.w": "opt.master_weights.w"}
+    assert m.unexpected == ("opt.w_fp32_master_0",)
+
+
+def test_layout_offsets_align_every_piece():
+    starts, total = planner.layout_offsets([1, 64, 65, 0, 3])
+    assert starts.tolist() == [0, 64, 128, 256, 256] and total == 259
+    starts, total = planner.layout_offsets([])
+    assert len(starts) == 0 and total == 0
+

@@ -1,0 +1,60 @@
+"""The public surface: what ``import paddle_dcp`` exports, and one exception hierarchy."""
+import inspect
+import pickle
+import subprocess
+import sys
+
+import paddle_dcp
+from paddle_dcp import errors
+
+EXPECTED = {
+    "save_state_dict",
+    "load_state_dict",
+    "read_metadata",
+    "DcpError",
+    "FormatError",
+    "IntegrityError",
+    "MismatchError",
+    "StorageError",
+    "CollectiveError",
+    "PlanError",
+    "FORMAT_VERSION",
+    "__version__",
+}
+
+
+def test_all_is_the_expected_set_of_names():
+    assert set(paddle_dcp.__all__) == EXPECTED
+    assert len(paddle_dcp.__all__) == len(EXPECTED)
+    for name in EXPECTED:
+        assert getattr(paddle_dcp, name) is not None
+
+
+def test_import_paddle_dcp_does_not_import_paddle():
+    code = "import sys, paddle_dcp; print('paddle' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_every_exception_derives_from_dcp_error():
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, BaseException)]
+    assert {c.__name__ for c in classes} >= {n for n in EXPECTED if n.endswith("Error")}
+    for c in classes:
+        assert issubclass(c, errors.DcpError), c
+        assert getattr(paddle_dcp, c.__name__) is c
+    assert issubclass(errors.IntegrityError, errors.FormatError)
+
+
+def test_collective_error_names_ranks_and_survives_pickling():
+    e = errors.CollectiveError("write", {3: "OSError: disk full", 1: "FormatError: bad"})
+    assert list(e.failures) == [1, 3] and e.step == "write"
+    assert "rank 1: FormatError: bad" in str(e) and "2 rank(s)" in str(e)
+    back = pickle.loads(pickle.dumps(e))
+    assert back.step == e.step and back.failures == e.failures and str(back) == str(e)
+    many = errors.CollectiveError("plan", {r: "x" for r in range(20)})
+    assert "and 12 more ranks" in str(many)
+
+
+def test_storage_error_keeps_its_path():
+    assert errors.StorageError("cannot read", "/ck/0.metadata").path == "/ck/0.metadata"
