@@ -267,7 +267,7 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
     with comm.step("metadata from helpers"):
         reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
         if reply is not None:
-            meta = Metadata.from_json(reply, source=f"part of the metadata sent by rank {my_helper}")
+            meta = Metadata.from_json(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
     return meta
 
 

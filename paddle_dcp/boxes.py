@@ -190,15 +190,16 @@ def check_tiling(
         if total == 0 or not require_cover:
             return
         raise PlanError(f"{key}: no piece covers this tensor of shape {global_shape}")
-    ends = offsets + shapes
     limit = np.asarray(global_shape, dtype=np.int64)
-    bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (ends > limit).any(1)
+    # compared without forming offsets + shapes first, which could wrap around
+    bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (shapes > limit).any(1) | (offsets > limit - shapes).any(1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise PlanError(
             f"{key}: piece at offset {tuple(offsets[i].tolist())} with shape "
             f"{tuple(shapes[i].tolist())} is empty or outside the tensor's shape {global_shape}"
         )
+    ends = offsets + shapes
     volumes = np.prod(shapes, axis=1, dtype=np.int64)
     covered = int(volumes.sum())
     grid = _grid_cells(offsets, ends, global_shape)

@@ -211,8 +211,12 @@ class Metadata:
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, source: str = "metadata") -> "Metadata":
+    def from_json(cls, data: bytes | str, source: str = "metadata", allow_subset: bool = False) -> "Metadata":
         """Parse and validate metadata.
+
+        Args:
+            allow_subset: accept the partial metadata ranks send each other (``subset``);
+                never for a file read from disk.
 
         Raises:
             FormatError: naming ``source`` and what is wrong, for anything malformed, out of
@@ -223,17 +227,21 @@ class Metadata:
                 f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata"
             )
         try:
-            doc = json.loads(data)
+            doc = json.loads(data, parse_constant=_reject_constant)
         except (ValueError, RecursionError, UnicodeDecodeError) as exc:
             raise FormatError(f"{source}: not valid JSON ({exc})") from None
         try:
-            return _parse(doc, source)
+            return _parse(doc, source, allow_subset)
         except FormatError:
             raise
         except PlanError as exc:
             raise FormatError(f"{source}: {exc}") from None
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 # -------------------------------------------------------------------- columns
@@ -299,13 +307,13 @@ def check_file_name(name: Any, what: str = "file name") -> str:
     return name
 
 
-def _parse(doc: Any, source: str) -> Metadata:
+def _parse(doc: Any, source: str, allow_subset: bool) -> Metadata:
     if not isinstance(doc, dict):
         raise FormatError(f"{source}: metadata must be a JSON object")
     if doc.get("format") != FORMAT_NAME:
         raise FormatError(f"{source}: not a paddle_dcp metadata file (format={str(doc.get('format'))[:40]!r})")
     version = doc.get("format_version")
-    if version not in SUPPORTED_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise FormatError(
             f"{source}: format_version {str(version)[:20]!r} is not supported; this paddle_dcp "
             f"reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}"
@@ -338,8 +346,10 @@ def _parse(doc: Any, source: str) -> Metadata:
     if not isinstance(tensors_doc, dict):
         raise FormatError(f"{source}: tensors must be an object")
     subset = doc.get("subset", False)
-    if subset not in (True, False):
+    if type(subset) is not bool:
         raise FormatError(f"{source}: subset must be true or false")
+    if subset and not allow_subset:
+        raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
     tensors = {}
     for key, t in tensors_doc.items():
         tensors[key] = _parse_tensor(key, t, file_sizes, block_bytes, require_cover=not subset)
@@ -400,13 +410,13 @@ def _parse_tensor(
     isz = itemsize(dtype)
     nbytes = np.prod(shapes, axis=1, dtype=np.int64) * isz
     if count:
-        ends = byte_offsets + nbytes
-        bad = (byte_offsets < 0) | (ends > file_sizes[files])
+        # compared without forming byte_offsets + nbytes, which could wrap around
+        bad = (byte_offsets < 0) | (byte_offsets > file_sizes[files] - nbytes)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise FormatError(
-                f"{what}: piece {i} reads bytes [{int(byte_offsets[i])}, {int(ends[i])}) past the "
-                f"end of its file ({int(file_sizes[files[i]])} bytes)"
+                f"{what}: piece {i} reads {int(nbytes[i])} bytes from offset {int(byte_offsets[i])}, "
+                f"past the end of its file ({int(file_sizes[files[i]])} bytes)"
             )
     nblocks = int(blocks_of(nbytes, block_bytes).sum()) if count else 0
     checksums = _decode_column(t["checksums"], nblocks, f"{what}: checksums", hex_digits=True)

@@ -95,7 +95,7 @@ def plain_value(value: Any, key: str) -> Any:
     """``value`` as a JSON-safe Python scalar, or FormatError naming ``key``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, np.generic) and value.shape == ():
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
         return value.item()
     raise FormatError(
         f"{key}: cannot save a value of type {type(value).__name__}; a state dict leaf must be a "
@@ -112,6 +112,8 @@ def encode_value(value: Any) -> dict:
 def decode_value(node: dict, key: str) -> Any:
     if "v" in node:
         value = node["v"]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FormatError(f"{key}: a non-finite float must be written as {{\"f\": ...}}")
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         raise FormatError(f"{key}: value of type {type(value).__name__} in the metadata")

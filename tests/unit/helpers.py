@@ -206,7 +206,7 @@ def load_rank(path: str, unique_id: int, targets: Sequence[planner.TargetPiece],
     meta = storage.read_metadata(path, unique_id)
     if restrict:
         part = planner.restrict(meta, targets)
-        meta = Metadata.from_json(part.to_json(), source="part")
+        meta = Metadata.from_json(part.to_json(), source="part", allow_subset=True)
         assert meta.subset and len(meta.files) <= len(part.files)
     ops = planner.plan_reads(meta, targets, **plan_kw)
     out = [garbage_like(t.box.shape, t.dtype) for t in targets]

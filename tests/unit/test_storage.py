@@ -245,13 +245,6 @@ def test_the_load_path_never_unpickles(ckpt, monkeypatch):
     assert meta.values() == {"step": 3}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="metadata._parse honours a \"subset\": true field in a metadata file read from disk and "
-    "then skips the exact-cover check (require_cover=False): a file with a gap is accepted and the "
-    "load fails later with PlanError instead of FormatError before reading a byte",
-)
 def test_read_metadata_refuses_a_file_marked_as_a_subset(ckpt):
     full = os.path.join(ckpt, "0.metadata")
     with open(full) as f:
