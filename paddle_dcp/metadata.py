@@ -227,7 +227,7 @@ class Metadata:
                 f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata"
             )
         try:
-            doc = json.loads(data, parse_constant=_reject_constant)
+            doc = json.loads(data)
         except (ValueError, RecursionError, UnicodeDecodeError) as exc:
             raise FormatError(f"{source}: not valid JSON ({exc})") from None
         try:
@@ -238,10 +238,6 @@ class Metadata:
             raise FormatError(f"{source}: {exc}") from None
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
 
 
 # -------------------------------------------------------------------- columns
