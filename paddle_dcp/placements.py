@@ -95,12 +95,18 @@ def describe(key: str, value: Any, rank: int) -> Held:
 
 
 def reduce_partial(value: Any):
-    """The tensor with its Partial placements reduced to Replicate, the way paddle's reshard
-    reduces them (a collective over the mesh's partial dims)."""
+    """The tensor with its Partial placements reduced to Replicate by paddle's reshard (a
+    collective over the mesh's partial dims, with the placement's reduce type). float16 and
+    bfloat16 are reduced in float32 and rounded once (gloo has no half-precision reduction)."""
     import paddle.distributed as dist
 
     placements = [dist.Replicate() if p.is_partial() else p for p in value.placements]
-    return dist.reshard(value, value.process_mesh, placements)
+    dtype = value.dtype
+    half = dtype_name(value) in ("float16", "bfloat16")
+    if half:
+        value = value.astype("float32")
+    reduced = dist.reshard(value, value.process_mesh, placements)
+    return reduced.astype(dtype) if half else reduced
 
 
 def has_partial(value: Any) -> bool:
