@@ -20,7 +20,7 @@ from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes
 from .errors import DcpError, FormatError, MismatchError, StorageError
 from .metadata import DEFAULT_BLOCK_BYTES, Metadata
-from .placements import describe, has_partial, is_tensor, reduce_partial
+from .placements import describe, has_partial, is_tensor, reduce_partial, rewrap
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -316,7 +316,10 @@ def _plan_load(comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, o
             buffers.append(_NoTarget())
             fills.append(None)
             continue
-        buffers.append(_NumpyTarget(h.local) if isinstance(h.local, np.ndarray) else TargetBuffer(h.local, offload))
+        value = flat.tensors[h.piece.key]
+        buffers.append(
+            _NumpyTarget(h.local) if isinstance(h.local, np.ndarray) else TargetBuffer(h.local, offload, rewrap(value))
+        )
         fill = _partial_fill(h)
         fills.append(fill)
         target = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)

@@ -70,23 +70,23 @@ class TargetBuffer:
 
     On the CPU the array is the tensor's own memory. Elsewhere it is a host buffer whose
     contents are copied to the tensor's place by :meth:`finish`; with ``offload`` the host
-    tensor itself becomes the loaded value (``replacement``).
+    tensor itself becomes the loaded value (``replacement``, made a dist tensor again by
+    ``wrap`` when the target was one).
     """
 
-    def __init__(self, tensor, offload: bool = False):
+    def __init__(self, tensor, offload: bool = False, wrap=None):
         self.tensor = tensor
         self.replacement = None
         name = dtype_name(tensor)
         if is_host(tensor) and tensor.is_contiguous():
             self.host = tensor
-        else:
+        else:  # assembled in host memory, never in device memory
             import paddle
 
-            self.host = paddle.empty(tensor.shape, dtype=tensor.dtype).cpu()
-            if _has_pinned() and not offload:
-                self.host = self.host.pin_memory()
+            pinned = _has_pinned() and not offload
+            self.host = paddle.empty(tensor.shape, dtype=tensor.dtype, device=paddle.CPUPlace(), pin_memory=pinned)
             if offload:
-                self.replacement = self.host
+                self.replacement = wrap(self.host) if wrap is not None else self.host
         self.array = _view(self.host, name)
 
     def fill(self, value) -> None:

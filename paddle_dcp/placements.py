@@ -116,3 +116,14 @@ def has_partial(value: Any) -> bool:
         and value._is_initialized()
         and any(p.is_partial() for p in value.placements)
     )
+
+
+def rewrap(value: Any):
+    """A function turning a local tensor into a dist tensor laid out as ``value`` (for offload,
+    whose loaded local values live in host memory); None for plain tensors."""
+    if isinstance(value, np.ndarray) or not value.is_dist():
+        return None
+    from paddle.distributed.auto_parallel.api import dtensor_from_local
+
+    mesh, placements = value.process_mesh, value.placements
+    return lambda local: dtensor_from_local(local, mesh, placements)
