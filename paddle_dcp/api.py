@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import exchange, nested, planner, storage, wire
+from . import exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes
 from .errors import DcpError, FormatError, MismatchError, StorageError
@@ -67,58 +67,61 @@ def save_state_dict(
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
-    with comm.step("prepare"):
+    state: dict[str, Any] = {}
+
+    def prepare():
         _check_id(unique_id)
-        flat = nested.flatten(state_dict, is_tensor, keep_values=comm.is_coordinator)
+        state["flat"] = nested.flatten(state_dict, is_tensor, keep_values=False)
         os.makedirs(path, exist_ok=True)
-        tensors = dict(flat.tensors)
-        partial = [k for k, v in tensors.items() if has_partial(v)]
-    with comm.step("reduce partial"):
-        for key in partial:
-            tensors[key] = reduce_partial(tensors[key])
-    uid = -1
-    with comm.step("describe"):
-        held = [describe(k, v, comm.rank) for k, v in tensors.items()]
-        summary = planner.SaveSummary.from_pieces(comm.rank, flat.skeleton, [h.piece for h in held])
-        if comm.is_coordinator:
-            uid = unique_id if unique_id is not None else _next_id(path)
-    uid = int(comm.call("choose id", lambda: comm.broadcast(str(uid).encode(), comm.coordinator)))
-    blobs = comm.call("gather summaries", lambda: comm.gather(wire.encode_summary(summary), comm.coordinator))
-    parts = plan = None
-    with comm.step("plan"):
-        if comm.is_coordinator:
-            cache: dict = {}
-            summaries = [wire.decode_summary(b, r, cache) for r, b in zip(comm.ranks, blobs)]
-            plan = planner.plan_save(summaries)
-            parts = [
-                wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.dtypes))
-                for s in summaries
-            ]
-    mine = wire.decode_assignment(comm.call("assign", lambda: comm.scatter(parts, comm.coordinator)))
-    size, sums = _write_pieces(comm, path, uid, held, mine)
-    reports = comm.call(
-        "report", lambda: comm.gather(wire.encode_report(size, np.asarray(sums, np.uint64)), comm.coordinator)
+        state["tensors"] = dict(state["flat"].tensors)
+
+    def reduce():
+        tensors = state["tensors"]
+        for key, value in tensors.items():
+            if has_partial(value):
+                tensors[key] = reduce_partial(value)
+
+    def describe_all():
+        state["held"] = [describe(k, v, comm.rank) for k, v in state["tensors"].items()]
+        return state["flat"].skeleton, [h.piece for h in state["held"]]
+
+    def choose_id():
+        return unique_id if unique_id is not None else _next_id(path)
+
+    def write(uid, leaves):
+        return _write_pieces(path, planner.data_file_name(comm.rank, uid), state["held"], leaves)
+
+    def publish(meta):
+        storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json())
+
+    ctx = protocol.SaveRank(
+        rank=comm.rank,
+        ranks=comm.ranks,
+        coordinator=comm.coordinator,
+        prepare=prepare,
+        reduce=reduce,
+        describe=describe_all,
+        choose_id=choose_id,
+        write=write,
+        values=lambda: state["flat"].values,
+        publish=publish,
+        block_bytes=DEFAULT_BLOCK_BYTES,
+        created_by=f"paddle_dcp {__version__}",
+        cache=_SAVE_PLANS,
     )
-    with comm.step("commit"):
-        if comm.is_coordinator:
-            checks = {}
-            for r, blob in zip(comm.ranks, reports):
-                nbytes, rank_sums = wire.decode_report(blob, r)
-                if r in plan.file_bytes:
-                    if nbytes != plan.file_bytes[r]:
-                        raise StorageError(f"rank {r} wrote {nbytes} bytes, the plan says {plan.file_bytes[r]}")
-                    checks[r] = rank_sums
-            structure, dropped = nested.fill_values(plan.skeleton, flat.values)
-            if dropped:
-                logger.warning("not saved: plain values held only by ranks other than the coordinator: %s", dropped)
-            meta = planner.build_metadata(
-                plan, checks, structure, uid, len(comm.ranks), DEFAULT_BLOCK_BYTES, f"paddle_dcp {__version__}"
-            )
-            storage.write_atomic(path, storage.metadata_name(uid), meta.to_json())
+    result = protocol.run(comm, protocol.save(ctx))
+    _LAST_TRAFFIC["save"] = comm.traffic
     logger.info(
-        "saved checkpoint %d to %s: %d bytes written by this rank in %.3f s",
-        uid, path, size, time.perf_counter() - started,
+        "saved checkpoint %d to %s: %d bytes written by this rank in %.3f s%s",
+        result.unique_id, path, result.bytes_written, time.perf_counter() - started,
+        " (plan reused)" if result.plan_reused else "",
     )
+
+
+# A group's last save plan, reused while no rank's layout changes (see protocol.save).
+_SAVE_PLANS: dict = {}
+# The planning traffic of this process's last save and load (for the scale check).
+_LAST_TRAFFIC: dict = {}
 
 
 def _next_id(path: str) -> int:
@@ -126,20 +129,19 @@ def _next_id(path: str) -> int:
     return 0 if latest is None else latest + 1
 
 
-def _write_pieces(comm: Comm, path: str, uid: int, held, leaves: np.ndarray) -> tuple[int, list[int]]:
-    size, sums = 0, []
-    with comm.step("write"):
-        if len(leaves):
-            writer = storage.DataWriter(path, planner.data_file_name(comm.rank, uid), DEFAULT_BLOCK_BYTES)
-            try:
-                for leaf in leaves.tolist():
-                    data = host_bytes(held[leaf].local)
-                    sums.extend(writer.write(storage.as_bytes(data.array)))
-                size = writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
-    return size, sums
+def _write_pieces(path: str, name: str, held, leaves: np.ndarray) -> tuple[int, list[int]]:
+    if not len(leaves):
+        return 0, []
+    sums: list[int] = []
+    writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
+    try:
+        for leaf in leaves.tolist():
+            data = host_bytes(held[leaf].local)
+            sums.extend(writer.write(storage.as_bytes(data.array)))
+        return writer.commit(), sums
+    except BaseException:
+        writer.abort()
+        raise
 
 
 # ============================================================================ load
@@ -181,63 +183,42 @@ def load_state_dict(
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
-    latest = -1
-    with comm.step("inspect"):
+    state: dict[str, Any] = {}
+
+    def inspect():
         _check_id(unique_id)
-        flat = nested.flatten(state_dict, is_tensor)
-        held = [describe(k, v, comm.rank) for k, v in flat.tensors.items()]
-        listing = storage.list_checkpoints(path)
-        latest = listing.latest if listing.latest is not None else -1
-    uid = unique_id if unique_id is not None else comm.call("choose id", lambda: comm.all_max([latest]))[0]
-    meta: Metadata | None = None
-    with comm.step("read metadata"):
-        if uid < 0:
-            where = "" if os.path.isdir(path) else " (the directory does not exist)"
-            raise FormatError(f"no complete checkpoint in {path}{where}: no *.metadata file was found")
-        if uid in listing.complete:
-            meta = storage.read_metadata(path, uid)
-        status = wire.encode_json({"m": meta is not None, "f": wire.rle(listing.data_ranks.get(uid, ()))})
-    statuses = [wire.decode_json(s) for s in comm.call("locate", lambda: comm.all_gather(status))]
-    readers = [r for r, s in zip(comm.ranks, statuses) if s["m"]]
-    with comm.step("check"):
-        if not readers:
-            raise StorageError(
-                f"checkpoint {uid} is not complete in {path}: no rank finds {storage.metadata_name(uid)}"
-                f"; complete checkpoints there: {sorted(listing.complete) or 'none'}",
-                path,
-            )
-    if len(readers) < comm.size:
-        meta = _metadata_from_helpers(comm, readers, meta, flat, held, mw_name_compatibility)
-    with comm.step("plan"):
-        plan = _plan_load(comm, flat, held, meta, path, offload, mw_name_compatibility)
-        local, remote = _split_by_reader(comm, plan, meta, uid, listing, statuses)
-    clients = _route(comm, remote)
-    with comm.step("read"):
-        run = plan.runner()
-        try:
-            for op in local:
-                run(op, None)
-            if clients is None:
-                plan.finish()
-        finally:
-            if clients is None:
-                plan.files.close()
-    if clients is not None:
-        with comm.step("exchange"):
-            try:
-                exchange.fetch_remote(comm, path, remote, clients, lambda i: meta.files[i].name, run)
-                plan.finish()
-            finally:
-                plan.files.close()
-    with comm.step("values"):
-        for key, buffer in zip(flat.tensors, plan.buffers):
-            if buffer.replacement is not None:
-                nested.set_tensor(state_dict, flat.paths[key], buffer.replacement)
-        saved_values = meta.values()
-        nested.set_values(state_dict, flat, {k: saved_values[k] for k in flat.values if k in saved_values})
+        state["flat"] = nested.flatten(state_dict, is_tensor)
+        state["held"] = [describe(k, v, comm.rank) for k, v in state["flat"].tensors.items()]
+        return storage.list_checkpoints(path)
+
+    def helpers(readers, meta):
+        return protocol.Pairwise(
+            "metadata from helpers",
+            lambda c: _metadata_from_helpers(c, readers, meta, state["flat"], state["held"], mw_name_compatibility),
+        )
+
+    def plan(meta, uid, listing, statuses):
+        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility)
+        work.split(comm, uid, listing, statuses)
+        work.state_dict = state_dict
+        return work
+
+    ctx = protocol.LoadRank(
+        rank=comm.rank,
+        ranks=comm.ranks,
+        coordinator=comm.coordinator,
+        unique_id=unique_id,
+        path=path,
+        inspect=inspect,
+        read_metadata=lambda uid: storage.read_metadata(path, uid),
+        metadata_from_helpers=helpers,
+        plan=plan,
+    )
+    uid, work = protocol.run(comm, protocol.load(ctx))
+    _LAST_TRAFFIC["load"] = comm.traffic
     logger.info(
         "loaded checkpoint %d from %s: %d bytes by this rank in %.3f s",
-        uid, path, sum(op.nbytes for op in plan.ops), time.perf_counter() - started,
+        uid, path, sum(op.nbytes for op in work.ops), time.perf_counter() - started,
     )
 
 
@@ -264,33 +245,70 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
         value_keys = [nested.flat_key(p) for p, tag, _ in nested.walk(summary.skeleton) if tag in ("v", "f", "x")]
         return planner.restrict(meta, targets, value_keys).to_json()
 
-    with comm.step("metadata from helpers"):
-        reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
-        if reply is not None:
-            meta = Metadata.from_json(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
+    reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
+    if reply is not None:
+        meta = Metadata.from_json(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
     return meta
 
 
 class _LoadPlan:
     """One rank's load: read ops, the buffers they fill, and what finishes each buffer."""
 
-    def __init__(self, ops, files, buffers, fills):
+    def __init__(self, flat, meta, ops, files, buffers, fills):
+        self.flat, self.meta = flat, meta
         self.ops, self.files, self.buffers, self.fills = ops, files, buffers, fills
         self.staging = storage.Staging()
+        self.local, self.remote = list(ops), {}
+        self.state_dict = None
+        arrays = [b.array for b in buffers]
+        self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, True, fetch)
 
-    def runner(self):
-        arrays = [b.array for b in self.buffers]
+    def split(self, comm: Comm, uid: int, listing, statuses) -> None:
+        """Ops on files this rank can read, and the others by the rank that will serve them.
+        Every local file is opened (and its size checked) before any byte moves."""
+        mine = {planner.data_file_name(r, uid) for r in listing.data_ranks.get(uid, ())}
+        self.local, self.remote = [], {}
+        for op in self.ops:
+            name = self.meta.files[op.file].name
+            if name in mine:
+                self.local.append(op)
+                continue
+            m = storage.DATA_RE.match(name)
+            writer = int(m.group(1)) if m else -1
+            servers = [r for r, s in zip(comm.ranks, statuses) if r != comm.rank and wire.in_runs(s["f"], writer)]
+            if not servers:
+                keys = sorted({seg.piece.key for seg in op.segments})
+                raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
+            self.remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
+        for f in sorted({op.file for op in self.local}):
+            self.files.fd(f)
 
-        def run(op, fetch):
-            storage.execute_op(op, self.files, arrays, self.staging, True, fetch)
+    def read_local(self) -> None:
+        try:
+            for op in self.local:
+                self.run(op, None)
+        finally:
+            if not self.remote:
+                self.files.close()
 
-        return run
+    def exchange(self, comm: Comm, clients) -> None:
+        try:
+            exchange.fetch_remote(comm, self.files.path, self.remote, clients, lambda i: self.meta.files[i].name, self.run)
+        finally:
+            self.files.close()
 
-    def finish(self):
+    def finish(self) -> None:
+        """Fill constants, copy host buffers to their devices, put offloaded tensors and the
+        checkpoint's plain values into the state dict."""
         for buffer, fill in zip(self.buffers, self.fills):
             if fill is not None:
                 buffer.fill(fill)
             buffer.finish()
+        for key, buffer in zip(self.flat.tensors, self.buffers):
+            if buffer.replacement is not None:
+                nested.set_tensor(self.state_dict, self.flat.paths[key], buffer.replacement)
+        saved = self.meta.values()
+        nested.set_values(self.state_dict, self.flat, {k: saved[k] for k in self.flat.values if k in saved})
 
 
 def _plan_load(comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool) -> _LoadPlan:
@@ -329,47 +347,7 @@ def _plan_load(comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, o
         else:  # nothing to read, but the shape and dtype must still agree
             planner.check_targets(meta, [target])
     ops = [_retarget(op, index) for op in planner.plan_reads(meta, targets)]
-    return _LoadPlan(ops, storage.FileSet(path, meta), buffers, fills)
-
-
-def _split_by_reader(comm: Comm, plan: "_LoadPlan", meta: Metadata, uid: int, listing, statuses):
-    """Ops on files this rank can read, and the others by the rank that will serve them.
-    Every local file is opened (and its size checked) before any byte moves."""
-    mine = {planner.data_file_name(r, uid) for r in listing.data_ranks.get(uid, ())}
-    local, remote = [], {}
-    for op in plan.ops:
-        name = meta.files[op.file].name
-        if name in mine:
-            local.append(op)
-            continue
-        m = storage.DATA_RE.match(name)
-        writer = int(m.group(1)) if m else -1
-        servers = [r for r, s in zip(comm.ranks, statuses) if r != comm.rank and wire.in_runs(s["f"], writer)]
-        if not servers:
-            keys = sorted({seg.piece.key for seg in op.segments})
-            raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
-        remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
-    for f in sorted({op.file for op in local}):
-        plan.files.fd(f)
-    return local, remote
-
-
-def _route(comm: Comm, remote: dict) -> list[int] | None:
-    """Tell every server which ranks will ask it for bytes; None when no rank needs any.
-    The coordinator alone sees every rank's servers; each rank receives its own clients."""
-    if comm.size == 1:
-        return None
-    if not comm.call("route", lambda: comm.all_max([1 if remote else 0]))[0]:
-        return None
-    asked = comm.call("route", lambda: comm.gather(wire.encode_json(sorted(remote)), comm.coordinator))
-    parts = None
-    if comm.is_coordinator:
-        clients: dict[int, list[int]] = {r: [] for r in comm.ranks}
-        for client, blob in zip(comm.ranks, asked):
-            for server in wire.decode_json(blob):
-                clients[int(server)].append(client)
-        parts = [wire.encode_json(clients[r]) for r in comm.ranks]
-    return [int(c) for c in wire.decode_json(comm.call("route", lambda: comm.scatter(parts, comm.coordinator)))]
+    return _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills)
 
 
 def _retarget(op: planner.ReadOp, index: list[int]) -> planner.ReadOp:

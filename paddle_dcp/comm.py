@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -29,13 +30,48 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+@dataclass
+class Traffic:
+    """Bytes this rank sent to and received from other ranks in planning messages and
+    agreements (payload bytes of each collective; point-to-point data not included)."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+
+# Bytes one rank sends and receives in each collective, for messages padded to `width` bytes
+# plus the 8-byte length: the real comm and the simulation count with the same functions.
+def cost_all_max(count: int, size: int) -> tuple[int, int]:
+    return (8 * count, 8 * count) if size > 1 else (0, 0)
+
+
+def cost_gather(width: int, size: int, root: bool) -> tuple[int, int]:
+    return (0, (size - 1) * (width + 8)) if root else (width + 8, 0)
+
+
+def cost_scatter(width: int, size: int, root: bool) -> tuple[int, int]:
+    return ((size - 1) * (width + 8), 0) if root else (0, width + 8)
+
+
+def cost_all_gather(width: int, size: int) -> tuple[int, int]:
+    return ((size - 1) * (width + 8), (size - 1) * (width + 8))
+
+
 class Comm:
     """The collectives a save or load needs. Ranks are global ranks; ``ranks`` lists the
-    group's members in group order."""
+    group's members in group order. Subclasses implement the fixed-size primitives
+    (``_all_max``, ``_gather``, ``_scatter``, ``_broadcast``, ``_all_gather``, on uint8
+    arrays of equal length); this class turns them into byte messages of any length and
+    counts the traffic."""
 
     rank: int
     ranks: tuple[int, ...]
     coordinator: int
+    traffic: Traffic
 
     @property
     def size(self) -> int:
@@ -45,22 +81,49 @@ class Comm:
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
 
-    # -- primitives, implemented by subclasses
+    # -- byte messages
     def all_max(self, values: Sequence[int]) -> list[int]:
-        raise NotImplementedError
+        self.traffic.add(*cost_all_max(len(values), self.size))
+        return self._all_max(list(values))
 
     def gather(self, data: bytes, root: int) -> list[bytes] | None:
         """Every rank's ``data`` at ``root`` (in group order); None elsewhere."""
-        raise NotImplementedError
+        width = self.all_max([len(data)])[0]
+        self.traffic.add(*cost_gather(width, self.size, self.rank == root))
+        out = self._gather(_pad(data, width), root)
+        return None if out is None else [_unpad(b) for b in out]
 
     def scatter(self, parts: Sequence[bytes] | None, root: int) -> bytes:
         """``parts[i]`` (given at ``root``) to the i-th rank of the group."""
-        raise NotImplementedError
+        width = self.all_max([max((len(p) for p in parts), default=0) if self.rank == root else 0])[0]
+        self.traffic.add(*cost_scatter(width, self.size, self.rank == root))
+        padded = [_pad(p, width) for p in parts] if self.rank == root else None
+        return _unpad(self._scatter(padded, width, root))
 
     def broadcast(self, data: bytes | None, root: int) -> bytes:
-        raise NotImplementedError
+        width = self.all_max([len(data) if self.rank == root else 0])[0]
+        self.traffic.add(*cost_scatter(width, self.size, self.rank == root))
+        return _unpad(self._broadcast(_pad(data if self.rank == root else b"", width), root))
 
     def all_gather(self, data: bytes) -> list[bytes]:
+        width = self.all_max([len(data)])[0]
+        self.traffic.add(*cost_all_gather(width, self.size))
+        return [_unpad(b) for b in self._all_gather(_pad(data, width))]
+
+    # -- primitives
+    def _all_max(self, values: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def _gather(self, buf: np.ndarray, root: int) -> list[np.ndarray] | None:
+        raise NotImplementedError
+
+    def _scatter(self, bufs: list[np.ndarray] | None, width: int, root: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _broadcast(self, buf: np.ndarray, root: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _all_gather(self, buf: np.ndarray) -> list[np.ndarray]:
         raise NotImplementedError
 
     # -- point to point, between two ranks that both expect the message
@@ -112,6 +175,33 @@ class Comm:
         """Run one collective of ``step``, turning backend failures into CollectiveError."""
         return self._collective(step, fn)
 
+    def execute(self, request):
+        """Carry out one request of a protocol (see :mod:`paddle_dcp.protocol`)."""
+        from . import protocol as p
+
+        if isinstance(request, p.Agree):
+            self.agree(request.step, request.error)
+            return None
+        if isinstance(request, p.Pairwise):
+            try:
+                value, error = request.fn(self), None
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                value, error = None, exc
+            self.agree(request.step, error)
+            return value
+        step = type(request).__name__.lower()
+        if isinstance(request, p.AllMax):
+            return self.call(step, lambda: self.all_max(request.values))
+        if isinstance(request, p.Gather):
+            return self.call(step, lambda: self.gather(request.data, request.root))
+        if isinstance(request, p.Scatter):
+            return self.call(step, lambda: self.scatter(request.parts, request.root))
+        if isinstance(request, p.Broadcast):
+            return self.call(step, lambda: self.broadcast(request.data, request.root))
+        if isinstance(request, p.AllGather):
+            return self.call(step, lambda: self.all_gather(request.data))
+        raise TypeError(f"unknown protocol request {request!r}")
+
 
 class SoloComm(Comm):
     """A world of one: every collective returns its own input."""
@@ -120,21 +210,22 @@ class SoloComm(Comm):
         self.rank = rank
         self.ranks = (rank,)
         self.coordinator = rank
+        self.traffic = Traffic()
 
-    def all_max(self, values):
+    def _all_max(self, values):
         return list(values)
 
-    def gather(self, data, root):
-        return [bytes(data)]
+    def _gather(self, buf, root):
+        return [buf]
 
-    def scatter(self, parts, root):
-        return bytes(parts[0])
+    def _scatter(self, bufs, width, root):
+        return bufs[0]
 
-    def broadcast(self, data, root):
-        return bytes(data)
+    def _broadcast(self, buf, root):
+        return buf
 
-    def all_gather(self, data):
-        return [bytes(data)]
+    def _all_gather(self, buf):
+        return [buf]
 
 
 def _pad(data: bytes, width: int) -> np.ndarray:
@@ -145,10 +236,106 @@ def _pad(data: bytes, width: int) -> np.ndarray:
 
 
 def _unpad(buf: np.ndarray) -> bytes:
+    buf = np.asarray(buf, dtype=np.uint8)
     (n,) = struct.unpack("<Q", buf[:8].tobytes())
     if n > len(buf) - 8:
         raise CollectiveError("message", {-1: "a message is longer than its buffer"})
     return buf[8 : 8 + n].tobytes()
+
+
+class SimWorld:
+    """Every rank of a job in one process, for measuring the protocols at scale.
+
+    :meth:`run` advances all ranks' protocol generators in lockstep; each collective receives
+    all ranks' requests at once, hands every rank the result the real collective would, and
+    counts every rank's traffic with the same cost functions as a real comm. Agreements see no
+    failure. Pairwise (node-local) steps are not simulated.
+    """
+
+    def __init__(self, ranks: Sequence[int], coordinator: int):
+        self.ranks = tuple(ranks)
+        self.coordinator = coordinator
+        self.traffic = {r: Traffic() for r in self.ranks}
+        self.seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
+
+    def run(self, protocols: dict[int, "object"], timed: Sequence[int] = ()):
+        """Drive ``protocols`` (rank -> generator) to the end; returns rank -> value. Ranks in
+        ``timed`` have the time spent in their own steps added up in ``seconds``."""
+        import time
+
+        from . import protocol as p
+
+        results = {r: None for r in self.ranks}
+        done: dict[int, object] = {}
+        while len(done) < len(self.ranks):
+            requests = {}
+            for r in self.ranks:
+                if r in done:
+                    continue
+                t0 = time.perf_counter() if r in timed else 0.0
+                try:
+                    requests[r] = protocols[r].send(results[r])
+                except StopIteration as stop:
+                    done[r] = stop.value
+                if r in timed:
+                    self.seconds[r] += time.perf_counter() - t0
+            if not requests:
+                break
+            if done:
+                raise RuntimeError(f"ranks finished at different steps: {sorted(done)} done, {sorted(requests)} not")
+            kinds = {type(q) for q in requests.values()}
+            if len(kinds) != 1:
+                raise RuntimeError(f"ranks disagree on the next collective: {sorted(k.__name__ for k in kinds)}")
+            results = self._execute(requests, kinds.pop(), p)
+        return done
+
+    def _add(self, rank: int, cost: tuple[int, int]) -> None:
+        self.traffic[rank].add(*cost)
+
+    def _width(self, lengths: dict[int, int]) -> int:
+        for r in lengths:
+            self._add(r, cost_all_max(1, len(self.ranks)))
+        return max(lengths.values())
+
+    def _execute(self, requests: dict, kind, p) -> dict:
+        size = len(self.ranks)
+        first = next(iter(requests.values()))
+        if kind is p.Agree:
+            for r, q in requests.items():
+                if q.error is not None:
+                    raise q.error
+                self._add(r, cost_all_max(1, size))
+            return {r: None for r in requests}
+        if kind is p.AllMax:
+            out = [max(v) for v in zip(*(q.values for q in requests.values()))]
+            for r, q in requests.items():
+                self._add(r, cost_all_max(len(q.values), size))
+            return {r: list(out) for r in requests}
+        if kind is p.Gather:
+            width = self._width({r: len(q.data) for r, q in requests.items()})
+            for r in requests:
+                self._add(r, cost_gather(width, size, r == first.root))
+            gathered = [requests[r].data for r in self.ranks]
+            return {r: (gathered if r == first.root else None) for r in requests}
+        if kind is p.Scatter:
+            parts = requests[first.root].parts
+            width = self._width({r: (max(map(len, parts), default=0) if r == first.root else 0) for r in requests})
+            for r in requests:
+                self._add(r, cost_scatter(width, size, r == first.root))
+            return {r: parts[i] for i, r in enumerate(self.ranks)}
+        if kind is p.Broadcast:
+            data = requests[first.root].data
+            width = self._width({r: (len(data) if r == first.root else 0) for r in requests})
+            for r in requests:
+                self._add(r, cost_scatter(width, size, r == first.root))
+            return {r: data for r in requests}
+        if kind is p.AllGather:
+            width = self._width({r: len(q.data) for r, q in requests.items()})
+            for r in requests:
+                self._add(r, cost_all_gather(width, size))
+            everything = [requests[r].data for r in self.ranks]
+            return {r: everything for r in requests}
+        raise RuntimeError(f"{kind.__name__} is not simulated")
 
 
 class PaddleComm(Comm):
@@ -172,41 +359,33 @@ class PaddleComm(Comm):
         if coordinator not in self.ranks:
             raise DcpError(f"coordinator_rank {coordinator} is not a member of the process group {self.ranks}")
         self.coordinator = coordinator
+        self.traffic = Traffic()
 
-    def all_max(self, values):
+    def _all_max(self, values):
         t = self._tensor(np.asarray(values, dtype=np.int64))
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
         return [int(x) for x in t.numpy()]
 
-    def gather(self, data, root):
-        width = self.all_max([len(data)])[0]
-        out = [] if self.rank == root else None
-        gather_list = [self._tensor(np.zeros(width + 8, np.uint8)) for _ in self.ranks] if self.rank == root else []
-        self._dist.gather(self._tensor(_pad(data, width)), gather_list, dst=root, group=self.group)
-        if self.rank != root:
-            return None
-        for t in gather_list:
-            out.append(_unpad(t.numpy()))
-        return out
+    def _gather(self, buf, root):
+        gather_list = [self._tensor(np.zeros_like(buf)) for _ in self.ranks] if self.rank == root else []
+        self._dist.gather(self._tensor(buf), gather_list, dst=root, group=self.group)
+        return [t.numpy() for t in gather_list] if self.rank == root else None
 
-    def scatter(self, parts, root):
-        width = self.all_max([max((len(p) for p in parts), default=0) if self.rank == root else 0])[0]
+    def _scatter(self, bufs, width, root):
         out = self._tensor(np.zeros(width + 8, np.uint8))
-        tensors = [self._tensor(_pad(p, width)) for p in parts] if self.rank == root else None
+        tensors = [self._tensor(b) for b in bufs] if self.rank == root else None
         self._dist.scatter(out, tensors, src=root, group=self.group)
-        return _unpad(out.numpy())
+        return out.numpy()
 
-    def broadcast(self, data, root):
-        width = self.all_max([len(data) if self.rank == root else 0])[0]
-        buf = self._tensor(_pad(data if self.rank == root else b"", width))
-        self._dist.broadcast(buf, src=root, group=self.group)
-        return _unpad(buf.numpy())
+    def _broadcast(self, buf, root):
+        t = self._tensor(buf)
+        self._dist.broadcast(t, src=root, group=self.group)
+        return t.numpy()
 
-    def all_gather(self, data):
-        width = self.all_max([len(data)])[0]
+    def _all_gather(self, buf):
         out = []
-        self._dist.all_gather(out, self._tensor(_pad(data, width)), group=self.group)
-        return [_unpad(t.numpy()) for t in out]
+        self._dist.all_gather(out, self._tensor(buf), group=self.group)
+        return [t.numpy() for t in out]
 
     def _pair(self, peer: int):
         """(process group of this rank and ``peer`` alone, peer's index in it).

@@ -1,0 +1,288 @@
+"""The save and load protocols: every rank's sequence of local steps and collectives.
+
+A protocol is a generator run by one rank. It yields requests (a collective, an agreement
+after a local step, or a pairwise exchange) and receives their results; it never touches paddle,
+files or other ranks itself: the rank's ``SaveRank`` / ``LoadRank`` supplies the local work.
+
+Two drivers run these same generators:
+  * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.comm.Comm`;
+  * :func:`paddle_dcp.comm.SimWorld.run` for every rank of a job in one process, advancing all
+    generators in lockstep, so that a simulation of thousands of ranks executes the very steps
+    and messages of a real save or load (scripts/bench_scale.py).
+
+Every local step ends with an agreement (``Agree``): when it failed on any rank, every rank
+raises the same CollectiveError, so no rank is left waiting in the next collective.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Sequence
+
+import numpy as np
+import xxhash
+
+from . import nested, planner, wire
+from .errors import FormatError, StorageError
+from .metadata import Metadata
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ requests
+@dataclass(frozen=True)
+class AllMax:
+    values: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Gather:
+    data: bytes
+    root: int
+
+
+@dataclass(frozen=True)
+class Scatter:
+    parts: Sequence[bytes] | None
+    root: int
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    data: bytes
+    root: int
+
+
+@dataclass(frozen=True)
+class AllGather:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Agree:
+    step: str
+    error: BaseException | None
+
+
+@dataclass(frozen=True)
+class Pairwise:
+    """Point-to-point work between some ranks (node-local loading): ``fn(comm)`` runs on the
+    rank, its result or error is returned and then agreed on."""
+
+    step: str
+    fn: Callable[[Any], Any]
+
+
+Protocol = Generator[Any, Any, Any]
+
+
+def local(step: str, fn: Callable[[], Any]) -> Protocol:
+    """A local step followed by its agreement; returns ``fn()``'s value."""
+    try:
+        value, error = fn(), None
+    except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the driver
+        value, error = None, exc
+    yield Agree(step, error)
+    return value
+
+
+def run(comm, protocol: Protocol):
+    """Drive one rank's protocol on a real comm; returns the protocol's value."""
+    result = None
+    while True:
+        try:
+            request = protocol.send(result)
+        except StopIteration as stop:
+            return stop.value
+        result = comm.execute(request)
+
+
+# ====================================================================== save
+@dataclass
+class SaveRank:
+    """One rank's side of a save.
+
+    Attributes:
+        rank / ranks / coordinator: global ranks.
+        prepare: flattens the state dict; raises on what cannot be saved.
+        reduce: reduces Partial tensors (a collective of paddle's; entered by all together).
+        describe: -> (skeleton without plain values, local pieces in skeleton order).
+        choose_id: the coordinator's choice of id (called on the coordinator only).
+        write: (unique id, leaf indices to write) -> (file size, block checksums).
+        values: the coordinator's plain values, flat key -> value.
+        publish: the coordinator writes the metadata; called last.
+        cache: where the rank keeps its last save plan (module-level dict in a real job).
+    """
+
+    rank: int
+    ranks: tuple[int, ...]
+    coordinator: int
+    prepare: Callable[[], None]
+    reduce: Callable[[], None]
+    describe: Callable[[], tuple[dict, list[planner.LocalPiece]]]
+    choose_id: Callable[[], int]
+    write: Callable[[int, np.ndarray], tuple[int, list[int]]]
+    values: Callable[[], dict]
+    publish: Callable[[Metadata], None]
+    block_bytes: int
+    created_by: str = ""
+    cache: dict = field(default_factory=dict)
+
+
+@dataclass
+class SaveResult:
+    unique_id: int
+    bytes_written: int
+    plan_reused: bool
+
+
+def save(ctx: SaveRank) -> Protocol:
+    """The save protocol of one rank."""
+    is_coord = ctx.rank == ctx.coordinator
+    yield from local("prepare", ctx.prepare)
+    yield from local("reduce partial", ctx.reduce)
+
+    def summarize():
+        skeleton, pieces = ctx.describe()
+        return wire.encode_summary(planner.SaveSummary.from_pieces(ctx.rank, skeleton, pieces))
+
+    summary = yield from local("describe", summarize)
+    # a plan is reused when no rank's layout changed since the last save of this group
+    key = (tuple(ctx.ranks), ctx.coordinator)
+    digest = xxhash.xxh3_128_digest(summary)
+    cached = ctx.cache.get(key)
+    changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
+    uid = yield from local("choose id", ctx.choose_id if is_coord else (lambda: -1))
+    uid = int((yield Broadcast(str(uid).encode() if is_coord else b"", ctx.coordinator)))
+    if changed:
+        blobs = yield Gather(summary, ctx.coordinator)
+        plan, parts = yield from local("plan", (lambda: plan_from_summaries(ctx.ranks, blobs)) if is_coord else (lambda: (None, None)))
+        leaves = wire.decode_assignment((yield Scatter(parts, ctx.coordinator)))
+        ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
+    else:
+        plan, leaves = cached["plan"], cached["leaves"]
+    size, sums = (yield from local("write", lambda: ctx.write(uid, leaves))) or (0, [])
+    reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
+
+    def commit():
+        meta = metadata_from_reports(plan, ctx.ranks, reports, ctx.values(), uid, ctx.block_bytes, ctx.created_by)
+        ctx.publish(meta)
+
+    yield from local("commit", commit if is_coord else (lambda: None))
+    return SaveResult(uid, size, not changed)
+
+
+def plan_from_summaries(ranks: Sequence[int], blobs: Sequence[bytes]) -> tuple[planner.SavePlan, list[bytes]]:
+    """The coordinator's half of planning a save: decode every summary (each distinct layout
+    once), plan, and encode every rank's assignment."""
+    cache: dict = {}
+    summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
+    plan = planner.plan_save(summaries)
+    parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.dtypes)) for s in summaries]
+    return plan, parts
+
+
+def metadata_from_reports(
+    plan: planner.SavePlan,
+    ranks: Sequence[int],
+    reports: Sequence[bytes],
+    values: dict,
+    uid: int,
+    block_bytes: int,
+    created_by: str = "",
+) -> Metadata:
+    """The coordinator's last step: check every writer's report and assemble the metadata."""
+    checks = {}
+    for r, blob in zip(ranks, reports):
+        nbytes, sums = wire.decode_report(blob, r)
+        if r in plan.file_bytes:
+            if nbytes != plan.file_bytes[r]:
+                raise StorageError(f"rank {r} wrote {nbytes} bytes, the plan says {plan.file_bytes[r]}")
+            checks[r] = sums
+    structure, dropped = nested.fill_values(plan.skeleton, values)
+    if dropped:
+        logger.warning("not saved: plain values held only by ranks other than the coordinator: %s", dropped)
+    return planner.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by)
+
+
+# ====================================================================== load
+@dataclass
+class LoadRank:
+    """One rank's side of a load.
+
+    Attributes:
+        rank / ranks / coordinator: global ranks.
+        unique_id: the id asked for, or None for the latest.
+        inspect: flattens the state dict, describes its pieces, lists the directory ->
+            storage.Listing.
+        read_metadata: id -> the parsed metadata (this rank sees the file).
+        metadata_from_helpers: (readers, meta or None) -> Pairwise work giving this rank the
+            part of the metadata it needs (node-local disks).
+        plan: (metadata, id, listing, statuses) -> the rank's load work: an object with
+            ``remote`` (server rank -> ops), ``read_local()``, ``exchange(comm, clients)`` and
+            ``finish()``.
+    """
+
+    rank: int
+    ranks: tuple[int, ...]
+    coordinator: int
+    unique_id: int | None
+    path: str
+    inspect: Callable[[], Any]
+    read_metadata: Callable[[int], Metadata]
+    metadata_from_helpers: Callable[[list[int], Metadata | None], Pairwise]
+    plan: Callable[[Metadata, int, Any, list[dict]], Any]
+
+
+def load(ctx: LoadRank) -> Protocol:
+    """The load protocol of one rank."""
+    listing = yield from local("inspect", ctx.inspect)
+    latest = listing.latest if listing.latest is not None else -1
+    uid = ctx.unique_id if ctx.unique_id is not None else (yield AllMax((latest,)))[0]
+
+    def find_metadata():
+        if uid < 0:
+            raise FormatError(f"no complete checkpoint in {ctx.path}: no *.metadata file was found")
+        meta = ctx.read_metadata(uid) if uid in listing.complete else None
+        return meta, wire.encode_json({"m": meta is not None, "f": wire.rle(listing.data_ranks.get(uid, ()))})
+
+    meta, status = yield from local("read metadata", find_metadata)
+    statuses = [wire.decode_json(s) for s in (yield AllGather(status))]
+    readers = [r for r, s in zip(ctx.ranks, statuses) if s["m"]]
+
+    def check():
+        if not readers:
+            raise StorageError(
+                f"checkpoint {uid} is not complete in {ctx.path}: no rank finds {uid}.metadata; "
+                f"complete checkpoints this rank sees: {sorted(listing.complete) or 'none'}",
+                ctx.path,
+            )
+
+    yield from local("check", check)
+    if len(readers) < len(ctx.ranks):
+        meta = yield ctx.metadata_from_helpers(readers, meta)
+    work = yield from local("plan", lambda: ctx.plan(meta, uid, listing, statuses))
+    clients = yield from route(ctx, work.remote)
+    yield from local("read", work.read_local)
+    if clients is not None:
+        yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
+    yield from local("values", work.finish)
+    return uid, work
+
+
+def route(ctx, remote: dict) -> Protocol:
+    """Tell every server which ranks will ask it for bytes; None when no rank needs any. The
+    coordinator alone sees every rank's servers; each rank receives its own clients."""
+    if len(ctx.ranks) == 1 or not (yield AllMax((1 if remote else 0,)))[0]:
+        return None
+    asked = yield Gather(wire.encode_json(sorted(remote)), ctx.coordinator)
+
+    def invert():
+        clients: dict[int, list[int]] = {r: [] for r in ctx.ranks}
+        for client, blob in zip(ctx.ranks, asked):
+            for server in wire.decode_json(blob):
+                clients[int(server)].append(client)
+        return [wire.encode_json(clients[r]) for r in ctx.ranks]
+
+    parts = yield from local("route", invert if ctx.rank == ctx.coordinator else (lambda: None))
+    return [int(c) for c in wire.decode_json((yield Scatter(parts, ctx.coordinator)))]
