@@ -1,0 +1,186 @@
+"""Run a script under ``python -m paddle.distributed.launch`` from a test.
+
+The launcher runs in its own session (a new process group), so on a timeout exactly that
+group is killed by its id, then the workers it started (each in a session of its own), and
+nothing else. On failure the tail of every worker log is attached to the test failure.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "scripts"
+REPO = HERE.parent.parent
+
+PASS_RE = re.compile(r"^PASS (\S+) rank=(\d+)$", re.M)
+TAIL_LINES = 60
+
+
+def script(name: str) -> str:
+    """Path of a script under tests/dist/scripts."""
+    return str(SCRIPTS / name)
+
+
+def _worker_logs(log_dir: Path) -> list[Path]:
+    def index(p: Path) -> int:
+        suffix = p.name.rsplit(".", 1)[-1]
+        return int(suffix) if suffix.isdigit() else 1 << 30
+
+    return sorted(log_dir.glob("workerlog.*"), key=index)
+
+
+def _tail(text: str, lines: int = TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _report(log_dir: Path, launcher_output: str) -> str:
+    parts = [f"--- launcher output (tail) ---\n{_tail(launcher_output)}"]
+    logs = _worker_logs(log_dir)
+    if not logs:
+        parts.append(f"(no worker logs in {log_dir})")
+    for log in logs:
+        text = log.read_text(errors="replace")
+        parts.append(f"--- {log.name} (tail) ---\n{_tail(text)}")
+    return "\n".join(parts)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the launcher this module started, and the workers it started.
+
+    The launcher runs in its own process group (``start_new_session``), killed by its id.
+    Paddle's launcher puts every worker in a session of its own (``os.setsid``), out of reach
+    of that group, so the workers, found as the launcher's descendants before it dies, are
+    killed by their own group ids (they lead them) or pids. Nothing else is touched.
+    """
+    try:
+        import psutil
+
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or the launcher already gone
+        workers = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this module started, by its id
+    except ProcessLookupError:
+        pass
+    for worker in workers:
+        try:
+            if os.getpgid(worker.pid) == worker.pid:  # a group leader: its own session
+                os.killpg(worker.pid, signal.SIGKILL)
+            else:
+                worker.kill()
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+        except Exception:  # noqa: BLE001 - psutil.NoSuchProcess: already gone
+            pass
+
+
+class Launch:
+    """A finished launch: the launcher's exit code, worker logs (rank order) and a report of
+    the tails of every log, for failure messages."""
+
+    def __init__(self, returncode: int, logs: str, report: str):
+        self.returncode, self.logs, self.report = returncode, logs, report
+
+
+def launch(script: str, nproc: int, tmp_path, args=(), timeout: float = 180) -> Launch:
+    """Start ``script`` on ``nproc`` ranks and wait for it, whatever its exit code.
+
+    When it does not finish in ``timeout`` seconds its process group, and only that, is killed
+    and the test fails (with the tail of every worker log).
+    """
+    tmp_path = Path(tmp_path)
+    log_dir = tmp_path / "log"
+    n = 0
+    while log_dir.exists():  # several launches in one test keep their own logs
+        n += 1
+        log_dir = tmp_path / f"log{n}"
+    cmd = [
+        sys.executable, "-m", "paddle.distributed.launch",
+        "--nproc_per_node", str(nproc), "--log_dir", str(log_dir),
+        script, *[str(a) for a in args],
+    ]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(
+        cmd, cwd=str(tmp_path), env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        output, _ = proc.communicate()
+        pytest.fail(
+            f"{Path(script).name} on {nproc} ranks did not finish in {timeout} s; its process group "
+            f"{proc.pid} was killed\n{_report(log_dir, output)}",
+            pytrace=False,
+        )
+    logs = "\n".join(log.read_text(errors="replace") for log in _worker_logs(log_dir))
+    return Launch(proc.returncode, logs, _report(log_dir, output))
+
+
+def run_launch(script: str, nproc: int, tmp_path, args=(), timeout: float = 180) -> str:
+    """Start ``script`` on ``nproc`` ranks and wait for it.
+
+    Returns the worker logs, concatenated in rank order. Fails the test (with the tail of
+    every worker log) when the launcher exits non-zero or does not finish in ``timeout``
+    seconds; in the latter case its process group, and only that, is killed first.
+    """
+    result = launch(script, nproc, tmp_path, args, timeout)
+    if result.returncode != 0:
+        pytest.fail(
+            f"{Path(script).name} on {nproc} ranks failed (launcher exit code {result.returncode})\n"
+            f"{result.report}",
+            pytrace=False,
+        )
+    return result.logs
+
+
+def passed(logs: str) -> dict[str, set[int]]:
+    """Case name -> ranks that printed ``PASS <case> rank=<r>``."""
+    out: dict[str, set[int]] = {}
+    for name, rank in PASS_RE.findall(logs):
+        out.setdefault(name, set()).add(int(rank))
+    return out
+
+
+def assert_passed(logs: str, cases, nproc: int) -> None:
+    """Every case in ``cases`` passed on every rank, and no other case ran."""
+    got = passed(logs)
+    want = {name: set(range(nproc)) for name in cases}
+    missing = {n: sorted(want[n] - got.get(n, set())) for n in want if want[n] - got.get(n, set())}
+    extra = sorted(set(got) - set(want))
+    count = len(PASS_RE.findall(logs))
+    assert not missing and not extra and count == len(cases) * nproc, (
+        f"PASS lines: expected {len(cases)} cases x {nproc} ranks = {len(cases) * nproc}, got {count}; "
+        f"missing (case: ranks) {missing}; unexpected cases {extra}\n{_tail(logs, 80)}"
+    )
+
+
+class KnownBug(Exception):
+    """Raised by a test marked ``xfail(strict=True, raises=KnownBug)`` when the run failed
+    with the signature of a known library bug (and only then: any other failure fails)."""
+
+
+def expect_known_bug(result: Launch, signature, cases, nproc: int) -> None:
+    """Raise KnownBug when ``result`` failed with ``signature`` (a string, or a tuple of
+    alternatives) in its logs; fail the test for any other failure; when it succeeded, check
+    its PASS lines (the bug is fixed: the strict xfail then reports XPASS)."""
+    signatures = (signature,) if isinstance(signature, str) else tuple(signature)
+    if result.returncode != 0:
+        found = [s for s in signatures if s in result.logs]
+        if found:
+            raise KnownBug(f"known bug ({found[0]!r}) still present\n{result.report}")
+        pytest.fail(f"failed, but not with the known bug {signatures!r}\n{result.report}", pytrace=False)
+    assert_passed(result.logs, cases, nproc)

@@ -1,0 +1,250 @@
+"""Failures raise on every rank, with messages that name what went wrong; none hangs.
+
+Usage (under paddle.distributed.launch, 2 ranks): errors.py DIR [case ...]
+
+Every case runs the failing call on every rank, catches the expected exception, and checks
+its type, the ranks that failed and the message; the launcher's timeout guards against a
+rank left waiting.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import paddle
+
+import common as c
+import paddle_dcp
+from paddle_dcp import CollectiveError, storage
+
+ROOT = c.init()
+R = c.rank()
+MESH = c.Mesh([0, 1])
+S0 = (("S", 0),)
+LEAVES = [
+    c.Leaf(("w",), (7, 5), "float32", MESH, S0, index=0),
+    c.Leaf(("b",), (6, 4), "bfloat16", MESH, (("S", 1),), index=1),
+    c.Leaf(("p",), (3,), "int64", index=2),
+]
+
+
+def path(name):
+    return os.path.join(ROOT, name)
+
+
+def good_save(name):
+    paddle_dcp.save_state_dict(c.build(LEAVES, 0, {"step": 3}), path(name))
+    return path(name)
+
+
+def target(**replace):
+    """A load target like LEAVES, with some tensors replaced by others."""
+    sd = c.build(LEAVES, 0, {"step": 0}, target=True)
+    sd.update(replace)
+    return sd
+
+
+def expect(fn, failing, *needles, kind=CollectiveError):
+    """``fn()`` raises ``kind`` here; for CollectiveError: exactly the ranks ``failing``
+    failed (None: any non-empty set of ranks), and each of their messages contains every
+    needle."""
+    try:
+        fn()
+    except kind as exc:
+        if kind is CollectiveError:
+            if failing is None:
+                failing = sorted(exc.failures)
+                assert failing, exc.failures
+            assert sorted(exc.failures) == sorted(failing), (exc.failures, failing)
+            for r in failing:
+                for needle in needles:
+                    assert needle in exc.failures[r], (needle, r, exc.failures[r])
+            text = str(exc)
+            assert all(f"rank {r}:" in text for r in failing), text
+        else:
+            for needle in needles:
+                assert needle in str(exc), (needle, str(exc))
+        print(f"rank {R}: got the expected {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return exc
+    raise AssertionError(f"expected {kind.__name__}, nothing was raised")
+
+
+def files(p):
+    return sorted(os.listdir(p)) if os.path.isdir(p) else []
+
+
+# ------------------------------------------------------------------------------ load
+def shape_mismatch():
+    p = good_save("shape")
+    w = c.make(c.global_array((6, 5), "float32"), "float32", MESH, S0)
+    exc = expect(lambda: paddle_dcp.load_state_dict(target(w=w), p), [0, 1],
+                 "MismatchError", "w:", "(7, 5)", "(6, 5)")
+    assert isinstance(exc.__cause__, paddle_dcp.MismatchError), repr(exc.__cause__)
+
+
+def dtype_mismatch():
+    p = good_save("dtype")
+    w = c.make(c.global_array((7, 5), "float64"), "float64", MESH, S0)
+    expect(lambda: paddle_dcp.load_state_dict(target(w=w), p), [0, 1],
+           "MismatchError", "w:", "float32", "float64")
+
+
+def mismatch_on_one_rank():
+    """A plain tensor whose shape differs on rank 1 only: rank 1 fails, both raise."""
+    p = good_save("one_rank")
+    sd = target(p=paddle.zeros([4] if R == 1 else [3], dtype="int64"))
+    exc = expect(lambda: paddle_dcp.load_state_dict(sd, p), [1], "MismatchError", "p:", "(3,)", "(4,)")
+    if R == 1:
+        assert isinstance(exc.__cause__, paddle_dcp.MismatchError), repr(exc.__cause__)
+
+
+def tensor_where_value_was_saved():
+    p = good_save("kind")
+    sd = target(step=paddle.zeros([1]))
+    expect(lambda: paddle_dcp.load_state_dict(sd, p), [0, 1], "MismatchError", "step")
+
+
+def empty_directory():
+    p = path("empty")
+    os.makedirs(p, exist_ok=True)
+    expect(lambda: paddle_dcp.load_state_dict(target(), p), [0, 1], "FormatError", "no complete checkpoint", p)
+
+
+def missing_directory():
+    p = path("does_not_exist")
+    expect(lambda: paddle_dcp.load_state_dict(target(), p), [0, 1], "FormatError", "no complete checkpoint", p)
+
+
+def missing_unique_id():
+    p = good_save("ids")
+    expect(lambda: paddle_dcp.load_state_dict(target(), p, unique_id=7), [0, 1], "7.metadata")
+
+
+def bad_unique_id():
+    p = path("ids")
+    for bad in (-1, "0", 1.0):
+        expect(lambda: paddle_dcp.load_state_dict(target(), p, unique_id=bad), [0, 1], "unique_id")
+        expect(lambda: paddle_dcp.save_state_dict(target(), p, unique_id=bad), [0, 1], "unique_id")
+    assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
+
+
+def truncated_shard():
+    p = good_save("truncated")
+    c.dist.barrier()
+    if R == 0:
+        name = os.path.join(p, "1_0.distcp")
+        os.truncate(name, os.path.getsize(name) - 1)
+    c.dist.barrier()
+    # every rank that needs a byte of 1_0.distcp (rank 1 at least) finds it short
+    exc = expect(lambda: paddle_dcp.load_state_dict(target(), p), None, "IntegrityError", "1_0.distcp", "bytes")
+    assert 1 in exc.failures, exc.failures
+
+
+def corrupted_byte():
+    p = good_save("corrupted")
+    c.dist.barrier()
+    if R == 0:
+        with open(os.path.join(p, "0_0.distcp"), "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0x01]))
+    c.dist.barrier()
+    expect(lambda: paddle_dcp.load_state_dict(target(), p), None, "IntegrityError", "0_0.distcp", "checksum")
+
+
+def future_format_version():
+    p = good_save("future")
+    c.dist.barrier()
+    if R == 0:
+        meta = os.path.join(p, "0.metadata")
+        with open(meta) as f:
+            doc = json.load(f)
+        doc["format_version"] = paddle_dcp.FORMAT_VERSION + 1
+        with open(meta, "w") as f:
+            json.dump(doc, f)
+    c.dist.barrier()
+    expect(lambda: paddle_dcp.load_state_dict(target(), p), [0, 1],
+           "FormatError", "format_version", str(paddle_dcp.FORMAT_VERSION + 1))
+
+
+def unknown_keys_are_left_alone():
+    """Keys the checkpoint lacks are not an error: they keep their values."""
+    p = good_save("extra")
+    extra = c.Leaf(("extra",), (3, 2), "float32", MESH, S0, index=9)
+    sd = target(extra=extra.tensor(0, target=True), other=5)
+    paddle_dcp.load_state_dict(sd, p)
+    c.check_state(sd, LEAVES, 0, R)
+    assert sd["step"] == 3 and sd["other"] == 5, (sd["step"], sd["other"])
+    c.check_tensor(sd["extra"], np.full((3, 2), -7, np.float32), "float32", MESH, S0, R, "extra")
+
+
+# ------------------------------------------------------------------------------ save
+def object_on_one_rank():
+    p = path("object1")
+    sd = c.build(LEAVES, 0, {"step": 3, "bad": object() if R == 1 else 1})
+    expect(lambda: paddle_dcp.save_state_dict(sd, p), [1], "FormatError", "bad", "object")
+    assert files(p) == [], files(p)
+    # the failed save used no id: the next one is 0
+    good_save("object1")
+    assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
+
+
+def object_on_coordinator():
+    p = path("object0")
+    sd = c.build(LEAVES, 0, {"step": 3, "opt": {"state": object() if R == 0 else 1}})
+    expect(lambda: paddle_dcp.save_state_dict(sd, p), [0], "FormatError", "opt.state", "object")
+    assert not [f for f in files(p) if f.endswith(".metadata")], files(p)
+
+
+def write_fails_on_one_rank():
+    """A rank whose write fails mid-save: every rank raises, no metadata, no temporary file."""
+    p = path("write")
+    original = storage.DataWriter.write
+
+    def broken(self, data):
+        raise paddle_dcp.StorageError(f"cannot write {self.tmp}: injected failure", self.tmp)
+
+    if R == 1:
+        storage.DataWriter.write = broken
+    try:
+        expect(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), p), [1], "StorageError", "injected failure")
+    finally:
+        storage.DataWriter.write = original
+    c.dist.barrier()
+    names = files(p)
+    assert not [f for f in names if f.endswith(".metadata")], names
+    assert not [f for f in names if storage.TMP_MARK in f], names
+    assert "1_0.distcp" not in names, names
+    # the directory is still usable: a good save gets id 0 and loads
+    good_save("write")
+    sd = target()
+    paddle_dcp.load_state_dict(sd, p)
+    c.check_state(sd, LEAVES, 0, R)
+
+
+def async_save_refused():
+    expect(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), path("async"), async_save=True),
+           [], "async_save", kind=NotImplementedError)
+    assert files(path("async")) == [], files(path("async"))
+
+
+CASES = {
+    "shape_mismatch": shape_mismatch,
+    "dtype_mismatch": dtype_mismatch,
+    "mismatch_on_one_rank": mismatch_on_one_rank,
+    "tensor_where_value_was_saved": tensor_where_value_was_saved,
+    "empty_directory": empty_directory,
+    "missing_directory": missing_directory,
+    "missing_unique_id": missing_unique_id,
+    "bad_unique_id": bad_unique_id,
+    "truncated_shard": truncated_shard,
+    "corrupted_byte": corrupted_byte,
+    "future_format_version": future_format_version,
+    "unknown_keys_are_left_alone": unknown_keys_are_left_alone,
+    "object_on_one_rank": object_on_one_rank,
+    "object_on_coordinator": object_on_coordinator,
+    "write_fails_on_one_rank": write_fails_on_one_rank,
+    "async_save_refused": async_save_refused,
+}
+
+c.run_cases(CASES, sys.argv[2:])

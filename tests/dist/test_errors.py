@@ -1,0 +1,15 @@
+"""Failures raise on every rank (CollectiveError naming each failing rank and its error),
+leave no metadata behind, and never leave a rank waiting."""
+from launcher import assert_passed, run_launch, script
+
+CASES = [
+    "shape_mismatch", "dtype_mismatch", "mismatch_on_one_rank", "tensor_where_value_was_saved",
+    "empty_directory", "missing_directory", "missing_unique_id", "bad_unique_id",
+    "truncated_shard", "corrupted_byte", "future_format_version", "unknown_keys_are_left_alone",
+    "object_on_one_rank", "object_on_coordinator", "write_fails_on_one_rank", "async_save_refused",
+]
+
+
+def test_errors_on_every_rank(tmp_path):
+    logs = run_launch(script("errors.py"), 2, tmp_path, args=[tmp_path / "work"], timeout=150)
+    assert_passed(logs, CASES, 2)

@@ -1,0 +1,15 @@
+"""Node-local disks: ranks that lack the metadata or a data file get what they need from
+ranks that have it; a data file nobody has raises on every rank instead of hanging."""
+from launcher import assert_passed, run_launch, script
+
+
+def test_node_local_disks_4ranks_2nodes(tmp_path):
+    logs = run_launch(script("nodelocal.py"), 4, tmp_path, args=[tmp_path / "work", 2])
+    assert_passed(logs, ["save", "same_layout", "into_1d_s1", "into_reversed_2d", "into_replicate",
+                         "into_plain", "file_missing_everywhere", "load_after_restoring_the_file"], 4)
+
+
+def test_node_local_disks_2ranks_each_alone(tmp_path):
+    logs = run_launch(script("nodelocal.py"), 2, tmp_path, args=[tmp_path / "work", 1])
+    assert_passed(logs, ["save", "same_layout", "into_s1", "into_swapped_s0", "into_plain",
+                         "file_missing_everywhere", "load_after_restoring_the_file"], 2)
