@@ -76,14 +76,19 @@ def save_state_dict(
         state["tensors"] = dict(state["flat"].tensors)
 
     def reduce():
-        tensors = state["tensors"]
-        for key, value in tensors.items():
-            if has_partial(value):
-                tensors[key] = reduce_partial(value)
+        state["reduced"] = {
+            key: reduce_partial(key, value, comm.rank, comm)
+            for key, value in state["tensors"].items()
+            if has_partial(value)
+        }
 
     def describe_all():
-        state["held"] = [describe(k, v, comm.rank) for k, v in state["tensors"].items()]
-        return state["flat"].skeleton, [h.piece for h in state["held"]]
+        held = [describe(k, v, comm.rank) for k, v in state["tensors"].items()]
+        for h in held:
+            if h.piece.key in state["reduced"] and h.local is not None:
+                h.local = state["reduced"][h.piece.key]
+        state["held"] = held
+        return state["flat"].skeleton, [h.piece for h in held]
 
     def choose_id():
         return unique_id if unique_id is not None else _next_id(path)
@@ -368,9 +373,9 @@ def _partial_fill(held) -> Any:
     value (0 for SUM off the first coordinate, 1 for PROD), or None to load the value."""
     for mesh_dim, reduce_type in held.partial:
         if held.mesh_coord[mesh_dim] != 0:
-            if reduce_type == "kRedSum":
+            if reduce_type == "sum":
                 return 0
-            if reduce_type == "kRedProd":
+            if reduce_type == "prod":
                 return 1
     return None
 

@@ -397,10 +397,18 @@ class PaddleComm(Comm):
         gloo groups created at the same time through one store can connect to wrong peers.
         """
         a, b = sorted((self.rank, peer))
-        entry = _PAIRS.get((a, b))
-        if entry is None:
-            entry = _PAIRS[(a, b)] = (_make_pair_group(self.rank, a, b), 1 if self.rank == a else 0)
-        return entry
+        return _group(self.rank, (a, b)), (1 if self.rank == a else 0)
+
+    def reduce_among(self, members: Sequence[int], tensor, op: str) -> None:
+        """All-reduce ``tensor`` in place among the ranks ``members`` (this rank included),
+        with ``op`` one of sum, max, min, prod, over a group of those ranks alone."""
+        from paddle.base import core
+
+        members = tuple(sorted(members))
+        if len(members) == 1:
+            return
+        ops = {"sum": core.ReduceOp.SUM, "max": core.ReduceOp.MAX, "min": core.ReduceOp.MIN, "prod": core.ReduceOp.PRODUCT}
+        _group(self.rank, members).all_reduce(tensor, ops[op], True).wait()
 
     def send(self, peer, data):
         from . import device
@@ -421,33 +429,43 @@ def _host() -> str:
     return endpoint.rsplit(":", 1)[0] if ":" in endpoint else "127.0.0.1"
 
 
-def _make_pair_group(rank: int, a: int, b: int):
+def _group(rank: int, members: tuple[int, ...]):
+    """A process group of ``members`` alone (sorted global ranks), made by those ranks only,
+    with a store of its own hosted by the lowest member and announced through the job's
+    store: gloo groups created at the same time through one store can connect to wrong
+    peers. Cached for the life of the process."""
+    group = _GROUPS.get(members)
+    if group is not None:
+        return group
     from paddle.base import core
     from paddle.distributed import collective
 
     job_store = collective._default_store
-    key = f"paddle_dcp/pair/{a}/{b}"
-    timeout = int(os.environ.get("PADDLE_DCP_PAIR_TIMEOUT", "600"))
-    if rank == a:
+    key = "paddle_dcp/group/" + "-".join(map(str, members))
+    timeout = int(os.environ.get("PADDLE_DCP_GROUP_TIMEOUT", "600"))
+    if rank == members[0]:
         host = _host()
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
         job_store.set(key, f"{host}:{port}".encode())
-        store = core.TCPStore(host, port, True, 2, timeout)
+        store = core.TCPStore(host, port, True, len(members), timeout)
     else:
         host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
-        store = core.TCPStore(host, int(port), False, 2, timeout)
-    index = 0 if rank == a else 1
+        store = core.TCPStore(host, int(port), False, len(members), timeout)
+    index = members.index(rank)
     if collective._default_backend == "nccl":
         from paddle.distributed.parallel import _get_global_env
 
-        return core.ProcessGroupNCCL.create(store, index, 2, _PAIR_GID, _get_global_env().pg_timeout, 0, None)
-    return core.ProcessGroupGloo.create(store, index, 2, _PAIR_GID)
+        group = core.ProcessGroupNCCL.create(store, index, len(members), _GROUP_GID, _get_global_env().pg_timeout, 0, None)
+    else:
+        group = core.ProcessGroupGloo.create(store, index, len(members), _GROUP_GID)
+    _GROUPS[members] = group
+    return group
 
 
-_PAIRS: dict[tuple[int, int], object] = {}
-_PAIR_GID = 1 << 20
+_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUP_GID = 1 << 20
 
 
 def make_comm(process_group=None, coordinator_rank: int = 0) -> Comm:

@@ -6,6 +6,7 @@ local value paddle holds, so a disagreement with paddle's own rule surfaces at o
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,22 +46,45 @@ class Held:
     mesh_coord: tuple[int, ...] | None = None
 
 
+_SHARD_REPR = re.compile(r"Shard\(dim=(-?\d+)(?:, shard_order=(\d+))?(?:, split_factor=(\d+))?\)")
+_PARTIAL_REPR = re.compile(r"Partial\(reduce_type=(\w+)\)")
+
+
+def _shard_of(key: str, placement) -> tuple[int, int, int]:
+    """(dim, co-shard order, split factor) of a Shard placement. paddle returns co-sharded
+    placements as bare Placement objects that only show these in their repr."""
+    if hasattr(placement, "get_dim"):
+        return placement.get_dim(), placement.get_co_shard_order(), placement.get_split_factor()
+    m = _SHARD_REPR.fullmatch(repr(placement))
+    if m is None:
+        raise PlanError(f"{key}: cannot read the placement {placement!r}")
+    return int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 1)
+
+
+def reduce_type(key: str, placement) -> str:
+    """The reduce type of a Partial placement, lower case: sum, avg, max, min, prod, any, all."""
+    if hasattr(placement, "reduce_type"):
+        return str(placement.reduce_type()).split(".")[-1].replace("kRed", "").lower()
+    m = _PARTIAL_REPR.fullmatch(repr(placement))
+    if m is None:
+        raise PlanError(f"{key}: cannot read the placement {placement!r}")
+    return m.group(1).lower()
+
+
 def _mesh_dims_of_tensor_dims(key: str, placements, ndim: int) -> tuple[list[list[int]], list[tuple[int, str]]]:
     dims: list[list[tuple[int, int]]] = [[] for _ in range(ndim)]
     partial = []
     for mesh_dim, placement in enumerate(placements):
         if placement.is_shard():
-            d = placement.get_dim()
+            d, order, split = _shard_of(key, placement)
             d = d + ndim if d < 0 else d
             if not 0 <= d < ndim:
-                raise PlanError(f"{key}: Shard({placement.get_dim()}) on a tensor of rank {ndim}")
-            if placement.get_split_factor() != 1:
-                raise PlanError(
-                    f"{key}: Shard with split_factor={placement.get_split_factor()} is not supported"
-                )
-            dims[d].append((placement.get_co_shard_order(), mesh_dim))
+                raise PlanError(f"{key}: {placement!r} on a tensor of rank {ndim}")
+            if split != 1:
+                raise PlanError(f"{key}: Shard with split_factor={split} is not supported")
+            dims[d].append((order, mesh_dim))
         elif placement.is_partial():
-            partial.append((mesh_dim, str(placement.reduce_type()).split(".")[-1]))
+            partial.append((mesh_dim, reduce_type(key, placement)))
     return [[m for _, m in sorted(ds)] for ds in dims], partial
 
 
@@ -94,28 +118,45 @@ def describe(key: str, value: Any, rank: int) -> Held:
     return Held(LocalPiece(key, dtype, shape, box), local, tuple(partial), coord)
 
 
-def reduce_partial(value: Any):
-    """The tensor with its Partial placements reduced to Replicate by paddle's reshard (a
-    collective over the mesh's partial dims, with the placement's reduce type). float16 and
-    bfloat16 are reduced in float32 and rounded once (gloo has no half-precision reduction)."""
-    import paddle.distributed as dist
+def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
+    """This rank's local piece of a Partial dist tensor, reduced over its partial mesh dims with
+    each placement's reduce type: the value the tensor stands for. The ranks along a partial
+    mesh dim hold contributions to the same box; they all-reduce them in a group of their own
+    (sum, avg = sum / count, max, min, prod; any / all as max / min). float16 and bfloat16 are
+    reduced in float32 and rounded once. The user's tensor is not modified."""
+    import paddle
 
-    placements = [dist.Replicate() if p.is_partial() else p for p in value.placements]
-    dtype = value.dtype
-    half = dtype_name(value) in ("float16", "bfloat16")
-    if half:
-        value = value.astype("float32")
-    reduced = dist.reshard(value, value.process_mesh, placements)
-    return reduced.astype(dtype) if half else reduced
+    mesh = value.process_mesh
+    ids = np.asarray(mesh.process_ids).reshape([int(s) for s in mesh.shape])
+    coord = tuple(int(c) for c in np.argwhere(ids == rank)[0])
+    _, partial = _mesh_dims_of_tensor_dims(key, value.placements, len(value.shape))
+    dtype = dtype_name(value)
+    local = value._local_value()
+    if int(np.prod(local.shape)) == 0:
+        return local
+    wide = {"float16": "float32", "bfloat16": "float32", "bool": "int32"}.get(dtype)
+    work = local.astype(wide) if wide else local.clone()
+    for mesh_dim, kind in partial:
+        line = list(coord)
+        line[mesh_dim] = slice(None)
+        members = [int(r) for r in ids[tuple(line)]]
+        op = {"avg": "sum", "any": "max", "all": "min"}.get(kind, kind)
+        if op not in ("sum", "max", "min", "prod"):
+            raise PlanError(f"{key}: Partial reduce type {kind!r} is not supported")
+        comm.reduce_among(members, work, op)
+        if kind == "avg":
+            work = work / len(members) if work.dtype in (paddle.float32, paddle.float64) else work // len(members)
+    return work.astype(local.dtype) if wide else work
 
 
 def has_partial(value: Any) -> bool:
-    return (
-        not isinstance(value, np.ndarray)
-        and value.is_dist()
-        and value._is_initialized()
-        and any(p.is_partial() for p in value.placements)
-    )
+    """A dist tensor with a Partial placement whose mesh holds this rank (even with an empty
+    local piece: the reduction is a collective of the whole mesh)."""
+    if isinstance(value, np.ndarray) or not value.is_dist():
+        return False
+    import paddle.distributed as dist
+
+    return dist.get_rank() in value.process_mesh.process_ids and any(p.is_partial() for p in value.placements)
 
 
 def rewrap(value: Any):

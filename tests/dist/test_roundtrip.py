@@ -1,8 +1,5 @@
 """Save and load back into the same layout, on 2 ranks (1-D mesh) and 4 ranks (2-D mesh)."""
-import pytest
-
-from known_bugs import COSHARD_BUG, COSHARD_REASON
-from launcher import KnownBug, assert_passed, expect_known_bug, launch, run_launch, script
+from launcher import assert_passed, run_launch, script
 
 CASES = [
     "fixture_layout",
@@ -25,8 +22,7 @@ def test_roundtrip_4ranks_2d_mesh(tmp_path):
     assert_passed(logs, CASES, 4)
 
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=COSHARD_REASON)
 def test_roundtrip_4ranks_coshard(tmp_path):
     """Two mesh dims sharding one tensor dim, e.g. [Shard(0), Shard(0)] with 9 rows."""
-    result = launch(script("roundtrip.py"), 4, tmp_path, args=[tmp_path / "work", "coshard"])
-    expect_known_bug(result, COSHARD_BUG, CASES, 4)
+    logs = run_launch(script("roundtrip.py"), 4, tmp_path, args=[tmp_path / "work", "coshard"])
+    assert_passed(logs, CASES, 4)
