@@ -215,7 +215,7 @@ def load_state_dict(
         unique_id=unique_id,
         path=path,
         inspect=inspect,
-        read_metadata=lambda uid: storage.read_metadata(path, uid),
+        read_metadata=lambda uid: storage.read_metadata(path, uid, lazy=True),
         metadata_from_helpers=helpers,
         plan=plan,
     )

@@ -16,7 +16,6 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
@@ -175,6 +174,12 @@ class Metadata:
         """Flat key -> plain (non-tensor) value saved in the checkpoint."""
         return nested.values_of(self.structure)
 
+    def validate(self) -> "Metadata":
+        """Parse and validate every tensor entry now (they are otherwise checked on first use)."""
+        for key in self.tensors:
+            self.tensors[key]
+        return self
+
     @property
     def nbytes(self) -> int:
         """Logical bytes of all tensors."""
@@ -211,12 +216,17 @@ class Metadata:
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, source: str = "metadata", allow_subset: bool = False) -> "Metadata":
+    def from_json(
+        cls, data: bytes | str, source: str = "metadata", allow_subset: bool = False, lazy: bool = False
+    ) -> "Metadata":
         """Parse and validate metadata.
 
         Args:
             allow_subset: accept the partial metadata ranks send each other (``subset``);
                 never for a file read from disk.
+            lazy: validate each tensor entry when it is first used instead of now (a load
+                uses a few of a large checkpoint's tensors; errors name the key either way,
+                and come before anything is read or allocated from the entry).
 
         Raises:
             FormatError: naming ``source`` and what is wrong, for anything malformed, out of
@@ -231,7 +241,8 @@ class Metadata:
         except (ValueError, RecursionError, UnicodeDecodeError) as exc:
             raise FormatError(f"{source}: not valid JSON ({exc})") from None
         try:
-            return _parse(doc, source, allow_subset)
+            meta = _parse(doc, source, allow_subset)
+            return meta if lazy else meta.validate()
         except FormatError:
             raise
         except PlanError as exc:
@@ -346,9 +357,17 @@ def _parse(doc: Any, source: str, allow_subset: bool) -> Metadata:
         raise FormatError(f"{source}: subset must be true or false")
     if subset and not allow_subset:
         raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
-    tensors = {}
-    for key, t in tensors_doc.items():
-        tensors[key] = _parse_tensor(key, t, file_sizes, block_bytes, require_cover=not subset)
+    def parse_tensor(key: str, t: Any) -> TensorEntry:
+        try:
+            return _parse_tensor(key, t, file_sizes, block_bytes, require_cover=not subset)
+        except FormatError as exc:
+            raise FormatError(f"{source}: {exc}") from None
+        except PlanError as exc:
+            raise FormatError(f"{source}: {exc}") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise FormatError(f"{source}: tensor {key!r}: malformed entry ({type(exc).__name__}: {exc})") from None
+
+    tensors = _LazyTensors(tensors_doc, parse_tensor)
 
     structure = doc["structure"]
     leaves = set()
@@ -366,7 +385,7 @@ def _parse(doc: Any, source: str, allow_subset: bool) -> Metadata:
         unique_id=unique_id,
         world_size=world_size,
         files=tuple(files),
-        tensors=MappingProxyType(tensors),
+        tensors=tensors,
         structure=structure,
         block_bytes=block_bytes,
         checksum_algorithm=algorithm,
@@ -374,6 +393,30 @@ def _parse(doc: Any, source: str, allow_subset: bool) -> Metadata:
         format_version=version,
         subset=subset,
     )
+
+
+class _LazyTensors(Mapping):
+    """Tensor entries parsed and validated the first time each is used: a rank that loads a few
+    hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
+    allocated from an entry before it has been validated."""
+
+    def __init__(self, docs: dict, parse):
+        self._docs, self._parse, self._done = docs, parse, {}
+
+    def __getitem__(self, key: str) -> TensorEntry:
+        entry = self._done.get(key)
+        if entry is None:
+            entry = self._done[key] = self._parse(key, self._docs[key])
+        return entry
+
+    def __contains__(self, key) -> bool:
+        return key in self._docs
+
+    def __iter__(self):
+        return iter(self._docs)
+
+    def __len__(self) -> int:
+        return len(self._docs)
 
 
 def _parse_tensor(

@@ -106,8 +106,9 @@ def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> No
         raise StorageError(f"cannot write {final}: {exc}", final) from exc
 
 
-def read_metadata(path: str, unique_id: int) -> Metadata:
-    """Read and validate ``path/{unique_id}.metadata``."""
+def read_metadata(path: str, unique_id: int, lazy: bool = False) -> Metadata:
+    """Read and validate ``path/{unique_id}.metadata`` (tensor entries on first use when
+    ``lazy``)."""
     full = os.path.join(path, metadata_name(unique_id))
     try:
         with open(full, "rb") as f:
@@ -119,7 +120,7 @@ def read_metadata(path: str, unique_id: int) -> Metadata:
         raise StorageError(f"checkpoint {unique_id} has no metadata file {full}", full) from None
     except OSError as exc:
         raise StorageError(f"cannot read {full}: {exc}", full) from exc
-    meta = Metadata.from_json(data, source=full)
+    meta = Metadata.from_json(data, source=full, lazy=lazy)
     if meta.unique_id != unique_id:
         raise FormatError(f"{full} describes checkpoint {meta.unique_id}, not {unique_id}")
     return meta

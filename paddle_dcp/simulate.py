@@ -1,0 +1,192 @@
+"""Every rank of a job in one process: the real save and load protocols run on layouts alone.
+
+No tensors and no files: each simulated rank holds a layout (its skeleton and the boxes of its
+pieces); writing returns the checksum count a real write would produce; the metadata is built,
+serialized and parsed for real. The collectives are :class:`paddle_dcp.comm.SimWorld`'s, which
+hand each rank what the real collective would and count its bytes with the real comm's cost
+functions, so the figures predict a real job's planning traffic (scripts/bench_scale.py; a
+multi-process test checks the prediction against a real 4-rank run).
+"""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import planner, protocol, storage
+from .boxes import Box
+from .comm import SimWorld, Traffic
+from .metadata import DEFAULT_BLOCK_BYTES, Metadata, blocks_of
+from .dtypes import itemsize
+
+
+@dataclass
+class RankLayout:
+    """What one rank holds: its skeleton (a flat dict of tensor leaves unless given) and
+    its pieces in skeleton order."""
+
+    skeleton: dict
+    pieces: list[planner.LocalPiece]
+
+    @classmethod
+    def flat(cls, pieces: Sequence[tuple]) -> "RankLayout":
+        """From (key, global_shape, dtype, global_offset, local_shape) tuples: a state dict
+        with one tensor leaf per key."""
+        local = [
+            planner.LocalPiece(key, dtype, tuple(shape), Box(tuple(off), tuple(ls)))
+            for key, shape, dtype, off, ls in pieces
+        ]
+        return cls({"d": [[p.key, {"t": 0}] for p in local]}, local)
+
+
+@dataclass
+class SaveSim:
+    metadata: Metadata
+    metadata_json: bytes
+    traffic: dict[int, Traffic]
+    coordinator_seconds: float
+    peak_rss_growth_mib: float
+    plan_reused: bool
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def simulate_save(
+    layouts: dict[int, RankLayout],
+    coordinator: int = 0,
+    values: dict[str, Any] | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    cache: dict | None = None,
+    unique_id: int = 0,
+) -> SaveSim:
+    """Run the save protocol for every rank of ``layouts``. Pass the same ``cache`` to a second
+    call to simulate a save whose plan is reused."""
+    ranks = tuple(sorted(layouts))
+    world = SimWorld(ranks, coordinator)
+    published: list[Metadata] = []
+    caches = cache if cache is not None else {}
+    values = values or {}
+
+    def rank_ctx(r: int) -> protocol.SaveRank:
+        layout = layouts[r]
+
+        def write(uid, leaves):  # what a real write returns: the file's size and checksums
+            pieces = [layout.pieces[i] for i in leaves.tolist()]
+            nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in pieces], dtype=np.int64)
+            _, size = planner.layout_offsets(nbytes)
+            count = int(blocks_of(nbytes, block_bytes).sum()) if len(nbytes) else 0
+            # checksums are incompressible: random ones keep the metadata's size honest
+            return size, np.random.default_rng(r).integers(0, 2**63, count, dtype=np.int64).tolist()
+
+        return protocol.SaveRank(
+            rank=r,
+            ranks=ranks,
+            coordinator=coordinator,
+            prepare=lambda: None,
+            reduce=lambda: None,
+            describe=lambda: (layout.skeleton, layout.pieces),
+            choose_id=lambda: unique_id,
+            write=write,
+            values=lambda: values,
+            publish=published.append,
+            block_bytes=block_bytes,
+            cache=caches.setdefault(r, {}),
+        )
+
+    before = _peak_rss_mib()
+    results = world.run({r: protocol.save(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
+    t0 = time.perf_counter()
+    meta_json = published[0].to_json()  # the coordinator's publish serializes it
+    world.seconds[coordinator] += time.perf_counter() - t0
+    return SaveSim(
+        metadata=published[0],
+        metadata_json=meta_json,
+        traffic=world.traffic,
+        coordinator_seconds=world.seconds[coordinator],
+        peak_rss_growth_mib=max(0.0, _peak_rss_mib() - before),
+        plan_reused=results[coordinator].plan_reused,
+    )
+
+
+@dataclass
+class LoadSim:
+    traffic: dict[int, Traffic]
+    coordinator_seconds: float
+    metadata_parse_seconds: float
+
+
+class _NoWork:
+    """A rank's load work when only its messages matter: it reads nothing itself."""
+
+    remote: dict = {}
+
+    def read_local(self):
+        pass
+
+    def finish(self):
+        pass
+
+
+class _PlannedWork(_NoWork):
+    def __init__(self, ops):
+        self.ops = ops
+        self.remote = {}
+
+
+def targets_of(layout: RankLayout) -> list[planner.TargetPiece]:
+    return [planner.TargetPiece(p.key, p.dtype, p.global_shape, p.box) for p in layout.pieces if p.box is not None]
+
+
+def simulate_load(
+    layouts: dict[int, RankLayout],
+    metadata_json: bytes,
+    coordinator: int = 0,
+    unique_id: int = 0,
+    plan_ranks: Sequence[int] = (),
+) -> LoadSim:
+    """Run the load protocol for every rank of ``layouts`` on a shared file system (every rank
+    sees the metadata and every data file). The coordinator parses the metadata and plans its
+    reads for real (timed); so do the ranks in ``plan_ranks``; the others reuse the parsed
+    metadata and skip planning, which sends no message."""
+    ranks = tuple(sorted(layouts))
+    world = SimWorld(ranks, coordinator)
+    parsed: dict[str, Metadata] = {}
+    t0 = time.perf_counter()
+    shared = Metadata.from_json(metadata_json, lazy=True)
+    parse_seconds = time.perf_counter() - t0
+    writers = sorted(int(f.name.split("_")[0]) for f in shared.files)
+    listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset(writers)})
+
+    def rank_ctx(r: int) -> protocol.LoadRank:
+        real = r == coordinator or r in plan_ranks
+
+        def read_metadata(uid):
+            if real:
+                parsed[r] = Metadata.from_json(metadata_json, lazy=True)
+                return parsed[r]
+            return shared
+
+        def plan(meta, uid, listing_, statuses):
+            if not real:
+                return _NoWork()
+            return _PlannedWork(planner.plan_reads(meta, targets_of(layouts[r])))
+
+        return protocol.LoadRank(
+            rank=r,
+            ranks=ranks,
+            coordinator=coordinator,
+            unique_id=None,
+            path="<simulated>",
+            inspect=lambda: listing,
+            read_metadata=read_metadata,
+            metadata_from_helpers=lambda readers, meta: None,
+            plan=plan,
+        )
+
+    world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
+    return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds)
