@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Planning and metadata at thousands of ranks, measured on one machine.
+
+For every rank of a job from ../shared/scale/workload.py (the per-rank layouts of a large
+model on a [pp, dp, tp] mesh), this runs paddle_dcp's real save and load protocols in one
+process (paddle_dcp.simulate): the same generators a real rank runs, with the collectives
+replaced by an in-process world that hands each rank what the real collective would and counts
+its bytes with the real comm's cost functions. Nothing but planning runs: no tensors, no data
+files; the metadata is built, serialized and parsed for real.
+
+    python scripts/bench_scale.py --model llama-70b --ranks 1024,8192 [--tp 8 --pp 8] [--json-out F]
+
+Figures per rank count (seconds, bytes, MiB):
+  coord_save_s               everything the coordinator does in a save, serialization included
+  coord_save_peak_mib        peak resident memory growth of the process during the save
+  rank_save_{recv,send}_bytes_max   the largest planning traffic of any other rank in a save
+  metadata_bytes             the metadata file's size
+  metadata_parse_s           parsing the metadata as a load does (entries validated on use)
+  metadata_validate_s        parsing and validating every entry (what `verify` does)
+  load_plan_rank_s           one rank planning its reads (parse of its entries included)
+  load_plan_reshard_rank_s   one rank planning a load into tp/2 with dp doubled
+  coord_load_s               everything the coordinator does in a load (parse included)
+  rank_load_recv_bytes_max   the largest traffic any other rank receives in a load
+  cached_save_plan_s         the coordinator's work in a second save of the same layout
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+for candidate in (HERE.parent.parent / "shared" / "scale", HERE.parent / "shared" / "scale"):
+    if (candidate / "workload.py").exists():
+        sys.path.insert(0, str(candidate))
+        break
+
+from paddle_dcp import planner  # noqa: E402
+from paddle_dcp.metadata import Metadata  # noqa: E402
+from paddle_dcp.simulate import RankLayout, simulate_load, simulate_save, targets_of  # noqa: E402
+
+try:
+    from workload import Job  # noqa: E402
+except ImportError:  # pragma: no cover
+    raise SystemExit("cannot find ../shared/scale/workload.py next to this repository")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def layouts_of(job: Job) -> dict[int, RankLayout]:
+    return {r: RankLayout.flat(job.pieces(r)) for r in range(job.ranks)}
+
+
+def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
+    t0 = time.perf_counter()
+    job = Job(model, ranks, tp, pp)
+    layouts = layouts_of(job)
+    log(f"[{ranks}] layouts of {ranks} ranks built in {time.perf_counter() - t0:.1f} s")
+    cache: dict = {}
+    save = simulate_save(layouts, values={"step": 1000, "lr": 3e-4}, cache=cache)
+    meta_json = save.metadata_json
+    unique = sum(save.metadata.tensors[k].pieces.count for k in save.metadata.tensors)
+    others = [save.traffic[r] for r in range(1, ranks)] or [save.traffic[0]]
+    log(f"[{ranks}] save simulated: coordinator {save.coordinator_seconds:.2f} s, {unique} pieces")
+
+    t0 = time.perf_counter()
+    Metadata.from_json(meta_json, lazy=True)
+    parse_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    Metadata.from_json(meta_json)
+    validate_s = time.perf_counter() - t0
+
+    # one rank of the middle pipeline stage plans its reads, from a fresh parse
+    rank = ranks // 2
+    meta = Metadata.from_json(meta_json, lazy=True)
+    t0 = time.perf_counter()
+    ops = planner.plan_reads(meta, targets_of(layouts[rank]))
+    plan_s = time.perf_counter() - t0
+    reshard_job = Job(model, ranks, max(1, tp // 2), pp)
+    target = RankLayout.flat(reshard_job.pieces(rank))
+    meta = Metadata.from_json(meta_json, lazy=True)
+    t0 = time.perf_counter()
+    reshard_ops = planner.plan_reads(meta, targets_of(target))
+    reshard_s = time.perf_counter() - t0
+    log(f"[{ranks}] rank {rank} plans {len(ops)} reads in {plan_s:.3f} s, {len(reshard_ops)} resharded in {reshard_s:.3f} s")
+
+    load = simulate_load(layouts, meta_json)
+    log(f"[{ranks}] load simulated: coordinator {load.coordinator_seconds:.2f} s")
+    cached = simulate_save(layouts, values={"step": 2000, "lr": 3e-4}, cache=cache, unique_id=1)
+    assert cached.plan_reused, "the second save of the same layout should reuse the plan"
+    load_others = [load.traffic[r] for r in range(1, ranks)] or [load.traffic[0]]
+    return {
+        "ranks": ranks,
+        "unique_pieces": unique,
+        "coord_save_s": round(save.coordinator_seconds, 3),
+        "coord_save_peak_mib": round(save.peak_rss_growth_mib, 1),
+        "rank_save_recv_bytes_max": max(t.received for t in others),
+        "rank_save_send_bytes_max": max(t.sent for t in others),
+        "metadata_bytes": len(meta_json),
+        "metadata_bytes_per_piece": round(len(meta_json) / max(unique, 1), 2),
+        "metadata_parse_s": round(parse_s, 3),
+        "metadata_validate_s": round(validate_s, 3),
+        "load_plan_rank_s": round(plan_s, 3),
+        "load_plan_reshard_rank_s": round(reshard_s, 3),
+        "coord_load_s": round(load.coordinator_seconds, 3),
+        "rank_load_recv_bytes_max": max(t.received for t in load_others),
+        "cached_save_plan_s": round(cached.coordinator_seconds, 3),
+    }
+
+
+COLUMNS = [
+    ("ranks", "ranks"), ("unique_pieces", "pieces"), ("coord_save_s", "coord save s"),
+    ("coord_save_peak_mib", "peak MiB"), ("rank_save_recv_bytes_max", "rank recv B"),
+    ("rank_save_send_bytes_max", "rank send B"), ("metadata_bytes_per_piece", "md B/piece"),
+    ("metadata_parse_s", "parse s"), ("metadata_validate_s", "validate s"), ("load_plan_rank_s", "plan s"),
+    ("load_plan_reshard_rank_s", "reshard plan s"), ("coord_load_s", "coord load s"),
+    ("rank_load_recv_bytes_max", "load recv B"), ("cached_save_plan_s", "cached save s"),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-70b")
+    ap.add_argument("--ranks", default="1024,8192", help="comma-separated rank counts")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--pp", type=int, default=8)
+    ap.add_argument("--json-out")
+    args = ap.parse_args(argv)
+    results = [measure(args.model, int(r), args.tp, args.pp) for r in args.ranks.split(",")]
+    print(f"{args.model}, tp {args.tp}, pp {args.pp}, {os.cpu_count()} cores")
+    print(" | ".join(title for _, title in COLUMNS))
+    for row in results:
+        print(" | ".join(str(row[key]) for key, _ in COLUMNS))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"model": args.model, "tp": args.tp, "pp": args.pp, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
