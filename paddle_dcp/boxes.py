@@ -182,23 +182,13 @@ def check_tiling(
         raise PlanError(f"{key}: piece boxes do not match a tensor of rank {len(global_shape)}")
     p, ndim = shapes.shape
     total = math.prod(global_shape)
+    check_inside(key, global_shape, offsets, shapes)
     if ndim == 0:
-        if p != 1:
-            raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
         return
     if p == 0:
         if total == 0 or not require_cover:
             return
         raise PlanError(f"{key}: no piece covers this tensor of shape {global_shape}")
-    limit = np.asarray(global_shape, dtype=np.int64)
-    # compared without forming offsets + shapes first, which could wrap around
-    bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (shapes > limit).any(1) | (offsets > limit - shapes).any(1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise PlanError(
-            f"{key}: piece at offset {tuple(offsets[i].tolist())} with shape "
-            f"{tuple(shapes[i].tolist())} is empty or outside the tensor's shape {global_shape}"
-        )
     ends = offsets + shapes
     volumes = np.prod(shapes, axis=1, dtype=np.int64)
     covered = int(volumes.sum())
@@ -229,6 +219,30 @@ def check_tiling(
         open_idx.append(i)
     if require_cover and covered != total:
         raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
+
+
+def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray) -> None:
+    """Raise PlanError unless every box is non-empty and inside the tensor (a scalar: exactly
+    one piece)."""
+    global_shape = tuple(int(s) for s in global_shape)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    shapes = np.asarray(shapes, dtype=np.int64)
+    if offsets.ndim != 2 or offsets.shape != shapes.shape or offsets.shape[1] != len(global_shape):
+        raise PlanError(f"{key}: piece boxes do not match a tensor of rank {len(global_shape)}")
+    p, ndim = shapes.shape
+    if ndim == 0:
+        if p != 1:
+            raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
+        return
+    limit = np.asarray(global_shape, dtype=np.int64)
+    # compared without forming offsets + shapes first, which could wrap around
+    bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (shapes > limit).any(1) | (offsets > limit - shapes).any(1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(
+            f"{key}: piece at offset {tuple(offsets[i].tolist())} with shape "
+            f"{tuple(shapes[i].tolist())} is empty or outside the tensor's shape {global_shape}"
+        )
 
 
 def _grid_cells(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...]):

@@ -245,42 +245,39 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
 
     # -- writers: single holders first, then the rest largest first to the least loaded
     writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
-    loads: dict[int, int] = {}
+    all_ranks = np.unique(holders_rank)
+    dense_holders = np.searchsorted(all_ranks, holders_rank)
+    dense = np.zeros(len(all_ranks), dtype=np.int64)  # bytes each holder writes so far
     single = counts == 1
-    for r, nb in zip(holders_rank[group_start[single]].tolist(), p_nbytes[single].tolist()):
-        loads[r] = loads.get(r, 0) + nb
+    np.add.at(dense, dense_holders[group_start[single]], p_nbytes[single])
     multi = np.flatnonzero(~single)
-    if len(multi):
-        # largest first; ties broken by (key, offsets), which the sort of uniq already orders
-        multi = multi[np.argsort(-p_nbytes[multi], kind="stable")]
-        all_ranks = np.unique(holders_rank)
-        dense = np.zeros(len(all_ranks), dtype=np.int64)
-        for r, nb in loads.items():
-            dense[np.searchsorted(all_ranks, r)] = nb
-        dense_holders = np.searchsorted(all_ranks, holders_rank)
-        for u in multi.tolist():
-            lo = group_start[u]
-            hs = dense_holders[lo : lo + counts[u]]
-            j = int(np.argmin(dense[hs]))  # holders are sorted by rank: ties go to the lowest
-            dense[hs[j]] += p_nbytes[u]
-            writer_pos[u] = lo + j
+    # largest first; ties broken by (key, offsets), which the sort of uniq already orders
+    for u in multi[np.argsort(-p_nbytes[multi], kind="stable")].tolist():
+        lo = group_start[u]
+        hs = dense_holders[lo : lo + counts[u]]
+        j = int(np.argmin(dense[hs]))  # holders are sorted by rank: ties go to the lowest
+        dense[hs[j]] += p_nbytes[u]
+        writer_pos[u] = lo + j
     p_writer = holders_rank[writer_pos]
     p_leaf = holders_leaf[writer_pos]
 
-    # -- every writer's file: its pieces in leaf order, back to back
+    # -- every writer's file: its pieces in leaf order, back to back (as layout_offsets)
     p_byte_offset = np.zeros(n, dtype=np.int64)
     writes: dict[int, np.ndarray] = {}
     file_bytes: dict[int, int] = {}
     if n:
-        by_writer = np.lexsort((p_leaf, p_writer))
-        w_sorted = p_writer[by_writer]
-        cuts = np.flatnonzero(np.diff(w_sorted)) + 1
-        for chunk in np.split(by_writer, cuts):
-            r = int(p_writer[chunk[0]])
-            starts, total = layout_offsets(p_nbytes[chunk])
-            p_byte_offset[chunk] = starts
-            writes[r] = p_leaf[chunk]
-            file_bytes[r] = total
+        order = np.lexsort((p_leaf, p_writer))
+        w_sorted = p_writer[order]
+        first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
+        padded = -(-p_nbytes[order] // ALIGNMENT) * ALIGNMENT
+        starts = np.cumsum(padded) - padded
+        group = np.cumsum(np.isin(np.arange(n), first)) - 1  # which writer each row belongs to
+        p_byte_offset[order] = starts - starts[first][group]
+        last = np.concatenate([first[1:], [n]]) - 1
+        ends = p_byte_offset[order][last] + p_nbytes[order][last]
+        for r, lo, hi, end in zip(w_sorted[first].tolist(), first.tolist(), (last + 1).tolist(), ends.tolist()):
+            writes[r] = p_leaf[order[lo:hi]]
+            file_bytes[r] = end
     return SavePlan(
         keys=keys_sorted,
         dtypes=tuple(key_info[k][0] for k in keys_sorted),
@@ -319,27 +316,24 @@ def build_metadata(
         structure: the skeleton with plain values filled in.
     """
     writers = sorted(plan.file_bytes)
-    file_index = {r: i for i, r in enumerate(writers)}
     files = tuple(FileEntry(data_file_name(r, unique_id), plan.file_bytes[r]) for r in writers)
     n = len(plan.piece_key)
     nblocks = blocks_of(plan.piece_nbytes, block_bytes) if n else np.zeros(0, np.int64)
-    # where each piece's checksums start in its writer's report
+    # reports arrive writer by writer, each in leaf (= file) order: where each piece's
+    # checksums start in their concatenation
+    order = np.lexsort((plan.piece_leaf, plan.piece_writer))
     start_in_report = np.zeros(n, dtype=np.int64)
-    report_base = {}
-    base = 0
-    for r in writers:
-        chunk = np.flatnonzero(plan.piece_writer == r)
-        chunk = chunk[np.argsort(plan.piece_leaf[chunk], kind="stable")]
-        expected = int(nblocks[chunk].sum())
-        got = np.asarray(checksums.get(r, np.zeros(0, np.uint64)), dtype=np.uint64)
-        if len(got) != expected:
-            raise PlanError(f"rank {r} reported {len(got)} checksums, expected {expected}")
-        start_in_report[chunk] = base + np.concatenate([[0], np.cumsum(nblocks[chunk])[:-1]])
-        report_base[r] = base
-        base += expected
+    start_in_report[order] = np.cumsum(nblocks[order]) - nblocks[order]
+    expected = np.zeros(len(writers), dtype=np.int64)
+    np.add.at(expected, np.searchsorted(writers, plan.piece_writer), nblocks)
+    for r, want in zip(writers, expected.tolist()):
+        got = len(checksums.get(r, ()))
+        if got != want:
+            raise PlanError(f"rank {r} reported {got} checksums, expected {want}")
     all_sums = (
         np.concatenate([np.asarray(checksums[r], dtype=np.uint64) for r in writers]) if writers else np.zeros(0, np.uint64)
     )
+    piece_file = np.searchsorted(writers, plan.piece_writer).astype(np.int64)
     bounds = np.searchsorted(plan.piece_key, np.arange(len(plan.keys) + 1))
     tensors = {}
     for k, key in enumerate(plan.keys):
@@ -351,7 +345,7 @@ def build_metadata(
         table = PieceTable(
             offsets=np.ascontiguousarray(plan.piece_offsets[lo:hi, :nd]),
             shapes=np.ascontiguousarray(plan.piece_shapes[lo:hi, :nd]),
-            files=np.array([file_index[int(r)] for r in plan.piece_writer[lo:hi]], dtype=np.int64),
+            files=piece_file[lo:hi],
             byte_offsets=plan.piece_byte_offset[lo:hi].copy(),
             checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
         )
@@ -440,6 +434,25 @@ def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
     return np.flatnonzero((hi > lo).all(axis=1))
 
 
+def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
+    """Raise PlanError when two of the pieces ``rows`` overlap inside ``box``. With their
+    volumes inside the box adding up to the box's, this proves they cover it exactly, whether
+    or not the whole tensor's tiling was checked (lazily parsed metadata)."""
+    if len(rows) < 2 or box.ndim == 0:
+        return
+    p = entry.pieces
+    lo = np.maximum(p.offsets[rows], np.asarray(box.offsets, dtype=np.int64))
+    hi = np.minimum(p.offsets[rows] + p.shapes[rows], np.asarray(box.end, dtype=np.int64))
+    for a in range(len(rows) - 1):
+        both = (np.maximum(lo[a], lo[a + 1 :]) < np.minimum(hi[a], hi[a + 1 :])).all(axis=1)
+        if both.any():
+            b = a + 1 + int(np.flatnonzero(both)[0])
+            raise PlanError(
+                f"{entry.key}: saved pieces at offsets {tuple(p.offsets[rows[a]].tolist())} and "
+                f"{tuple(p.offsets[rows[b]].tolist())} overlap"
+            )
+
+
 def plan_reads(
     meta: Metadata,
     targets: Sequence[TargetPiece],
@@ -472,8 +485,10 @@ def plan_reads(
         starts = starts_cache.get(t.key)
         if starts is None:
             starts = starts_cache[t.key] = entry.block_starts()
+        hits = overlapping_pieces(entry, t.box)
+        _check_disjoint(entry, t.box, hits)
         covered = 0
-        for i in overlapping_pieces(entry, t.box).tolist():
+        for i in hits.tolist():
             piece = entry.piece(i, starts)
             overlap = piece.box.intersect(t.box) if piece.box.ndim else piece.box
             if overlap is None:

@@ -247,7 +247,7 @@ def load(ctx: LoadRank) -> Protocol:
         return meta, wire.encode_json({"m": meta is not None, "f": wire.rle(listing.data_ranks.get(uid, ()))})
 
     meta, status = yield from local("read metadata", find_metadata)
-    statuses = [wire.decode_json(s) for s in (yield AllGather(status))]
+    statuses = _decode_statuses((yield AllGather(status)))
     readers = [r for r, s in zip(ctx.ranks, statuses) if s["m"]]
 
     def check():
@@ -268,6 +268,18 @@ def load(ctx: LoadRank) -> Protocol:
         yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
     yield from local("values", work.finish)
     return uid, work
+
+
+def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
+    """Every rank's status; equal ones (all of them on a shared file system) parsed once."""
+    memo: dict[bytes, dict] = {}
+    out = []
+    for blob in blobs:
+        status = memo.get(blob)
+        if status is None:
+            status = memo[blob] = wire.decode_json(blob)
+        out.append(status)
+    return out
 
 
 def route(ctx, remote: dict) -> Protocol:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from paddle_dcp import nested, planner, storage, wire
 from paddle_dcp.boxes import Box
-from paddle_dcp.errors import MismatchError, PlanError
-from paddle_dcp.metadata import ALIGNMENT
+from paddle_dcp.errors import FormatError, MismatchError, PlanError
+from paddle_dcp.metadata import ALIGNMENT, Metadata
 
 from .helpers import (
     coords,
@@ -350,3 +350,42 @@ def test_layout_offsets_align_every_piece():
     starts, total = planner.layout_offsets([])
     assert len(starts) == 0 and total == 0
 
+
+
+def _lazy_meta_with_boxes(boxes, shape=(8, 4)):
+    """Metadata whose pieces are the given (offsets, shape) boxes, parsed lazily (tiling not
+    checked at parse), as a load parses it."""
+    doc = {
+        "format": "paddle_dcp", "format_version": 1, "unique_id": 0, "world_size": 1,
+        "checksum": {"algorithm": "xxh3_64", "block_bytes": 1 << 20},
+        "files": [{"name": "0_0.distcp", "bytes": 1 << 20}],
+        "structure": {"d": [["w", {"t": 0}]]},
+        "tensors": {"w": {
+            "dtype": "float32", "shape": list(shape), "count": len(boxes),
+            "offsets": [x for o, _ in boxes for x in o], "shapes": [x for _, s in boxes for x in s],
+            "file": [0] * len(boxes), "byte_offset": [4096 * i for i in range(len(boxes))],
+            "checksums": ["0" * 16] * len(boxes),
+        }},
+    }  # fmt: skip
+    import json
+
+    return Metadata.from_json(json.dumps(doc), lazy=True)
+
+
+def test_lazy_metadata_with_overlapping_pieces_is_refused_where_a_target_uses_them():
+    # rows 0-4 and rows 3-7 overlap on rows 3-4; total volume equals the tensor's
+    meta = _lazy_meta_with_boxes([((0, 0), (5, 4)), ((3, 0), (5, 4))])
+    with pytest.raises(PlanError, match="overlap"):
+        planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((0, 0), (8, 4)))])
+    # an eager parse refuses the file outright
+    with pytest.raises(FormatError):
+        Metadata.from_json(_lazy_meta_with_boxes([((0, 0), (5, 4)), ((3, 0), (5, 4))]).to_json())
+
+
+def test_lazy_metadata_with_a_gap_is_refused_where_a_target_needs_it():
+    meta = _lazy_meta_with_boxes([((0, 0), (3, 4)), ((4, 0), (4, 4))])  # row 3 missing
+    with pytest.raises(PlanError, match="cover"):
+        planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((2, 0), (4, 4)))])
+    # a target that avoids the gap loads
+    ops = planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((4, 0), (4, 4)))])
+    assert sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies) == 16
