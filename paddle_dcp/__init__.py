@@ -6,7 +6,7 @@ Switch with one import::
     dcp.save_state_dict(state_dict, "ckpt")
     dcp.load_state_dict(state_dict, "ckpt")
 """
-from .api import load_state_dict, read_metadata, save_state_dict
+from .api import AsyncSave, load_state_dict, read_metadata, save_state_dict, wait_async_save
 from .errors import (
     CollectiveError,
     DcpError,
@@ -23,6 +23,8 @@ __all__ = [
     "save_state_dict",
     "load_state_dict",
     "read_metadata",
+    "wait_async_save",
+    "AsyncSave",
     "DcpError",
     "FormatError",
     "IntegrityError",

@@ -8,8 +8,10 @@ an agreement, so a failure anywhere raises on every rank instead of leaving one 
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from . import exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
-from .device import TargetBuffer, host_bytes
+from .device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, StorageError
 from .metadata import DEFAULT_BLOCK_BYTES, Metadata
 from .placements import describe, has_partial, is_tensor, reduce_partial, rewrap
@@ -39,7 +41,7 @@ def save_state_dict(
     coordinator_rank: int = 0,
     unique_id: int | None = None,
     async_save: bool = False,
-) -> None:
+) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors and plain values.
 
     Every rank writes the pieces assigned to it to ``{rank}_{unique_id}.distcp``; replicated
@@ -54,16 +56,14 @@ def save_state_dict(
         coordinator_rank: global rank that plans and writes the metadata.
         unique_id: the checkpoint's id; default: one more than the highest complete id in
             ``path`` (0 for the first).
-        async_save: not available yet.
+        async_save: return as soon as every rank's pieces are copied to host memory and
+            finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
 
     Raises:
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
         DcpError: the failure itself (one rank).
     """
-    if async_save:
-        raise NotImplementedError(
-            "async_save=True is not implemented yet in paddle_dcp; call with async_save=False"
-        )
+    wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
@@ -114,13 +114,108 @@ def save_state_dict(
         created_by=f"paddle_dcp {__version__}",
         cache=_SAVE_PLANS,
     )
-    result = protocol.run(comm, protocol.save(ctx))
-    _LAST_TRAFFIC["save"] = comm.traffic
+    if not async_save:
+        result = protocol.run(comm, protocol.save(ctx))
+        _LAST_TRAFFIC["save"] = comm.traffic
+        _log_saved(result, path, started)
+        return None
+
+    def stage(leaves):
+        for leaf in leaves.tolist():
+            state["held"][leaf].local = staged_copy(state["held"][leaf].local)
+
+    ctx.stage = stage
+    run = protocol.save(ctx)
+    protocol.run(comm, run, until_detach=True)
+    background = comm.private() if comm.size > 1 else comm
+    logger.info("async save to %s: state staged in %.3f s, writing in the background", path, time.perf_counter() - started)
+
+    def finish():
+        result = protocol.run(background, run)
+        _log_saved(result, path, started)
+        return result.unique_id
+
+    handle = AsyncSave(finish)
+    _PENDING.append(handle)
+    return handle
+
+
+def _log_saved(result, path: str, started: float) -> None:
     logger.info(
         "saved checkpoint %d to %s: %d bytes written by this rank in %.3f s%s",
         result.unique_id, path, result.bytes_written, time.perf_counter() - started,
         " (plan reused)" if result.plan_reused else "",
     )
+
+
+class AsyncSave:
+    """A save finishing in the background (``save_state_dict(..., async_save=True)``).
+
+    The call that made it returned once every rank's pieces were copied to host memory; the
+    tensors may change from then on. Its data files and metadata are written by a thread, over
+    a process group of its own. :meth:`wait` (or the next save, or :func:`wait_async_save`)
+    waits for it and raises its error, if it failed.
+    """
+
+    def __init__(self, fn):
+        self._done = threading.Event()
+        self._result: int | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="paddle_dcp-async-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        """True once the save finished, successfully or not."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the save; returns its unique id.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+            DcpError: the background save's own error.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the async save did not finish within {timeout} s")
+        if self in _PENDING:
+            _PENDING.remove(self)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+_PENDING: list[AsyncSave] = []
+
+
+def wait_async_save(timeout: float | None = None) -> None:
+    """Wait for every async save of this process to finish; raise the first error."""
+    errors = []
+    for handle in list(_PENDING):
+        try:
+            handle.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@atexit.register
+def _finish_pending_saves() -> None:  # an interpreter exiting must not abandon a save
+    for handle in list(_PENDING):
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - nobody is left to raise it to
+            logger.error("an async save failed: %s", exc)
 
 
 # A group's last save plan, reused while no rank's layout changes (see protocol.save).

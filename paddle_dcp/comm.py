@@ -399,6 +399,16 @@ class PaddleComm(Comm):
         a, b = sorted((self.rank, peer))
         return _group(self.rank, (a, b)), (1 if self.rank == a else 0)
 
+    def private(self) -> "PaddleComm":
+        """A comm over the same ranks through a process group of their own (a background
+        save's collectives must not interleave with the caller's on a shared group)."""
+        from paddle.distributed.communication.group import Group
+
+        members = tuple(sorted(self.ranks))
+        group = Group(members.index(self.rank), _GROUP_GID, list(members), pg=_group(self.rank, members),
+                      name="paddle_dcp_background")
+        return PaddleComm(group, self.coordinator)
+
     def reduce_among(self, members: Sequence[int], tensor, op: str) -> None:
         """All-reduce ``tensor`` in place among the ranks ``members`` (this rank included),
         with ``op`` one of sum, max, min, prod, over a group of those ranks alone."""

@@ -73,6 +73,12 @@ class Pairwise:
     fn: Callable[[Any], Any]
 
 
+@dataclass(frozen=True)
+class Detach:
+    """The rest of the protocol may go on in the background (async save): every rank's state
+    is staged to host memory and nothing below reads the caller's tensors."""
+
+
 Protocol = Generator[Any, Any, Any]
 
 
@@ -86,14 +92,21 @@ def local(step: str, fn: Callable[[], Any]) -> Protocol:
     return value
 
 
-def run(comm, protocol: Protocol):
-    """Drive one rank's protocol on a real comm; returns the protocol's value."""
+def run(comm, protocol: Protocol, until_detach: bool = False):
+    """Drive one rank's protocol on a real comm; returns the protocol's value. With
+    ``until_detach``, stop at a Detach request and return it: the caller continues the same
+    generator later (``run(other_comm, protocol)``), e.g. in a background thread."""
     result = None
     while True:
         try:
             request = protocol.send(result)
         except StopIteration as stop:
             return stop.value
+        if isinstance(request, Detach):
+            if until_detach:
+                return request
+            result = None
+            continue
         result = comm.execute(request)
 
 
@@ -112,6 +125,8 @@ class SaveRank:
         values: the coordinator's plain values, flat key -> value.
         publish: the coordinator writes the metadata; called last.
         cache: where the rank keeps its last save plan (module-level dict in a real job).
+        stage: for an async save, copies the pieces of the given leaves to host memory; the
+            protocol then yields Detach and may finish in the background.
     """
 
     rank: int
@@ -127,6 +142,7 @@ class SaveRank:
     block_bytes: int
     created_by: str = ""
     cache: dict = field(default_factory=dict)
+    stage: Callable[[np.ndarray], None] | None = None
 
 
 @dataclass
@@ -161,6 +177,9 @@ def save(ctx: SaveRank) -> Protocol:
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
         plan, leaves = cached["plan"], cached["leaves"]
+    if ctx.stage is not None:
+        yield from local("stage", lambda: ctx.stage(leaves))
+        yield Detach()
     size, sums = (yield from local("write", lambda: ctx.write(uid, leaves))) or (0, [])
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
 

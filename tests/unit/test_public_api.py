@@ -11,6 +11,8 @@ EXPECTED = {
     "save_state_dict",
     "load_state_dict",
     "read_metadata",
+    "wait_async_save",
+    "AsyncSave",
     "DcpError",
     "FormatError",
     "IntegrityError",
