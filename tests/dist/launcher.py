@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,18 @@ class Launch:
 
     def __init__(self, returncode: int, logs: str, report: str):
         self.returncode, self.logs, self.report = returncode, logs, report
+
+
+def _env() -> dict:
+    """The environment of a launch (as :func:`launch` builds it): the scripts and the
+    repository importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def launch(script: str, nproc: int, tmp_path, args=(), timeout: float = 180) -> Launch:
@@ -184,3 +198,115 @@ def expect_known_bug(result: Launch, signature, cases, nproc: int) -> None:
             raise KnownBug(f"known bug ({found[0]!r}) still present\n{result.report}")
         pytest.fail(f"failed, but not with the known bug {signatures!r}\n{result.report}", pytrace=False)
     assert_passed(result.logs, cases, nproc)
+
+
+# ------------------------------------------------------------------------------ two nodes
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (bound to port 0, read, released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+NODES = ("nodeA", "nodeB")
+
+
+def run_two_nodes(script: str, nproc_per_node: int, tmp_path, args=(), timeout: float = 180) -> str:
+    """Run ``script`` as one job of two "nodes" on this machine: two launches started at
+    once, ``--nnodes 2 --master 127.0.0.1:PORT`` (a free port), each in its own working
+    directory ``tmp_path/nodeA`` and ``tmp_path/nodeB`` (so a relative checkpoint path is a
+    directory of that node alone) with its own ``log`` directory there.
+
+    Which launch gets node rank 0 (global ranks 0 .. nproc_per_node - 1) is decided by the
+    order in which they register with the master, not by their names.
+
+    Returns the worker logs of both nodes, concatenated. Fails the test (with the tail of every
+    worker log of both nodes) when a launcher exits non-zero (the other one, if still running,
+    is killed at once) or both do not finish within ``timeout`` seconds; launchers are killed
+    with the workers they started, and nothing else, by their ids (see :func:`_kill`).
+    """
+    tmp_path = Path(tmp_path)
+    port = free_port()
+    env = _env()
+    procs, outs, log_dirs = [], [], []
+    try:
+        for name in NODES:
+            node = tmp_path / name
+            node.mkdir(parents=True, exist_ok=True)
+            log_dir = node / "log"
+            out = open(node / "launcher.out", "w")  # a file: a full pipe cannot block a launcher
+            cmd = [
+                sys.executable, "-m", "paddle.distributed.launch",
+                "--nnodes", "2", "--nproc_per_node", str(nproc_per_node),
+                "--master", f"127.0.0.1:{port}", "--log_dir", str(log_dir),
+                script, *[str(a) for a in args],
+            ]
+            procs.append(subprocess.Popen(cmd, cwd=str(node), env=env, start_new_session=True,
+                                          stdout=out, stderr=subprocess.STDOUT))
+            outs.append(out)
+            log_dirs.append(log_dir)
+        deadline = time.monotonic() + timeout
+        timed_out = failed_early = False
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                failed_early = True  # the other node's ranks may wait for it until gloo's timeout
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.2)
+        if timed_out or failed_early:
+            for proc in procs:
+                if proc.poll() is None:
+                    _kill(proc)
+            for proc in procs:
+                proc.wait()
+    except BaseException:
+        for proc in procs:
+            _kill(proc)
+        raise
+    finally:
+        for out in outs:
+            out.close()
+
+    def report() -> str:
+        parts = []
+        for name, log_dir in zip(NODES, log_dirs):
+            text = (tmp_path / name / "launcher.out").read_text(errors="replace")
+            parts.append(f"=== {name} ===\n{_report(log_dir, text)}")
+        return "\n".join(parts)
+
+    what = f"{Path(script).name} on 2 nodes x {nproc_per_node} ranks"
+    if timed_out:
+        pids = ", ".join(str(p.pid) for p in procs)
+        pytest.fail(f"{what} did not finish in {timeout} s; the launchers ({pids}) and their workers "
+                    f"were killed\n{report()}", pytrace=False)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        pytest.fail(f"{what} failed (launcher exit codes {codes})\n{report()}", pytrace=False)
+    return "\n".join(log.read_text(errors="replace") for d in log_dirs for log in _worker_logs(d))
+
+
+# ------------------------------------------------------------------------------ one process
+def run_single(script: str, tmp_path, args=(), timeout: float = 120) -> str:
+    """Run ``script`` in one plain process (``sys.executable script``, no launcher), as an
+    evaluation job would. Returns its output. Fails the test (with the output's tail) when it
+    exits non-zero or does not finish in ``timeout`` seconds; then its process group, started
+    here and holding only it, is killed by its id first."""
+    tmp_path = Path(tmp_path)
+    cmd = [sys.executable, script, *[str(a) for a in args]]
+    proc = subprocess.Popen(
+        cmd, cwd=str(tmp_path), env=_env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        output, _ = proc.communicate()
+        pytest.fail(f"{Path(script).name} (one process) did not finish in {timeout} s; its process group "
+                    f"{proc.pid} was killed\n{_tail(output)}", pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"{Path(script).name} (one process) failed (exit code {proc.returncode})\n"
+                    f"{_tail(output)}", pytrace=False)
+    return output

@@ -20,6 +20,7 @@ with its traceback and ends the process at once, so the launcher stops the other
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -264,7 +265,8 @@ def run_cases(cases, argv=None) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
-        dist.barrier()
+        if dist.is_initialized():  # a single process run without launch has no group
+            dist.barrier()
         print(f"PASS {name} rank={r}", flush=True)
 
 
@@ -410,3 +412,52 @@ def mixed_layout(mesh=None, spec=None, kind="paddle"):
             sp = ("R",) * len(mesh.shape)
         out.append(Leaf(("t", name), shape, dtype, mesh if sp else None, sp, kind, index=i))
     return out
+
+
+# ------------------------------------------------------------------------------ unchanged
+def _local_copy(t):
+    """(dtype, shape, this rank's local bytes) of a tensor; bytes None for paddle's
+    uninitialised (empty) dist shard."""
+    if isinstance(t, np.ndarray):
+        return str(t.dtype), t.shape, t.copy()
+    if t.is_dist() and not t._is_initialized():
+        return str(t.dtype), tuple(t.shape), None
+    return str(t.dtype), tuple(t.shape), held(t).copy()
+
+
+def snapshot(node):
+    """A deep record of a state dict: every container and tensor by identity, every tensor's
+    local value copied, every plain value deep-copied (compare with :func:`assert_unchanged`)."""
+    if isinstance(node, dict):
+        return ("dict", node, {k: snapshot(v) for k, v in node.items()})
+    if isinstance(node, (list, tuple)):
+        return (type(node).__name__, node, [snapshot(v) for v in node])
+    if isinstance(node, (np.ndarray, paddle.Tensor)):
+        return ("tensor", node, _local_copy(node))
+    return ("value", type(node), copy.deepcopy(node))
+
+
+def assert_unchanged(node, snap, where: str = "state_dict") -> None:
+    """``node`` is exactly as :func:`snapshot` recorded it: the same containers with the same
+    keys, the same tensor objects with the same dtype, shape and local bytes, equal plain
+    values of the same types."""
+    kind = snap[0]
+    if kind == "value":
+        assert type(node) is snap[1] and node == snap[2], f"{where}: {node!r} was {snap[2]!r}"
+        return
+    assert node is snap[1], f"{where}: the {kind} object was replaced by {type(node).__name__}"
+    if kind == "tensor":
+        dtype, shape, data = _local_copy(node)
+        assert (dtype, shape) == snap[2][:2], f"{where}: {dtype} {shape} was {snap[2][:2]}"
+        if data is None or snap[2][2] is None:
+            assert data is None and snap[2][2] is None, f"{where}: initialised state changed"
+        else:
+            assert_same(data, snap[2][2], where)
+    elif kind == "dict":
+        assert list(node) == list(snap[2]), f"{where}: keys {list(node)} were {list(snap[2])}"
+        for k, v in node.items():
+            assert_unchanged(v, snap[2][k], f"{where}.{k}")
+    else:
+        assert len(node) == len(snap[2]), f"{where}: length {len(node)} was {len(snap[2])}"
+        for i, v in enumerate(node):
+            assert_unchanged(v, snap[2][i], f"{where}[{i}]")

@@ -4,8 +4,12 @@ Usage (under paddle.distributed.launch, 2 ranks): errors.py DIR [case ...]
 
 Every case runs the failing call on every rank, catches the expected exception, and checks
 its type, the ranks that failed and the message; the launcher's timeout guards against a
-rank left waiting.
+rank left waiting. Every load that fails before bytes move (shape / dtype / kind mismatch, no
+directory, no checkpoint, unknown id, a data file missing or short, a damaged metadata file)
+must leave the state dict exactly as it was on every rank: every container and tensor object,
+every tensor's local bytes and every plain value (:func:`load_fails`).
 """
+import copy
 import json
 import os
 import sys
@@ -32,14 +36,18 @@ def path(name):
     return os.path.join(ROOT, name)
 
 
+SAVED_VALUES = {"step": 3, "lrs": [0.1, 0.2], "meta": {"name": "x", "flag": True}}
+BLANK_VALUES = {"step": 0, "lrs": [0.0, 0.0], "meta": {"name": "", "flag": None}}
+
+
 def good_save(name):
-    paddle_dcp.save_state_dict(c.build(LEAVES, 0, {"step": 3}), path(name))
+    paddle_dcp.save_state_dict(c.build(LEAVES, 0, dict(SAVED_VALUES)), path(name))
     return path(name)
 
 
 def target(**replace):
     """A load target like LEAVES, with some tensors replaced by others."""
-    sd = c.build(LEAVES, 0, {"step": 0}, target=True)
+    sd = c.build(LEAVES, 0, {k: copy.deepcopy(v) for k, v in BLANK_VALUES.items()}, target=True)
     sd.update(replace)
     return sd
 
@@ -69,6 +77,15 @@ def expect(fn, failing, *needles, kind=CollectiveError):
     raise AssertionError(f"expected {kind.__name__}, nothing was raised")
 
 
+def load_fails(sd, p, failing, *needles, kind=CollectiveError, **kwargs):
+    """Loading ``p`` into ``sd`` raises as :func:`expect` checks, and leaves ``sd`` exactly as
+    it was on this rank."""
+    before = c.snapshot(sd)
+    exc = expect(lambda: paddle_dcp.load_state_dict(sd, p, **kwargs), failing, *needles, kind=kind)
+    c.assert_unchanged(sd, before)
+    return exc
+
+
 def files(p):
     return sorted(os.listdir(p)) if os.path.isdir(p) else []
 
@@ -77,23 +94,21 @@ def files(p):
 def shape_mismatch():
     p = good_save("shape")
     w = c.make(c.global_array((6, 5), "float32"), "float32", MESH, S0)
-    exc = expect(lambda: paddle_dcp.load_state_dict(target(w=w), p), [0, 1],
-                 "MismatchError", "w:", "(7, 5)", "(6, 5)")
+    exc = load_fails(target(w=w), p, [0, 1], "MismatchError", "w:", "(7, 5)", "(6, 5)")
     assert isinstance(exc.__cause__, paddle_dcp.MismatchError), repr(exc.__cause__)
 
 
 def dtype_mismatch():
     p = good_save("dtype")
     w = c.make(c.global_array((7, 5), "float64"), "float64", MESH, S0)
-    expect(lambda: paddle_dcp.load_state_dict(target(w=w), p), [0, 1],
-           "MismatchError", "w:", "float32", "float64")
+    load_fails(target(w=w), p, [0, 1], "MismatchError", "w:", "float32", "float64")
 
 
 def mismatch_on_one_rank():
     """A plain tensor whose shape differs on rank 1 only: rank 1 fails, both raise."""
     p = good_save("one_rank")
     sd = target(p=paddle.zeros([4] if R == 1 else [3], dtype="int64"))
-    exc = expect(lambda: paddle_dcp.load_state_dict(sd, p), [1], "MismatchError", "p:", "(3,)", "(4,)")
+    exc = load_fails(sd, p, [1], "MismatchError", "p:", "(3,)", "(4,)")
     if R == 1:
         assert isinstance(exc.__cause__, paddle_dcp.MismatchError), repr(exc.__cause__)
 
@@ -101,29 +116,29 @@ def mismatch_on_one_rank():
 def tensor_where_value_was_saved():
     p = good_save("kind")
     sd = target(step=paddle.zeros([1]))
-    expect(lambda: paddle_dcp.load_state_dict(sd, p), [0, 1], "MismatchError", "step")
+    load_fails(sd, p, [0, 1], "MismatchError", "step")
 
 
 def empty_directory():
     p = path("empty")
     os.makedirs(p, exist_ok=True)
-    expect(lambda: paddle_dcp.load_state_dict(target(), p), [0, 1], "FormatError", "no complete checkpoint", p)
+    load_fails(target(), p, [0, 1], "FormatError", "no complete checkpoint", p)
 
 
 def missing_directory():
     p = path("does_not_exist")
-    expect(lambda: paddle_dcp.load_state_dict(target(), p), [0, 1], "FormatError", "no complete checkpoint", p)
+    load_fails(target(), p, [0, 1], "FormatError", "no complete checkpoint", p)
 
 
 def missing_unique_id():
     p = good_save("ids")
-    expect(lambda: paddle_dcp.load_state_dict(target(), p, unique_id=7), [0, 1], "7.metadata")
+    load_fails(target(), p, [0, 1], "7.metadata", unique_id=7)
 
 
 def bad_unique_id():
     p = path("ids")
     for bad in (-1, "0", 1.0):
-        expect(lambda: paddle_dcp.load_state_dict(target(), p, unique_id=bad), [0, 1], "unique_id")
+        load_fails(target(), p, [0, 1], "unique_id", unique_id=bad)
         expect(lambda: paddle_dcp.save_state_dict(target(), p, unique_id=bad), [0, 1], "unique_id")
     assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
 
@@ -135,8 +150,9 @@ def truncated_shard():
         name = os.path.join(p, "1_0.distcp")
         os.truncate(name, os.path.getsize(name) - 1)
     c.dist.barrier()
-    # every rank that needs a byte of 1_0.distcp (rank 1 at least) finds it short
-    exc = expect(lambda: paddle_dcp.load_state_dict(target(), p), None, "IntegrityError", "1_0.distcp", "bytes")
+    # every rank that needs a byte of 1_0.distcp (rank 1 at least) finds it short when it opens
+    # the file, before any byte moves
+    exc = load_fails(target(), p, None, "IntegrityError", "1_0.distcp", "bytes")
     assert 1 in exc.failures, exc.failures
 
 
@@ -163,8 +179,44 @@ def future_format_version():
         with open(meta, "w") as f:
             json.dump(doc, f)
     c.dist.barrier()
-    expect(lambda: paddle_dcp.load_state_dict(target(), p), [0, 1],
-           "FormatError", "format_version", str(paddle_dcp.FORMAT_VERSION + 1))
+    load_fails(target(), p, [0, 1], "FormatError", "format_version", str(paddle_dcp.FORMAT_VERSION + 1))
+
+
+def damaged_metadata():
+    """A metadata file cut in half (not JSON), then one whose JSON gives a tensor a negative
+    dimension: every rank raises FormatError naming the file; nothing is loaded."""
+    p = good_save("damaged")
+    meta = os.path.join(p, "0.metadata")
+    c.dist.barrier()
+    with open(meta, "rb") as f:
+        original = f.read()
+    if R == 0:
+        with open(meta, "wb") as f:
+            f.write(original[: len(original) // 2])
+    c.dist.barrier()
+    load_fails(target(), p, [0, 1], "FormatError", "0.metadata")
+    c.dist.barrier()
+    if R == 0:
+        doc = json.loads(original)
+        entry = doc["tensors"]["w"] if isinstance(doc.get("tensors"), dict) else None
+        assert entry is not None and "shape" in entry, sorted(doc)
+        entry["shape"] = [-7, 5]
+        with open(meta, "w") as f:
+            json.dump(doc, f)
+    c.dist.barrier()
+    load_fails(target(), p, [0, 1], "FormatError", "0.metadata", "tensor 'w'", "-7")
+
+
+def data_file_missing():
+    """A data file deleted: every rank needs the plain tensor p or a piece of w, b that only it
+    holds; the ranks that need 1_0.distcp raise StorageError naming it, before any byte moves."""
+    p = good_save("nofile")
+    c.dist.barrier()
+    if R == 0:
+        os.remove(os.path.join(p, "1_0.distcp"))
+    c.dist.barrier()
+    exc = load_fails(target(), p, None, "StorageError", "1_0.distcp")
+    assert 1 in exc.failures, exc.failures
 
 
 def unknown_keys_are_left_alone():
@@ -175,6 +227,7 @@ def unknown_keys_are_left_alone():
     paddle_dcp.load_state_dict(sd, p)
     c.check_state(sd, LEAVES, 0, R)
     assert sd["step"] == 3 and sd["other"] == 5, (sd["step"], sd["other"])
+    assert sd["lrs"] == [0.1, 0.2] and sd["meta"] == {"name": "x", "flag": True}, (sd["lrs"], sd["meta"])
     c.check_tensor(sd["extra"], np.full((3, 2), -7, np.float32), "float32", MESH, S0, R, "extra")
 
 
@@ -240,6 +293,8 @@ CASES = {
     "truncated_shard": truncated_shard,
     "corrupted_byte": corrupted_byte,
     "future_format_version": future_format_version,
+    "damaged_metadata": damaged_metadata,
+    "data_file_missing": data_file_missing,
     "unknown_keys_are_left_alone": unknown_keys_are_left_alone,
     "object_on_one_rank": object_on_one_rank,
     "object_on_coordinator": object_on_coordinator,
