@@ -13,3 +13,14 @@ MISSING_WARNING_REASON = (
     "holds no piece are missing from the partial metadata its helper sends, so the rank warns "
     "that the checkpoint lacks them"
 )
+
+# save_state_dict(async_save=True): the "stage" step replaces each piece to write with
+# device.staged_copy(local), a numpy copy of its bytes in storage dtype, which is uint16 for
+# bfloat16; the background write then calls device.host_bytes on that array, which asks
+# dtypes.name_of_numpy(uint16) for a checkpoint dtype and raises FormatError. Every rank's
+# AsyncSave.wait() raises CollectiveError(step 'write', FormatError ...); no checkpoint.
+ASYNC_BF16_BUG = "numpy dtype uint16 has no checkpoint dtype"
+ASYNC_BF16_REASON = (
+    "paddle_dcp.api.save_state_dict(async_save=True): staged bfloat16 pieces are uint16 numpy "
+    "arrays, and writing them raises FormatError('numpy dtype uint16 has no checkpoint dtype')"
+)

@@ -275,10 +275,19 @@ def write_fails_on_one_rank():
     c.check_state(sd, LEAVES, 0, R)
 
 
-def async_save_refused():
-    expect(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), path("async"), async_save=True),
-           [], "async_save", kind=NotImplementedError)
-    assert files(path("async")) == [], files(path("async"))
+def async_save_completes(leaves, name):
+    """async_save=True (no longer refused: it writes in the background): once waited for,
+    the checkpoint is complete (metadata last) and loads like a synchronous one."""
+    p = path(name)
+    handle = paddle_dcp.save_state_dict(c.build(leaves, 0, dict(SAVED_VALUES)), p, async_save=True)
+    assert isinstance(handle, paddle_dcp.AsyncSave), handle
+    assert handle.wait(timeout=60) == 0
+    c.dist.barrier()
+    assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
+    sd = c.build(leaves, 0, {k: copy.deepcopy(v) for k, v in BLANK_VALUES.items()}, target=True)
+    paddle_dcp.load_state_dict(sd, p)
+    c.check_state(sd, leaves, 0, R)
+    assert sd["step"] == 3 and sd["lrs"] == [0.1, 0.2], (sd["step"], sd["lrs"])
 
 
 CASES = {
@@ -299,7 +308,9 @@ CASES = {
     "object_on_one_rank": object_on_one_rank,
     "object_on_coordinator": object_on_coordinator,
     "write_fails_on_one_rank": write_fails_on_one_rank,
-    "async_save_refused": async_save_refused,
+    "async_save_without_bfloat16": lambda: async_save_completes([lf for lf in LEAVES if lf.dtype != "bfloat16"], "async"),
 }
+if "async_save_bfloat16" in sys.argv[2:]:  # a known bug (known_bugs.ASYNC_BF16_BUG): run only when asked
+    CASES["async_save_bfloat16"] = lambda: async_save_completes(LEAVES, "async_bf16")
 
 c.run_cases(CASES, sys.argv[2:])
