@@ -343,7 +343,7 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
             if box is not None and key in match.source:
                 targets.append(planner.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
         value_keys = [nested.flat_key(p) for p, tag, _ in nested.walk(summary.skeleton) if tag in ("v", "f", "x")]
-        return planner.restrict(meta, targets, value_keys).to_json()
+        return planner.restrict(meta, targets, value_keys, list(match.source.values())).to_json()
 
     reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
     if reply is not None:

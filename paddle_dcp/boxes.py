@@ -184,6 +184,8 @@ def check_tiling(
     total = math.prod(global_shape)
     check_inside(key, global_shape, offsets, shapes)
     if ndim == 0:
+        if require_cover and p != 1:
+            raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
         return
     if p == 0:
         if total == 0 or not require_cover:
@@ -222,7 +224,7 @@ def check_tiling(
 
 
 def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray) -> None:
-    """Raise PlanError unless every box is non-empty and inside the tensor (a scalar: exactly
+    """Raise PlanError unless every box is non-empty and inside the tensor (a scalar: at most
     one piece)."""
     global_shape = tuple(int(s) for s in global_shape)
     offsets = np.asarray(offsets, dtype=np.int64)
@@ -231,7 +233,7 @@ def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
         raise PlanError(f"{key}: piece boxes do not match a tensor of rank {len(global_shape)}")
     p, ndim = shapes.shape
     if ndim == 0:
-        if p != 1:
+        if p > 1:
             raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
         return
     limit = np.asarray(global_shape, dtype=np.int64)

@@ -65,15 +65,15 @@ def host_bytes(tensor) -> HostBytes:
     return HostBytes(_view(host, name), host)
 
 
-def staged_copy(tensor) -> np.ndarray:
+def staged_copy(tensor):
     """A host copy of a local tensor's bytes that outlives later changes to the tensor (an
     async save writes it in the background): one device-to-host copy on a GPU (to pinned
     memory where paddle has it), one memcpy on the CPU."""
     if isinstance(tensor, np.ndarray):
         return np.array(tensor, copy=True, order="C")
     if is_host(tensor):
-        return np.array(host_bytes(tensor).array, copy=True)
-    return host_bytes(tensor).array  # host_bytes already made a fresh host copy
+        return tensor.clone()
+    return tensor.pin_memory() if _has_pinned() else tensor.cpu()
 
 
 class TargetBuffer:

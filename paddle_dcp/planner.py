@@ -603,16 +603,22 @@ def match_keys(wanted: Sequence[str], available: Sequence[str], mw_name_compatib
     return KeyMatch(source, tuple(missing), unexpected)
 
 
-def restrict(meta: Metadata, targets: Sequence[TargetPiece], value_keys: Sequence[str] = ()) -> Metadata:
+def restrict(
+    meta: Metadata, targets: Sequence[TargetPiece], value_keys: Sequence[str] = (), tensor_keys: Sequence[str] = ()
+) -> Metadata:
     """The part of ``meta`` a rank with these targets needs: the pieces that overlap them
-    (with their checksums and files) and the plain values it asks for. Its size grows with
-    that rank's pieces, not with the job; sent to ranks that cannot read the metadata file.
+    (with their checksums and files), the plain values it asks for, and, with no pieces, the
+    tensors of ``tensor_keys`` it holds nothing of (so it knows the checkpoint has them). Its
+    size grows with that rank's pieces, not with the job; sent to ranks that cannot read the
+    metadata file.
 
     Raises:
         MismatchError: a target's shape or dtype differs from the checkpoint's.
     """
     check_targets(meta, targets)
-    rows: dict[str, set[int]] = {}
+    # tensors the rank has keys for but holds nothing of stay listed (with no pieces), so it
+    # knows they exist in the checkpoint
+    rows: dict[str, set[int]] = {k: set() for k in tensor_keys if k in meta.tensors}
     for t in targets:
         entry = meta.tensors[t.key]
         hit = overlapping_pieces(entry, t.box) if t.box.volume or t.box.ndim == 0 else np.zeros(0, np.int64)

@@ -1,9 +1,6 @@
 """Node-local disks: ranks that lack the metadata or a data file get what they need from
 ranks that have it; a data file nobody has raises on every rank instead of hanging."""
-import pytest
-
-from known_bugs import MISSING_WARNING_BUG, MISSING_WARNING_REASON
-from launcher import KnownBug, assert_passed, expect_known_bug, launch, run_launch, script
+from launcher import assert_passed, run_launch, script
 
 
 def test_node_local_disks_4ranks_2nodes(tmp_path):
@@ -18,10 +15,9 @@ def test_node_local_disks_2ranks_each_alone(tmp_path):
                          "file_missing_everywhere", "load_after_restoring_the_file"], 2)
 
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=MISSING_WARNING_REASON)
 def test_warnings_name_only_missing_keys_on_ranks_without_metadata(tmp_path):
     """Rank 1 has no metadata file and holds nothing of the tensors on the sub-mesh [0]: it
     must not warn that the checkpoint lacks them (only "extra" and "extra_value")."""
     cases = ["save", "warnings_name_only_missing_keys"]
-    result = launch(script("nodelocal.py"), 2, tmp_path, args=[tmp_path / "work", 1, *cases], timeout=120)
-    expect_known_bug(result, MISSING_WARNING_BUG, cases, 2)
+    logs = run_launch(script("nodelocal.py"), 2, tmp_path, args=[tmp_path / "work", 1, *cases], timeout=120)
+    assert_passed(logs, cases, 2)
