@@ -1,0 +1,296 @@
+"""One rank of one benchmark phase: build the state dict, time one save or load, check it.
+
+Started by scripts/bench.py on every rank, under ``python -m paddle.distributed.launch``
+(libraries "ours" = paddle_dcp and "paddle" = paddle.distributed's built-in) or under
+``torchrun`` ("torch" = torch.distributed.checkpoint with DTensors on a gloo mesh of CPU
+ranks)::
+
+    bench_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
+
+PHASE is "save" (the workload in its save layout), "load" (into the same layout) or "reshard"
+(into the reshard layout: Shard(0) -> Shard(1)). Each rank waits at a barrier, then times its
+own call with time.perf_counter (whatever barriers the library does inside included) and
+records its peak resident memory growth during the call. After the timed region, a load's
+every value is compared with the numpy oracle (bench_workload). The rank writes
+``RESULT_DIR/rank{r}.json``; on any failure it also prints the traceback and exits 1.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_workload as workload  # noqa: E402
+
+PHASES = ("save", "load", "reshard")
+SENTINEL = -7.0  # what load targets hold before the load (exact in bfloat16)
+# Seconds to wait between building the state dict and the timed call. In a VM with free page
+# reporting (Firecracker: page_reporting.page_reporting_order=11) memory freed more than ~2 s
+# ago goes back to the host, and touching it again runs at ~0.5-1 GB/s instead of ~8 GB/s; the
+# wait puts every library in that same state (what a fresh process meets) instead of a state
+# that depends on what the build freed last.
+SETTLE = float(os.environ.get("PADDLE_DCP_BENCH_SETTLE", "3"))
+
+
+# ------------------------------------------------------------------------------ memory
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+class PeakRss:
+    """Peak resident memory growth of this process during a ``with`` block, in bytes.
+
+    Linux resets the high-water mark (VmHWM) to the current RSS when "5" is written to
+    /proc/self/clear_refs; then VmHWM after the block minus VmRSS before it is the exact peak
+    growth, with nothing running beside the library. Without that file, a thread samples RSS
+    every 5 ms (it may miss a peak shorter than that).
+    """
+
+    def __init__(self):
+        self.method = "vmhwm"
+        try:
+            self._reset()
+            _status_kib("VmHWM")
+        except OSError:
+            self.method = "sampled 5 ms"
+
+    @staticmethod
+    def _reset():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def __enter__(self):
+        self.before = _status_kib("VmRSS")
+        if self.method == "vmhwm":
+            self._reset()
+            self.before = _status_kib("VmRSS")
+        else:
+            self.peak = self.before
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _status_kib("VmRSS"))
+
+    def __exit__(self, *exc):
+        if self.method == "vmhwm":
+            self.peak = _status_kib("VmHWM")
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, _status_kib("VmRSS"))
+        self.growth = max(0, self.peak - self.before)
+        return False
+
+
+# ------------------------------------------------------------------------------ libraries
+class PaddleLib:
+    """paddle_dcp ("ours") or paddle.distributed's built-in ("paddle"), on a 1-D mesh."""
+
+    def __init__(self, which: str):
+        import paddle
+        import paddle.distributed as dist
+
+        self.paddle, self.dist, self.which = paddle, dist, which
+        dist.init_parallel_env()
+        self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        self.mesh = dist.ProcessMesh(list(range(self.ranks)), dim_names=["x"])
+        self.patched = False
+        if which == "paddle" and not paddle.is_compiled_with_cuda() and not os.environ.get("PADDLE_DCP_BENCH_UNPATCHED"):
+            self.patched = _stage_on_host(paddle)
+        if which == "ours":
+            import paddle_dcp
+
+            self.save_fn, self.load_fn = paddle_dcp.save_state_dict, paddle_dcp.load_state_dict
+        else:
+            self.save_fn, self.load_fn = dist.save_state_dict, dist.load_state_dict
+
+    def tensor(self, spec, layout: str, values: np.ndarray):
+        """A float32 dist tensor holding ``values`` as this rank's piece, cast to the spec's
+        dtype afterwards (paddle's CPU slicing has no bfloat16 kernel)."""
+        dist = self.dist
+        placement = dist.Replicate() if layout == "R" else dist.Shard(int(layout[1:]))
+        local = self.paddle.to_tensor(values)
+        t = self.paddle.Tensor(local, dims=list(spec.shape), process_mesh=self.mesh, placements=[placement])
+        return t.astype(spec.dtype) if spec.dtype != "float32" else t
+
+    def local(self, t) -> np.ndarray:
+        return t._local_value().numpy()  # bfloat16 comes out as its uint16 bits
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def save(self, sd, path):
+        self.save_fn(sd, path)
+
+    def load(self, sd, path):
+        self.load_fn(sd, path)
+
+    def close(self):
+        pass
+
+
+def _stage_on_host(paddle) -> bool:
+    """Make paddle's built-in load work on a CPU build, in this process only.
+
+    flex_checkpoint/dcp/reshard_comm.py (BroadcastCommunicator.communicate, the default
+    comm_method "broadcast") moves every source and destination tensor of a broadcast to the
+    GPU with ``Tensor.cuda()`` before broadcasting chunks; a CPU build raises "No available
+    device found." there whenever a chunk must go from one rank to another. With
+    ``Tensor.cuda`` returning the tensor itself, the chunks are broadcast from host memory over
+    gloo and its final ``target.copy_(staged)`` copies a tensor onto itself.
+    """
+    original = paddle.Tensor.cuda
+
+    def cuda_on_host(self, *args, **kwargs):
+        return self
+
+    cuda_on_host.original = original
+    paddle.Tensor.cuda = cuda_on_host
+    return True
+
+
+class TorchLib:
+    """torch.distributed.checkpoint with DTensors on a 1-D DeviceMesh of CPU gloo ranks."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        self.torch, self.dist, self.dcp = torch, dist, dcp
+        self.DTensor, self.Replicate, self.Shard = DTensor, Replicate, Shard
+        dist.init_process_group("gloo")
+        self.rank, self.ranks = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh("cpu", (self.ranks,))
+        self.patched = False
+
+    def tensor(self, spec, layout: str, values: np.ndarray):
+        torch = self.torch
+        placement = self.Replicate() if layout == "R" else self.Shard(int(layout[1:]))
+        local = torch.from_numpy(values if values.flags.c_contiguous else values.copy())
+        if spec.dtype == "bfloat16":
+            local = local.to(torch.bfloat16)
+        stride, acc = [], 1
+        for n in reversed(spec.shape):
+            stride.insert(0, acc)
+            acc *= n
+        return self.DTensor.from_local(
+            local, self.mesh, [placement], run_check=False, shape=torch.Size(spec.shape), stride=tuple(stride)
+        )
+
+    def local(self, t) -> np.ndarray:
+        local = t.to_local()
+        if local.dtype == self.torch.bfloat16:
+            return local.view(self.torch.int16).numpy().view(np.uint16)
+        return local.numpy()
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def save(self, sd, path):
+        if os.environ.get("PADDLE_DCP_BENCH_TORCH_NO_FSYNC"):  # DCP's default fsyncs every file
+            self.dcp.save(sd, storage_writer=self.dcp.FileSystemWriter(path, sync_files=False))
+        else:
+            self.dcp.save(sd, checkpoint_id=path)
+
+    def load(self, sd, path):
+        self.dcp.load(sd, checkpoint_id=path)
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ one phase
+def build_state(lib, specs, layout_of, fill: bool) -> dict:
+    """This rank's state dict: the values to save, or targets holding SENTINEL (memory touched
+    before the timed call, so it does not count as the library's growth)."""
+    sd = {}
+    for spec in specs:
+        layout = layout_of(spec)
+        if fill:
+            shape = tuple(s.stop - s.start for s in workload.local_slices(spec.shape, layout, lib.rank, lib.ranks))
+            values = np.full(shape, SENTINEL, dtype=np.float32)
+        else:
+            values = workload.source_local(spec, layout, lib.rank, lib.ranks)
+        sd[spec.name] = lib.tensor(spec, layout, values)
+    return sd
+
+
+def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int:
+    started = time.perf_counter()
+    lib = TorchLib() if lib_name == "torch" else PaddleLib(lib_name)
+    result = {"lib": lib_name, "phase": phase, "rank": lib.rank, "ranks": lib.ranks, "ok": False,
+              "patched_gpu_staging": lib.patched}
+    status = 0
+    try:
+        specs = workload.build(size)
+        if phase == "reshard":
+            layout_of = lambda s: s.reshard  # noqa: E731
+        else:
+            layout_of = lambda s: s.layout  # noqa: E731
+        sd = build_state(lib, specs, layout_of, fill=phase != "save")
+        result["build_seconds"] = time.perf_counter() - started
+        gc.collect()
+        time.sleep(SETTLE)
+        lib.barrier()
+        memory = PeakRss()
+        with memory:
+            t0 = time.perf_counter()
+            if phase == "save":
+                lib.save(sd, ckpt)
+            else:
+                lib.load(sd, ckpt)
+            seconds = time.perf_counter() - t0
+        result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method)
+        if phase != "save":
+            t1 = time.perf_counter()
+            checked = 0
+            for spec in specs:
+                value = lib.local(sd[spec.name])
+                workload.check(value, spec, layout_of(spec), lib.rank, lib.ranks)
+                checked += value.nbytes
+            result.update(checked_bytes=checked, check_seconds=time.perf_counter() - t1)
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - report, then stop this rank
+        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        traceback.print_exc()
+        status = 1
+    with open(os.path.join(result_dir, f"rank{lib.rank}.json"), "w") as f:
+        json.dump(result, f)
+    print(f"bench_worker rank {lib.rank}: {json.dumps(result)}", flush=True)
+    if status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # the launcher then stops the other ranks
+    lib.barrier()  # nobody leaves (and takes the store down) while others still check
+    lib.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 5 or argv[0] not in ("ours", "paddle", "torch") or argv[1] not in PHASES:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return run(argv[0], argv[1], int(argv[2]), argv[3], argv[4])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
