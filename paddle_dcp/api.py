@@ -383,6 +383,18 @@ class _LoadPlan:
         for f in sorted({op.file for op in self.local}):
             self.files.fd(f)
 
+    def verify_local(self) -> None:
+        """Check the checksum of every block this rank will read from its own files, before
+        any target changes."""
+        arrays = [b.array for b in self.buffers]
+        for op in self.local:
+            storage.execute_op(op, self.files, arrays, self.staging, check_only=True)
+
+    def verify_remote(self, comm: Comm, clients) -> None:
+        """The same for the blocks other ranks will send: their servers hash them first."""
+        blocks = lambda op: [b for seg in op.segments for b in storage.segment_blocks(self.meta, seg)]  # noqa: E731
+        exchange.check_remote(comm, self.files.path, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
+
     def read_local(self) -> None:
         try:
             for op in self.local:

@@ -5,8 +5,10 @@ files. Ranks then talk in pairs, over a process group of the two (see ``PaddleCo
 
 * a rank without the metadata sends its targets to a helper that has it, and receives only
   the part of the metadata its targets need (:func:`ask_for_metadata`);
-* a rank that needs bytes of a file it cannot read asks a rank that can (its server), and
-  receives them one read at a time, each at most the plan's largest read (:func:`fetch_remote`).
+* a rank that needs bytes of a file it cannot read asks a rank that can (its server): first
+  for the checksums of the blocks it will read (:func:`check_remote`, so damaged bytes are
+  found before any target changes), then for the bytes, one read at a time, each at most the
+  plan's largest read (:func:`fetch_remote`).
 
 Deadlock freedom: every rank visits its partners in one global order of pairs (by lower rank,
 then higher rank); the smallest pair still pending always has both its ranks waiting for
@@ -186,3 +188,62 @@ def _serve(comm: Comm, client: int, reader: RangeReader, staging: Staging) -> Dc
             continue
         send_message(comm, client, buf)
     return error
+
+
+def check_remote(
+    comm: Comm,
+    path: str,
+    my_servers: dict[int, list[ReadOp]],
+    my_clients: Sequence[int],
+    blocks: Callable[[ReadOp], list[tuple[int, int, int]]],
+    file_name: Callable[[int], str],
+) -> None:
+    """Pairwise: ask each server for the checksums of the blocks this rank will read from it,
+    compare them with the metadata's, and answer the same question for this rank's clients.
+    Raises IntegrityError naming the file and range of the first mismatch."""
+    from .errors import IntegrityError
+    from .storage import checksum
+
+    me = comm.rank
+    reader = RangeReader(path)
+    staging = Staging()
+    error = None
+    try:
+        for peer in pair_order(me, set(my_servers) | set(my_clients)):
+            for client, server in directions(me, peer):
+                if client == me and server in my_servers:
+                    wanted = [(file_name(op.file), blocks(op)) for op in my_servers[server]]
+                    request = [[name, [[at, n] for at, n, _ in bl]] for name, bl in wanted]
+                    send_message(comm, peer, json.dumps(request).encode())
+                    try:
+                        got = np.frombuffer(recv_message(comm, peer), dtype="<u8")
+                        expected = [(name, at, n, want) for name, bl in wanted for at, n, want in bl]
+                        if len(got) != len(expected):
+                            raise DcpError(f"rank {peer} sent {len(got)} checksums for {len(expected)} blocks")
+                        for (name, at, n, want), have in zip(expected, got.tolist()):
+                            if have != want:
+                                raise IntegrityError(
+                                    f"{name} on rank {peer}: bytes [{at}, {at + n}) fail their checksum: "
+                                    f"the file is damaged or does not belong to this metadata"
+                                )
+                    except DcpError as exc:
+                        error = error or exc
+                elif server == me and client in my_clients:
+                    request = json.loads(recv_message(comm, peer))
+                    try:
+                        sums = []
+                        for name, ranges in request:
+                            for at, n in ranges:
+                                if type(at) is not int or type(n) is not int or at < 0 or not 0 <= n <= MAX_MESSAGE:
+                                    raise StorageError(f"rank {peer} asked for a malformed range of {name!r}")
+                                buf = staging.get(n)
+                                reader.read_into(str(name), at, memoryview(buf))
+                                sums.append(checksum(memoryview(buf)))
+                        send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
+                    except DcpError as exc:
+                        send_message(comm, peer, describe_error(exc).encode(), _FAILED)
+                        error = error or exc
+    finally:
+        reader.close()
+    if error is not None:
+        raise error

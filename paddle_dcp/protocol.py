@@ -238,8 +238,8 @@ class LoadRank:
         metadata_from_helpers: (readers, meta or None) -> Pairwise work giving this rank the
             part of the metadata it needs (node-local disks).
         plan: (metadata, id, listing, statuses) -> the rank's load work: an object with
-            ``remote`` (server rank -> ops), ``read_local()``, ``exchange(comm, clients)`` and
-            ``finish()``.
+            ``remote`` (server rank -> ops), ``verify_local()``, ``verify_remote(comm,
+            clients)``, ``read_local()``, ``exchange(comm, clients)`` and ``finish()``.
     """
 
     rank: int
@@ -282,6 +282,11 @@ def load(ctx: LoadRank) -> Protocol:
         meta = yield ctx.metadata_from_helpers(readers, meta)
     work = yield from local("plan", lambda: ctx.plan(meta, uid, listing, statuses))
     clients = yield from route(ctx, work.remote)
+    # every block is checked before any target changes: a damaged file leaves the state dict
+    # as it was on every rank
+    yield from local("verify", work.verify_local)
+    if clients is not None:
+        yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
     yield from local("read", work.read_local)
     if clients is not None:
         yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))

@@ -125,6 +125,9 @@ class _NoWork:
 
     remote: dict = {}
 
+    def verify_local(self):
+        pass
+
     def read_local(self):
         pass
 

@@ -7,11 +7,13 @@ path; bytes that disagree with the metadata become IntegrityError naming file an
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 import secrets
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -248,10 +250,40 @@ class FileSet:
         except OSError as exc:
             raise StorageError(f"cannot read {self.name(index)}: {exc}", self.name(index)) from exc
 
+    @contextmanager
+    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
+        """The bytes [start, stop) of a file as a read-only uint8 array, mapped from the page
+        cache (no read copy: a strided copy out of it touches only the bytes it needs)."""
+        fd = self.fd(index)
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=base)
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"cannot map {self.name(index)}: {exc}", self.name(index)) from exc
+        try:
+            yield np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a view still alive: unmapped when it is collected
+                pass
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def segment_blocks(meta: Metadata, seg: Segment) -> list[tuple[int, int, int]]:
+    """(file offset, length, expected checksum) of every checksum block a segment covers."""
+    piece = seg.piece
+    block = meta.block_bytes
+    sums = meta.tensors[piece.key].pieces.checksums
+    first = (seg.start - piece.byte_offset) // block
+    out = []
+    for k, at in enumerate(range(seg.start, max(seg.stop, seg.start + 1), block)):
+        out.append((at, min(block, seg.stop - at), int(sums[piece.first_block + first + k])))
+    return out
 
 
 def piece_view(buf: np.ndarray, buf_start: int, piece: SavedPiece, region: Box, dtype: np.dtype) -> np.ndarray:
@@ -309,17 +341,27 @@ def execute_op(
     staging: Staging,
     verify: bool = True,
     fetch: Callable[[ReadOp, memoryview], None] | None = None,
+    check_only: bool = False,
 ) -> None:
-    """Carry out one read op: its bytes land in ``targets`` (host arrays of the target pieces,
-    in storage dtype), straight in place for a direct op, else through ``staging``.
+    """Carry out one read op: check its blocks' checksums, then copy its regions into
+    ``targets`` (host arrays of the target pieces, in storage dtype).
+
+    Bytes of a local file are mapped, checked and copied straight out of the page cache (one
+    copy, of the needed bytes only). Bytes from another rank (``fetch``) land in the target
+    for a direct op, else in ``staging``.
 
     Args:
         fetch: fills a buffer with the op's bytes instead of reading the file (bytes received
             from another rank).
+        check_only: only check the checksums (a load checks every block before it changes any
+            target, so a damaged file leaves the state dict as it was).
     """
     meta = files.meta
     if fetch is None:
-        fetch = lambda op, out: files.read_into(op.file, op.start, out)  # noqa: E731
+        with files.mapped(op.file, op.start, op.stop) as buf:
+            _verify_and_copy(op, files, targets, buf, verify, check_only)
+            del buf  # no view may outlive the mapping
+        return
     if op.direct:
         seg = op.segments[0]
         copy = seg.copies[0]
@@ -332,11 +374,18 @@ def execute_op(
         return
     buf = staging.get(op.nbytes)
     fetch(op, memoryview(buf))
+    _verify_and_copy(op, files, targets, buf, verify, check_only)
+
+
+def _verify_and_copy(op: ReadOp, files: "FileSet", targets, buf: np.ndarray, verify: bool, check_only: bool) -> None:
+    meta = files.meta
+    if verify or check_only:
+        for seg in op.segments:
+            verify_segment(meta, files, op.file, seg, memoryview(buf[seg.start - op.start : seg.stop - op.start]))
+    if check_only:
+        return
     for seg in op.segments:
-        entry = meta.tensors[seg.piece.key]
-        if verify:
-            verify_segment(meta, files, op.file, seg, memoryview(buf)[seg.start - op.start : seg.stop - op.start])
-        dtype = storage_dtype(entry.dtype)
+        dtype = storage_dtype(meta.tensors[seg.piece.key].dtype)
         for c in seg.copies:
             targets[c.target][c.region_in_target.slices()] = piece_view(buf, op.start, seg.piece, c.region_in_saved, dtype)
 
