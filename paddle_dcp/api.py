@@ -41,6 +41,7 @@ def save_state_dict(
     coordinator_rank: int = 0,
     unique_id: int | None = None,
     async_save: bool = False,
+    durable: bool = False,
 ) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors and plain values.
 
@@ -58,6 +59,9 @@ def save_state_dict(
             ``path`` (0 for the first).
         async_save: return as soon as every rank's pieces are copied to host memory and
             finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
+        durable: fsync every data file, the metadata and the directory before the save counts
+            as done, so the checkpoint survives a power loss (the rename order alone already
+            makes a crash of the process leave either the old or the new checkpoint).
 
     Raises:
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
@@ -93,11 +97,22 @@ def save_state_dict(
     def choose_id():
         return unique_id if unique_id is not None else _next_id(path)
 
-    def write(uid, leaves):
-        return _write_pieces(path, planner.data_file_name(comm.rank, uid), state["held"], leaves)
+    def prepare_id(uid):
+        storage.remove_temporary(path, uid, comm.rank)
+        if comm.is_coordinator:
+            storage.remove_temporary(path, uid, -1)
+        gens = storage.list_checkpoints(path).generations(uid)
+        return max(gens) if gens else -1
+
+    def write(uid, generation, leaves):
+        name = storage.data_file_name(comm.rank, uid, generation)
+        return _write_pieces(path, name, state["held"], leaves, durable)
 
     def publish(meta):
-        storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json())
+        storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json(), durable)
+
+    def tidy(uid, generation):
+        storage.remove_data(path, uid, comm.rank, keep_generation=generation)
 
     ctx = protocol.SaveRank(
         rank=comm.rank,
@@ -107,9 +122,11 @@ def save_state_dict(
         reduce=reduce,
         describe=describe_all,
         choose_id=choose_id,
+        prepare_id=prepare_id,
         write=write,
         values=lambda: state["flat"].values,
         publish=publish,
+        tidy=tidy,
         block_bytes=DEFAULT_BLOCK_BYTES,
         created_by=f"paddle_dcp {__version__}",
         cache=_SAVE_PLANS,
@@ -229,7 +246,7 @@ def _next_id(path: str) -> int:
     return 0 if latest is None else latest + 1
 
 
-def _write_pieces(path: str, name: str, held, leaves: np.ndarray) -> tuple[int, list[int]]:
+def _write_pieces(path: str, name: str, held, leaves: np.ndarray, durable: bool) -> tuple[int, list[int]]:
     if not len(leaves):
         return 0, []
     sums: list[int] = []
@@ -238,7 +255,7 @@ def _write_pieces(path: str, name: str, held, leaves: np.ndarray) -> tuple[int, 
         for leaf in leaves.tolist():
             data = host_bytes(held[leaf].local)
             sums.extend(writer.write(storage.as_bytes(data.array)))
-        return writer.commit(), sums
+        return writer.commit(durable), sums
     except BaseException:
         writer.abort()
         raise
@@ -253,6 +270,7 @@ def load_state_dict(
     unique_id: int | None = None,
     offload: bool = False,
     mw_name_compatibility: bool = True,
+    verify: bool = True,
 ) -> None:
     """Fill a (nested) state dict in place from a checkpoint, on any layout.
 
@@ -274,6 +292,8 @@ def load_state_dict(
             replaced by CPU ones; on the CPU nothing changes).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back,
             as paddle.distributed does.
+        verify: check every block's checksum before any tensor changes (the default); off,
+            damaged bytes would be loaded silently.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both).
@@ -298,7 +318,7 @@ def load_state_dict(
         )
 
     def plan(meta, uid, listing, statuses):
-        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility)
+        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify)
         work.split(comm, uid, listing, statuses)
         work.state_dict = state_dict
         return work
@@ -354,28 +374,31 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
 class _LoadPlan:
     """One rank's load: read ops, the buffers they fill, and what finishes each buffer."""
 
-    def __init__(self, flat, meta, ops, files, buffers, fills):
+    def __init__(self, flat, meta, ops, files, buffers, fills, verify: bool = True):
         self.flat, self.meta = flat, meta
         self.ops, self.files, self.buffers, self.fills = ops, files, buffers, fills
+        self.verify = verify
         self.staging = storage.Staging()
         self.local, self.remote = list(ops), {}
         self.state_dict = None
         arrays = [b.array for b in buffers]
-        self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, True, fetch)
+        self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, verify, fetch)
 
     def split(self, comm: Comm, uid: int, listing, statuses) -> None:
         """Ops on files this rank can read, and the others by the rank that will serve them.
         Every local file is opened (and its size checked) before any byte moves."""
-        mine = {planner.data_file_name(r, uid) for r in listing.data_ranks.get(uid, ())}
+        mine = {storage.data_file_name(r, uid, g) for r, g in listing.data.get(uid, ())}
         self.local, self.remote = [], {}
         for op in self.ops:
             name = self.meta.files[op.file].name
             if name in mine:
                 self.local.append(op)
                 continue
-            m = storage.DATA_RE.match(name)
-            writer = int(m.group(1)) if m else -1
-            servers = [r for r, s in zip(comm.ranks, statuses) if r != comm.rank and wire.in_runs(s["f"], writer)]
+            writer, _, gen = storage.parse_data_name(name) or (-1, -1, -1)
+            servers = [
+                r for r, s in zip(comm.ranks, statuses)
+                if r != comm.rank and wire.in_runs(s["f"].get(str(gen), ()), writer)
+            ]
             if not servers:
                 keys = sorted({seg.piece.key for seg in op.segments})
                 raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
@@ -386,12 +409,16 @@ class _LoadPlan:
     def verify_local(self) -> None:
         """Check the checksum of every block this rank will read from its own files, before
         any target changes."""
+        if not self.verify:
+            return
         arrays = [b.array for b in self.buffers]
         for op in self.local:
             storage.execute_op(op, self.files, arrays, self.staging, check_only=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
+        if not self.verify:
+            return
         blocks = lambda op: [b for seg in op.segments for b in storage.segment_blocks(self.meta, seg)]  # noqa: E731
         exchange.check_remote(comm, self.files.path, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
 
@@ -423,7 +450,9 @@ class _LoadPlan:
         nested.set_values(self.state_dict, self.flat, {k: saved[k] for k in self.flat.values if k in saved})
 
 
-def _plan_load(comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool) -> _LoadPlan:
+def _plan_load(
+    comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True
+) -> _LoadPlan:
     saved_values = meta.values()
     match = planner.match_keys(list(flat.tensors), list(meta.tensors), mw)
     for key in match.missing:
@@ -459,7 +488,7 @@ def _plan_load(comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, o
         else:  # nothing to read, but the shape and dtype must still agree
             planner.check_targets(meta, [target])
     ops = [_retarget(op, index) for op in planner.plan_reads(meta, targets)]
-    return _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills)
+    return _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
 
 
 def _retarget(op: planner.ReadOp, index: list[int]) -> planner.ReadOp:

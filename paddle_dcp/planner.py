@@ -22,6 +22,7 @@ from . import nested
 from .boxes import Box, check_tiling, element_span, is_contiguous, split_region
 from .dtypes import itemsize
 from .errors import MismatchError, PlanError
+from .naming import data_file_name
 from .metadata import (
     ALIGNMENT,
     FileEntry,
@@ -295,8 +296,6 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
     )
 
 
-def data_file_name(rank: int, unique_id: int) -> str:
-    return f"{rank}_{unique_id}.distcp"
 
 
 def build_metadata(
@@ -307,6 +306,7 @@ def build_metadata(
     world_size: int,
     block_bytes: int,
     created_by: str = "",
+    generation: int = 0,
 ) -> Metadata:
     """Assemble the metadata once every writer reported its checksums.
 
@@ -316,7 +316,7 @@ def build_metadata(
         structure: the skeleton with plain values filled in.
     """
     writers = sorted(plan.file_bytes)
-    files = tuple(FileEntry(data_file_name(r, unique_id), plan.file_bytes[r]) for r in writers)
+    files = tuple(FileEntry(data_file_name(r, unique_id, generation), plan.file_bytes[r]) for r in writers)
     n = len(plan.piece_key)
     nblocks = blocks_of(plan.piece_nbytes, block_bytes) if n else np.zeros(0, np.int64)
     # reports arrive writer by writer, each in leaf (= file) order: where each piece's

@@ -121,9 +121,13 @@ class SaveRank:
         reduce: reduces Partial tensors (a collective of paddle's; entered by all together).
         describe: -> (skeleton without plain values, local pieces in skeleton order).
         choose_id: the coordinator's choice of id (called on the coordinator only).
-        write: (unique id, leaf indices to write) -> (file size, block checksums).
+        prepare_id: (unique id) -> the highest generation of that id's data files this rank
+            sees (-1: none), after removing its own temporary files of crashed saves of it.
+        write: (unique id, generation, leaf indices to write) -> (file size, block checksums).
         values: the coordinator's plain values, flat key -> value.
         publish: the coordinator writes the metadata; called last.
+        tidy: (unique id, generation) -> removes this rank's data files of older generations
+            of that id, once the new metadata is in place.
         cache: where the rank keeps its last save plan (module-level dict in a real job).
         stage: for an async save, copies the pieces of the given leaves to host memory; the
             protocol then yields Detach and may finish in the background.
@@ -136,9 +140,11 @@ class SaveRank:
     reduce: Callable[[], None]
     describe: Callable[[], tuple[dict, list[planner.LocalPiece]]]
     choose_id: Callable[[], int]
-    write: Callable[[int, np.ndarray], tuple[int, list[int]]]
+    prepare_id: Callable[[int], int]
+    write: Callable[[int, int, np.ndarray], tuple[int, list[int]]]
     values: Callable[[], dict]
     publish: Callable[[Metadata], None]
+    tidy: Callable[[int, int], None]
     block_bytes: int
     created_by: str = ""
     cache: dict = field(default_factory=dict)
@@ -170,6 +176,10 @@ def save(ctx: SaveRank) -> Protocol:
     changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
     uid = yield from local("choose id", ctx.choose_id if is_coord else (lambda: -1))
     uid = int((yield Broadcast(str(uid).encode() if is_coord else b"", ctx.coordinator)))
+    # a save to an id whose files exist writes the next generation beside them: the old
+    # checkpoint stays loadable until the new metadata replaces its metadata
+    seen = yield from local("prepare id", lambda: ctx.prepare_id(uid))
+    generation = (yield AllMax((seen,)))[0] + 1
     if changed:
         blobs = yield Gather(summary, ctx.coordinator)
         plan, parts = yield from local("plan", (lambda: plan_from_summaries(ctx.ranks, blobs)) if is_coord else (lambda: (None, None)))
@@ -180,14 +190,17 @@ def save(ctx: SaveRank) -> Protocol:
     if ctx.stage is not None:
         yield from local("stage", lambda: ctx.stage(leaves))
         yield Detach()
-    size, sums = (yield from local("write", lambda: ctx.write(uid, leaves))) or (0, [])
+    size, sums = (yield from local("write", lambda: ctx.write(uid, generation, leaves))) or (0, [])
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
 
     def commit():
-        meta = metadata_from_reports(plan, ctx.ranks, reports, ctx.values(), uid, ctx.block_bytes, ctx.created_by)
+        meta = metadata_from_reports(
+            plan, ctx.ranks, reports, ctx.values(), uid, ctx.block_bytes, ctx.created_by, generation
+        )
         ctx.publish(meta)
 
     yield from local("commit", commit if is_coord else (lambda: None))
+    yield from local("tidy", lambda: ctx.tidy(uid, generation))
     return SaveResult(uid, size, not changed)
 
 
@@ -209,6 +222,7 @@ def metadata_from_reports(
     uid: int,
     block_bytes: int,
     created_by: str = "",
+    generation: int = 0,
 ) -> Metadata:
     """The coordinator's last step: check every writer's report and assemble the metadata."""
     checks = {}
@@ -221,7 +235,7 @@ def metadata_from_reports(
     structure, dropped = nested.fill_values(plan.skeleton, values)
     if dropped:
         logger.warning("not saved: plain values held only by ranks other than the coordinator: %s", dropped)
-    return planner.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by)
+    return planner.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by, generation)
 
 
 # ====================================================================== load
@@ -263,7 +277,8 @@ def load(ctx: LoadRank) -> Protocol:
         if uid < 0:
             raise FormatError(f"no complete checkpoint in {ctx.path}: no *.metadata file was found")
         meta = ctx.read_metadata(uid) if uid in listing.complete else None
-        return meta, wire.encode_json({"m": meta is not None, "f": wire.rle(listing.data_ranks.get(uid, ()))})
+        files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
+        return meta, wire.encode_json({"m": meta is not None, "f": files})
 
     meta, status = yield from local("read metadata", find_metadata)
     statuses = _decode_statuses((yield AllGather(status)))

@@ -75,7 +75,7 @@ def simulate_save(
     def rank_ctx(r: int) -> protocol.SaveRank:
         layout = layouts[r]
 
-        def write(uid, leaves):  # what a real write returns: the file's size and checksums
+        def write(uid, generation, leaves):  # what a real write returns: the file's size and checksums
             pieces = [layout.pieces[i] for i in leaves.tolist()]
             nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in pieces], dtype=np.int64)
             _, size = planner.layout_offsets(nbytes)
@@ -91,9 +91,11 @@ def simulate_save(
             reduce=lambda: None,
             describe=lambda: (layout.skeleton, layout.pieces),
             choose_id=lambda: unique_id,
+            prepare_id=lambda uid: -1,
             write=write,
             values=lambda: values,
             publish=published.append,
+            tidy=lambda uid, generation: None,
             block_bytes=block_bytes,
             cache=caches.setdefault(r, {}),
         )
@@ -162,8 +164,8 @@ def simulate_load(
     t0 = time.perf_counter()
     shared = Metadata.from_json(metadata_json, lazy=True)
     parse_seconds = time.perf_counter() - t0
-    writers = sorted(int(f.name.split("_")[0]) for f in shared.files)
-    listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset(writers)})
+    writers = [storage.parse_data_name(f.name) for f in shared.files]
+    listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset((r, g) for r, _, g in writers)})
 
     def rank_ctx(r: int) -> protocol.LoadRank:
         real = r == coordinator or r in plan_ranks

@@ -22,30 +22,35 @@ from .boxes import Box, c_strides, element_span
 from .dtypes import storage_dtype
 from .errors import FormatError, IntegrityError, StorageError
 from .metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, SavedPiece, check_file_name
+from .naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name
 from .planner import ReadOp, Segment
 
 logger = logging.getLogger(__name__)
 
-METADATA_RE = re.compile(r"^(\d+)\.metadata$")
-DATA_RE = re.compile(r"^(\d+)_(\d+)\.distcp$")
-TMP_MARK = ".tmp."
-
-
-def metadata_name(unique_id: int) -> str:
-    return f"{unique_id}.metadata"
-
-
 @dataclass(frozen=True)
 class Listing:
-    """What a directory holds: complete checkpoint ids (their metadata exists) and, per id,
-    the ranks whose data files are present."""
+    """What a directory holds.
+
+    Attributes:
+        complete: ids whose metadata exists (complete checkpoints).
+        data: id -> (rank, generation) of every data file present.
+        temporary: names of temporary files that saves in progress or crashed left behind.
+    """
 
     complete: frozenset[int]
-    data_ranks: dict[int, frozenset[int]]
+    data: dict[int, frozenset[tuple[int, int]]]
+    temporary: tuple[str, ...] = ()
 
     @property
     def latest(self) -> int | None:
         return max(self.complete) if self.complete else None
+
+    def generations(self, unique_id: int) -> dict[int, list[int]]:
+        """generation -> ranks whose data file of ``unique_id`` is present."""
+        out: dict[int, list[int]] = {}
+        for rank, gen in sorted(self.data.get(unique_id, ())):
+            out.setdefault(gen, []).append(rank)
+        return out
 
 
 def list_checkpoints(path: str) -> Listing:
@@ -56,16 +61,71 @@ def list_checkpoints(path: str) -> Listing:
         return Listing(frozenset(), {})
     except OSError as exc:
         raise StorageError(f"cannot list checkpoint directory {path}: {exc}", path) from exc
-    complete, data = set(), {}
+    complete, data, temporary = set(), {}, []
     for name in names:
         m = METADATA_RE.match(name)
         if m:
             complete.add(int(m.group(1)))
             continue
-        m = DATA_RE.match(name)
-        if m:
-            data.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
-    return Listing(frozenset(complete), {k: frozenset(v) for k, v in data.items()})
+        parsed = parse_data_name(name)
+        if parsed is not None:
+            data.setdefault(parsed[1], set()).add((parsed[0], parsed[2]))
+        elif TMP_RE.match(name):
+            temporary.append(name)
+    return Listing(frozenset(complete), {k: frozenset(v) for k, v in data.items()}, tuple(sorted(temporary)))
+
+
+def _remove(path: str, names) -> list[str]:
+    removed = []
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StorageError(f"cannot remove {os.path.join(path, name)}: {exc}", path) from exc
+    return removed
+
+
+def remove_temporary(path: str, unique_id: int | None = None, rank: int | None = None) -> list[str]:
+    """Remove temporary files of crashed saves: all of them, or those of one id (and, with
+    ``rank``, only that rank's data files; the metadata's when ``rank`` is the coordinator's
+    job: pass rank=-1). Returns the names removed."""
+    names = []
+    for name in list_checkpoints(path).temporary:
+        m = TMP_RE.match(name)
+        owner = int(m.group(1)) if m.group(1) is not None else -1
+        if unique_id is not None and int(m.group(2)) != unique_id:
+            continue
+        if rank is not None and owner != rank:
+            continue
+        names.append(name)
+    return _remove(path, names)
+
+
+def remove_data(path: str, unique_id: int, rank: int, keep_generation: int | None = None) -> list[str]:
+    """Remove ``rank``'s data files of ``unique_id`` but the generation ``keep_generation``."""
+    listing = list_checkpoints(path)
+    names = [
+        data_file_name(r, unique_id, g)
+        for r, g in sorted(listing.data.get(unique_id, ()))
+        if r == rank and g != keep_generation
+    ]
+    return _remove(path, names)
+
+
+def remove_incomplete(path: str) -> list[str]:
+    """Remove the data files of ids that have no metadata in ``path``. (On node-local disks a
+    node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
+    listing = list_checkpoints(path)
+    names = [
+        data_file_name(r, uid, g)
+        for uid, files in sorted(listing.data.items())
+        if uid not in listing.complete
+        for r, g in sorted(files)
+    ]
+    return _remove(path, names)
 
 
 def inside(path: str, name: str) -> str:
@@ -182,13 +242,16 @@ class DataWriter:
         self.offset += len(view)
 
     def commit(self, durable: bool = False) -> int:
-        """Close and rename into place; returns the file's size."""
+        """Close and rename into place (with ``durable``: after an fsync of the file, and with
+        one of the directory after); returns the file's size."""
         try:
             if durable:
                 os.fsync(self.fd)
             os.close(self.fd)
             self.fd = -1
             os.replace(self.tmp, self.final)
+            if durable:
+                _fsync_dir(os.path.dirname(self.final) or ".")
         except OSError as exc:
             raise StorageError(f"cannot commit {self.final}: {exc}", self.final) from exc
         return self.offset

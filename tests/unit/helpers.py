@@ -187,7 +187,7 @@ def save_checkpoint(
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]
-        w = storage.DataWriter(path, planner.data_file_name(r, unique_id), block_bytes)
+        w = storage.DataWriter(path, storage.data_file_name(r, unique_id), block_bytes)
         cs: list[int] = []
         for leaf in leaves.tolist():
             cs += w.write(storage.as_bytes(np.ascontiguousarray(flat.tensors[pieces[leaf].key])))

@@ -45,18 +45,35 @@ def data_file_of(path, key):
 # ------------------------------------------------------------------ listing
 def test_list_checkpoints_complete_means_metadata_and_data_files_by_id(tmp_path):
     for name in ["3.metadata", "0_3.distcp", "1_3.distcp", "0_5.distcp", "9.metadata.tmp.ab12",
-                 "2_9.distcp.tmp.cd34", "notes.txt", "x.metadata", "1_x.distcp", "12.metadata"]:  # fmt: skip
+                 "2_9.distcp.tmp.cd34", "notes.txt", "x.metadata", "1_x.distcp", "12.metadata",
+                 "0_3.2.distcp", "1_3.2.distcp.tmp.0a1b"]:  # fmt: skip
         (tmp_path / name).write_bytes(b"")
     listing = storage.list_checkpoints(str(tmp_path))
     assert listing.complete == {3, 12}
-    assert listing.data_ranks == {3: {0, 1}, 5: {0}}
+    assert listing.data == {3: {(0, 0), (1, 0), (0, 2)}, 5: {(0, 0)}}
+    assert listing.generations(3) == {0: [0, 1], 2: [0]}
+    assert listing.temporary == ("1_3.2.distcp.tmp.0a1b", "2_9.distcp.tmp.cd34", "9.metadata.tmp.ab12")
     assert listing.latest == 12
+
+
+def test_removing_temporary_and_stale_files_touches_only_what_it_names(tmp_path):
+    names = ["3.metadata", "0_3.distcp", "1_3.distcp", "0_3.1.distcp", "0_3.distcp.tmp.ab", "1_3.1.distcp.tmp.cd",
+             "3.metadata.tmp.ef", "0_4.distcp", "0_4.distcp.tmp.aa", "notes.txt"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    path = str(tmp_path)
+    assert storage.remove_temporary(path, 3, 0) == ["0_3.distcp.tmp.ab"]
+    assert storage.remove_temporary(path, 3, -1) == ["3.metadata.tmp.ef"]
+    assert storage.remove_data(path, 3, 0, keep_generation=1) == ["0_3.distcp"]
+    assert storage.remove_incomplete(path) == ["0_4.distcp"]
+    assert sorted(storage.remove_temporary(path)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
+    assert sorted(os.listdir(path)) == ["0_3.1.distcp", "1_3.distcp", "3.metadata", "notes.txt"]
 
 
 def test_list_checkpoints_of_a_missing_or_empty_directory(tmp_path):
     for path in (tmp_path / "nope", tmp_path):
         listing = storage.list_checkpoints(str(path))
-        assert listing.complete == frozenset() and listing.data_ranks == {} and listing.latest is None
+        assert listing.complete == frozenset() and listing.data == {} and listing.latest is None
 
 
 def test_list_checkpoints_of_a_file_is_a_storage_error(tmp_path):
@@ -68,7 +85,7 @@ def test_list_checkpoints_of_a_file_is_a_storage_error(tmp_path):
 
 def test_a_save_lists_as_complete(ckpt):
     listing = storage.list_checkpoints(ckpt)
-    assert listing.complete == {0} and listing.data_ranks == {0: {0, 1}}
+    assert listing.complete == {0} and listing.data == {0: {(0, 0), (1, 0)}}
     assert not [n for n in listdir(ckpt) if storage.TMP_MARK in n]
 
 

@@ -1,0 +1,27 @@
+"""Names of a checkpoint's files: what is data, metadata, or a save's temporary file."""
+from __future__ import annotations
+
+import re
+
+METADATA_RE = re.compile(r"^(\d+)\.metadata$")
+# {rank}_{id}.distcp, or {rank}_{id}.{generation}.distcp for a save that replaced a checkpoint
+DATA_RE = re.compile(r"^(\d+)_(\d+)(?:\.(\d+))?\.distcp$")
+TMP_MARK = ".tmp."
+TMP_RE = re.compile(r"^(?:(\d+)_)?(\d+)(?:\.\d+)?\.(?:distcp|metadata)\.tmp\.[0-9a-f]+$")
+
+
+def metadata_name(unique_id: int) -> str:
+    return f"{unique_id}.metadata"
+
+
+def parse_data_name(name: str) -> tuple[int, int, int] | None:
+    """(rank, unique id, generation) of a data file's name, or None."""
+    m = DATA_RE.match(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+
+
+def data_file_name(rank: int, unique_id: int, generation: int = 0) -> str:
+    """The name of a rank's data file: generation 0 is ``{rank}_{id}.distcp``; a save that
+    replaces a checkpoint of the same id writes the next generation beside it, so the old one
+    stays loadable until the new metadata lands."""
+    return f"{rank}_{unique_id}.distcp" if generation == 0 else f"{rank}_{unique_id}.{generation}.distcp"
