@@ -395,9 +395,9 @@ class _LoadPlan:
                 self.local.append(op)
                 continue
             writer, _, gen = storage.parse_data_name(name) or (-1, -1, -1)
-            servers = [
+            servers = [  # no "f": every rank sees the same files as this one
                 r for r, s in zip(comm.ranks, statuses)
-                if r != comm.rank and wire.in_runs(s["f"].get(str(gen), ()), writer)
+                if r != comm.rank and wire.in_runs(s.get("f", {}).get(str(gen), ()), writer)
             ]
             if not servers:
                 keys = sorted({seg.piece.key for seg in op.segments})

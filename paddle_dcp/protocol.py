@@ -278,10 +278,16 @@ def load(ctx: LoadRank) -> Protocol:
             raise FormatError(f"no complete checkpoint in {ctx.path}: no *.metadata file was found")
         meta = ctx.read_metadata(uid) if uid in listing.complete else None
         files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
-        return meta, wire.encode_json({"m": meta is not None, "f": files})
+        digest = xxhash.xxh3_64_hexdigest(wire.encode_json(files))
+        return meta, files, wire.encode_json({"m": meta is not None, "h": digest})
 
-    meta, status = yield from local("read metadata", find_metadata)
+    meta, files, status = yield from local("read metadata", find_metadata)
+    # which files every rank sees: a digest first; the lists themselves only when they differ
+    # (node-local disks), so a shared file system costs a few bytes per rank
     statuses = _decode_statuses((yield AllGather(status)))
+    if len({s["h"] for s in statuses}) > 1:
+        lists = _decode_statuses((yield AllGather(wire.encode_json(files))))
+        statuses = [dict(s, f=f) for s, f in zip(statuses, lists)]
     readers = [r for r, s in zip(ctx.ranks, statuses) if s["m"]]
 
     def check():

@@ -71,6 +71,9 @@ def simulate_save(
     published: list[Metadata] = []
     caches = cache if cache is not None else {}
     values = values or {}
+    if values:  # every rank's state dict holds the plain values (saved from the coordinator's)
+        extra = [[k, {"x": 0}] for k in values]
+        layouts = {r: RankLayout({"d": l.skeleton["d"] + extra}, l.pieces) for r, l in layouts.items()}
 
     def rank_ctx(r: int) -> protocol.SaveRank:
         layout = layouts[r]
