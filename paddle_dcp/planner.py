@@ -456,7 +456,7 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
 def plan_reads(
     meta: Metadata,
     targets: Sequence[TargetPiece],
-    max_read_bytes: int = 64 << 20,
+    max_read_bytes: int = 32 << 20,
     coalesce_gap: int = 1 << 16,
     direct_min_bytes: int = 1 << 20,
 ) -> list[ReadOp]:
