@@ -254,7 +254,7 @@ def _write_pieces(path: str, name: str, held, leaves: np.ndarray, durable: bool)
     try:
         for leaf in leaves.tolist():
             data = host_bytes(held[leaf].local)
-            sums.extend(writer.write(storage.as_bytes(data.array)))
+            sums.extend(writer.write(storage.as_bytes(data.array), keep=data))
         return writer.commit(durable), sums
     except BaseException:
         writer.abort()

@@ -11,6 +11,8 @@ import mmap
 import os
 import re
 import secrets
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -210,41 +212,59 @@ def as_bytes(array: np.ndarray) -> memoryview:
 # ---------------------------------------------------------------------- writing
 class DataWriter:
     """Writes one rank's data file: pieces back to back at ALIGNMENT boundaries, under a
-    temporary name until :meth:`commit`."""
+    temporary name until :meth:`commit`.
 
-    def __init__(self, path: str, name: str, block_bytes: int):
+    The bytes go to the file from a thread of their own while the caller prepares the next
+    piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` pieces wait to
+    be written, and their host memory is kept alive until they are.
+    """
+
+    def __init__(self, path: str, name: str, block_bytes: int, depth: int = 2):
         self.final = os.path.join(path, name)
         self.tmp = f"{self.final}{TMP_MARK}{secrets.token_hex(4)}"
         self.block_bytes = block_bytes
         self.offset = 0
+        self.depth = depth
+        self._pending: deque[Future] = deque()
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
             raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
 
-    def write(self, data: memoryview) -> list[int]:
-        """Append one piece (bytes in C order); returns its block checksums."""
-        pad = -self.offset % ALIGNMENT
-        if pad:
-            self._write_all(memoryview(bytes(pad)))
-        sums = block_checksums(data, self.block_bytes)
-        self._write_all(data)
+    def write(self, data: memoryview, keep=None) -> list[int]:
+        """Append one piece (bytes in C order; ``keep`` is whatever must stay alive until the
+        bytes are written); returns its block checksums."""
+        view = data.cast("B") if data.format != "B" else data
+        start = self.offset + (-self.offset % ALIGNMENT)  # the gap stays zeros (sparse)
+        sums = block_checksums(view, self.block_bytes)
+        self._pending.append(self._pool.submit(self._write_at, view, start, keep))
+        self.offset = start + len(view)
+        while len(self._pending) > self.depth:
+            self._pending.popleft().result()
         return sums
 
-    def _write_all(self, data: memoryview) -> None:
-        view = data.cast("B") if data.format != "B" else data
+    def _write_at(self, view: memoryview, offset: int, keep) -> None:
         done = 0
         try:
             while done < len(view):
-                done += os.pwrite(self.fd, view[done:], self.offset + done)
+                done += os.pwrite(self.fd, view[done:], offset + done)
         except OSError as exc:
             raise StorageError(f"cannot write {self.tmp}: {exc}", self.tmp) from exc
-        self.offset += len(view)
+
+    def _drain(self) -> None:
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True)
 
     def commit(self, durable: bool = False) -> int:
         """Close and rename into place (with ``durable``: after an fsync of the file, and with
         one of the directory after); returns the file's size."""
+        self._drain()
         try:
+            os.ftruncate(self.fd, self.offset)
             if durable:
                 os.fsync(self.fd)
             os.close(self.fd)
@@ -257,6 +277,10 @@ class DataWriter:
         return self.offset
 
     def abort(self) -> None:
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - the save already failed; remove what is left
+            pass
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

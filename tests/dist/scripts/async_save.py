@@ -52,10 +52,10 @@ def writer_fails_in_background():
     p = os.path.join(root, "fails")
     original = storage.DataWriter.write
 
-    def broken(self, data):
+    def broken(self, data, *args, **kwargs):
         if R == 1:
             raise OSError(28, "No space left on device (injected)")
-        return original(self, data)
+        return original(self, data, *args, **kwargs)
 
     storage.DataWriter.write = broken
     try:

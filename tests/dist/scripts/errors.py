@@ -255,7 +255,7 @@ def write_fails_on_one_rank():
     p = path("write")
     original = storage.DataWriter.write
 
-    def broken(self, data):
+    def broken(self, data, *args, **kwargs):
         raise paddle_dcp.StorageError(f"cannot write {self.tmp}: injected failure", self.tmp)
 
     if R == 1:
