@@ -1,0 +1,1031 @@
+"""The command line: ``python -m paddle_dcp`` / ``paddle-dcp`` inspect | verify | convert |
+import-paddle | clean.
+
+Exit codes: 0 all good, 1 problems found (a damaged or incomplete checkpoint, an error while
+reading or writing), 2 bad usage (arguments, a directory or id that does not exist, an import
+without ``--trust``). Errors are one line on stderr; ``--debug`` adds the traceback. Results go
+to stdout, progress and logs to stderr. ``inspect``, ``verify``, ``clean`` and ``convert`` to
+safetensors or npz never import paddle.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import consolidate, storage
+from .boxes import Box, check_tiling
+from .dtypes import DTYPE_NAMES, storage_dtype
+from .errors import DcpError, FormatError, PlanError, StorageError
+from .metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
+from .naming import METADATA_RE, data_file_name, metadata_name
+from .version import __version__
+
+logger = logging.getLogger(__name__)
+
+PROG = "paddle-dcp"
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad usage: exit code 2."""
+
+
+# ====================================================================== output helpers
+def _out(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+def human(n: float) -> str:
+    """Bytes for people: ``12.3 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
+
+
+def _one_line(message: str) -> str:
+    return re.sub(r"\s*\n\s*", "; ", str(message).strip())
+
+
+class ProgressBar:
+    """Bytes done / total and rate on stderr: tqdm when installed, else one line redrawn at
+    most five times a second. Draws nothing unless ``enabled``."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.total, self.desc, self.done = int(total), desc, 0
+        self.enabled = bool(enabled) and self.total > 0
+        self._tqdm = None
+        self._start = self._drawn = time.monotonic()
+        if self.enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._tqdm = tqdm(
+                    total=self.total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+                )
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self._tqdm is not None:
+            self._tqdm.update(n)
+            return
+        now = time.monotonic()
+        if now - self._drawn >= 0.2:
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        self._drawn = now
+        rate = self.done / max(now - self._start, 1e-9)
+        pct = 100.0 * self.done / self.total
+        sys.stderr.write(f"\r{self.desc}: {human(self.done)} / {human(self.total)} ({pct:3.0f}%) {human(rate)}/s ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._tqdm is not None:
+            self._tqdm.close()
+            self._tqdm = None
+        else:
+            self._draw(time.monotonic())
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        self.enabled = False
+
+
+def _progress_enabled(args) -> bool:
+    if args.progress is not None:
+        return args.progress
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# ====================================================================== choosing a checkpoint
+def _directory(path: str) -> str:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
+        raise UsageError(f"{path} {what}")
+    return path
+
+
+def _ids(ids) -> str:
+    return ", ".join(str(i) for i in sorted(ids)) or "none"
+
+
+def incomplete_ids(listing: storage.Listing) -> list[int]:
+    """Ids with data files but no metadata: crashed saves, saves in progress, or (node-local
+    disks) checkpoints whose metadata lives on another node."""
+    return sorted(set(listing.data) - set(listing.complete))
+
+
+def choose_id(path: str, listing: storage.Listing, unique_id: int | None) -> int:
+    """The checkpoint a command works on: ``unique_id``, or the highest complete one."""
+    if unique_id is None:
+        if listing.latest is None:
+            extra = f" (incomplete ids: {_ids(incomplete_ids(listing))})" if listing.data else ""
+            raise FormatError(f"no complete checkpoint in {path}: no *.metadata file{extra}")
+        return listing.latest
+    if unique_id in listing.complete:
+        return unique_id
+    if unique_id in listing.data:
+        raise FormatError(
+            f"checkpoint {unique_id} in {path} is incomplete: data files but no {metadata_name(unique_id)} "
+            f"(a save that crashed or is in progress, or the metadata is on another node)"
+        )
+    raise UsageError(f"no checkpoint {unique_id} in {path}; complete ids: {_ids(listing.complete)}")
+
+
+# ====================================================================== inspect
+def _plain(value: Any) -> Any:
+    """A plain value for strict JSON: non-finite floats as "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def describe(path: str, unique_id: int | None = None) -> dict:
+    """What ``inspect`` reports, as one JSON-ready dict: the ids in ``path`` and, for the chosen
+    checkpoint, every tensor, data file and plain value. Entries of the metadata that fail
+    validation are listed in ``problems`` (the rest is still described)."""
+    listing = storage.list_checkpoints(path)
+    doc: dict[str, Any] = {
+        "path": path,
+        "complete": sorted(listing.complete),
+        "incomplete": incomplete_ids(listing),
+        "temporary": list(listing.temporary),
+        "checkpoint": None,
+        "problems": [],
+    }
+    try:
+        uid = choose_id(path, listing, unique_id)
+        meta = storage.read_metadata(path, uid, lazy=True)
+    except (FormatError, StorageError) as exc:
+        doc["problems"].append(_one_line(exc))
+        return doc
+    tensors, tensor_bytes = {}, 0
+    for key in meta.tensors:
+        try:
+            entry = meta.tensors[key]
+        except DcpError as exc:
+            doc["problems"].append(_one_line(exc))
+            tensors[key] = {"error": _one_line(exc)}
+            continue
+        tensors[key] = {
+            "shape": list(entry.shape),
+            "dtype": entry.dtype,
+            "pieces": entry.pieces.count,
+            "bytes": entry.nbytes,
+        }
+        tensor_bytes += entry.nbytes
+    doc["checkpoint"] = {
+        "unique_id": uid,
+        "format_version": meta.format_version,
+        "world_size": meta.world_size,
+        "created_by": meta.created_by,
+        "checksum": meta.checksum_algorithm,
+        "block_bytes": meta.block_bytes,
+        "tensors": tensors,
+        "files": [{"name": f.name, "bytes": f.nbytes} for f in meta.files],
+        "values": meta.values(),
+        "tensor_bytes": tensor_bytes,
+        "file_bytes": sum(f.nbytes for f in meta.files),
+    }
+    return doc
+
+
+def _table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [c.rjust(w) if rt else c.ljust(w) for c, w, rt in zip(r, widths, right)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def render_inspect(doc: dict) -> list[str]:
+    lines = [f"checkpoint directory {doc['path']}"]
+    lines.append(f"  complete ids: {_ids(doc['complete'])}")
+    if doc["incomplete"]:
+        lines.append(f"  incomplete ids: {_ids(doc['incomplete'])} (data files without metadata)")
+    if doc["temporary"]:
+        lines.append(f"  temporary files of unfinished saves: {len(doc['temporary'])}")
+        lines += [f"    {name}" for name in doc["temporary"]]
+    ck = doc["checkpoint"]
+    if ck is None:
+        return lines
+    lines.append(
+        f"checkpoint {ck['unique_id']}: format_version {ck['format_version']}, world_size {ck['world_size']}, "
+        f"created by {ck['created_by'] or 'unknown'}, {ck['checksum']} per {ck['block_bytes']}-byte block"
+    )
+    lines.append(f"tensors: {len(ck['tensors'])}")
+    if ck["tensors"]:
+        rows = [("key", "shape", "dtype", "pieces", "bytes")]
+        for key, t in ck["tensors"].items():
+            if "error" in t:
+                rows.append((key, "?", "?", "?", "invalid entry"))
+            else:
+                rows.append((key, str(tuple(t["shape"])), t["dtype"], str(t["pieces"]), str(t["bytes"])))
+        lines += _table(rows, (False, False, False, True, True))
+    lines.append(f"files: {len(ck['files'])}")
+    if ck["files"]:
+        lines += _table([("name", "bytes")] + [(f["name"], str(f["bytes"])) for f in ck["files"]], (False, True))
+    lines.append(f"values: {len(ck['values'])}")
+    lines += [f"  {k} = {json.dumps(v)}" for k, v in ck["values"].items()]
+    lines.append(
+        f"total: {ck['tensor_bytes']} bytes ({human(ck['tensor_bytes'])}) in {len(ck['tensors'])} tensors; "
+        f"{ck['file_bytes']} bytes in {len(ck['files'])} data files"
+    )
+    return lines
+
+
+def cmd_inspect(args) -> int:
+    path = _directory(args.path)
+    doc = describe(path, args.unique_id)
+    if args.json:
+        if doc["checkpoint"] is not None:
+            doc["checkpoint"]["values"] = {k: _plain(v) for k, v in doc["checkpoint"]["values"].items()}
+        _out(json.dumps(doc, indent=1, allow_nan=False))
+    else:
+        for line in render_inspect(doc):
+            _out(line)
+        for problem in doc["problems"]:
+            _err(f"{PROG}: {problem}")
+    return EXIT_PROBLEMS if doc["problems"] else EXIT_OK
+
+
+# ====================================================================== verify
+def _pieces_by_file(meta: Metadata, entries: dict[str, TensorEntry]) -> dict[int, dict[str, np.ndarray]]:
+    """file index -> columns of the pieces it holds, sorted by byte offset: ``offset``,
+    ``nbytes``, ``key`` (index into ``list(entries)``), ``piece``, ``first_block``."""
+    cols: dict[int, list[np.ndarray]] = {}
+    for k, entry in enumerate(entries.values()):
+        p = entry.pieces
+        if not p.count:
+            continue
+        table = np.stack(
+            [
+                p.byte_offsets,
+                entry.piece_nbytes(),
+                np.full(p.count, k, dtype=np.int64),
+                np.arange(p.count, dtype=np.int64),
+                entry.block_starts()[:-1],
+                p.files,
+            ],
+            axis=1,
+        )
+        for f in np.unique(p.files).tolist():
+            cols.setdefault(int(f), []).append(table[p.files == f])
+    out = {}
+    for f, parts in cols.items():
+        t = np.concatenate(parts)
+        t = t[np.argsort(t[:, 0], kind="stable")]
+        out[f] = {"offset": t[:, 0], "nbytes": t[:, 1], "key": t[:, 2], "piece": t[:, 3], "first_block": t[:, 4]}
+    return out
+
+
+def _keys_list(keys: Sequence[str], limit: int = 5) -> str:
+    keys = sorted(set(keys))
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+class _FileChecker:
+    """Reads one data file in windows of the size of ``buf`` (reused for every file) and
+    serves the checksum blocks of the pieces it holds from them."""
+
+    def __init__(self, fd: int, name: str, size: int, buf: np.ndarray):
+        self.fd, self.name, self.size = fd, name, size
+        self.buf = buf
+        self.lo = self.hi = 0
+
+    def view(self, start: int, length: int) -> memoryview:
+        if not (self.lo <= start and start + length <= self.hi):
+            n = min(len(self.buf), self.size - start)
+            n = max(n, length)
+            if n > len(self.buf):  # a block larger than the window
+                self.buf = np.empty(n, dtype=np.uint8)
+            mv = memoryview(self.buf)[:n]
+            done = 0
+            while done < n:
+                got = os.preadv(self.fd, [mv[done:]], start + done)
+                if got == 0:
+                    raise StorageError(f"{self.name} ends at byte {start + done}, before {start + n}", self.name)
+                done += got
+            self.lo, self.hi = start, start + n
+        return memoryview(self.buf)[start - self.lo : start - self.lo + length]
+
+
+def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tuple[list[str], dict]:
+    """Check a checkpoint against its metadata: every tensor entry (types, bounds, pieces that
+    tile the tensor exactly), every data file's presence and size, and every checksum block of
+    every piece, reading with bounded memory.
+
+    Returns:
+        (problems, counts): one line per problem, naming the file and key; counts of tensors,
+        pieces, files and bytes checked.
+    """
+    meta_file = os.path.join(path, metadata_name(unique_id))
+    counts = {"tensors": 0, "pieces": 0, "files": 0, "bytes": 0}
+    try:
+        meta = storage.read_metadata(path, unique_id, lazy=True)
+    except (FormatError, StorageError) as exc:
+        return [_located(meta_file, exc)], counts
+    problems: list[str] = []
+    entries: dict[str, TensorEntry] = {}
+    for key in meta.tensors:
+        try:
+            entry = meta.tensors[key]
+            check_tiling(key, entry.shape, entry.pieces.offsets, entry.pieces.shapes)
+        except (FormatError, PlanError) as exc:
+            problems.append(_located(meta_file, exc))
+            continue
+        entries[key] = entry
+    keys = list(entries)
+    by_file = _pieces_by_file(meta, entries)
+    counts["tensors"] = len(entries)
+    counts["pieces"] = sum(e.pieces.count for e in entries.values())
+    # files first: presence and size, so the progress bar's total is what will be read
+    readable: dict[int, tuple[str, int]] = {}
+    for f, entry in enumerate(meta.files):
+        full = os.path.join(path, entry.name)
+        held = [keys[k] for k in np.unique(by_file[f]["key"]).tolist()] if f in by_file else []
+        holds = f" (holds pieces of {_keys_list(held)})" if held else ""
+        try:
+            full = storage.inside(path, entry.name)
+            size = os.stat(full).st_size
+        except FormatError as exc:
+            problems.append(f"{full}: {_one_line(exc)}{holds}")
+            continue
+        except FileNotFoundError:
+            problems.append(f"{full}: missing{holds}")
+            continue
+        except OSError as exc:
+            problems.append(f"{full}: cannot read: {exc}{holds}")
+            continue
+        if size != entry.nbytes:
+            problems.append(f"{full}: has {size} bytes, the metadata says {entry.nbytes}{holds}")
+            continue
+        readable[f] = (full, size)
+    total = sum(int(by_file[f]["nbytes"].sum()) for f in readable if f in by_file)
+    window = max(consolidate.SLAB_BYTES, meta.block_bytes)
+    largest = max((size for f, (_, size) in readable.items() if f in by_file), default=0)
+    buf = np.empty(min(window, max(largest, 1)), dtype=np.uint8)
+    with ProgressBar(total, f"verify {unique_id}", progress) as bar:
+        for f, (full, size) in readable.items():
+            counts["files"] += 1
+            if f not in by_file:
+                continue
+            try:
+                fd = os.open(full, os.O_RDONLY)
+            except OSError as exc:
+                problems.append(f"{full}: cannot open: {exc}")
+                continue
+            try:
+                checker = _FileChecker(fd, full, size, buf)
+                problems += _check_pieces(checker, meta, entries, keys, by_file[f], bar, counts)
+            except StorageError as exc:
+                problems.append(f"{full}: {_one_line(exc)}")
+            except OSError as exc:
+                problems.append(f"{full}: cannot read: {exc}")
+            finally:
+                os.close(fd)
+    return problems, counts
+
+
+def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
+    problems = []
+    block = meta.block_bytes
+    pending = 0
+    for off, nbytes, k, i, first in zip(
+        cols["offset"].tolist(), cols["nbytes"].tolist(), cols["key"].tolist(), cols["piece"].tolist(),
+        cols["first_block"].tolist(),
+    ):
+        entry = entries[keys[k]]
+        sums = entry.pieces.checksums
+        bad, first_bad = 0, None
+        nblocks = max(1, -(-nbytes // block))
+        for b in range(nblocks):
+            at = off + b * block
+            length = min(block, nbytes - b * block)
+            if storage.checksum(checker.view(at, length)) != int(sums[first + b]):
+                bad += 1
+                first_bad = first_bad or (at, at + length)
+        counts["bytes"] += nbytes
+        pending += nbytes
+        if pending >= (1 << 20):
+            bar.update(pending)
+            pending = 0
+        if bad:
+            box = tuple(int(x) for x in entry.pieces.offsets[i])
+            problems.append(
+                f"{checker.name}: {keys[k]}: piece {i} at offset {box} ({nbytes} bytes from byte {off}): "
+                f"{bad} of {nblocks} checksum blocks differ, the first at bytes [{first_bad[0]}, {first_bad[1]})"
+            )
+    bar.update(pending)
+    return problems
+
+
+def _located(where: str, exc: BaseException) -> str:
+    message = _one_line(exc)
+    return message if message.startswith(where) else f"{where}: {message}"
+
+
+def cmd_verify(args) -> int:
+    path = _directory(args.path)
+    listing = storage.list_checkpoints(path)
+    if args.all:
+        ids = sorted(listing.complete)
+        if not ids:
+            choose_id(path, listing, None)  # raises: no complete checkpoint
+        if incomplete_ids(listing):
+            _out(f"incomplete ids (not verified, no metadata): {_ids(incomplete_ids(listing))}")
+    else:
+        ids = [choose_id(path, listing, args.unique_id)]
+    failed = 0
+    for uid in ids:
+        problems, c = verify_checkpoint(path, uid, _progress_enabled(args))
+        for p in problems:
+            _out(p)
+        what = f"{c['tensors']} tensors, {c['pieces']} pieces, {c['bytes']} bytes in {c['files']} files checked"
+        if problems:
+            failed += 1
+            _out(f"checkpoint {uid}: {len(problems)} problem(s); {what}")
+        else:
+            _out(f"checkpoint {uid}: OK, {what}")
+    return EXIT_PROBLEMS if failed else EXIT_OK
+
+
+# ====================================================================== convert
+FORMATS = ("safetensors", "pdparams", "npz")
+
+
+def cmd_convert(args) -> int:
+    path = _directory(args.path)
+    to = args.to
+    if to is None:
+        ext = os.path.splitext(args.out)[1].lstrip(".").lower()
+        if ext not in FORMATS:
+            raise UsageError(f"cannot tell the format from {args.out!r}: pass --to {'|'.join(FORMATS)}")
+        to = ext
+    if os.path.isdir(args.out):
+        raise UsageError(f"{args.out} is a directory; OUT is the file to write")
+    listing = storage.list_checkpoints(path)
+    uid = choose_id(path, listing, args.unique_id)
+    meta = storage.read_metadata(path, uid, lazy=True)
+    selection = consolidate.select(meta, args.keys)
+    if args.keys is not None and not selection.keys and not selection.values:
+        raise UsageError(f"--keys {args.keys!r} matches no key of checkpoint {uid}")
+    total = consolidate.selected_bytes(meta, selection, args.bf16_as_float32)
+    with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
+        size = consolidate.convert(path, meta, args.out, to, selection, args.bf16_as_float32, bar.update)
+    _out(
+        f"wrote {len(selection.keys)} tensors ({total} bytes) and {len(selection.values)} values of "
+        f"checkpoint {uid} to {args.out} ({to}, {size} bytes)"
+    )
+    bf16 = [k for k in selection.keys if meta.tensors[k].dtype == "bfloat16"]
+    if bf16 and not args.bf16_as_float32 and to == "npz":
+        _err(f"note: {len(bf16)} bfloat16 tensors are stored as uint16 bit patterns (--bf16-as-float32 for values)")
+    return EXIT_OK
+
+
+# ====================================================================== import-paddle
+_PADDLE_DATA_RE = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The boxes (relative to a box of ``shape``) that the C-order elements [start, stop)
+    of it make, in order: each one a contiguous run, together exactly the range."""
+    shape = tuple(int(s) for s in shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [Box((), ())]
+    inner = math.prod(shape[1:])
+    rest = len(shape) - 1
+    i0, r0 = divmod(start, inner)
+    i1, r1 = divmod(stop, inner)
+
+    def row(i: int, lo: int, hi: int) -> list[Box]:
+        return [Box((i,) + b.offsets, (1,) + b.shape) for b in flat_range_boxes(shape[1:], lo, hi)]
+
+    if i0 == i1:
+        return row(i0, r0, r1)
+    out = []
+    if r0:
+        out += row(i0, r0, inner)
+        i0 += 1
+    if i1 > i0:
+        out.append(Box((i0,) + (0,) * rest, (i1 - i0,) + shape[1:]))
+    if r1:
+        out += row(i1, 0, r1)
+    return out
+
+
+def _import_paddle_module():
+    try:
+        import paddle
+    except ImportError as exc:
+        raise DcpError(f"import-paddle needs paddle to read paddle's pickled files ({exc})") from None
+    return paddle
+
+
+def _paddle_dtype(key: str, dtype: Any) -> str:
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name not in DTYPE_NAMES:
+        raise FormatError(f"{key}: paddle dtype {dtype} has no paddle_dcp equivalent; supported: {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def _structure_of(keys: Sequence[str], mapping: Any) -> dict:
+    """The skeleton of the nested dict paddle flattened (``flat_mapping``: key -> path)."""
+    root: dict = {}
+    leaf = object()
+    for key in keys:
+        path = mapping.get(key) if isinstance(mapping, dict) else None
+        if not isinstance(path, tuple) or not path or ".".join(str(p) for p in path) != key:
+            path = (key,)
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(str(part), {})
+            if node is leaf:
+                raise FormatError(f"{key}: its path {path} runs through another tensor")
+        if path[-1] in node:
+            raise FormatError(f"{key}: its path {path} is used twice")
+        node[str(path[-1])] = leaf
+
+    def skeleton(node) -> dict:
+        if node is leaf:
+            return {"t": 0}
+        return {"d": [[k, skeleton(v)] for k, v in node.items()]}
+
+    return skeleton(root)
+
+
+def _paddle_file_arrays(paddle, full: str) -> dict:
+    if full.endswith(".safetensors"):
+        return consolidate.read_safetensors(full)
+    try:
+        arrays = paddle.load(full, return_numpy=True)
+    except Exception as exc:  # noqa: BLE001 - anything unpickling raises
+        raise FormatError(f"{full}: paddle.load failed ({type(exc).__name__}: {_one_line(exc)})") from None
+    if not isinstance(arrays, dict):
+        raise FormatError(f"{full}: holds a {type(arrays).__name__}, not the dict of tensors paddle saves")
+    return arrays
+
+
+def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, progress: bool = False) -> Metadata:
+    """Convert a checkpoint of ``paddle.distributed.save_state_dict`` in ``src`` into ours in
+    ``out``, piece for piece: every rank file ``{rank}_{id}.distcp`` (or ``.safetensors``)
+    becomes our ``{rank}_{id}.distcp`` holding the same pieces (a flattened piece of sharding
+    stage 2 becomes the boxes its flat range makes), under the same id and keys; the metadata
+    is written last. Unpickles paddle's files (``paddle.load``): only for files you trust.
+    Holds one rank file's tensors in memory at a time.
+
+    Raises:
+        FormatError: not such a checkpoint, or pieces that do not tile their tensors.
+    """
+    try:
+        names = os.listdir(src)
+    except OSError as exc:
+        raise StorageError(f"cannot list {src}: {exc}", src) from exc
+    ids = sorted(int(m.group(1)) for m in map(METADATA_RE.match, names) if m)
+    if not ids:
+        raise FormatError(f"{src} has no *.metadata file: not a checkpoint of paddle.distributed.save_state_dict")
+    uid = max(ids) if unique_id is None else unique_id
+    if uid not in ids:
+        raise UsageError(f"{src} has no {metadata_name(uid)}; ids with metadata: {_ids(ids)}")
+    if os.path.realpath(src) == os.path.realpath(out):
+        raise UsageError("OUT must be another directory than PATH: paddle's files and ours have the same names")
+    out_listing = storage.list_checkpoints(out)
+    if uid in out_listing.complete or uid in out_listing.data:
+        raise UsageError(f"{out} already holds files of checkpoint {uid}; import into another directory")
+    paddle = _import_paddle_module()
+    meta_file = os.path.join(src, metadata_name(uid))
+    try:
+        pmeta = paddle.load(meta_file)
+    except Exception as exc:  # noqa: BLE001 - anything unpickling raises
+        raise FormatError(f"{meta_file}: paddle.load failed ({type(exc).__name__}: {_one_line(exc)})") from None
+    sdm = getattr(pmeta, "state_dict_metadata", None)
+    stm = getattr(pmeta, "storage_metadata", None)
+    if not isinstance(sdm, dict) or not isinstance(stm, dict):
+        raise FormatError(f"{meta_file}: not the metadata of paddle.distributed.save_state_dict ({type(pmeta).__name__})")
+
+    # -- tensors: dtype and global shape
+    info: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    local_shapes: dict[tuple, tuple[int, ...]] = {}
+    for key, metas in sdm.items():
+        metas = metas if isinstance(metas, list) else [metas]
+        dtype, shape = None, None
+        for lm in metas:
+            d = _paddle_dtype(key, lm.dtype)
+            s = tuple(int(x) for x in lm.global_shape) if getattr(lm, "global_shape", None) is not None else None
+            if (dtype is not None and d != dtype) or (shape is not None and s is not None and s != shape):
+                raise FormatError(f"{meta_file}: {key}: pieces disagree on dtype or global shape")
+            dtype, shape = d, shape or s
+            fr = getattr(lm, "flattened_range", None)
+            local_shapes[(key, tuple(lm.global_offset), tuple(fr) if fr is not None else None)] = tuple(lm.local_shape)
+        if dtype is None:
+            raise FormatError(f"{meta_file}: {key}: no pieces")
+        info[key] = (dtype, shape)
+
+    # -- pieces by file (one copy of each: replicas saved with save_replicas are skipped)
+    by_file: dict[str, list[tuple]] = {}
+    for idx, fname in stm.items():
+        replica = getattr(idx, "replica_id", None)
+        if replica not in (None, 0):
+            continue
+        key = idx.tensor_key
+        if key not in info:
+            raise FormatError(f"{meta_file}: {key}: stored but not described in state_dict_metadata")
+        offset = tuple(int(x) for x in idx.global_offset)
+        fr = getattr(idx, "flattened_range", None)
+        fr = (int(fr[0]), int(fr[1])) if fr is not None else None
+        local = getattr(idx, "local_shape", None)
+        local = tuple(int(x) for x in local) if local is not None else local_shapes.get((key, offset, fr))
+        if local is None:
+            raise FormatError(f"{meta_file}: {key}: piece at offset {offset} has no local shape")
+        by_file.setdefault(str(fname), []).append((key, offset, local, fr))
+    ranks = {}
+    for fname in by_file:
+        m = _PADDLE_DATA_RE.match(fname)
+        if m is None or int(m.group(2)) != uid:
+            raise FormatError(f"{meta_file}: data file name {fname!r} is not {{rank}}_{uid}.distcp")
+        ranks[fname] = int(m.group(1))
+    for key, (dtype, shape) in list(info.items()):
+        if shape is None:  # older metadata without global shapes: the pieces' extent
+            ends = [tuple(o + s for o, s in zip(off, loc)) for items in by_file.values() for k, off, loc, _ in items if k == key]
+            info[key] = (dtype, tuple(max(e) for e in zip(*ends)) if ends else ())
+    total = sum(
+        ((fr[1] - fr[0]) if fr is not None else math.prod(loc)) * storage_dtype(info[k][0]).itemsize
+        for items in by_file.values()
+        for k, _, loc, fr in items
+    )
+
+    # -- data files: the same pieces, rank by rank
+    key_order = {k: i for i, k in enumerate(info)}
+    pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int, int, list[int]]]] = {k: [] for k in info}
+    files: list[FileEntry] = []
+    written: list[str] = []
+    os.makedirs(out, exist_ok=True)
+    try:
+        with ProgressBar(total, f"import {uid}", progress) as bar:
+            for fname in sorted(by_file, key=lambda n: ranks[n]):
+                full = os.path.join(src, fname)
+                arrays = _paddle_file_arrays(paddle, full)
+                name = data_file_name(ranks[fname], uid)
+                writer = storage.DataWriter(out, name, DEFAULT_BLOCK_BYTES)
+                try:
+                    for key, offset, local, fr in sorted(by_file[fname], key=lambda it: (key_order[it[0]], it[1], it[3] or ())):
+                        dtype = storage_dtype(info[key][0])
+                        flat = _piece_array(full, key, arrays.get(key), dtype, local, fr)
+                        boxes = flat_range_boxes(local, *fr) if fr is not None else [Box((0,) * len(local), local)]
+                        at = 0
+                        for rel in boxes:
+                            n = rel.volume
+                            data = flat[at : at + n]
+                            at += n
+                            if n == 0:
+                                continue
+                            start = writer.offset + (-writer.offset % ALIGNMENT)
+                            sums = writer.write(storage.as_bytes(np.ascontiguousarray(data)))
+                            box_offsets = tuple(o + r for o, r in zip(offset, rel.offsets))
+                            pieces[key].append((box_offsets, rel.shape, len(files), start, sums))
+                        bar.update(flat.nbytes)
+                    size = writer.commit()
+                except BaseException:
+                    writer.abort()
+                    raise
+                written.append(os.path.join(out, name))
+                files.append(FileEntry(name, size))
+                del arrays
+        tensors = {}
+        for key, (dtype, shape) in info.items():
+            rows = sorted(pieces[key], key=lambda r: r[0])
+            nd = len(shape)
+            table = PieceTable(
+                offsets=np.array([r[0] for r in rows], dtype=np.int64).reshape(len(rows), nd),
+                shapes=np.array([r[1] for r in rows], dtype=np.int64).reshape(len(rows), nd),
+                files=np.array([r[2] for r in rows], dtype=np.int64),
+                byte_offsets=np.array([r[3] for r in rows], dtype=np.int64),
+                checksums=np.array([s for r in rows for s in r[4]], dtype=np.uint64),
+            )
+            tensors[key] = TensorEntry(key, dtype, shape, table, DEFAULT_BLOCK_BYTES)
+        world = max(ranks.values()) + 1 if ranks else 1
+        meta = Metadata(
+            unique_id=uid,
+            world_size=world,
+            files=tuple(files),
+            tensors=tensors,
+            structure=_structure_of(list(info), getattr(pmeta, "flat_mapping", None)),
+            block_bytes=DEFAULT_BLOCK_BYTES,
+            created_by=f"paddle_dcp {__version__} import-paddle",
+        )
+        blob = meta.to_json()
+        # validated as any reader will: pieces inside their tensors, tiling them exactly
+        Metadata.from_json(blob, source=f"the metadata imported from {meta_file}")
+        storage.write_atomic(out, metadata_name(uid), blob)
+    except BaseException:
+        for full in written:
+            try:
+                os.unlink(full)
+            except OSError:
+                pass
+        raise
+    return meta
+
+
+def _piece_array(full: str, key: str, value: Any, dtype: np.dtype, local: tuple, fr) -> np.ndarray:
+    """A stored piece as a flat array of the checkpoint's storage dtype, shape checked."""
+    if value is None:
+        raise FormatError(f"{full}: {key}: the metadata places a piece here, the file does not hold it")
+    array = np.asarray(value)
+    if array.dtype != dtype:
+        if array.dtype.itemsize != dtype.itemsize or array.dtype.kind not in (dtype.kind, "u"):
+            raise FormatError(f"{full}: {key}: stored as {array.dtype}, the metadata says {dtype}")
+        array = np.ascontiguousarray(array).view(dtype)
+    want = (fr[1] - fr[0]) if fr is not None else math.prod(local)
+    if array.size != want or (fr is None and tuple(array.shape) != tuple(local) and array.ndim):
+        raise FormatError(f"{full}: {key}: stored shape {tuple(array.shape)}, the metadata says {local}")
+    return np.ascontiguousarray(array).reshape(-1)
+
+
+def cmd_import_paddle(args) -> int:
+    if not args.trust:
+        raise UsageError(
+            "import-paddle unpickles paddle's .metadata and .distcp files, which can run any code "
+            "their author put there; pass --trust if you trust the files in " + str(args.path)
+        )
+    src = _directory(args.path)
+    meta = import_paddle_checkpoint(src, args.out, args.unique_id, _progress_enabled(args))
+    nbytes = sum(f.nbytes for f in meta.files)
+    pieces = sum(t.pieces.count for t in meta.tensors.values())
+    _out(
+        f"imported checkpoint {meta.unique_id} of {src}: {len(meta.tensors)} tensors, {pieces} pieces, "
+        f"{len(meta.files)} data files ({nbytes} bytes) into {args.out}"
+    )
+    return EXIT_OK
+
+
+# ====================================================================== clean
+def _superseded(path: str, listing: storage.Listing) -> list[str]:
+    """Data files of complete checkpoints that their metadata does not list (generations a
+    crashed re-save left behind). Ids whose metadata cannot be read are left alone."""
+    names = []
+    for uid in sorted(listing.complete):
+        present = listing.data.get(uid, frozenset())
+        if not present:
+            continue
+        try:
+            meta = storage.read_metadata(path, uid, lazy=True)
+        except DcpError as exc:
+            logger.warning("checkpoint %d: metadata unreadable, its files are left alone: %s", uid, _one_line(exc))
+            continue
+        listed = {f.name for f in meta.files}
+        names += [data_file_name(r, uid, g) for r, g in sorted(present) if data_file_name(r, uid, g) not in listed]
+    return names
+
+
+def cmd_clean(args) -> int:
+    path = _directory(args.path)
+    listing = storage.list_checkpoints(path)
+    planned = list(listing.temporary)
+    if args.incomplete:
+        planned += [
+            data_file_name(r, uid, g)
+            for uid in incomplete_ids(listing)
+            for r, g in sorted(listing.data[uid])
+        ]
+        planned += _superseded(path, listing)
+    sizes = {}
+    for name in planned:
+        try:
+            sizes[name] = os.lstat(os.path.join(path, name)).st_size
+        except OSError:
+            sizes[name] = 0
+    if args.dry_run:
+        removed = planned
+    else:
+        removed = storage.remove_temporary(path)
+        if args.incomplete:
+            removed += storage.remove_incomplete(path)
+            removed += _remove(path, _superseded(path, storage.list_checkpoints(path)))
+    verb = "would remove" if args.dry_run else "removed"
+    for name in removed:
+        _out(f"{verb} {os.path.join(path, name)}")
+    if not removed:
+        _out(f"nothing to remove in {path}")
+    else:
+        nbytes = sum(sizes.get(n, 0) for n in removed)
+        _out(f"total: {len(removed)} files ({nbytes} bytes) {'would be removed' if args.dry_run else 'removed'}")
+    return EXIT_OK
+
+
+def _remove(path: str, names: Sequence[str]) -> list[str]:
+    removed = []
+    for name in names:
+        full = os.path.join(path, name)
+        try:
+            os.unlink(full)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StorageError(f"cannot remove {full}: {exc}", full) from exc
+    return removed
+
+
+# ====================================================================== parser
+def _unique_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what is done (INFO)")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="a progress bar on stderr (default: only when stderr is a terminal)",
+    )
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify, convert and clean paddle_dcp checkpoints.",
+        epilog="Exit codes: 0 ok, 1 problems found, 2 bad usage. Run '%(prog)s COMMAND --help' for details.",
+    )
+    parser.add_argument("--version", action="version", version=f"paddle_dcp {__version__}")
+    parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks and debug logs")
+    parser.add_argument("-v", "--verbose", action="store_true", default=False, help="log what is done (INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    id_help = "the checkpoint id (default: the highest complete one)"
+
+    p = sub.add_parser(
+        "inspect", parents=[common], help="ids, tensors, files and values of a checkpoint",
+        description="List the ids in PATH (complete, incomplete, temporary files) and describe one "
+        "checkpoint: every key with global shape, dtype, saved pieces and bytes; its data files; "
+        "its plain values; total bytes. Reads the metadata only.",
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
+    p.add_argument("--json", action="store_true", help="print one JSON document (non-finite floats as \"nan\", \"inf\")")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "verify", parents=[common, progress], help="check every checksum, file size and tiling",
+        description="Check a checkpoint against its metadata: every tensor entry (pieces inside "
+        "the tensor and tiling it exactly), every data file's presence and size, and the checksum "
+        "of every block of every piece (read in windows of bounded size). Exit 0 when all is "
+        "good, 1 listing each problem with its file and key.",
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
+    which.add_argument("--all", action="store_true", help="every complete checkpoint in PATH")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "convert", parents=[common, progress], help="write full tensors to safetensors, pdparams or npz",
+        description="Write the full (global) tensors of a checkpoint to one file. safetensors and "
+        "npz are streamed: at most one slab of 64 MiB of a tensor is in memory at a time, whatever "
+        "the checkpoint's size. pdparams is written with paddle.save and holds every selected "
+        "tensor in memory. bfloat16: BF16 in safetensors (numpy readers cannot load it: use "
+        "--bf16-as-float32), bfloat16 tensors in pdparams, uint16 bit patterns in npz. Plain "
+        "values go to safetensors' __metadata__ (as JSON text), to the pdparams dict, and to the "
+        "npz member __metadata__ (JSON with every tensor's dtype).",
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument("out", metavar="OUT", help="the file to write (replaced once complete)")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension)")
+    p.add_argument("--keys", metavar="REGEX", help="only keys (and values) matching REGEX (re.search)")
+    p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
+    p.add_argument("--bf16-as-float32", action="store_true", help="write bfloat16 tensors as float32 (exact)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "import-paddle", parents=[common, progress],
+        help="convert a checkpoint of paddle.distributed.save_state_dict into ours (needs --trust)",
+        description="Convert a checkpoint written by paddle.distributed.save_state_dict (pickled "
+        "N.metadata and {rank}_N.distcp files, or .safetensors data files) into a paddle_dcp "
+        "checkpoint in OUT with the same id, keys and pieces: each rank file becomes our "
+        "{rank}_N.distcp; the metadata is written last. Reading paddle's files unpickles them, "
+        "which runs any code their author put there, so the command refuses unless --trust is "
+        "given. Needs paddle; holds one rank file's tensors in memory at a time.",
+    )
+    p.add_argument("path", metavar="PATH", help="directory of paddle's checkpoint")
+    p.add_argument("out", metavar="OUT", help="directory of the new checkpoint (not PATH)")
+    p.add_argument("--unique-id", type=_unique_id, metavar="N", help="paddle's checkpoint id (default: the highest)")
+    p.add_argument("--trust", action="store_true", help="I trust these files: unpickling them may run code")
+    p.set_defaults(func=cmd_import_paddle)
+
+    p = sub.add_parser(
+        "clean", parents=[common], help="remove leftovers of crashed saves",
+        description="Remove temporary files (*.tmp.*) of saves that crashed. With --incomplete, "
+        "also the data files of ids without metadata in PATH and data files of complete "
+        "checkpoints that their metadata does not list. Never run it while a save to PATH is in "
+        "progress. WARNING: on node-local disks, a node without the metadata file holds data "
+        "files of complete checkpoints: --incomplete there deletes them; use it on shared "
+        "storage only.",
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument("--incomplete", action="store_true", help="also data files no metadata here uses (see WARNING)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.set_defaults(func=cmd_clean)
+    return parser
+
+
+# ====================================================================== main
+class _Logging:
+    """A handler on the ``paddle_dcp`` logger for the duration of one command."""
+
+    def __init__(self, level: int):
+        self.logger = logging.getLogger("paddle_dcp")
+        self.level = level
+
+    def __enter__(self):
+        self.handler = logging.StreamHandler(sys.stderr)
+        self.handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+        self.saved = (self.logger.level, self.logger.propagate)
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(self.level)
+        self.logger.propagate = False
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.saved[0])
+        self.logger.propagate = self.saved[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code (0 ok, 1 problems found, 2 bad usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    debug = getattr(args, "debug", False)
+    level = logging.DEBUG if debug else (logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
+    with _Logging(level):
+        try:
+            return args.func(args)
+        except KeyboardInterrupt:
+            _err(f"{PROG}: interrupted")
+            return 130
+        except BrokenPipeError:  # e.g. piped into head: stop quietly
+            try:
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
+            return EXIT_PROBLEMS
+        except Exception as exc:  # noqa: BLE001 - every error becomes one line
+            if debug:
+                traceback.print_exc(file=sys.stderr)
+            if isinstance(exc, UsageError):
+                _err(f"{PROG}: error: {_one_line(exc)}")
+                return EXIT_USAGE
+            if isinstance(exc, DcpError):
+                _err(f"{PROG}: error: {_one_line(exc)}")
+            else:
+                hint = "" if debug else " (run with --debug for the traceback)"
+                _err(f"{PROG}: error: {type(exc).__name__}: {_one_line(exc)}{hint}")
+            return EXIT_PROBLEMS
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

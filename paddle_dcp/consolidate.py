@@ -1,0 +1,458 @@
+"""Full (global) tensors of a checkpoint, streamed in slabs, and the single-file formats they go to.
+
+A tensor is read as consecutive slabs of its C-order bytes, each at most :data:`SLAB_BYTES`
+(a box of whole trailing rows, cut along the outer dims as :func:`boxes.split_region` does),
+through the load's own planner and reader: every block read is checked against its checksum.
+One slab buffer is reused for all of them, so converting a checkpoint, or a tensor larger than
+memory, needs about one slab of memory, whatever the checkpoint's size.
+
+Writers: safetensors (header from the metadata first, then every tensor's bytes), npz (numpy's
+zip of ``.npy`` members, each written as a stream), and pdparams (``paddle.save``: holds each
+tensor in memory, as pickle needs whole objects).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from . import planner, storage
+from .boxes import Box, split_region
+from .dtypes import storage_dtype
+from .errors import DcpError, StorageError
+from .metadata import Metadata, TensorEntry
+
+logger = logging.getLogger(__name__)
+
+SLAB_BYTES = 64 << 20  # the most bytes of a tensor held in memory at once (convert, verify)
+
+# the format's dtype name -> safetensors' dtype code (safetensors has no complex128)
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "complex64": "C64",
+}
+NPZ_METADATA = "__metadata__"  # npz member holding dtypes and plain values as JSON
+
+Progress = Callable[[int], None]  # called with the bytes just done
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What to convert: tensor keys and plain values, in checkpoint order."""
+
+    keys: tuple[str, ...]
+    values: dict[str, Any]
+
+
+def select(meta: Metadata, pattern: str | None = None) -> Selection:
+    """Keys and values whose flat key matches ``pattern`` (``re.search``; all when None).
+
+    Raises:
+        DcpError: the pattern is not a valid regular expression.
+    """
+    try:
+        rx = re.compile(pattern) if pattern is not None else None
+    except re.error as exc:
+        raise DcpError(f"--keys {pattern!r} is not a regular expression: {exc}") from None
+    keep = (lambda k: True) if rx is None else (lambda k: rx.search(k) is not None)
+    keys = tuple(k for k in meta.tensors if keep(k))
+    values = {k: v for k, v in meta.values().items() if keep(k)}
+    return Selection(keys, values)
+
+
+def output_dtype(dtype: str, bf16_as_float32: bool) -> str:
+    return "float32" if dtype == "bfloat16" and bf16_as_float32 else dtype
+
+
+def output_nbytes(entry: TensorEntry, bf16_as_float32: bool) -> int:
+    return math.prod(entry.shape) * storage_dtype(output_dtype(entry.dtype, bf16_as_float32)).itemsize
+
+
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as float32 values: exact, NaN payloads kept."""
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
+class TensorReader:
+    """Reads boxes and C-order slabs of a checkpoint's tensors, checksums checked.
+
+    Args:
+        path: the checkpoint directory.
+        meta: its metadata (lazily parsed is fine: every box read is checked to be covered).
+        slab_bytes: the most bytes of a slab; default :data:`SLAB_BYTES` at construction.
+    """
+
+    def __init__(self, path: str, meta: Metadata, slab_bytes: int | None = None):
+        self.path = path
+        self.meta = meta
+        self.slab_bytes = max(16, int(slab_bytes if slab_bytes is not None else SLAB_BYTES))
+        self.files = storage.FileSet(path, meta)
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def __enter__(self) -> "TensorReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.files.close()
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def read_into(self, key: str, box: Box, out: np.ndarray) -> None:
+        """Fill ``out`` (shape ``box.shape``, the storage dtype) with ``box`` of tensor ``key``."""
+        entry = self.meta.tensors[key]
+        target = planner.TargetPiece(key, entry.dtype, tuple(entry.shape), box)
+        ops = planner.plan_reads(self.meta, [target], max_read_bytes=self.slab_bytes)
+        storage.execute_reads(ops, self.files, [out])
+
+    def slabs(self, key: str, slab_bytes: int | None = None) -> Iterator[np.ndarray]:
+        """The tensor's elements in C order, as consecutive arrays of at most ``slab_bytes``
+        bytes each (views of one reused buffer: use each before asking for the next)."""
+        entry = self.meta.tensors[key]
+        dtype = storage_dtype(entry.dtype)
+        limit = max(dtype.itemsize, int(slab_bytes or self.slab_bytes))
+        whole = Box.whole(entry.shape)
+        if len(self._buf) < min(limit, entry.nbytes):
+            self._buf = np.empty(min(limit, entry.nbytes), dtype=np.uint8)
+        for box in split_region(whole, limit // dtype.itemsize, entry.shape):
+            out = self._buf[: box.volume * dtype.itemsize].view(dtype).reshape(box.shape)
+            self.read_into(key, box, out)
+            yield out
+
+    def read(self, key: str) -> np.ndarray:
+        """The whole tensor in a new array of its storage dtype (bfloat16 as uint16)."""
+        entry = self.meta.tensors[key]
+        out = np.empty(entry.shape, dtype=storage_dtype(entry.dtype))
+        if out.size:
+            self.read_into(key, Box.whole(entry.shape), out)
+        return out
+
+
+def _output_slabs(reader: TensorReader, key: str, bf16_as_float32: bool) -> Iterator[np.ndarray]:
+    """Slabs converted to the output dtype; a converted slab stays within ``slab_bytes``."""
+    entry = reader.meta.tensors[key]
+    if entry.dtype == "bfloat16" and bf16_as_float32:
+        for slab in reader.slabs(key, reader.slab_bytes // 2):
+            yield bf16_to_float32(slab)
+    else:
+        yield from reader.slabs(key)
+
+
+def _json_value(value: Any) -> Any:
+    """A plain value for a strict JSON document: non-finite floats become "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+class _AtomicOutput:
+    """An output file written under a temporary name and renamed into place when complete."""
+
+    def __init__(self, path: str):
+        self.final = os.fspath(path)
+        self.tmp = f"{self.final}.tmp.{secrets.token_hex(4)}"
+
+    def __enter__(self) -> str:
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                os.replace(self.tmp, self.final)
+                return
+            except OSError as err:
+                self._discard()
+                raise StorageError(f"cannot write {self.final}: {err}", self.final) from err
+        self._discard()
+
+    def _discard(self) -> None:
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+def _open_output(path: str):
+    try:
+        return open(path, "wb")
+    except OSError as exc:
+        raise StorageError(f"cannot create {path}: {exc}", path) from exc
+
+
+def _write(f, data, path: str) -> None:
+    try:
+        f.write(data)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc}", path) from exc
+
+
+# ------------------------------------------------------------------ safetensors
+def safetensors_header(
+    meta: Metadata, selection: Selection, bf16_as_float32: bool = False
+) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file holding the selection:
+    tensors in selection order, back to back; plain values in ``__metadata__`` as JSON text.
+
+    Raises:
+        DcpError: a dtype safetensors cannot hold (complex128), naming the key.
+    """
+    header: dict[str, Any] = {}
+    if selection.values:
+        header["__metadata__"] = {k: json.dumps(v) for k, v in selection.values.items()}
+    at = 0
+    for key in selection.keys:
+        entry = meta.tensors[key]
+        dtype = output_dtype(entry.dtype, bf16_as_float32)
+        code = SAFETENSORS_DTYPES.get(dtype)
+        if code is None:
+            raise DcpError(
+                f"{key}: safetensors cannot hold dtype {dtype}; leave it out with --keys or "
+                f"convert --to npz"
+            )
+        if key == "__metadata__":
+            raise DcpError("a tensor named '__metadata__' cannot be stored in safetensors")
+        n = output_nbytes(entry, bf16_as_float32)
+        header[key] = {"dtype": code, "shape": list(entry.shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_safetensors(
+    path: str,
+    meta: Metadata,
+    out: str,
+    selection: Selection,
+    bf16_as_float32: bool = False,
+    progress: Progress | None = None,
+) -> int:
+    """Write the selected full tensors to one safetensors file, one slab at a time.
+
+    Returns:
+        The output file's size, in bytes.
+    """
+    header = safetensors_header(meta, selection, bf16_as_float32)
+    with TensorReader(path, meta) as reader, _AtomicOutput(out) as tmp:
+        with _open_output(tmp) as f:
+            _write(f, header, out)
+            written = len(header)
+            for key in selection.keys:
+                for slab in _output_slabs(reader, key, bf16_as_float32):
+                    _write(f, storage.as_bytes(slab), out)
+                    written += slab.nbytes
+                    if progress:
+                        progress(slab.nbytes)
+    logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, written)
+    return written
+
+
+# ------------------------------------------------------------------ npz
+def _npy_header(shape: Sequence[int], dtype: np.dtype) -> bytes:
+    import io
+
+    d = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)}
+    buf = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buf, d)
+    except ValueError:  # a header over 64 KiB (very many dims): version 2.0 holds it
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buf, d)
+    return buf.getvalue()
+
+
+def write_npz(
+    path: str,
+    meta: Metadata,
+    out: str,
+    selection: Selection,
+    bf16_as_float32: bool = False,
+    progress: Progress | None = None,
+) -> int:
+    """Write the selected full tensors to one ``.npz`` (``np.load`` reads it without pickle).
+
+    bfloat16 tensors are stored as their uint16 bit patterns (numpy has no bfloat16), or as
+    float32 values with ``bf16_as_float32``; the member ``__metadata__`` holds a JSON text with
+    every tensor's checkpoint dtype and the plain values.
+
+    Returns:
+        The output file's size, in bytes.
+    """
+    if NPZ_METADATA in selection.keys:
+        raise DcpError(f"a tensor named {NPZ_METADATA!r} collides with the npz metadata member")
+    info = {
+        "format": "paddle_dcp npz",
+        "dtypes": {k: meta.tensors[k].dtype for k in selection.keys},
+        "bfloat16": "float32 values" if bf16_as_float32 else "uint16 bit patterns",
+        "values": {k: _json_value(v) for k, v in selection.values.items()},
+    }
+    with TensorReader(path, meta) as reader, _AtomicOutput(out) as tmp:
+        try:
+            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+                for key in selection.keys:
+                    entry = meta.tensors[key]
+                    dtype = storage_dtype(output_dtype(entry.dtype, bf16_as_float32))
+                    with zf.open(key + ".npy", "w", force_zip64=True) as member:
+                        member.write(_npy_header(entry.shape, dtype))
+                        for slab in _output_slabs(reader, key, bf16_as_float32):
+                            member.write(storage.as_bytes(slab))
+                            if progress:
+                                progress(slab.nbytes)
+                text = np.array(json.dumps(info, allow_nan=False))
+                with zf.open(NPZ_METADATA + ".npy", "w") as member:
+                    member.write(_npy_header(text.shape, text.dtype))
+                    member.write(text.tobytes())
+        except OSError as exc:
+            raise StorageError(f"cannot write {out}: {exc}", out) from exc
+        size = os.path.getsize(tmp)
+    logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, size)
+    return size
+
+
+# ------------------------------------------------------------------ pdparams
+def write_pdparams(
+    path: str,
+    meta: Metadata,
+    out: str,
+    selection: Selection,
+    bf16_as_float32: bool = False,
+    progress: Progress | None = None,
+) -> int:
+    """Write the selected full tensors (paddle tensors, bfloat16 kept) and plain values to a
+    flat dict file loadable with ``paddle.load``. pickle needs whole objects: every selected
+    tensor is held in memory until the file is written.
+
+    Returns:
+        The output file's size, in bytes.
+    """
+    try:
+        import paddle
+    except ImportError as exc:
+        raise DcpError(f"--to pdparams needs paddle ({exc}); --to safetensors or npz do not") from None
+    state: dict[str, Any] = {}
+    with TensorReader(path, meta) as reader:
+        for key in selection.keys:
+            entry = meta.tensors[key]
+            array = reader.read(key)
+            if entry.dtype == "bfloat16" and bf16_as_float32:
+                array = bf16_to_float32(array)
+            state[key] = _paddle_tensor(paddle, array, output_dtype(entry.dtype, bf16_as_float32))
+            if progress:
+                progress(array.nbytes)
+            del array
+    state.update(selection.values)
+    with _AtomicOutput(out) as tmp:
+        try:
+            paddle.save(state, tmp)
+        except OSError as exc:
+            raise StorageError(f"cannot write {out}: {exc}", out) from exc
+        size = os.path.getsize(tmp)
+    logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, size)
+    return size
+
+
+def _paddle_tensor(paddle, array: np.ndarray, dtype: str):
+    tensor = paddle.to_tensor(array, place=paddle.CPUPlace())
+    if dtype == "bfloat16" and tensor.dtype != paddle.bfloat16:
+        tensor = tensor.view(paddle.bfloat16)
+    return tensor
+
+
+WRITERS = {"safetensors": write_safetensors, "npz": write_npz, "pdparams": write_pdparams}
+
+
+def convert(
+    path: str,
+    meta: Metadata,
+    out: str,
+    to: str,
+    selection: Selection,
+    bf16_as_float32: bool = False,
+    progress: Progress | None = None,
+) -> int:
+    """Write the selected full tensors of a checkpoint to ``out`` in format ``to``
+    (``safetensors``, ``npz`` or ``pdparams``); the file appears only once complete.
+
+    Returns:
+        The output file's size, in bytes.
+
+    Raises:
+        DcpError: an unknown format or a dtype the format cannot hold.
+        FormatError / IntegrityError / StorageError: a damaged checkpoint or an I/O failure.
+    """
+    writer = WRITERS.get(to)
+    if writer is None:
+        raise DcpError(f"unknown output format {to!r}; choose one of {', '.join(WRITERS)}")
+    for key in selection.keys:  # every entry validated before the output is created
+        meta.tensors[key]
+    return writer(path, meta, out, selection, bf16_as_float32, progress)
+
+
+def selected_bytes(meta: Metadata, selection: Selection, bf16_as_float32: bool = False) -> int:
+    """Bytes of tensor data a conversion of ``selection`` writes."""
+    return sum(output_nbytes(meta.tensors[k], bf16_as_float32) for k in selection.keys)
+
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as read-only arrays mapped from it (bfloat16 as uint16
+    bit patterns; ``__metadata__`` left out). Checks every range against the file's size.
+
+    Raises:
+        FormatError: a malformed header or a range outside the file.
+        StorageError: the file cannot be read.
+    """
+    codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size or n > 100 << 20:
+                raise FormatError(f"{path}: not a safetensors file (header of {n} bytes in {size})")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc}", path) from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    data_start = 8 + n
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            name = codes[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{path}: {key}: malformed safetensors entry {str(info)[:80]}") from None
+        dtype = storage_dtype(name)
+        if not 0 <= begin <= end <= size - data_start or end - begin != math.prod(shape) * dtype.itemsize:
+            raise FormatError(f"{path}: {key}: byte range [{begin}, {end}) does not fit shape {shape} in the file")
+        if end == begin:
+            out[key] = np.zeros(shape, dtype=dtype)
+            continue
+        count = math.prod(shape)
+        out[key] = np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=(count,)).reshape(shape)
+    return out
