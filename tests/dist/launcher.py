@@ -310,3 +310,87 @@ def run_single(script: str, tmp_path, args=(), timeout: float = 120) -> str:
         pytest.fail(f"{Path(script).name} (one process) failed (exit code {proc.returncode})\n"
                     f"{_tail(output)}", pytrace=False)
     return output
+
+
+# ------------------------------------------------------------------------------ ranks without a launcher
+class Job:
+    """Ranks of one job started by :func:`spawn` as plain processes, without paddle's launcher
+    (which stops every rank seconds after one fails, hiding how the others end). Each rank is
+    a child of this process in a session of its own; :meth:`kill` and :meth:`kill_all` signal
+    these processes alone, by their ids."""
+
+    def __init__(self, procs, log_paths, started: float):
+        self.procs, self.log_paths, self.started = procs, log_paths, started
+        self.exited_at: dict[int, float] = {}
+
+    def pid(self, rank: int) -> int:
+        return self.procs[rank].pid
+
+    def poll(self) -> dict[int, int | None]:
+        """rank -> exit code (None: running); records when each rank was first seen gone."""
+        out = {}
+        for r, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None and r not in self.exited_at:
+                self.exited_at[r] = time.monotonic()
+            out[r] = code
+        return out
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one rank (the process this module started for it)."""
+        proc = self.procs[rank]
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+    def kill_all(self) -> None:
+        for r in range(len(self.procs)):
+            self.kill(r)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def wait(self, ranks, deadline: float) -> bool:
+        """Wait until every rank of ``ranks`` has exited or time.monotonic() passes
+        ``deadline``; True when they all exited."""
+        while True:
+            codes = self.poll()
+            if all(codes[r] is not None for r in ranks):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+    def log(self, rank: int) -> str:
+        return Path(self.log_paths[rank]).read_text(errors="replace") if Path(self.log_paths[rank]).exists() else ""
+
+    def report(self) -> str:
+        return "\n".join(f"--- rank {r} (exit {p.poll()}) ---\n{_tail(self.log(r))}" for r, p in enumerate(self.procs))
+
+
+def spawn(script: str, nproc: int, log_dir, args=(), env=None) -> Job:
+    """Start ``script`` as ``nproc`` ranks of one job (gloo on 127.0.0.1, rank 0 hosting the
+    store), each a plain ``python script args`` process with the environment paddle's
+    launcher would give it, its output in ``log_dir/rank{r}.log``. Returns at once."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ports = [free_port() for _ in range(nproc + 1)]
+    endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
+    procs, logs = [], []
+    for r in range(nproc):
+        e = _env()
+        e.update(env or {})
+        e.update({
+            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}", "PADDLE_GLOBAL_SIZE": str(nproc),
+            "PADDLE_LOCAL_SIZE": str(nproc), "PADDLE_GLOBAL_RANK": str(r), "PADDLE_LOCAL_RANK": str(r),
+            "PADDLE_NNODES": "1", "PADDLE_CURRENT_ENDPOINT": endpoints[r], "PADDLE_TRAINER_ID": str(r),
+            "PADDLE_TRAINERS_NUM": str(nproc), "PADDLE_RANK_IN_NODE": str(r),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints), "PADDLE_DISTRI_BACKEND": "gloo",
+        })  # fmt: skip
+        path = log_dir / f"rank{r}.log"
+        with open(path, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, script, *[str(a) for a in args]], cwd=str(log_dir),
+                                          env=e, start_new_session=True, stdout=out, stderr=subprocess.STDOUT))
+        logs.append(path)
+    return Job(procs, logs, time.monotonic())
