@@ -16,7 +16,9 @@ from .errors import (
     PlanError,
     StorageError,
 )
+from .gather import save_gathered
 from .metadata import FORMAT_VERSION
+from .training import get_state_dict, set_state_dict
 from .version import __version__
 
 __all__ = [
@@ -25,6 +27,9 @@ __all__ = [
     "read_metadata",
     "wait_async_save",
     "AsyncSave",
+    "save_gathered",
+    "get_state_dict",
+    "set_state_dict",
     "DcpError",
     "FormatError",
     "IntegrityError",

@@ -300,6 +300,10 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
+    if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
+        from . import singlefile
+
+        return singlefile.load_file(state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
