@@ -20,7 +20,7 @@ import numpy as np
 from . import exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
-from .errors import DcpError, FormatError, MismatchError, StorageError
+from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError
 from .metadata import DEFAULT_BLOCK_BYTES, Metadata
 from .placements import describe, has_partial, is_tensor, reduce_partial, rewrap
 from .version import __version__
@@ -253,8 +253,10 @@ def _write_pieces(path: str, name: str, held, leaves: np.ndarray, durable: bool)
     writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
     try:
         for leaf in leaves.tolist():
+            piece = held[leaf].piece
             data = host_bytes(held[leaf].local)
-            sums.extend(writer.write(storage.as_bytes(data.array), keep=data))
+            seed = storage.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)
+            sums.extend(writer.write(storage.as_bytes(data.array), keep=data, seed=seed))
         return writer.commit(durable), sums
     except BaseException:
         writer.abort()
@@ -408,7 +410,11 @@ class _LoadPlan:
                 raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
             self.remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
         for f in sorted({op.file for op in self.local}):
-            self.files.fd(f)
+            try:
+                self.files.fd(f)
+            except DcpError as exc:
+                keys = sorted({seg.piece.key for op in self.local if op.file == f for seg in op.segments})
+                raise type(exc)(f"{exc}; it holds {keys}") from None
 
     def verify_local(self) -> None:
         """Check the checksum of every block this rank will read from its own files, before
@@ -491,7 +497,12 @@ def _plan_load(
             index.append(len(buffers) - 1)
         else:  # nothing to read, but the shape and dtype must still agree
             planner.check_targets(meta, [target])
-    ops = [_retarget(op, index) for op in planner.plan_reads(meta, targets)]
+    source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
+    try:
+        ops = [_retarget(op, index) for op in planner.plan_reads(meta, targets)]
+    except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
+        raise FormatError(f"{source}: {exc}") from None
+    meta.check_digest()  # after the structure of what this rank uses, before any byte moves
     return _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
 
 

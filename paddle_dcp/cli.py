@@ -430,12 +430,13 @@ def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
     ):
         entry = entries[keys[k]]
         sums = entry.pieces.checksums
+        seed = storage.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
         bad, first_bad = 0, None
         nblocks = max(1, -(-nbytes // block))
         for b in range(nblocks):
             at = off + b * block
             length = min(block, nbytes - b * block)
-            if storage.checksum(checker.view(at, length)) != int(sums[first + b]):
+            if storage.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
                 bad += 1
                 first_bad = first_bad or (at, at + length)
         counts["bytes"] += nbytes
@@ -715,8 +716,9 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
                             if n == 0:
                                 continue
                             start = writer.offset + (-writer.offset % ALIGNMENT)
-                            sums = writer.write(storage.as_bytes(np.ascontiguousarray(data)))
                             box_offsets = tuple(o + r for o, r in zip(offset, rel.offsets))
+                            seed = storage.piece_seed(key, info[key][0], box_offsets, rel.shape)
+                            sums = writer.write(storage.as_bytes(np.ascontiguousarray(data)), seed=seed)
                             pieces[key].append((box_offsets, rel.shape, len(files), start, sums))
                         bar.update(flat.nbytes)
                     size = writer.commit()

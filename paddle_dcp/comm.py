@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from .errors import CollectiveError, DcpError
 
@@ -405,7 +406,7 @@ class PaddleComm(Comm):
         from paddle.distributed.communication.group import Group
 
         members = tuple(sorted(self.ranks))
-        group = Group(members.index(self.rank), _GROUP_GID, list(members), pg=_group(self.rank, members),
+        group = Group(members.index(self.rank), _GROUP_GID_BASE - 1, list(members), pg=_group(self.rank, members),
                       name="paddle_dcp_background")
         return PaddleComm(group, self.coordinator)
 
@@ -464,18 +465,21 @@ def _group(rank: int, members: tuple[int, ...]):
         host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
         store = core.TCPStore(host, int(port), False, len(members), timeout)
     index = members.index(rank)
+    # paddle keeps one communication context per group id in a process: every group of ours
+    # needs its own id, and its members must agree on it without talking: derive it from them
+    gid = _GROUP_GID_BASE + xxhash.xxh3_64_intdigest(",".join(map(str, members)).encode()) % _GROUP_GID_SPAN
     if collective._default_backend == "nccl":
         from paddle.distributed.parallel import _get_global_env
 
-        group = core.ProcessGroupNCCL.create(store, index, len(members), _GROUP_GID, _get_global_env().pg_timeout, 0, None)
+        group = core.ProcessGroupNCCL.create(store, index, len(members), gid, _get_global_env().pg_timeout, 0, None)
     else:
-        group = core.ProcessGroupGloo.create(store, index, len(members), _GROUP_GID)
+        group = core.ProcessGroupGloo.create(store, index, len(members), gid)
     _GROUPS[members] = group
     return group
 
 
 _GROUPS: dict[tuple[int, ...], object] = {}
-_GROUP_GID = 1 << 20
+_GROUP_GID_BASE, _GROUP_GID_SPAN = 1 << 30, 1 << 29
 
 
 def make_comm(process_group=None, coordinator_rank: int = 0) -> Comm:

@@ -213,11 +213,11 @@ def check_remote(
             for client, server in directions(me, peer):
                 if client == me and server in my_servers:
                     wanted = [(file_name(op.file), blocks(op)) for op in my_servers[server]]
-                    request = [[name, [[at, n] for at, n, _ in bl]] for name, bl in wanted]
+                    request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
                     send_message(comm, peer, json.dumps(request).encode())
                     try:
                         got = np.frombuffer(recv_message(comm, peer), dtype="<u8")
-                        expected = [(name, at, n, want) for name, bl in wanted for at, n, want in bl]
+                        expected = [(name, at, n, want) for name, bl in wanted for at, n, _, want in bl]
                         if len(got) != len(expected):
                             raise DcpError(f"rank {peer} sent {len(got)} checksums for {len(expected)} blocks")
                         for (name, at, n, want), have in zip(expected, got.tolist()):
@@ -233,12 +233,15 @@ def check_remote(
                     try:
                         sums = []
                         for name, ranges in request:
-                            for at, n in ranges:
-                                if type(at) is not int or type(n) is not int or at < 0 or not 0 <= n <= MAX_MESSAGE:
+                            for at, n, seed in ranges:
+                                if (
+                                    type(at) is not int or type(n) is not int or type(seed) is not int
+                                    or at < 0 or not 0 <= n <= MAX_MESSAGE or not 0 <= seed < 1 << 64
+                                ):  # fmt: skip
                                     raise StorageError(f"rank {peer} asked for a malformed range of {name!r}")
                                 buf = staging.get(n)
                                 reader.read_into(str(name), at, memoryview(buf))
-                                sums.append(checksum(memoryview(buf)))
+                                sums.append(checksum(memoryview(buf), seed))
                         send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
                     except DcpError as exc:
                         send_message(comm, peer, describe_error(exc).encode(), _FAILED)

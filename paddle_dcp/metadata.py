@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+import xxhash
 
 from . import nested
 from .boxes import Box, check_inside, check_tiling
@@ -174,6 +175,17 @@ class Metadata:
         """Flat key -> plain (non-tensor) value saved in the checkpoint."""
         return nested.values_of(self.structure)
 
+    def check_digest(self) -> None:
+        """Raise FormatError when the file's digest does not match its bytes: the metadata was
+        edited or damaged after it was written (checked after the structure, so a malformed
+        file is named for what is malformed). Files without a digest pass."""
+        state, source = getattr(self, "_digest", (None, "metadata"))
+        if state is False:
+            raise FormatError(
+                f"{source}: the metadata's digest does not match its contents: the file was edited "
+                f"or damaged after it was written"
+            )
+
     def validate(self) -> "Metadata":
         """Parse and validate every tensor entry now (they are otherwise checked on first use)."""
         for key in self.tensors:
@@ -213,7 +225,7 @@ class Metadata:
         }
         if self.subset:
             doc["subset"] = True
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return with_digest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
     def from_json(
@@ -236,19 +248,50 @@ class Metadata:
             raise FormatError(
                 f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata"
             )
+        if isinstance(data, str):
+            data = data.encode()
         try:
             doc = json.loads(data)
         except (ValueError, RecursionError, UnicodeDecodeError) as exc:
             raise FormatError(f"{source}: not valid JSON ({exc})") from None
         try:
-            meta = _parse(doc, source, allow_subset, full=not lazy)
-            return meta if lazy else meta.validate()
-        except FormatError:
-            raise
+            meta = _parse(doc, source, allow_subset, full=not lazy, size=len(data))
+            object.__setattr__(meta, "_digest", (_digest_state(data, doc), source))
+            if lazy:
+                return meta
+            meta.validate()
+            meta.check_digest()
+            return meta
+        except FormatError as exc:
+            if source in str(exc):
+                raise
+            raise FormatError(f"{source}: {exc}") from None
         except PlanError as exc:
             raise FormatError(f"{source}: {exc}") from None
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
+
+
+_DIGEST_HEAD = b',"digest":"'
+_DIGEST_LEN = len(_DIGEST_HEAD) + 16 + 2
+
+
+def with_digest(body: bytes) -> bytes:
+    """A JSON object's bytes with a last member ``"digest"``: the xxh3_64 (hex) of the bytes
+    of the object without it."""
+    digest = xxhash.xxh3_64_hexdigest(body).encode()
+    return body[:-1] + _DIGEST_HEAD + digest + b'"}'
+
+
+def _digest_state(data: bytes, doc: Any):
+    """True: the digest matches; False: it does not; None: the file has none."""
+    if not isinstance(doc, dict) or "digest" not in doc:
+        return None
+    tail = data.rstrip()
+    if len(tail) < _DIGEST_LEN or tail[-_DIGEST_LEN:-18] != _DIGEST_HEAD or not tail.endswith(b'"}'):
+        return False
+    body = tail[:-_DIGEST_LEN] + b"}"
+    return xxhash.xxh3_64_hexdigest(body).encode() == tail[-18:-2]
 
 
 # -------------------------------------------------------------------- columns
@@ -314,7 +357,7 @@ def check_file_name(name: Any, what: str = "file name") -> str:
     return name
 
 
-def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True) -> Metadata:
+def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: int = MAX_METADATA_BYTES) -> Metadata:
     if not isinstance(doc, dict):
         raise FormatError(f"{source}: metadata must be a JSON object")
     if doc.get("format") != FORMAT_NAME:
@@ -359,7 +402,7 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True) -> Meta
         raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
     def parse_tensor(key: str, t: Any) -> TensorEntry:
         try:
-            return _parse_tensor(key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset)
+            return _parse_tensor(key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size)
         except FormatError as exc:
             raise FormatError(f"{source}: {exc}") from None
         except PlanError as exc:
@@ -420,7 +463,13 @@ class _LazyTensors(Mapping):
 
 
 def _parse_tensor(
-    key: str, t: Any, file_sizes: np.ndarray, block_bytes: int, tiling: bool = True, require_cover: bool = True
+    key: str,
+    t: Any,
+    file_sizes: np.ndarray,
+    block_bytes: int,
+    tiling: bool = True,
+    require_cover: bool = True,
+    size: int = MAX_METADATA_BYTES,
 ) -> TensorEntry:
     """One tensor entry, validated. With ``tiling`` off (a load's lazy parse) the pieces are
     checked to lie inside the tensor but not to tile it: a load then checks that the pieces it
@@ -442,6 +491,13 @@ def _parse_tensor(
     ndim = len(shape)
     count = _int(t["count"], f"tensor {key!r}: count", 0, 1 << 40)
     what = f"tensor {key!r}"
+    # every piece costs the file at least a byte: a larger count is a lie, refused before
+    # anything is decompressed or allocated for it
+    if count > size or count > max(volume, 1):
+        raise FormatError(
+            f"{what}: {count} pieces cannot be described by a {size}-byte metadata file or fit a "
+            f"tensor of {volume} elements"
+        )
     offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
     shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
     files = _decode_column(t["file"], count, f"{what}: file")

@@ -190,16 +190,33 @@ def read_metadata(path: str, unique_id: int, lazy: bool = False) -> Metadata:
     return meta
 
 
-def checksum(buf) -> int:
-    return xxhash.xxh3_64_intdigest(buf)
+_MASK64 = (1 << 64) - 1
 
 
-def block_checksums(buf: memoryview, block_bytes: int) -> list[int]:
-    """xxh3_64 of every ``block_bytes`` block of ``buf`` (one for an empty buffer)."""
+def piece_seed(key: str, dtype: str, offsets, shape) -> int:
+    """The checksum seed of a piece: the xxh3_64 of its identity (key, dtype, global offset,
+    local shape), so a block's checksum holds only for these bytes at this place: a piece
+    moved, relabelled or reinterpreted in an edited metadata fails its checksums."""
+    ident = f"{key}\0{dtype}\0{','.join(map(str, offsets))}\0{','.join(map(str, shape))}"
+    return xxhash.xxh3_64_intdigest(ident.encode())
+
+
+def checksum(buf, seed: int = 0) -> int:
+    return xxhash.xxh3_64_intdigest(buf, seed=seed)
+
+
+def block_checksum(buf, seed: int, index: int) -> int:
+    """The checksum of block ``index`` of a piece whose seed is ``seed``."""
+    return xxhash.xxh3_64_intdigest(buf, seed=(seed + index) & _MASK64)
+
+
+def block_checksums(buf: memoryview, block_bytes: int, seed: int = 0) -> list[int]:
+    """The checksum of every ``block_bytes`` block of a piece's bytes ``buf`` (one for an
+    empty buffer)."""
     n = len(buf)
     if n == 0:
-        return [checksum(b"")]
-    return [checksum(buf[i : i + block_bytes]) for i in range(0, n, block_bytes)]
+        return [block_checksum(b"", seed, 0)]
+    return [block_checksum(buf[i : i + block_bytes], seed, k) for k, i in enumerate(range(0, n, block_bytes))]
 
 
 def as_bytes(array: np.ndarray) -> memoryview:
@@ -232,12 +249,12 @@ class DataWriter:
             raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
 
-    def write(self, data: memoryview, keep=None) -> list[int]:
+    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
         """Append one piece (bytes in C order; ``keep`` is whatever must stay alive until the
-        bytes are written); returns its block checksums."""
+        bytes are written; ``seed`` its :func:`piece_seed`); returns its block checksums."""
         view = data.cast("B") if data.format != "B" else data
         start = self.offset + (-self.offset % ALIGNMENT)  # the gap stays zeros (sparse)
-        sums = block_checksums(view, self.block_bytes)
+        sums = block_checksums(view, self.block_bytes, seed)
         self._pending.append(self._pool.submit(self._write_at, view, start, keep))
         self.offset = start + len(view)
         while len(self._pending) > self.depth:
@@ -361,15 +378,21 @@ class FileSet:
         self._fds.clear()
 
 
-def segment_blocks(meta: Metadata, seg: Segment) -> list[tuple[int, int, int]]:
-    """(file offset, length, expected checksum) of every checksum block a segment covers."""
+def seed_of(meta: Metadata, piece: SavedPiece) -> int:
+    return piece_seed(piece.key, meta.tensors[piece.key].dtype, piece.box.offsets, piece.box.shape)
+
+
+def segment_blocks(meta: Metadata, seg: Segment) -> list[tuple[int, int, int, int]]:
+    """(file offset, length, seed, expected checksum) of every checksum block a segment covers."""
     piece = seg.piece
     block = meta.block_bytes
     sums = meta.tensors[piece.key].pieces.checksums
     first = (seg.start - piece.byte_offset) // block
+    seed = seed_of(meta, piece)
     out = []
     for k, at in enumerate(range(seg.start, max(seg.stop, seg.start + 1), block)):
-        out.append((at, min(block, seg.stop - at), int(sums[piece.first_block + first + k])))
+        index = first + k
+        out.append((at, min(block, seg.stop - at), (seed + index) & _MASK64, int(sums[piece.first_block + index])))
     return out
 
 
@@ -396,8 +419,9 @@ def verify_segment(meta: Metadata, files: "FileSet", file: int, seg: Segment, da
     rel = seg.start - piece.byte_offset
     first_block = rel // block
     sums = entry.pieces.checksums
+    seed = seed_of(meta, piece)
     for k, at in enumerate(range(0, max(len(data), 1), block)):
-        got = checksum(data[at : at + block])
+        got = block_checksum(data[at : at + block], seed, first_block + k)
         want = int(sums[piece.first_block + first_block + k])
         if got != want:
             lo = seg.start + at

@@ -190,7 +190,9 @@ def save_checkpoint(
         w = storage.DataWriter(path, storage.data_file_name(r, unique_id), block_bytes)
         cs: list[int] = []
         for leaf in leaves.tolist():
-            cs += w.write(storage.as_bytes(np.ascontiguousarray(flat.tensors[pieces[leaf].key])))
+            p = pieces[leaf]
+            seed = storage.piece_seed(p.key, p.dtype, p.box.offsets, p.box.shape)
+            cs += w.write(storage.as_bytes(np.ascontiguousarray(flat.tensors[p.key])), seed=seed)
         assert w.commit() == plan.file_bytes[r]
         sums[r] = np.array(cs, dtype=np.uint64)
     structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)

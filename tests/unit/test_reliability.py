@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import paddle_dcp
+from paddle_dcp.metadata import with_digest
 from paddle_dcp import api, metadata, storage
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, PlanError, StorageError
 from paddle_dcp.naming import TMP_RE
@@ -87,8 +88,15 @@ def read_doc(path: str, uid: int = 0) -> dict:
         return json.load(f)
 
 
-def write_doc(path: str, doc, uid: int = 0) -> None:
-    data = doc if isinstance(doc, (bytes, str)) else json.dumps(doc)
+def write_doc(path: str, doc, uid: int = 0, digest: bool = True) -> None:
+    """Write a metadata document; a dict gets a matching digest (as a writer that means the
+    edit would write it), so each test reaches the check it is about; raw text is written as is."""
+    if isinstance(doc, dict):
+        body = {k: v for k, v in doc.items() if k != "digest"}
+        text = json.dumps(body, separators=(",", ":"))
+        data = with_digest(text.encode()) if digest else json.dumps(doc)
+    else:
+        data = doc
     mode = "wb" if isinstance(data, bytes) else "w"
     with open(os.path.join(path, f"{uid}.metadata"), mode) as f:
         f.write(data)
@@ -383,9 +391,6 @@ def test_a_truncated_file_is_an_integrity_error_naming_the_file(ck):
     load_fails(ck, IntegrityError, "1_0.distcp", verify=False)  # sizes are checked whatever verify says
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 6 point 3 / docs/format.md: errors name the file and key; FileSet.fd's size check "
-    "names the file and both sizes but no key"))  # fmt: skip
 def test_a_truncated_file_error_names_the_keys_it_holds(ck):
     name = os.path.join(ck, "1_0.distcp")
     os.truncate(name, os.path.getsize(name) // 2)
@@ -465,11 +470,6 @@ def test_an_edited_metadata_is_a_clear_error_and_nothing_changes(ck, edit, kind,
     load_fails(ck, kind, *needles)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 6 point 3: an edited metadata must never give wrong values; the metadata has no "
-    "checksum of its own and a piece's checksums cover its bytes, not its place, so "
-    "metadata whose pieces' offsets are permuted (still tiling the tensor) loads the rows "
-    "permuted, silently"))  # fmt: skip
 def test_metadata_with_permuted_piece_offsets_never_gives_wrong_values(ck):
     doc = read_doc(ck)
     t = doc["tensors"]["model.w"]
@@ -566,7 +566,7 @@ def test_hostile_metadata_is_refused_before_any_data_file_is_opened(ck, case, op
     assert opened == {"open": [], "mmap": 0, "pread": 0}, opened
 
 
-# Refused, but the message does not name the metadata file (see the xfail below).
+# Refused, naming the field and the metadata file (test below).
 UNNAMED = {
     "negative_file_size": (_set(("files", 1, "bytes"), -1), "files[1].bytes"),
     "zero_block_bytes": (_set(("checksum", "block_bytes"), 0), "block_bytes"),
@@ -586,10 +586,6 @@ def test_hostile_header_fields_are_refused_before_any_data_file_is_opened(ck, ca
     assert opened == {"open": [], "mmap": 0, "pread": 0}, opened
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "docs/format.md: every failure names the file; metadata._parse checks unique_id, "
-    "world_size, checksum.block_bytes and files[i].bytes with _int(value, what) whose "
-    "message lacks the source (the metadata file's path)"))  # fmt: skip
 @pytest.mark.parametrize("case", sorted(UNNAMED))
 def test_hostile_header_field_errors_name_the_metadata_file(ck, case):
     edit, needle = UNNAMED[case]
@@ -599,10 +595,6 @@ def test_hostile_header_field_errors_name_the_metadata_file(ck, case):
     load_fails(ck, FormatError, needle, "0.metadata")
 
 
-@pytest.mark.xfail(strict=True, raises=PlanError, reason=(
-    "docs/format.md: a reader refuses pieces that overlap with FormatError naming the file "
-    "and key; the load's lazy parse leaves the overlap check to planner.plan_reads, which "
-    "raises PlanError naming the key but not the metadata file"))  # fmt: skip
 def test_overlapping_pieces_are_a_format_error_naming_the_metadata_file(ck):
     doc = read_doc(ck)
     doc["tensors"]["model.w"]["offsets"] = [0, 0, 3, 0]
@@ -663,11 +655,6 @@ def test_enormous_metadata_is_refused_without_reading_it(ck, monkeypatch, sparse
     assert peak < 16 << 20, f"{peak} bytes allocated to refuse an over-sized metadata file"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 6 point 4: hostile metadata is rejected before any allocation follows from it; "
-    "metadata._decode_column inflates a packed column to count * 8 bytes (and copies it) "
-    "before anything bounds count: a 70 KB metadata file makes the load allocate 128 MiB, "
-    "a 1 GiB one could ask for ~1 TiB (zlib inflates ~1000x; the only check is 1100x)"))  # fmt: skip
 def test_a_packed_column_claiming_millions_of_pieces_is_refused_without_inflating_it(ck):
     doc = read_doc(ck)
     count = 1 << 22  # 2 dims: 64 MiB of zeros, 65 KB packed
@@ -794,3 +781,14 @@ def test_a_file_truncated_while_mapped_kills_the_process_with_sigbus(ck, tmp_pat
     # killed by the signal (-7), or by paddle's fatal-signal handler re-raising it (128 + 7)
     assert proc.returncode in (-7, 135), (proc.returncode, out[-3000:])
     assert "SIGBUS" in out or proc.returncode == -7, out[-3000:]
+
+
+def test_a_metadata_edited_without_its_digest_is_refused_before_any_byte_moves(ck, opened):
+    """A metadata file edited by hand (here: a plain value and the pieces' order, both still
+    well-formed) no longer matches its digest: every load refuses it, naming the file."""
+    doc = read_doc(ck)
+    doc["structure"]["d"].append(["injected", {"v": 1}])
+    doc["tensors"]["model.w"]["offsets"] = [4, 0, 0, 0]
+    write_doc(ck, doc, digest=False)
+    load_fails(ck, FormatError, "0.metadata", "digest")
+    assert not [p for p in opened if p.endswith(".distcp")], opened

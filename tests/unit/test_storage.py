@@ -5,6 +5,7 @@ import os
 import pickle
 
 import numpy as np
+import xxhash
 import pytest
 
 from paddle_dcp import planner, storage
@@ -117,8 +118,9 @@ def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
     assert w.commit() == 64 + 100
     raw = (tmp_path / "0_0.distcp").read_bytes()
     assert raw[:30] == a.tobytes() and raw[30:64] == bytes(34) and raw[64:] == b.tobytes()
-    assert sums_a == [storage.checksum(a.tobytes())]
-    assert sums_b == [storage.checksum(b.tobytes()[:64]), storage.checksum(b.tobytes()[64:])]
+    # block k of a piece is hashed with seed (piece seed + k); the piece seed is 0 here
+    assert sums_a == [xxhash.xxh3_64_intdigest(a.tobytes(), seed=0)]
+    assert sums_b == [xxhash.xxh3_64_intdigest(b.tobytes()[:64], seed=0), xxhash.xxh3_64_intdigest(b.tobytes()[64:], seed=1)]
     assert listdir(str(tmp_path)) == ["0_0.distcp"]
 
 
@@ -129,12 +131,20 @@ def test_data_writer_abort_removes_its_temporary_file(tmp_path):
     assert listdir(str(tmp_path)) == []
 
 
-def test_block_checksums_are_xxh3_64_of_each_block():
-    import xxhash
-
+def test_block_checksums_are_xxh3_64_of_each_block_seeded_by_the_piece_and_block_index():
     data = bytes(range(200))
-    assert storage.block_checksums(memoryview(data), 64) == [xxhash.xxh3_64_intdigest(data[i : i + 64]) for i in (0, 64, 128, 192)]
+    assert storage.block_checksums(memoryview(data), 64) == [
+        xxhash.xxh3_64_intdigest(data[i : i + 64], seed=k) for k, i in enumerate((0, 64, 128, 192))
+    ]
     assert storage.block_checksums(memoryview(b""), 64) == [xxhash.xxh3_64_intdigest(b"")]
+    # the piece seed is the xxh3_64 of "key NUL dtype NUL offsets NUL shape" (docs/format.md)
+    seed = xxhash.xxh3_64_intdigest(b"model.w\x00float32\x004,0\x003,5")
+    assert storage.piece_seed("model.w", "float32", (4, 0), (3, 5)) == seed
+    assert storage.block_checksums(memoryview(data), 128, seed) == [
+        xxhash.xxh3_64_intdigest(data[:128], seed=seed), xxhash.xxh3_64_intdigest(data[128:], seed=(seed + 1) % 2**64)
+    ]
+    # a piece moved to another place no longer matches
+    assert storage.piece_seed("model.w", "float32", (0, 0), (3, 5)) != seed
 
 
 # ------------------------------------------------------------------ reading and integrity

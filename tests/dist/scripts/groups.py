@@ -1,0 +1,41 @@
+"""Groups of paddle_dcp's own (pairs for node-local transfers, the members of a partial mesh
+dim, a background save's private group): several of them in one process, all working.
+
+argv: WORKDIR
+"""
+import sys
+
+import numpy as np
+import paddle
+
+import common as c
+from paddle_dcp.comm import PaddleComm
+
+c.init()
+
+
+def pairs_and_groups():
+    comm = PaddleComm()
+    r = comm.rank
+    for peer in range(4):  # a pair group with every other rank
+        if peer == r:
+            continue
+        buf = np.zeros(16, np.uint8)
+        if r < peer:
+            comm.send(peer, np.full(16, r, np.uint8))
+            comm.recv_into(peer, buf)
+        else:
+            comm.recv_into(peer, buf)
+            comm.send(peer, np.full(16, r, np.uint8))
+        assert (buf == peer).all(), (r, peer, buf)
+    t = paddle.to_tensor([float(r)])
+    comm.reduce_among([0, 1, 2, 3], t, "sum")
+    assert t.item() == 6, t.item()
+    low = r - r % 2
+    t = paddle.to_tensor([float(r)])
+    comm.reduce_among([low, low + 1], t, "max")
+    assert t.item() == low + 1, t.item()
+    assert comm.private().all_max([r]) == [3]
+
+
+c.run_cases({"pairs_and_groups": pairs_and_groups}, sys.argv[2:])
