@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import planner, storage
+from . import nested, planner, storage
 from .boxes import Box, split_region
 from .dtypes import storage_dtype
 from .errors import DcpError, StorageError
@@ -217,8 +217,12 @@ def safetensors_header(
         DcpError: a dtype safetensors cannot hold (complex128), naming the key.
     """
     header: dict[str, Any] = {}
-    if selection.values:
-        header["__metadata__"] = {k: json.dumps(v) for k, v in selection.values.items()}
+    # each plain value as JSON text, and the nesting of what the file holds (the skeleton of
+    # docs/format.md), so that paddle_dcp.load_state_dict reads the file back whole
+    metadata = {k: json.dumps(v) for k, v in selection.values.items()}
+    kept = set(selection.keys) | set(selection.values)
+    metadata["structure"] = json.dumps(nested.restrict(meta.structure, kept), separators=(",", ":"))
+    header["__metadata__"] = metadata
     at = 0
     for key in selection.keys:
         entry = meta.tensors[key]

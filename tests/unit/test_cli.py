@@ -649,3 +649,21 @@ def test_clean_removes_temporary_files_then_incomplete_ones(ck, capsys):
     code, out, _ = run(capsys, "clean", ck, "--incomplete")
     assert code == 0 and "nothing to remove" in out
     assert run(capsys, "verify", ck)[0] == 0
+
+
+def test_a_converted_safetensors_file_loads_back_whole_with_load_state_dict(tmp_path, capsys):
+    """convert writes the nesting and plain values too: paddle_dcp.load_state_dict reads the
+    single file back into a state dict of the same shape (no paddle needed for numpy leaves)."""
+    import paddle_dcp
+
+    path = str(tmp_path / "ck")
+    saved = {"model": {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "i": np.arange(5, dtype=np.int64)},
+             "opt": {"lrs": [0.1, 0.2], "name": "adamw"}, "step": 7}  # fmt: skip
+    paddle_dcp.save_state_dict(saved, path)
+    out = tmp_path / "all.safetensors"
+    assert run(capsys, "convert", path, out)[0] == 0
+    target = {"model": {"w": np.zeros((3, 4), np.float32), "i": np.zeros(5, np.int64)},
+              "opt": {"lrs": [0.0, 0.0], "name": ""}, "step": 0}  # fmt: skip
+    paddle_dcp.load_state_dict(target, str(out))
+    assert same_bits(target["model"]["w"], saved["model"]["w"]) and same_bits(target["model"]["i"], saved["model"]["i"])
+    assert target["opt"] == {"lrs": [0.1, 0.2], "name": "adamw"} and target["step"] == 7
