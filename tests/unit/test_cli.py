@@ -325,7 +325,10 @@ def test_convert_safetensors_read_back_by_safetensors(saved, tmp_path, capsys):
     assert code == 0, err
     assert f"wrote {len(oracle)} tensors" in stdout
     with safe_open(str(out), framework="np") as f:
-        assert f.metadata() == {k: json.dumps(v) for k, v in VALUES.items()}
+        extra = dict(f.metadata())
+        structure = json.loads(extra.pop("structure"))  # the nesting, for load_state_dict
+        assert extra == {k: json.dumps(v) for k, v in VALUES.items()}
+        assert [k for k, _ in structure["d"]][:1] == ["model"]
         no_bf16 = {k: f.get_tensor(k) for k in f.keys() if k != "model.e"}
     check_all(no_bf16, oracle, [k for k in sorted(oracle) if k != "model.e"])
     torch = pytest.importorskip("torch")
