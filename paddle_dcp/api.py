@@ -463,21 +463,13 @@ class _LoadPlan:
 def _plan_load(
     comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True
 ) -> _LoadPlan:
-    saved_values = meta.values()
-    match = planner.match_keys(list(flat.tensors), list(meta.tensors), mw)
-    for key in match.missing:
-        if key in saved_values:
-            raise MismatchError(f"{key}: the checkpoint holds a plain value here, the state_dict a tensor")
-    for key in flat.values:
-        if key in meta.tensors:
-            raise MismatchError(f"{key}: the checkpoint holds a tensor here, the state_dict a plain value")
-    missing = list(match.missing) + [k for k in flat.values if k not in saved_values]
+    match, missing, unexpected = planner.reconcile(
+        list(flat.tensors), list(flat.values), list(meta.tensors), list(meta.values()), mw
+    )
     if missing:
         logger.warning("keys of the state_dict not found in checkpoint %s (left unchanged): %s", path, missing)
-    if not meta.subset:
-        unexpected = list(match.unexpected) + [k for k in saved_values if k not in flat.values]
-        if unexpected:
-            logger.warning("keys of checkpoint %s not in the state_dict (not loaded): %s", path, unexpected)
+    if unexpected and not meta.subset:  # a part lists only what this rank asked for
+        logger.warning("keys of checkpoint %s not in the state_dict (not loaded): %s", path, unexpected)
     targets, buffers, fills, index = [], [], [], []
     for h in held:
         source = match.source.get(h.piece.key)

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import nested, planner, storage
 from .boxes import Box, split_region
-from .dtypes import storage_dtype
+from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
 from .errors import DcpError, StorageError
 from .metadata import Metadata, TensorEntry
 
@@ -34,20 +34,6 @@ logger = logging.getLogger(__name__)
 
 SLAB_BYTES = 64 << 20  # the most bytes of a tensor held in memory at once (convert, verify)
 
-# the format's dtype name -> safetensors' dtype code (safetensors has no complex128)
-SAFETENSORS_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "int32": "I32",
-    "int64": "I64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float64": "F64",
-    "complex64": "C64",
-}
 NPZ_METADATA = "__metadata__"  # npz member holding dtypes and plain values as JSON
 
 Progress = Callable[[int], None]  # called with the bytes just done
@@ -227,7 +213,7 @@ def safetensors_header(
     for key in selection.keys:
         entry = meta.tensors[key]
         dtype = output_dtype(entry.dtype, bf16_as_float32)
-        code = SAFETENSORS_DTYPES.get(dtype)
+        code = SAFETENSORS_CODES.get(dtype)
         if code is None:
             raise DcpError(
                 f"{key}: safetensors cannot hold dtype {dtype}; leave it out with --keys or "
@@ -426,7 +412,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         FormatError: a malformed header or a range outside the file.
         StorageError: the file cannot be read.
     """
-    codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+    codes = DTYPE_OF_SAFETENSORS_CODE
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

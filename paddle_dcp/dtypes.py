@@ -47,3 +47,20 @@ def name_of_numpy(dtype: np.dtype) -> str:
         if name != "bfloat16" and storage.kind == dtype.kind and storage.itemsize == dtype.itemsize:
             return name
     raise FormatError(f"numpy dtype {dtype} has no checkpoint dtype; supported: {', '.join(DTYPE_NAMES)}")
+
+
+# The format's dtype names -> safetensors' dtype codes (safetensors has no complex128).
+SAFETENSORS_CODES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "complex64": "C64",
+}
+DTYPE_OF_SAFETENSORS_CODE = {code: name for name, code in SAFETENSORS_CODES.items()}

@@ -654,3 +654,32 @@ def restrict(
         created_by=meta.created_by,
         subset=True,
     )
+
+
+def reconcile(
+    tensor_keys: Sequence[str],
+    value_keys: Sequence[str],
+    saved_tensors: Sequence[str],
+    saved_values: Sequence[str],
+    mw_name_compatibility: bool = True,
+    where: str = "checkpoint",
+) -> tuple[KeyMatch, list[str], list[str]]:
+    """How a state dict's tensors and plain values meet a checkpoint's: (the tensors' match,
+    every missing key, every unexpected key), as a load warns about them.
+
+    Raises:
+        MismatchError: a key that is a tensor on one side and a plain value on the other.
+    """
+    match = match_keys(list(tensor_keys), list(saved_tensors), mw_name_compatibility)
+    values = set(saved_values)
+    for key in match.missing:
+        if key in values:
+            raise MismatchError(f"{key}: the {where} holds a plain value here, the state_dict a tensor")
+    tensors = set(saved_tensors)
+    for key in value_keys:
+        if key in tensors:
+            raise MismatchError(f"{key}: the {where} holds a tensor here, the state_dict a plain value")
+    wanted = set(value_keys)
+    missing = list(match.missing) + [k for k in value_keys if k not in values]
+    unexpected = list(match.unexpected) + [k for k in saved_values if k not in wanted]
+    return match, missing, unexpected

@@ -28,27 +28,16 @@ import numpy as np
 
 from . import nested, planner
 from .boxes import Box, element_span, is_contiguous
-from .dtypes import storage_dtype
+from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
 from .errors import FormatError, MismatchError, StorageError
 
 logger = logging.getLogger(__name__)
 
-# The format's dtype names <-> safetensors' dtype codes, for the dtypes both know.
-SAFETENSORS_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "int32": "I32",
-    "int64": "I64",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "float32": "F32",
-    "float64": "F64",
-}
-DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+# safetensors' dtypes that paddle.load reads: all of the format's but complex
+SAFETENSORS_DTYPES = {name: code for name, code in SAFETENSORS_CODES.items() if not name.startswith("complex")}
+DTYPE_OF_CODE = DTYPE_OF_SAFETENSORS_CODE
 # Codes other writers may use: their sizes let the header be checked; loading them is refused.
-_OTHER_SIZES = {"U16": 2, "U32": 4, "U64": 8, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "C64": 8}
+_OTHER_SIZES = {"U16": 2, "U32": 4, "U64": 8, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1}
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own cap
 METADATA_FORMAT = "paddle_dcp.gathered"
@@ -342,17 +331,11 @@ def load_file(state_dict: dict, path: str, offload: bool = False, mw_name_compat
     rank = _rank(flat)
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
 
-    match = planner.match_keys(list(flat.tensors), list(header.entries), mw_name_compatibility)
-    for key in match.missing:
-        if key in saved_values:
-            raise MismatchError(f"{key}: the file holds a plain value here, the state_dict a tensor")
-    for key in flat.values:
-        if key in header.entries:
-            raise MismatchError(f"{key}: the file holds a tensor here, the state_dict a plain value")
-    missing = list(match.missing) + [k for k in flat.values if k not in saved_values]
+    match, missing, unexpected = planner.reconcile(
+        list(flat.tensors), list(flat.values), list(header.entries), list(saved_values), mw_name_compatibility, "file"
+    )
     if missing:
         logger.warning("keys of the state_dict not found in %s (left unchanged): %s", path, missing)
-    unexpected = list(match.unexpected) + [k for k in saved_values if k not in flat.values]
     if unexpected:
         logger.warning("keys of %s not in the state_dict (not loaded): %s", path, unexpected)
 

@@ -308,6 +308,22 @@ class DataWriter:
 
 
 # ---------------------------------------------------------------------- reading
+def read_exact(fd: int, offset: int, out: memoryview, name: str, whose: str) -> None:
+    """Fill ``out`` from ``offset`` of an open file; a file that ends first is an
+    IntegrityError naming it and ``whose`` expectation it fails."""
+    done = 0
+    try:
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise IntegrityError(
+                    f"data file {name} ends at {offset + done} bytes, before the {offset + len(out)} {whose}"
+                )
+            done += n
+    except OSError as exc:
+        raise StorageError(f"cannot read {name}: {exc}", name) from exc
+
+
 class FileSet:
     """Open data files of one checkpoint, by index into ``Metadata.files``; checks each file's
     size against the metadata the first time it is opened."""
@@ -340,19 +356,7 @@ class FileSet:
         return os.path.join(self.path, self.meta.files[index].name)
 
     def read_into(self, index: int, offset: int, out: memoryview) -> None:
-        fd = self.fd(index)
-        done = 0
-        try:
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], offset + done)
-                if n == 0:
-                    raise IntegrityError(
-                        f"data file {self.name(index)} ends at {offset + done} bytes, before the "
-                        f"{offset + len(out)} the metadata promises"
-                    )
-                done += n
-        except OSError as exc:
-            raise StorageError(f"cannot read {self.name(index)}: {exc}", self.name(index)) from exc
+        read_exact(self.fd(index), offset, out, self.name(index), "the metadata promises")
 
     @contextmanager
     def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
@@ -533,18 +537,7 @@ class RangeReader:
             except OSError as exc:
                 raise StorageError(f"cannot open {full}: {exc}", full) from exc
             self._fds[name] = fd
-        done = 0
-        try:
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], start + done)
-                if n == 0:
-                    raise IntegrityError(
-                        f"data file {os.path.join(self.path, name)} ends at {start + done} bytes, "
-                        f"before the {start + len(out)} a reader asked for"
-                    )
-                done += n
-        except OSError as exc:
-            raise StorageError(f"cannot read {os.path.join(self.path, name)}: {exc}") from exc
+        read_exact(fd, start, out, os.path.join(self.path, name), "a reader asked for")
 
     def close(self) -> None:
         for fd in self._fds.values():
