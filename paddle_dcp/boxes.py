@@ -175,14 +175,9 @@ def check_tiling(
     Runs in O(p log p) for grid layouts (the only kind a save from placements produces) and
     falls back to a sweep along dim 0 otherwise.
     """
-    global_shape = tuple(int(s) for s in global_shape)
-    offsets = np.asarray(offsets, dtype=np.int64)
-    shapes = np.asarray(shapes, dtype=np.int64)
-    if offsets.ndim != 2 or offsets.shape != shapes.shape or offsets.shape[1] != len(global_shape):
-        raise PlanError(f"{key}: piece boxes do not match a tensor of rank {len(global_shape)}")
+    global_shape, offsets, shapes = check_inside(key, global_shape, offsets, shapes)
     p, ndim = shapes.shape
     total = math.prod(global_shape)
-    check_inside(key, global_shape, offsets, shapes)
     if ndim == 0:
         if require_cover and p != 1:
             raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
@@ -223,9 +218,9 @@ def check_tiling(
         raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
 
 
-def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray) -> None:
+def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray):
     """Raise PlanError unless every box is non-empty and inside the tensor (a scalar: at most
-    one piece)."""
+    one piece); returns (global shape, offsets, shapes) as a tuple and int64 arrays."""
     global_shape = tuple(int(s) for s in global_shape)
     offsets = np.asarray(offsets, dtype=np.int64)
     shapes = np.asarray(shapes, dtype=np.int64)
@@ -235,7 +230,7 @@ def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
     if ndim == 0:
         if p > 1:
             raise PlanError(f"{key}: a scalar must be saved as exactly one piece, found {p}")
-        return
+        return global_shape, offsets, shapes
     limit = np.asarray(global_shape, dtype=np.int64)
     # compared without forming offsets + shapes first, which could wrap around
     bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (shapes > limit).any(1) | (offsets > limit - shapes).any(1)
@@ -245,6 +240,7 @@ def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
             f"{key}: piece at offset {tuple(offsets[i].tolist())} with shape "
             f"{tuple(shapes[i].tolist())} is empty or outside the tensor's shape {global_shape}"
         )
+    return global_shape, offsets, shapes
 
 
 def _grid_cells(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...]):

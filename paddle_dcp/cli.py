@@ -838,7 +838,7 @@ def cmd_clean(args) -> int:
         removed = storage.remove_temporary(path)
         if args.incomplete:
             removed += storage.remove_incomplete(path)
-            removed += _remove(path, _superseded(path, storage.list_checkpoints(path)))
+            removed += storage.remove_files(path, _superseded(path, storage.list_checkpoints(path)))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         _out(f"{verb} {os.path.join(path, name)}")
@@ -848,20 +848,6 @@ def cmd_clean(args) -> int:
         nbytes = sum(sizes.get(n, 0) for n in removed)
         _out(f"total: {len(removed)} files ({nbytes} bytes) {'would be removed' if args.dry_run else 'removed'}")
     return EXIT_OK
-
-
-def _remove(path: str, names: Sequence[str]) -> list[str]:
-    removed = []
-    for name in names:
-        full = os.path.join(path, name)
-        try:
-            os.unlink(full)
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise StorageError(f"cannot remove {full}: {exc}", full) from exc
-    return removed
 
 
 # ====================================================================== parser

@@ -27,7 +27,7 @@ import numpy as np
 from . import nested, planner, storage
 from .boxes import Box, split_region
 from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
-from .errors import DcpError, StorageError
+from .errors import DcpError, FormatError, StorageError
 from .metadata import Metadata, TensorEntry
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ without asking any other rank.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import re
 import secrets
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ from .boxes import Box, c_strides, element_span
 from .dtypes import storage_dtype
 from .errors import FormatError, IntegrityError, StorageError
 from .metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, SavedPiece, check_file_name
-from .naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name
+from .naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
 from .planner import ReadOp, Segment
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,8 @@ def list_checkpoints(path: str) -> Listing:
     return Listing(frozenset(complete), {k: frozenset(v) for k, v in data.items()}, tuple(sorted(temporary)))
 
 
-def _remove(path: str, names) -> list[str]:
+def remove_files(path: str, names) -> list[str]:
+    """Remove ``path/name`` for each name (missing ones skipped); returns the names removed."""
     removed = []
     for name in names:
         try:
@@ -86,7 +86,8 @@ def _remove(path: str, names) -> list[str]:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise StorageError(f"cannot remove {os.path.join(path, name)}: {exc}", path) from exc
+            full = os.path.join(path, name)
+            raise StorageError(f"cannot remove {full}: {exc}", full) from exc
     return removed
 
 
@@ -103,7 +104,7 @@ def remove_temporary(path: str, unique_id: int | None = None, rank: int | None =
         if rank is not None and owner != rank:
             continue
         names.append(name)
-    return _remove(path, names)
+    return remove_files(path, names)
 
 
 def remove_data(path: str, unique_id: int, rank: int, keep_generation: int | None = None) -> list[str]:
@@ -114,7 +115,7 @@ def remove_data(path: str, unique_id: int, rank: int, keep_generation: int | Non
         for r, g in sorted(listing.data.get(unique_id, ()))
         if r == rank and g != keep_generation
     ]
-    return _remove(path, names)
+    return remove_files(path, names)
 
 
 def remove_incomplete(path: str) -> list[str]:
@@ -127,7 +128,7 @@ def remove_incomplete(path: str) -> list[str]:
         if uid not in listing.complete
         for r, g in sorted(files)
     ]
-    return _remove(path, names)
+    return remove_files(path, names)
 
 
 def inside(path: str, name: str) -> str:

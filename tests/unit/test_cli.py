@@ -670,3 +670,13 @@ def test_a_converted_safetensors_file_loads_back_whole_with_load_state_dict(tmp_
     paddle_dcp.load_state_dict(target, str(out))
     assert same_bits(target["model"]["w"], saved["model"]["w"]) and same_bits(target["model"]["i"], saved["model"]["i"])
     assert target["opt"] == {"lrs": [0.1, 0.2], "name": "adamw"} and target["step"] == 7
+
+
+@pytest.mark.parametrize("content", [b"", b"\x05" + bytes(7) + b"{", (8).to_bytes(8, "little") + b"[1,2,3]", (1 << 40).to_bytes(8, "little")])
+def test_reading_a_malformed_safetensors_file_is_a_format_error(tmp_path, content):
+    from paddle_dcp.errors import FormatError
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(content)
+    with pytest.raises(FormatError, match="bad.safetensors"):
+        consolidate.read_safetensors(str(bad))
