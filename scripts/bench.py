@@ -1,7 +1,7 @@
 """Benchmark paddle_dcp against paddle's built-in checkpoint and torch.distributed.checkpoint.
 
 Builds the workload of issue 5 (scripts/bench_workload.py) at ``--size`` logical bytes and
-``--ranks`` ranks and measures three phases, each in its own launch (fresh processes):
+``--ranks`` ranks and measures three phases for every library, each in its own launch (fresh processes):
 
 - save: the state dict laid out mostly Shard(0) (some Replicate) on a 1-D mesh of all ranks;
 - load: into the same layout;
@@ -13,13 +13,25 @@ DTensors on a gloo mesh of CPU ranks, when torch is installed) under torchrun. T
 are interleaved (their order rotates from repeat to repeat) and every phase is repeated
 ``--repeat`` times; the table shows the best repeat (and the median).
 
+Three more phases measure options of paddle_dcp alone, against its own plain save and load:
+
+- save-async: save_state_dict(async_save=True); the time the caller is blocked (until the call
+  returns) and the time until the handle's wait() returns, against the full save's time, and
+  the peak RSS growth (the host copies: about the rank's share);
+- save-durable: save_state_dict(durable=True), which fsyncs data files, metadata and
+  directory: its GB/s against the default save (the cost of fsync), and against torch DCP's
+  default save, which fsyncs every data file (sync_files=True): the like-for-like comparison;
+- load-noverify: load_state_dict(verify=False): against the verified load (the cost of the
+  checksums). The machine's xxh3_64 speed is measured in the same run.
+
 GB/s = logical bytes of the state dict (each tensor's global size, once) / the slowest rank's
 time, 1 GB = 10**9 bytes. Each rank times its own call after a barrier. Memory = the peak
 growth of a rank's resident set during its call (Linux's VmHWM, reset before the call), the
 largest over ranks and repeats, also as a fraction of the rank's share of the checkpoint
 (logical bytes / ranks). After the timed region every loaded value is compared with a numpy
 oracle; a run that loads one wrong value counts as failed and scores nothing. A save is
-checked by the loads of the same repeat, which read what it wrote.
+checked by the loads of the same repeat, which read what it wrote; a save-async or
+save-durable checkpoint is loaded back and checked by its own worker, untimed.
 
 The same run measures the machine's page cache: the logical bytes written as k files of
 size/k from k threads with os.write of 64 MiB buffers (into fresh memory, "cold", and into
@@ -30,10 +42,11 @@ VM with free page reporting hands back to its host is in the same state for ever
 and the files of a checkpoint are read once before each load, so every load reads from the
 page cache (docs/performance.md explains both).
 
-Quick smoke run (every code path, under a minute):
+Quick smoke run (every code path, about a minute):
     .venv/bin/python scripts/bench.py --size 16M --repeat 1 --ranks 2
 The measurement of issue 5 (1 GiB, 2 ranks, and the reshard on 4 ranks):
-    .venv/bin/python scripts/bench.py --size 1G --phases save,load,reshard,reshard@4 --json-out bench.json
+    .venv/bin/python scripts/bench.py --size 1G --ranks 2 --repeat 3 \\
+        --phases save,save-async,save-durable,load,load-noverify,reshard,reshard@4 --json-out bench.json
 """
 from __future__ import annotations
 
@@ -61,7 +74,10 @@ import bench_workload as workload  # noqa: E402
 
 WORKER = os.path.join(HERE, "bench_worker.py")
 LIBS = ("ours", "paddle", "torch")
-PHASES = ("save", "load", "reshard")
+PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
+# paddle_dcp's own options, measured against its plain save and load (no peer has them)
+OURS_ONLY = ("save-async", "save-durable", "load-noverify")
+SAVES = ("save", "save-async", "save-durable")
 LIB_TITLE = {
     "ours": "paddle_dcp",
     "paddle": "paddle built-in",
@@ -270,6 +286,47 @@ def page_cache_speed(directory: str, nbytes: int, threads: int, settle: float) -
     return out
 
 
+CHECKSUM_BUFFER = 256 * workload.MiB
+
+
+def _library_block_bytes() -> int:
+    """paddle_dcp's checksum block (metadata.DEFAULT_BLOCK_BYTES), read from its source: importing
+    the package would import paddle into this driver process."""
+    import re
+
+    try:
+        with open(os.path.join(REPO, "paddle_dcp", "metadata.py")) as f:
+            m = re.search(r"^DEFAULT_BLOCK_BYTES\s*=\s*(\d+)(?:\s*<<\s*(\d+))?\s*$", f.read(), re.M)
+        if m:
+            return int(m.group(1)) << int(m.group(2) or 0)
+    except OSError:
+        pass
+    return 4 * workload.MiB
+
+
+def checksum_speed(nbytes: int = CHECKSUM_BUFFER, rounds: int = 5) -> dict:
+    """xxh3_64 (the python-xxhash the library uses) over a ``nbytes`` buffer already in memory,
+    from one thread: once as one call, once in the library's checksum blocks (metadata
+    DEFAULT_BLOCK_BYTES, each with its own seed). Best of ``rounds``, GB/s."""
+    import numpy as np
+    import xxhash
+
+    block = _library_block_bytes()
+    buf = np.arange(nbytes // 8, dtype=np.uint64).view(np.uint8)  # touched: no first-touch cost timed
+    view = memoryview(buf)
+    whole, blocks = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        xxhash.xxh3_64_intdigest(view)
+        whole.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k, i in enumerate(range(0, nbytes, block)):
+            xxhash.xxh3_64_intdigest(view[i : i + block], seed=k)
+        blocks.append(time.perf_counter() - t0)
+    return {"bytes": nbytes, "block_bytes": block, "xxhash": importlib.metadata.version("xxhash"),
+            "whole_gbps": nbytes / min(whole) / GB, "blocks_gbps": nbytes / min(blocks) / GB}
+
+
 # ------------------------------------------------------------------------------ launches
 @dataclass
 class Run:
@@ -287,6 +344,9 @@ class Run:
     wall: float = 0.0                                # the whole launch, seconds
     patched: bool = False
     rss_method: str = ""
+    blocked: list = field(default_factory=list)           # save-async: per rank, until the call returned
+    rss_growth_at_return: list = field(default_factory=list)  # save-async: per rank, bytes
+    later: dict = field(default_factory=dict)  # save-async: the same process's next saves, per rank
 
     @property
     def slowest(self) -> float:
@@ -384,6 +444,12 @@ def launch(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str,
         run.checked_bytes = [res.get("checked_bytes", 0) for res in done]
         run.patched = any(res.get("patched_gpu_staging") for res in done)
         run.rss_method = done[0].get("rss_method", "")
+        if phase == "save-async":
+            run.blocked = [res["blocked_seconds"] for res in done]
+            run.rss_growth_at_return = [res["rss_growth_at_return"] for res in done]
+            for key in done[0]:
+                if key.startswith(("next_async_", "next_full_")):
+                    run.later[key] = [res[key] for res in done]
     elif run.ok:
         run.ok, run.error = False, "a rank reported no time"
     return run
@@ -433,6 +499,10 @@ def describe(run: Run, logical: int) -> str:
     gbps = logical / run.slowest / GB
     mib = max(run.rss_growth) / workload.MiB
     checked = ", every value checked" if run.phase != "save" else ""
+    if run.phase == "save-async":
+        return (f"blocked {max(run.blocked):.3f} s, {gbps:6.3f} GB/s until wait() ({run.slowest:.3f} s), "
+                f"peak RSS growth {max(run.rss_growth_at_return) / workload.MiB:.0f} MiB/rank at return, "
+                f"{mib:.0f} until wait(){checked}")
     return f"{gbps:6.3f} GB/s ({run.slowest:.3f} s), peak RSS growth {mib:.0f} MiB/rank{checked}"
 
 
@@ -447,6 +517,10 @@ def run_benchmark(args) -> dict:
         if lib not in LIBS:
             raise ValueError(f"unknown library {lib!r}; choose from {', '.join(LIBS)}")
     notes = []
+    if "ours" not in libs:
+        plan = [(r, p) for r, p in plan if p not in OURS_ONLY]
+        if not plan:
+            raise ValueError(f"phases {', '.join(OURS_ONLY)} measure paddle_dcp only: add ours to --libs")
     if "torch" in libs and importlib.util.find_spec("torch") is None:
         libs.remove("torch")
         notes.append("torch is not installed in this Python: torch DCP skipped (pip install torch==2.13.0)")
@@ -466,6 +540,7 @@ def run_benchmark(args) -> dict:
         log("warning: " + notes[-1])
     thread_counts = sorted({1} | {r for r, _ in plan})
     page_cache = {k: [] for k in thread_counts}
+    checksum: list = []
     runs: list[Run] = []
     ready: dict = {}
     timeout = args.timeout or (180 + 120 * size / workload.GiB * max(r for r, _ in plan))
@@ -478,18 +553,26 @@ def run_benchmark(args) -> dict:
                 log(f"[{rep + 1}/{args.repeat}] page cache, {k} thread(s): write {pc['write_cold_gbps']:.2f} GB/s "
                     f"cold, {pc['write_warm_gbps']:.2f} GB/s warm, {pc['write_direct_gbps'] or 0:.2f} GB/s "
                     f"O_DIRECT; read {pc['read_gbps']:.2f} GB/s")
+            checksum.append(checksum_speed())
+            log(f"[{rep + 1}/{args.repeat}] xxh3_64: {checksum[-1]['whole_gbps']:.1f} GB/s in one call, "
+                f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {workload.human(checksum[-1]['block_bytes'])} blocks")
             order = rotated(libs, rep)
             for ranks, phase in plan:
                 for lib in order:
-                    ckpt = os.path.join(root, "ckpt", f"{lib}_{ranks}")
+                    if phase in OURS_ONLY and lib != "ours":
+                        continue
+                    # save-async and save-durable write a checkpoint of their own (checked by the
+                    # worker itself, then deleted); the loads read the plain save's
+                    own = phase in ("save-async", "save-durable")
+                    ckpt = os.path.join(root, "ckpt", f"{lib}_{ranks}" + (f"_{phase}" if own else ""))
                     run_dir = os.path.join(root, "runs", f"r{rep}_{ranks}_{phase}_{lib}")
-                    if phase == "save":
+                    if phase in SAVES:
                         shutil.rmtree(ckpt, ignore_errors=True)
                     elif not ready.get((lib, ranks)):
                         if (ranks, "save") in plan or (lib, ranks) in ready:
                             run = Run(lib, phase, ranks, rep, error="no checkpoint: the save before it failed")
                             runs.append(run)
-                            log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:7s} {lib:6s}: skipped, {run.error}")
+                            log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:13s} {lib:6s}: skipped, {run.error}")
                             continue
                         # this phase set has no save: write the checkpoint once, untimed
                         prep = launch(lib, "save", ranks, size, ckpt, run_dir + "_prep", timeout, rep, 0)
@@ -500,14 +583,17 @@ def run_benchmark(args) -> dict:
                         if not prep.ok:
                             runs.append(Run(lib, phase, ranks, rep, error=f"no checkpoint: {prep.error}"))
                             continue
-                    if phase != "save":
+                    if phase not in SAVES:
                         cache_files(ckpt)
                     run = launch(lib, phase, ranks, size, ckpt, run_dir, timeout, rep, args.settle)
                     runs.append(run)
                     if phase == "save":
                         ready[(lib, ranks)] = run.ok
+                    if phase in SAVES:
                         os.sync()  # its dirty pages are not written back during the next phase
-                    log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:7s} {lib:6s}: "
+                    if own and not args.keep:
+                        shutil.rmtree(ckpt, ignore_errors=True)
+                    log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:13s} {lib:6s}: "
                         f"{describe(run, logical)} (launch {run.wall:.1f} s)")
                     if not run.ok:
                         log(_logs_tail(run_dir))
@@ -524,8 +610,8 @@ def run_benchmark(args) -> dict:
         else:
             shutil.rmtree(root, ignore_errors=True)
     load_end = os.getloadavg()
-    return summarize(args, info, specs, logical, plan, libs, runs, page_cache, notes, load_start, load_end,
-                     time.perf_counter() - started)
+    return summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start,
+                     load_end, time.perf_counter() - started)
 
 
 def _wait_idle(limit: float) -> tuple:
@@ -540,12 +626,14 @@ def _wait_idle(limit: float) -> tuple:
 
 
 # ------------------------------------------------------------------------------ results
-def summarize(args, info, specs, logical, plan, libs, runs, page_cache, notes, load_start, load_end, seconds):
+def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start, load_end,
+              seconds):
     phases = []
     for ranks, phase in plan:
         share = logical / ranks
         entry = {"ranks": ranks, "phase": phase, "logical_bytes": logical, "share_bytes": share, "libs": {}}
-        for lib in libs:
+        entry_libs = ["ours"] if phase in OURS_ONLY else libs
+        for lib in entry_libs:
             mine = [r for r in runs if r.lib == lib and r.phase == phase and r.ranks == ranks]
             good = [r for r in mine if r.ok]
             rates = [logical / r.slowest / GB for r in good]
@@ -553,7 +641,10 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, notes, l
                 "runs": [
                     {"repeat": r.repeat, "ok": r.ok, "error": r.error, "seconds_per_rank": r.seconds,
                      "rss_growth_per_rank": r.rss_growth, "checked_bytes_per_rank": r.checked_bytes,
-                     "gbps": logical / r.slowest / GB if r.ok else None, "launch_seconds": r.wall}
+                     "gbps": logical / r.slowest / GB if r.ok else None, "launch_seconds": r.wall,
+                     **({"blocked_seconds_per_rank": r.blocked, "rss_growth_at_return_per_rank": r.rss_growth_at_return,
+                         **{k + "_per_rank": v for k, v in r.later.items()}}
+                        if phase == "save-async" else {})}
                     for r in mine
                 ],
                 "ok_runs": len(good),
@@ -573,7 +664,7 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, notes, l
         entry["ratio_ours_over"] = {}
         entry["ratio_ours_over_median"] = {}
         entry["targets"] = {}
-        for lib in libs:
+        for lib in entry_libs:
             peer = entry["libs"][lib].get("best_gbps")
             peer_median = entry["libs"][lib].get("median_gbps")
             if lib != "ours":
@@ -583,11 +674,12 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, notes, l
                 ratio = entry["ratio_ours_over"].get(lib)
                 entry["targets"][lib] = {"at_least": TARGETS[phase][lib],
                                          "met": None if ratio is None else ratio >= TARGETS[phase][lib]}
-        if "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"]:
+        if "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
             limit = 0.1 * share + 64 * workload.MiB
             entry["targets"]["memory"] = {"limit_bytes": limit,
                                           "met": entry["libs"]["ours"]["rss_growth_max_bytes"] <= limit}
         phases.append(entry)
+    _compare_variants(phases)
     pc = {}
     for k, samples in page_cache.items():
         pc[str(k)] = {
@@ -608,11 +700,113 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, notes, l
                    "torch_sync_files": not args.torch_no_fsync},
         "workload": _workload_summary(specs, logical),
         "page_cache": pc,
+        "checksum": {
+            "what": "xxh3_64 over a buffer in memory, one thread, GB/s: one call over the buffer, and in the "
+                    "library's checksum blocks; best of the repeats",
+            "whole_gbps": max((c["whole_gbps"] for c in checksum), default=None),
+            "blocks_gbps": max((c["blocks_gbps"] for c in checksum), default=None),
+            "samples": checksum,
+        },
         "phases": phases,
         "load_average": {"start": list(load_start), "end": list(load_end)},
         "notes": notes,
         "seconds": seconds,
     }
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _compare_variants(phases: list) -> None:
+    """Add to each entry of an ours-only phase its comparison with the plain phase it varies.
+
+    save-async: the time training is blocked (the call's return) against the full save's time;
+    save-durable: its speed against the default save's, and, like for like, against torch DCP's
+    default save (which fsyncs every data file); load-noverify: against the verified load.
+    Times are the slowest rank's; "best" compares best with best, "median" median with median.
+    """
+    by = {(e["phase"], e["ranks"]): e for e in phases}
+    for e in phases:
+        ours = e["libs"].get("ours", {})
+        if e["phase"] not in OURS_ONLY or "best_gbps" not in ours:
+            continue
+        good = [r for r in ours["runs"] if r["ok"]]
+        base_phase = "load" if e["phase"] == "load-noverify" else "save"
+        base = by.get((base_phase, e["ranks"]), {}).get("libs", {})
+        plain = base.get("ours", {})
+        plain_runs = [r for r in plain.get("runs", []) if r["ok"]]
+        plain_best = min((max(r["seconds_per_rank"]) for r in plain_runs), default=None)
+        plain_median = statistics.median([max(r["seconds_per_rank"]) for r in plain_runs]) if plain_runs else None
+        if e["phase"] == "save-async":
+            def slowest(key):  # the slowest rank of each good run
+                return [max(r[key]) for r in good if key in r]
+
+            def best_median(values):
+                return (min(values), statistics.median(values)) if values else (None, None)
+
+            blocked, total = slowest("blocked_seconds_per_rank"), slowest("seconds_per_rank")
+            nb, nt = slowest("next_async_blocked_seconds_per_rank"), slowest("next_async_seconds_per_rank")
+            nf = slowest("next_full_seconds_per_rank")
+            e["async"] = {
+                "what": "first: the first save of a fresh process (as the save phase), which also creates the "
+                        "background save's process group; next: a second async save in the same process, against "
+                        "a plain save after it in that process (as a training loop's later saves); blocked = until "
+                        "the call returned, until_wait = until wait() returned; slowest rank, best and median of "
+                        "the repeats",
+                "first_blocked_best_s": best_median(blocked)[0], "first_blocked_median_s": best_median(blocked)[1],
+                "first_until_wait_best_s": best_median(total)[0], "first_until_wait_median_s": best_median(total)[1],
+                "full_save_best_s": plain_best, "full_save_median_s": plain_median,
+                "full_save_rss_growth_max_bytes": plain.get("rss_growth_max_bytes"),
+                "first_blocked_over_full_save_best": _ratio(best_median(blocked)[0], plain_best),
+                "first_blocked_over_full_save_median": _ratio(best_median(blocked)[1], plain_median),
+                "next_blocked_best_s": best_median(nb)[0], "next_blocked_median_s": best_median(nb)[1],
+                "next_until_wait_best_s": best_median(nt)[0], "next_until_wait_median_s": best_median(nt)[1],
+                "next_full_save_best_s": best_median(nf)[0], "next_full_save_median_s": best_median(nf)[1],
+                "next_blocked_over_next_full_save_best": _ratio(best_median(nb)[0], best_median(nf)[0]),
+                "next_blocked_over_next_full_save_median": _ratio(best_median(nb)[1], best_median(nf)[1]),
+                "first_rss_growth_at_return_max_bytes": max(max(r["rss_growth_at_return_per_rank"]) for r in good),
+                "first_rss_growth_until_wait_max_bytes": ours["rss_growth_max_bytes"],
+                "next_rss_growth_at_return_max_bytes": max((max(r["next_async_rss_growth_at_return_per_rank"])
+                                                            for r in good if "next_async_rss_growth_at_return_per_rank" in r),
+                                                           default=None),
+                "next_rss_growth_until_wait_max_bytes": max((max(r["next_async_rss_growth_per_rank"]) for r in good
+                                                             if "next_async_rss_growth_per_rank" in r), default=None),
+                "next_full_save_rss_growth_max_bytes": max((max(r["next_full_rss_growth_per_rank"]) for r in good
+                                                            if "next_full_rss_growth_per_rank" in r), default=None),
+                "expected_rss_growth_bytes": e["share_bytes"],
+            }
+        elif e["phase"] == "save-durable":
+            e["durable"] = {
+                "default_save_best_gbps": plain.get("best_gbps"), "default_save_median_gbps": plain.get("median_gbps"),
+                "durable_over_default_gbps_best": _ratio(ours["best_gbps"], plain.get("best_gbps")),
+                "durable_over_default_gbps_median": _ratio(ours["median_gbps"], plain.get("median_gbps")),
+                "extra_seconds_best": ours["best_seconds"] - plain_best if plain_best else None,
+                "extra_seconds_median": (statistics.median([max(r["seconds_per_rank"]) for r in good]) - plain_median
+                                         if plain_median else None),
+            }
+            # like for like: both fsync (torch DCP's default sync_files=True) / not: ours without fsync
+            e["like_for_like"] = {}
+            for peer in ("torch", "paddle"):
+                p = base.get(peer, {})
+                if "best_gbps" not in p:
+                    continue
+                e["like_for_like"][peer] = {
+                    "peer_fsyncs": peer == "torch" and not TORCH_NO_FSYNC,
+                    "ours_durable_over_peer_default_best": _ratio(ours["best_gbps"], p["best_gbps"]),
+                    "ours_durable_over_peer_default_median": _ratio(ours["median_gbps"], p["median_gbps"]),
+                    "ours_default_over_peer_default_best": _ratio(plain.get("best_gbps"), p["best_gbps"]),
+                    "ours_default_over_peer_default_median": _ratio(plain.get("median_gbps"), p["median_gbps"]),
+                }
+        else:  # load-noverify
+            noverify = [max(r["seconds_per_rank"]) for r in good]
+            e["verify"] = {
+                "verified_load_best_gbps": plain.get("best_gbps"), "verified_load_median_gbps": plain.get("median_gbps"),
+                "noverify_over_verified_gbps_best": _ratio(ours["best_gbps"], plain.get("best_gbps")),
+                "noverify_over_verified_gbps_median": _ratio(ours["median_gbps"], plain.get("median_gbps")),
+                "verify_extra_seconds_best": plain_best - min(noverify) if plain_best else None,
+                "verify_extra_seconds_median": plain_median - statistics.median(noverify) if plain_median else None,
+            }
 
 
 def _workload_summary(specs, logical) -> dict:
@@ -647,9 +841,18 @@ def format_report(res: dict) -> str:
         f"best of {res['config']['repeat']} repeat(s), median in brackets; 1 GB = 1e9 bytes; "
         f"load average {res['load_average']['start'][0]:.2f} at the start"
     )
+    ck = res.get("checksum") or {}
+    if ck.get("whole_gbps"):
+        sample = ck["samples"][0]
+        out.append(f"checksums: xxh3_64 (xxhash {sample['xxhash']}), one thread, {workload.human(sample['bytes'])} in memory: "
+                   f"{ck['whole_gbps']:.1f} GB/s in one call, {ck['blocks_gbps']:.1f} GB/s in the library's "
+                   f"{workload.human(sample['block_bytes'])} blocks")
     pc = res["page_cache"]
     for entry in res["phases"]:
         ranks, phase = entry["ranks"], entry["phase"]
+        if phase in OURS_ONLY:
+            out.extend(_format_variant(entry))
+            continue
         title = {"save": "save", "load": "load, same layout", "reshard": "load into another layout (Shard(0) -> Shard(1))"}[phase]
         out.append("")
         out.append(f"== {title}: {ranks} ranks, share per rank {workload.human(entry['share_bytes'])}")
@@ -679,6 +882,12 @@ def format_report(res: dict) -> str:
                 f"{stat['rss_growth_max_bytes'] / workload.MiB:12.0f} {100 * stat['rss_growth_fraction_of_share']:7.1f}%  "
                 f"{ok}" + (f"; failed: {fails[0][:120]}" if fails else "")
             )
+        if phase == "save" and "torch" in entry["libs"] and "best_gbps" in entry["libs"]["torch"]:
+            fsync = not res["config"].get("torch_sync_files", True)
+            out.append("ours/torch above: paddle_dcp's default save (no fsync) against torch DCP's default save "
+                       + ("(sync_files=False here: --torch-no-fsync)" if fsync else
+                          "(sync_files=True: fsyncs every data file); like for like, both fsyncing: "
+                          "paddle_dcp durable=True against it, in \"save, durable=True\" below"))
         mem = entry["targets"].get("memory")
         if mem:
             out.append(f"ours' memory limit (10% of share + 64 MiB): {mem['limit_bytes'] / workload.MiB:.0f} MiB/rank"
@@ -710,6 +919,118 @@ def format_report(res: dict) -> str:
     return "\n".join(out)
 
 
+def _x(v, paren=False) -> str:
+    if v is None:
+        return "n/a"
+    return f"({v:.2f}x)" if paren else f"{v:.2f}x"
+
+
+def _s(v, sign=False) -> str:
+    return "n/a" if v is None else (f"{v:+.3f} s" if sign else f"{v:.3f} s")
+
+
+def _format_variant(entry: dict) -> list:
+    """The report of an ours-only phase (save-async, save-durable, load-noverify)."""
+    ranks, phase = entry["ranks"], entry["phase"]
+    ours = entry["libs"].get("ours", {})
+    share = entry["share_bytes"]
+    title = {"save-async": "save, async_save=True", "save-durable": "save, durable=True (fsync of data files, "
+             "metadata and directory)", "load-noverify": "load, same layout, verify=False (no checksum checks)"}[phase]
+    out = ["", f"== {title}: paddle_dcp only, {ranks} ranks, share per rank {workload.human(share)}"]
+    ok = f"{ours.get('ok_runs', 0)}/{len(ours.get('runs', []))} ok"
+    if "best_gbps" not in ours:
+        err = next((r["error"] for r in ours.get("runs", []) if r["error"]), "no run")
+        out.append(f"n/a: {ok}: {err[:200]}")
+        return out
+    mib = workload.MiB
+    if phase == "save-async":
+        a = entry["async"]
+
+        def mb(v):
+            return "n/a" if v is None else f"{v / mib:.0f} MiB"
+
+        header = (f"{'save (slowest rank; best (median))':44s} {'blocked s':>9s} {'(median)':>9s} {'until wait s':>12s} "
+                  f"{'(median)':>9s} {'RSS at return':>13s} {'RSS peak':>9s}")
+        out.append(header)
+        out.append("-" * len(header))
+
+        def row(label, b, bm, t, tm, r0, r1):
+            fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+            out.append(f"{label:44s} {fmt(b):>9s} {'(' + fmt(bm) + ')':>9s} {fmt(t):>12s} {'(' + fmt(tm) + ')':>9s} "
+                       f"{mb(r0):>13s} {mb(r1):>9s}")
+
+        row("first in its process: async_save=True", a["first_blocked_best_s"], a["first_blocked_median_s"],
+            a["first_until_wait_best_s"], a["first_until_wait_median_s"], a["first_rss_growth_at_return_max_bytes"],
+            a["first_rss_growth_until_wait_max_bytes"])
+        save = a.get("full_save_rss_growth_max_bytes")
+        row("first in its process: full save (save above)", a["full_save_best_s"], a["full_save_median_s"],
+            a["full_save_best_s"], a["full_save_median_s"], None, save)
+        row("next in the same process: async_save=True", a["next_blocked_best_s"], a["next_blocked_median_s"],
+            a["next_until_wait_best_s"], a["next_until_wait_median_s"], a["next_rss_growth_at_return_max_bytes"],
+            a["next_rss_growth_until_wait_max_bytes"])
+        row("next in the same process: full save", a["next_full_save_best_s"], a["next_full_save_median_s"],
+            a["next_full_save_best_s"], a["next_full_save_median_s"], None, a["next_full_save_rss_growth_max_bytes"])
+        out.append(f"training blocked: {_s(a['next_blocked_best_s'])} async vs {_s(a['next_full_save_best_s'])} full save "
+                   f"({_x(a['next_blocked_over_next_full_save_best'])}; medians "
+                   f"{_s(a['next_blocked_median_s'])} vs {_s(a['next_full_save_median_s'])}, "
+                   f"{_x(a['next_blocked_over_next_full_save_median'])}), a later save of a process; the first save of "
+                   f"a process: {_s(a['first_blocked_best_s'])} vs {_s(a['full_save_best_s'])} "
+                   f"({_x(a['first_blocked_over_full_save_best'])}; medians {_x(a['first_blocked_over_full_save_median'])}),"
+                   f" its background process group created in the call")
+        out.append(f"RSS: the host copies are expected to take ~ the share, {workload.human(share)} per rank; "
+                   f"the memory limit of the plain save does not apply")
+        out.append(f"runs: {ok}; each of the three checkpoints loaded back and every value checked")
+        return out
+    header = (f"{'variant':34s} {'GB/s best':>9s} {'(median)':>9s} {'s slowest':>9s} {'RSS MiB/rank':>12s} "
+              f"{'% share':>8s}  runs")
+    out.append(header)
+    out.append("-" * len(header))
+    label = {"save-durable": "paddle_dcp durable=True", "load-noverify": "paddle_dcp verify=False"}[phase]
+    out.append(f"{label:34s} {ours['best_gbps']:9.3f} {'(' + format(ours['median_gbps'], '.3f') + ')':>9s} "
+               f"{ours['best_seconds']:9.3f} {ours['rss_growth_max_bytes'] / mib:12.0f} "
+               f"{100 * ours['rss_growth_fraction_of_share']:7.1f}%  {ok}"
+               + (", saved checkpoint loaded back and every value checked" if phase == "save-durable"
+                  else ", every value checked"))
+    if phase == "save-durable":
+        d = entry["durable"]
+        base = d["default_save_best_gbps"]
+        if base:
+            out.append(f"{'paddle_dcp default (save above)':34s} {base:9.3f} "
+                       f"{'(' + format(d['default_save_median_gbps'], '.3f') + ')':>9s}")
+        out.append(f"cost of fsync: durable / default = {_x(d['durable_over_default_gbps_best'])} GB/s "
+                   f"{_x(d['durable_over_default_gbps_median'], True)}, "
+                   f"{_s(d['extra_seconds_best'], True)} (median {_s(d['extra_seconds_median'], True)})")
+        for peer, c in entry.get("like_for_like", {}).items():
+            name = LIB_TITLE[peer]
+            if c["peer_fsyncs"]:
+                out.append(f"like for like, both fsync: paddle_dcp durable=True / {name} default (sync_files=True) = "
+                           f"{_x(c['ours_durable_over_peer_default_best'])} "
+                           f"{_x(c['ours_durable_over_peer_default_median'], True)}; not like for like: "
+                           f"paddle_dcp default (no fsync) / {name} default (fsync) = "
+                           f"{_x(c['ours_default_over_peer_default_best'])} "
+                           f"{_x(c['ours_default_over_peer_default_median'], True)}")
+            else:
+                out.append(f"paddle_dcp durable=True / {name} (no fsync) = "
+                           f"{_x(c['ours_durable_over_peer_default_best'])} "
+                           f"{_x(c['ours_durable_over_peer_default_median'], True)}; "
+                           f"paddle_dcp default / {name} = {_x(c['ours_default_over_peer_default_best'])} "
+                           f"{_x(c['ours_default_over_peer_default_median'], True)} (neither fsyncs)")
+    else:
+        v = entry["verify"]
+        base = v["verified_load_best_gbps"]
+        if base:
+            out.append(f"{'paddle_dcp verify=True (load above)':34s} {base:9.3f} "
+                       f"{'(' + format(v['verified_load_median_gbps'], '.3f') + ')':>9s}")
+        out.append(f"cost of checksums: verify=False / verify=True = {_x(v['noverify_over_verified_gbps_best'])} GB/s "
+                   f"{_x(v['noverify_over_verified_gbps_median'], True)}; verify=True takes "
+                   f"{_s(v['verify_extra_seconds_best'], True)} (median {_s(v['verify_extra_seconds_median'], True)})")
+    mem = entry["targets"].get("memory")
+    if mem:
+        out.append(f"ours' memory limit (10% of share + 64 MiB): {mem['limit_bytes'] / mib:.0f} MiB/rank"
+                   f" -> {'ok' if mem['met'] else 'over'}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description="Save/load speed and memory of paddle_dcp against paddle's built-in and torch DCP.",
@@ -720,7 +1041,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="repeats of every phase; the best is reported (default 3)")
     p.add_argument("--libs", default=",".join(LIBS), help="subset of ours,paddle,torch (default all)")
     p.add_argument("--phases", default=",".join(PHASES),
-                   help="subset of save,load,reshard; PHASE@R runs it at R ranks only (default save,load,reshard)")
+                   help=f"subset of {','.join(PHASES)}; PHASE@R runs it at R ranks only (default: all). "
+                        "save-async (async_save=True: time blocked vs until wait()), save-durable (durable=True) "
+                        "and load-noverify (verify=False) measure paddle_dcp only")
     p.add_argument("--workdir", default=None, help="where the temporary directory goes (default: /tmp)")
     p.add_argument("--json-out", default=None, help="also write the numbers to this JSON file")
     p.add_argument("--timeout", type=float, default=0, help="seconds per launch (default: from the size)")

@@ -8,11 +8,18 @@ ranks)::
     bench_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
 
 PHASE is "save" (the workload in its save layout), "load" (into the same layout) or "reshard"
-(into the reshard layout: Shard(0) -> Shard(1)). Each rank waits at a barrier, then times its
-own call with time.perf_counter (whatever barriers the library does inside included) and
-records its peak resident memory growth during the call. After the timed region, a load's
-every value is compared with the numpy oracle (bench_workload). The rank writes
-``RESULT_DIR/rank{r}.json``; on any failure it also prints the traceback and exits 1.
+(into the reshard layout: Shard(0) -> Shard(1)); for "ours" only, also "save-async"
+(save_state_dict(async_save=True): the call's return and the handle's ``wait()`` are timed
+separately; then, in the same process, a second async save and a plain save, as a training
+loop's later saves), "save-durable" (save_state_dict(durable=True): data files, metadata and directory
+fsynced) and "load-noverify" (load_state_dict(verify=False): no checksum checks). Each rank
+waits at a barrier, then times its own call with time.perf_counter (whatever barriers the
+library does inside included) and records its peak resident memory growth during the call.
+After the timed region, a load's every value is compared with the numpy oracle
+(bench_workload); after a save-async or save-durable the rank loads every checkpoint it
+wrote back, untimed, into fresh targets and compares those (nothing else reads them). The
+rank writes ``RESULT_DIR/rank{r}.json``; on any failure it also prints the traceback and
+exits 1.
 """
 from __future__ import annotations
 
@@ -29,7 +36,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_workload as workload  # noqa: E402
 
-PHASES = ("save", "load", "reshard")
+PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
+OURS_ONLY = ("save-async", "save-durable", "load-noverify")  # options of paddle_dcp's API
+SAVES = ("save", "save-async", "save-durable")
 SENTINEL = -7.0  # what load targets hold before the load (exact in bfloat16)
 # Seconds to wait between building the state dict and the timed call. In a VM with free page
 # reporting (Firecracker: page_reporting.page_reporting_order=11) memory freed more than ~2 s
@@ -81,6 +90,12 @@ class PeakRss:
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
+
+    def growth_so_far(self) -> int:
+        """The peak growth from ``__enter__`` until now (inside the block)."""
+        if self.method == "vmhwm":
+            return max(0, _status_kib("VmHWM") - self.before)
+        return max(0, max(self.peak, _status_kib("VmRSS")) - self.before)
 
     def _sample(self):
         while not self._stop.wait(0.005):
@@ -134,11 +149,11 @@ class PaddleLib:
     def barrier(self):
         self.dist.barrier()
 
-    def save(self, sd, path):
-        self.save_fn(sd, path)
+    def save(self, sd, path, **options):
+        return self.save_fn(sd, path, **options)
 
-    def load(self, sd, path):
-        self.load_fn(sd, path)
+    def load(self, sd, path, **options):
+        self.load_fn(sd, path, **options)
 
     def close(self):
         pass
@@ -233,6 +248,39 @@ def build_state(lib, specs, layout_of, fill: bool) -> dict:
     return sd
 
 
+def _check_all(lib, sd, specs, layout_of) -> int:
+    """Compare every loaded value with the oracle; the bytes checked."""
+    checked = 0
+    for spec in specs:
+        value = lib.local(sd[spec.name])
+        workload.check(value, spec, layout_of(spec), lib.rank, lib.ranks)
+        checked += value.nbytes
+    return checked
+
+
+def _next_saves(lib, sd, ckpt) -> dict:
+    """After the first async save of this process (checkpoint 0): a second async save
+    (checkpoint 1) and a plain save (checkpoint 2) of the same state, each after the settle
+    wait and a barrier, timed as the first: what a training loop's later saves cost."""
+    out = {}
+    for name, options in (("next_async", {"async_save": True}), ("next_full", {})):
+        gc.collect()
+        time.sleep(SETTLE)
+        lib.barrier()
+        memory = PeakRss()
+        with memory:
+            t0 = time.perf_counter()
+            handle = lib.save(sd, ckpt, **options)
+            blocked = time.perf_counter() - t0
+            at_return = memory.growth_so_far()
+            if handle is not None:
+                handle.wait()
+            seconds = time.perf_counter() - t0
+        out.update({f"{name}_blocked_seconds": blocked, f"{name}_seconds": seconds,
+                    f"{name}_rss_growth_at_return": at_return, f"{name}_rss_growth": memory.growth})
+    return out
+
+
 def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int:
     started = time.perf_counter()
     lib = TorchLib() if lib_name == "torch" else PaddleLib(lib_name)
@@ -245,7 +293,9 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             layout_of = lambda s: s.reshard  # noqa: E731
         else:
             layout_of = lambda s: s.layout  # noqa: E731
-        sd = build_state(lib, specs, layout_of, fill=phase != "save")
+        if phase in OURS_ONLY and lib_name != "ours":
+            raise ValueError(f"phase {phase} is paddle_dcp's only")
+        sd = build_state(lib, specs, layout_of, fill=phase not in SAVES)
         result["build_seconds"] = time.perf_counter() - started
         gc.collect()
         time.sleep(SETTLE)
@@ -253,19 +303,44 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
         memory = PeakRss()
         with memory:
             t0 = time.perf_counter()
-            if phase == "save":
+            if phase == "save-async":
+                handle = lib.save(sd, ckpt, async_save=True)
+                blocked = time.perf_counter() - t0
+                growth_at_return = memory.growth_so_far()
+                handle.wait()
+            elif phase == "save-durable":
+                lib.save(sd, ckpt, durable=True)
+            elif phase == "save":
                 lib.save(sd, ckpt)
+            elif phase == "load-noverify":
+                lib.load(sd, ckpt, verify=False)
             else:
                 lib.load(sd, ckpt)
             seconds = time.perf_counter() - t0
         result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method)
+        ids = [0]
+        if phase == "save-async":
+            # "seconds": until wait() returned; "blocked_seconds": until the call returned. The
+            # first save of a process also creates the background save's process group; the
+            # next ones (as in a training loop) do not: time one more async save, then a plain
+            # save, in this same process.
+            result.update(blocked_seconds=blocked, rss_growth_at_return=growth_at_return)
+            result.update(_next_saves(lib, sd, ckpt))
+            ids = [0, 1, 2]
+        t1 = time.perf_counter()
+        checked = 0
+        if phase in ("save-async", "save-durable"):
+            # nothing else reads these checkpoints: load each back, untimed, and check it
+            del sd
+            gc.collect()
+            for uid in ids:
+                sd = build_state(lib, specs, layout_of, fill=True)
+                lib.load(sd, ckpt, unique_id=uid)
+                checked += _check_all(lib, sd, specs, layout_of)
+                del sd
+        elif phase != "save":
+            checked = _check_all(lib, sd, specs, layout_of)
         if phase != "save":
-            t1 = time.perf_counter()
-            checked = 0
-            for spec in specs:
-                value = lib.local(sd[spec.name])
-                workload.check(value, spec, layout_of(spec), lib.rank, lib.ranks)
-                checked += value.nbytes
             result.update(checked_bytes=checked, check_seconds=time.perf_counter() - t1)
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - report, then stop this rank
