@@ -406,7 +406,7 @@ class PaddleComm(Comm):
         from paddle.distributed.communication.group import Group
 
         members = tuple(sorted(self.ranks))
-        group = Group(members.index(self.rank), _GROUP_GID_BASE - 1, list(members), pg=_group(self.rank, members),
+        group = Group(members.index(self.rank), _GROUP_GID_BASE - 1, list(members), pg=_group(self.rank, members, "background"),
                       name="paddle_dcp_background")
         return PaddleComm(group, self.coordinator)
 
@@ -440,19 +440,21 @@ def _host() -> str:
     return endpoint.rsplit(":", 1)[0] if ":" in endpoint else "127.0.0.1"
 
 
-def _group(rank: int, members: tuple[int, ...]):
+def _group(rank: int, members: tuple[int, ...], purpose: str = ""):
     """A process group of ``members`` alone (sorted global ranks), made by those ranks only,
     with a store of its own hosted by the lowest member and announced through the job's
     store: gloo groups created at the same time through one store can connect to wrong
-    peers. Cached for the life of the process."""
-    group = _GROUPS.get(members)
+    peers. Cached for the life of the process, one per (members, purpose): a background
+    save's group (purpose "background") is never the one the caller's thread uses."""
+    name = "-".join(map(str, members)) + (f"/{purpose}" if purpose else "")
+    group = _GROUPS.get(name)
     if group is not None:
         return group
     from paddle.base import core
     from paddle.distributed import collective
 
     job_store = collective._default_store
-    key = "paddle_dcp/group/" + "-".join(map(str, members))
+    key = "paddle_dcp/group/" + name
     timeout = int(os.environ.get("PADDLE_DCP_GROUP_TIMEOUT", "600"))
     if rank == members[0]:
         host = _host()
@@ -467,18 +469,18 @@ def _group(rank: int, members: tuple[int, ...]):
     index = members.index(rank)
     # paddle keeps one communication context per group id in a process: every group of ours
     # needs its own id, and its members must agree on it without talking: derive it from them
-    gid = _GROUP_GID_BASE + xxhash.xxh3_64_intdigest(",".join(map(str, members)).encode()) % _GROUP_GID_SPAN
+    gid = _GROUP_GID_BASE + xxhash.xxh3_64_intdigest(name.encode()) % _GROUP_GID_SPAN
     if collective._default_backend == "nccl":
         from paddle.distributed.parallel import _get_global_env
 
         group = core.ProcessGroupNCCL.create(store, index, len(members), gid, _get_global_env().pg_timeout, 0, None)
     else:
         group = core.ProcessGroupGloo.create(store, index, len(members), gid)
-    _GROUPS[members] = group
+    _GROUPS[name] = group
     return group
 
 
-_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUPS: dict[str, object] = {}
 _GROUP_GID_BASE, _GROUP_GID_SPAN = 1 << 30, 1 << 29
 
 

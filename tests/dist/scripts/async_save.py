@@ -93,8 +93,42 @@ def next_save_waits():
         assert target["step"] == variant
 
 
+def load_while_saving():
+    """A load that moves pieces between the two ranks (node-local directories: each rank sees
+    only its own files) runs while an async save still writes: the background save has a
+    process group of its own, so neither's messages reach the other."""
+    home = os.getcwd()
+    os.makedirs(os.path.join(root, f"local{R}"), exist_ok=True)
+    os.chdir(os.path.join(root, f"local{R}"))
+    saved = c.mixed_layout(MESH, (("S", 0),))
+    target_layout = c.mixed_layout(MESH, (("S", 1),))
+    original = storage.DataWriter.write
+
+    def slow(self, data, *args, **kwargs):
+        import time
+
+        time.sleep(0.05)
+        return original(self, data, *args, **kwargs)
+
+    try:
+        paddle_dcp.save_state_dict(c.build(saved, 0, {"step": 11}), "ck")
+        storage.DataWriter.write = slow
+        handle = paddle_dcp.save_state_dict(state(6), "bg", async_save=True)
+        for _ in range(3):
+            target = c.build(target_layout, 0, {"step": 0}, target=True)
+            paddle_dcp.load_state_dict(target, "ck")
+            c.check_state(target, target_layout, 0, R)
+            assert target["step"] == 11, target["step"]
+        assert handle.wait(timeout=120) == 0
+    finally:
+        storage.DataWriter.write = original
+        os.chdir(home)
+    assert sorted(os.listdir(os.path.join(root, f"local{R}", "bg"))) == sorted(
+        [f"{R}_0.distcp"] + (["0.metadata"] if R == 0 else [])), os.listdir(os.path.join(root, f"local{R}", "bg"))
+
+
 c.run_cases(
     {"changed_after_return": changed_after_return, "writer_fails_in_background": writer_fails_in_background,
-     "next_save_waits": next_save_waits},
+     "next_save_waits": next_save_waits, "load_while_saving": load_while_saving},
     sys.argv[2:],
 )
