@@ -278,16 +278,22 @@ def load(ctx: LoadRank) -> Protocol:
             raise FormatError(f"no complete checkpoint in {ctx.path}: no *.metadata file was found")
         meta = ctx.read_metadata(uid) if uid in listing.complete else None
         files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
-        digest = xxhash.xxh3_64_hexdigest(wire.encode_json(files))
-        return meta, files, wire.encode_json({"m": meta is not None, "h": digest})
+        digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64
+        return meta, files, digest
 
-    meta, files, status = yield from local("read metadata", find_metadata)
-    # which files every rank sees: a digest first; the lists themselves only when they differ
-    # (node-local disks), so a shared file system costs a few bytes per rank
-    statuses = _decode_statuses((yield AllGather(status)))
-    if len({s["h"] for s in statuses}) > 1:
-        lists = _decode_statuses((yield AllGather(wire.encode_json(files))))
-        statuses = [dict(s, f=f) for s, f in zip(statuses, lists)]
+    meta, files, digest = yield from local("read metadata", find_metadata)
+    # which ranks read the metadata and which files each sees. On a shared file system all
+    # see the same: one all-reduce proves it (every rank has the metadata, the digests of the
+    # file lists agree), a few bytes per rank however large the job. Only when they differ
+    # (node-local disks) are the statuses, and then the lists, gathered.
+    no_meta, high, neg_low = yield AllMax((0 if meta is not None else 1, digest, -digest))
+    if no_meta == 0 and high == -neg_low:
+        statuses = [{"m": True, "h": digest}] * len(ctx.ranks)
+    else:
+        statuses = _decode_statuses((yield AllGather(wire.encode_json({"m": meta is not None, "h": digest}))))
+        if len({s["h"] for s in statuses}) > 1:
+            lists = _decode_statuses((yield AllGather(wire.encode_json(files))))
+            statuses = [dict(s, f=f) for s, f in zip(statuses, lists)]
     readers = [r for r, s in zip(ctx.ranks, statuses) if s["m"]]
 
     def check():

@@ -75,7 +75,8 @@ def test_a_save_at_4096_ranks_writes_each_piece_once_and_a_load_into_another_lay
         got = sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies)
         assert got == sum(t.box.volume for t in targets_of(target[rank]))
     load = simulate_load(layouts, save.metadata_json, plan_ranks=(7,))
-    assert max(load.traffic[r].received for r in range(1, dp * tp)) < 64 * dp * tp
+    # on a shared file system a rank receives a few all-reduced numbers, however many ranks
+    assert max(load.traffic[r].received for r in range(1, dp * tp)) < 1024
 
 
 def test_a_second_save_of_the_same_layout_reuses_the_plan_and_sends_no_summary():
