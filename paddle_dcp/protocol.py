@@ -16,6 +16,7 @@ raises the same CollectiveError, so no rank is left waiting in the next collecti
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
 
@@ -84,10 +85,12 @@ Protocol = Generator[Any, Any, Any]
 
 def local(step: str, fn: Callable[[], Any]) -> Protocol:
     """A local step followed by its agreement; returns ``fn()``'s value."""
+    started = time.perf_counter()
     try:
         value, error = fn(), None
     except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the driver
         value, error = None, exc
+    logger.debug("step %s: %.4f s", step, time.perf_counter() - started)
     yield Agree(step, error)
     return value
 
