@@ -929,6 +929,12 @@ def _s(v, sign=False) -> str:
     return "n/a" if v is None else (f"{v:+.3f} s" if sign else f"{v:.3f} s")
 
 
+def _base_row(out: list, label: str, best, median) -> None:
+    """The row of the plain phase an option is compared with (when it ran)."""
+    if best:
+        out.append(f"{label:34s} {best:9.3f} {'(' + format(median, '.3f') + ')':>9s}")
+
+
 def _format_variant(entry: dict) -> list:
     """The report of an ours-only phase (save-async, save-durable, load-noverify)."""
     ranks, phase = entry["ranks"], entry["phase"]
@@ -993,10 +999,7 @@ def _format_variant(entry: dict) -> list:
                   else ", every value checked"))
     if phase == "save-durable":
         d = entry["durable"]
-        base = d["default_save_best_gbps"]
-        if base:
-            out.append(f"{'paddle_dcp default (save above)':34s} {base:9.3f} "
-                       f"{'(' + format(d['default_save_median_gbps'], '.3f') + ')':>9s}")
+        _base_row(out, "paddle_dcp default (save above)", d["default_save_best_gbps"], d["default_save_median_gbps"])
         out.append(f"cost of fsync: durable / default = {_x(d['durable_over_default_gbps_best'])} GB/s "
                    f"{_x(d['durable_over_default_gbps_median'], True)}, "
                    f"{_s(d['extra_seconds_best'], True)} (median {_s(d['extra_seconds_median'], True)})")
@@ -1017,10 +1020,7 @@ def _format_variant(entry: dict) -> list:
                            f"{_x(c['ours_default_over_peer_default_median'], True)} (neither fsyncs)")
     else:
         v = entry["verify"]
-        base = v["verified_load_best_gbps"]
-        if base:
-            out.append(f"{'paddle_dcp verify=True (load above)':34s} {base:9.3f} "
-                       f"{'(' + format(v['verified_load_median_gbps'], '.3f') + ')':>9s}")
+        _base_row(out, "paddle_dcp verify=True (load above)", v["verified_load_best_gbps"], v["verified_load_median_gbps"])
         out.append(f"cost of checksums: verify=False / verify=True = {_x(v['noverify_over_verified_gbps_best'])} GB/s "
                    f"{_x(v['noverify_over_verified_gbps_median'], True)}; verify=True takes "
                    f"{_s(v['verify_extra_seconds_best'], True)} (median {_s(v['verify_extra_seconds_median'], True)})")

@@ -258,15 +258,21 @@ def _check_all(lib, sd, specs, layout_of) -> int:
     return checked
 
 
+def _settle(lib) -> None:
+    """Before a timed call: garbage collected, SETTLE seconds for the VM (see SETTLE), then
+    every rank at a barrier."""
+    gc.collect()
+    time.sleep(SETTLE)
+    lib.barrier()
+
+
 def _next_saves(lib, sd, ckpt) -> dict:
     """After the first async save of this process (checkpoint 0): a second async save
     (checkpoint 1) and a plain save (checkpoint 2) of the same state, each after the settle
     wait and a barrier, timed as the first: what a training loop's later saves cost."""
     out = {}
     for name, options in (("next_async", {"async_save": True}), ("next_full", {})):
-        gc.collect()
-        time.sleep(SETTLE)
-        lib.barrier()
+        _settle(lib)
         memory = PeakRss()
         with memory:
             t0 = time.perf_counter()
@@ -297,9 +303,7 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             raise ValueError(f"phase {phase} is paddle_dcp's only")
         sd = build_state(lib, specs, layout_of, fill=phase not in SAVES)
         result["build_seconds"] = time.perf_counter() - started
-        gc.collect()
-        time.sleep(SETTLE)
-        lib.barrier()
+        _settle(lib)
         memory = PeakRss()
         with memory:
             t0 = time.perf_counter()
