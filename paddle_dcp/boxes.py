@@ -233,7 +233,7 @@ def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
         return global_shape, offsets, shapes
     limit = np.asarray(global_shape, dtype=np.int64)
     # compared without forming offsets + shapes first, which could wrap around
-    bad = (offsets < 0).any(1) | (shapes <= 0).any(1) | (shapes > limit).any(1) | (offsets > limit - shapes).any(1)
+    bad = ((offsets < 0) | (shapes <= 0) | (shapes > limit) | (offsets > limit - shapes)).any(1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise PlanError(

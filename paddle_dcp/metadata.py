@@ -506,7 +506,7 @@ def _parse_tensor(
         check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
     else:
         check_inside(key, shape, offsets, shapes)
-    if count and ((files < 0).any() or (files >= len(file_sizes)).any()):
+    if count and ((files < 0) | (files >= len(file_sizes))).any():
         raise FormatError(f"{what}: a piece names a file index outside the file list")
     isz = itemsize(dtype)
     nbytes = np.prod(shapes, axis=1, dtype=np.int64) * isz
