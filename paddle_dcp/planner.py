@@ -485,6 +485,15 @@ def plan_reads(
         if starts is None:
             starts = starts_cache[t.key] = entry.block_starts()
         hits = overlapping_pieces(entry, t.box)
+        if len(hits) == 1 and t.box.ndim:
+            piece = entry.piece(int(hits[0]), starts)
+            if piece.box == t.box and piece.nbytes <= max_read_bytes - 2 * block:
+                # the target is exactly one saved piece (a load into the layout that saved):
+                # one exact segment, no arithmetic on regions
+                whole = Box((0,) * t.box.ndim, t.box.shape)
+                seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(ti, whole, whole),))
+                segments.append((piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes))
+                continue
         _check_disjoint(entry, t.box, hits)
         covered = 0
         for i in hits.tolist():
