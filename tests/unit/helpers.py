@@ -232,3 +232,22 @@ def count_copies(ops, targets) -> list[np.ndarray]:
 
 def listdir(path: str) -> list[str]:
     return sorted(os.listdir(path))
+
+
+# ------------------------------------------------------------------ JSON documents
+def nodes(doc, path=()):
+    """Every path into a JSON document (the root first), depth first."""
+    yield path
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from nodes(v, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from nodes(v, path + (i,))
+
+
+def get(doc, path):
+    """The node of ``doc`` at ``path`` (a tuple of keys and indices)."""
+    for p in path:
+        doc = doc[p]
+    return doc

@@ -22,7 +22,7 @@ from paddle_dcp.metadata import (
     with_digest,
 )
 
-from .helpers import STORAGE, fast
+from .helpers import STORAGE, fast, get, nodes
 
 BLOCK = 64
 STRUCTURE = {
@@ -394,22 +394,6 @@ def test_refuses_a_piece_whose_box_overflows(small):
 
 
 # ------------------------------------------------------------------ fuzz
-def nodes(doc, path=()):
-    yield path
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from nodes(v, path + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from nodes(v, path + (i,))
-
-
-def get(doc, path):
-    for p in path:
-        doc = doc[p]
-    return doc
-
-
 junk = st.one_of(
     st.none(),
     st.booleans(),

@@ -636,6 +636,16 @@ def test_a_data_file_symlinked_inside_the_directory_loads(ck):
     assert_loaded(sd)
 
 
+def _peak_allocated(fn) -> int:
+    """The peak of Python heap allocations (tracemalloc) while ``fn()`` runs, in bytes."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_enormous_metadata_is_refused_without_reading_it(ck, monkeypatch, sparse):
     """Over the size limit: refused from its size, before it is read. ``sparse``: a real file
@@ -646,12 +656,7 @@ def test_enormous_metadata_is_refused_without_reading_it(ck, monkeypatch, sparse
         os.truncate(full, metadata.MAX_METADATA_BYTES + 1)
     else:
         monkeypatch.setattr(storage, "MAX_METADATA_BYTES", os.path.getsize(full) - 1)
-    tracemalloc.start()
-    try:
-        load_fails(ck, FormatError, "0.metadata", "limit")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _peak_allocated(lambda: load_fails(ck, FormatError, "0.metadata", "limit"))
     assert peak < 16 << 20, f"{peak} bytes allocated to refuse an over-sized metadata file"
 
 
@@ -661,12 +666,7 @@ def test_a_packed_column_claiming_millions_of_pieces_is_refused_without_inflatin
     doc["tensors"]["model.w"].update(count=count, offsets=_zlib_bomb(2 * count))
     write_doc(ck, doc)
     assert os.path.getsize(os.path.join(ck, "0.metadata")) < 100_000
-    tracemalloc.start()
-    try:
-        load_fails(ck, FormatError, "0.metadata", "model.w")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = _peak_allocated(lambda: load_fails(ck, FormatError, "0.metadata", "model.w"))
     assert peak < 16 << 20, f"{peak >> 20} MiB allocated to refuse a {os.path.getsize(os.path.join(ck, '0.metadata'))}-byte metadata file"
 
 

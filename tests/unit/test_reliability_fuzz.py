@@ -33,7 +33,7 @@ from paddle_dcp.metadata import with_digest
 from paddle_dcp.errors import DcpError
 from paddle_dcp.metadata import Metadata
 
-from .helpers import save_checkpoint
+from .helpers import get, nodes, save_checkpoint
 
 W = np.arange(40, dtype=np.float32).reshape(8, 5) * 1.5 - 7
 B = np.arange(600, dtype=np.int64) * 3 - 1000
@@ -69,22 +69,6 @@ def checkpoint(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ mutations
-def nodes(doc, path=()):
-    yield path
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from nodes(v, path + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from nodes(v, path + (i,))
-
-
-def get(doc, path):
-    for p in path:
-        doc = doc[p]
-    return doc
-
-
 INTERESTING = [
     ("format_version",), ("unique_id",), ("world_size",), ("checksum", "block_bytes"), ("checksum", "algorithm"),
     ("files", 0, "name"), ("files", 1, "bytes"), ("files", 0), ("files",), ("structure",),
