@@ -177,20 +177,10 @@ def _disk(path: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ page cache
-def _write_file(path: str, nbytes: int, buf: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left:
-            left -= os.write(fd, buf[: min(left, len(buf))])
-    finally:
-        os.close(fd)
-
-
-def _write_direct(path: str, nbytes: int, buf: memoryview) -> None:
-    """Like _write_file with O_DIRECT (the page cache bypassed): ``buf`` page-aligned, sizes
-    multiples of 4096."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+def _write_file(path: str, nbytes: int, buf: memoryview, direct: bool = False) -> None:
+    """Write ``nbytes`` from ``buf`` (repeated) to ``path``; ``direct``: with O_DIRECT (the page
+    cache bypassed), ``buf`` page-aligned and sizes multiples of 4096."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:
         left = nbytes
         while left:
@@ -276,7 +266,7 @@ def page_cache_speed(directory: str, nbytes: int, threads: int, settle: float) -
         aligned = mmap.mmap(-1, len(wbuf))  # anonymous maps are page-aligned
         aligned[:] = wbuf
         try:
-            seconds = _in_threads(_write_direct, [(p, per_file, memoryview(aligned)) for p in paths])
+            seconds = _in_threads(_write_file, [(p, per_file, memoryview(aligned), True) for p in paths])
             out["write_direct_gbps"] = total / seconds / GB
         except OSError as exc:  # a filesystem without O_DIRECT (tmpfs)
             log(f"O_DIRECT writes not measured: {exc}")
