@@ -144,6 +144,15 @@ def _output_slabs(reader: TensorReader, key: str, bf16_as_float32: bool) -> Iter
         yield from reader.slabs(key)
 
 
+def _output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress: Progress | None) -> Iterator[memoryview]:
+    """The bytes of ``key``'s output slabs, each counted by ``progress`` once it is written
+    (when the consumer asks for the next)."""
+    for slab in _output_slabs(reader, key, bf16_as_float32):
+        yield storage.as_bytes(slab)
+        if progress:
+            progress(slab.nbytes)
+
+
 def _json_value(value: Any) -> Any:
     """A plain value for a strict JSON document: non-finite floats become "nan", "inf", "-inf"."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -248,11 +257,9 @@ def write_safetensors(
             _write(f, header, out)
             written = len(header)
             for key in selection.keys:
-                for slab in _output_slabs(reader, key, bf16_as_float32):
-                    _write(f, storage.as_bytes(slab), out)
-                    written += slab.nbytes
-                    if progress:
-                        progress(slab.nbytes)
+                for data in _output_bytes(reader, key, bf16_as_float32, progress):
+                    _write(f, data, out)
+                    written += len(data)
     logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, written)
     return written
 
@@ -304,10 +311,8 @@ def write_npz(
                     dtype = storage_dtype(output_dtype(entry.dtype, bf16_as_float32))
                     with zf.open(key + ".npy", "w", force_zip64=True) as member:
                         member.write(_npy_header(entry.shape, dtype))
-                        for slab in _output_slabs(reader, key, bf16_as_float32):
-                            member.write(storage.as_bytes(slab))
-                            if progress:
-                                progress(slab.nbytes)
+                        for data in _output_bytes(reader, key, bf16_as_float32, progress):
+                            member.write(data)
                 text = np.array(json.dumps(info, allow_nan=False))
                 with zf.open(NPZ_METADATA + ".npy", "w") as member:
                     member.write(_npy_header(text.shape, text.dtype))
