@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from . import exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
@@ -386,6 +387,7 @@ class _LoadPlan:
         self.verify = verify
         self.staging = storage.Staging()
         self.local, self.remote = list(ops), {}
+        self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
         arrays = [b.array for b in buffers]
         self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, verify, fetch)
@@ -416,14 +418,31 @@ class _LoadPlan:
                 keys = sorted({seg.piece.key for op in self.local if op.file == f for seg in op.segments})
                 raise type(exc)(f"{exc}; it holds {keys}") from None
 
+    @property
+    def share_key(self) -> tuple[int, bool]:
+        """(digest of the tensors this rank reads, whether it may share their checks): ranks
+        that agree on both check the blocks of those tensors once between them."""
+        keys = sorted({seg.piece.key for op in self.local for seg in op.segments})
+        digest = xxhash.xxh3_64_intdigest("\0".join(keys).encode()) >> 1  # fits an int64
+        # every piece of these tensors is dealt out: worth it only when the rank reads a fair
+        # part of them (a few ranks resharding), not one piece in thousands (a large job)
+        pieces = sum(self.meta.tensors[k].pieces.count for k in keys)
+        own = sum(len(op.segments) for op in self.local)
+        return digest, bool(self.verify and keys and not self.meta.subset and pieces <= 8 * own + 65536)
+
+    def share_checks(self, index: int, count: int) -> None:
+        """Check only this rank's share of the blocks (see planner.plan_shared_checks); every
+        rank reads the same files and tensors, and the verify step's agreement covers them all."""
+        keys = {seg.piece.key for op in self.local for seg in op.segments}
+        self.checks = planner.plan_shared_checks(self.meta, sorted(keys), index, count)
+
     def verify_local(self) -> None:
-        """Check the checksum of every block this rank will read from its own files, before
-        any target changes."""
+        """Check the checksum of every block this rank will read from its own files (or its
+        share of them), before any target changes."""
         if not self.verify:
             return
-        arrays = [b.array for b in self.buffers]
-        for op in self.local:
-            storage.execute_op(op, self.files, arrays, self.staging, check_only=True)
+        for op in self.local if self.checks is None else self.checks:
+            storage.execute_op(op, self.files, [], self.staging, check_only=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
@@ -433,9 +452,13 @@ class _LoadPlan:
         exchange.check_remote(comm, self.files.path, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
 
     def read_local(self) -> None:
+        """Copy from the local files. Their blocks were checked in the verify step, so they are
+        not hashed again; a file written since it was opened is refused once the copy ends."""
+        arrays = [b.array for b in self.buffers]
         try:
             for op in self.local:
-                self.run(op, None)
+                storage.execute_op(op, self.files, arrays, self.staging, verify=False)
+            self.files.check_unchanged()
         finally:
             if not self.remote:
                 self.files.close()

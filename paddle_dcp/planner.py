@@ -562,6 +562,80 @@ def plan_reads(
     return ops
 
 
+def plan_shared_checks(
+    meta: Metadata, keys: Sequence[str], index: int, count: int, max_read_bytes: int = 32 << 20
+) -> list[ReadOp]:
+    """Rank ``index`` of ``count``'s share of checking every checksum block of the tensors
+    ``keys``: ranks that all read from the same tensors of one shared checkpoint check each
+    block once between them instead of once per rank that reads from it (a reshard reads
+    parts of many blocks on every rank).
+
+    The blocks of every piece of those tensors, in file and offset order, are cut into
+    ``count`` runs of about equal bytes; rank ``index`` gets the run that holds the middle of
+    each of its blocks. Returns read ops (segments without copies) of whole blocks, at most
+    ``max_read_bytes`` each, sorted by file and offset. O(pieces) with numpy.
+    """
+    block = meta.block_bytes
+    entries = [meta.tensors[k] for k in sorted(set(keys))]
+    if not entries or count < 1:
+        return []
+    sizes = [e.pieces.count for e in entries]
+    which = np.repeat(np.arange(len(entries)), sizes)  # entry of every piece
+    row = np.concatenate([np.arange(n) for n in sizes])
+    files = np.concatenate([e.pieces.files for e in entries])
+    starts = np.concatenate([e.pieces.byte_offsets for e in entries])
+    nbytes = np.concatenate([e.piece_nbytes() for e in entries])
+    order = np.lexsort((starts, files))
+    which, row, files, starts, nbytes = which[order], row[order], files[order], starts[order], nbytes[order]
+    nblocks = blocks_of(nbytes, block)
+    # every block: its piece (position in ``order``), its index in the piece, its length
+    piece_of = np.repeat(np.arange(len(order)), nblocks)
+    k = np.arange(len(piece_of)) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks)
+    length = np.minimum(block, nbytes[piece_of] - k * block)
+    total = int(length.sum())
+    before = np.cumsum(length) - length
+    if total:
+        owner = np.minimum(count - 1, ((2 * before + length) * count) // (2 * total))
+    else:  # only empty pieces: one block each, dealt out in turn
+        owner = np.arange(len(length)) % count
+    mine = np.flatnonzero(owner == index)
+    segments: list[tuple[int, int, int, Segment]] = []
+    block_starts: dict[int, np.ndarray] = {}
+    max_blocks = max(1, max_read_bytes // block)
+    run_start = 0
+    while run_start < len(mine):  # consecutive blocks of one piece make one segment
+        run_end = run_start + 1
+        pos = int(piece_of[mine[run_start]])
+        while (
+            run_end < len(mine)
+            and run_end - run_start < max_blocks
+            and mine[run_end] == mine[run_end - 1] + 1
+            and piece_of[mine[run_end]] == pos
+        ):
+            run_end += 1
+        e = int(which[pos])
+        entry = entries[e]
+        if e not in block_starts:
+            block_starts[e] = entry.block_starts()
+        piece = entry.piece(int(row[pos]), block_starts[e])
+        first = int(k[mine[run_start]])
+        last = int(k[mine[run_end - 1]])
+        seg_start = piece.byte_offset + first * block
+        seg_stop = min(piece.byte_offset + (last + 1) * block, piece.byte_offset + piece.nbytes)
+        segments.append((piece.file, seg_start, seg_stop, Segment(piece, seg_start, seg_stop, ())))
+        run_start = run_end
+    ops: list[ReadOp] = []
+    group: list[tuple[int, int, int, Segment]] = []
+    for item in segments:
+        if group and (item[0] != group[0][0] or item[1] < group[-1][2] or item[2] - group[0][1] > max_read_bytes):
+            ops.append(ReadOp(group[0][0], group[0][1], group[-1][2], tuple(g[3] for g in group)))
+            group = []
+        group.append(item)
+    if group:
+        ops.append(ReadOp(group[0][0], group[0][1], group[-1][2], tuple(g[3] for g in group)))
+    return ops
+
+
 # ====================================================================== keys
 def mw_compatible_name(key: str) -> str | None:
     """The other spelling of an optimizer master weight's key, as paddle.distributed's

@@ -255,8 +255,10 @@ class LoadRank:
         metadata_from_helpers: (readers, meta or None) -> Pairwise work giving this rank the
             part of the metadata it needs (node-local disks).
         plan: (metadata, id, listing, statuses) -> the rank's load work: an object with
-            ``remote`` (server rank -> ops), ``verify_local()``, ``verify_remote(comm,
-            clients)``, ``read_local()``, ``exchange(comm, clients)`` and ``finish()``.
+            ``remote`` (server rank -> ops), ``share_key`` ((digest, can share) of the tensors
+            it reads), ``share_checks(index, count)``, ``verify_local()``,
+            ``verify_remote(comm, clients)``, ``read_local()``, ``exchange(comm, clients)`` and
+            ``finish()``.
     """
 
     rank: int
@@ -311,7 +313,13 @@ def load(ctx: LoadRank) -> Protocol:
     if len(readers) < len(ctx.ranks):
         meta = yield ctx.metadata_from_helpers(readers, meta)
     work = yield from local("plan", lambda: ctx.plan(meta, uid, listing, statuses))
-    clients = yield from route(ctx, work.remote)
+    # one all-reduce: does any rank need bytes from another, and do all ranks read the same
+    # tensors of a checkpoint they all see (then they share the checksum work)
+    digest, can_share = work.share_key
+    any_remote, high, neg_low, cannot = yield AllMax((1 if work.remote else 0, digest, -digest, 0 if can_share else 1))
+    if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
+        work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
+    clients = yield from route(ctx, work.remote, any_remote)
     # every block is checked before any target changes: a damaged file leaves the state dict
     # as it was on every rank
     yield from local("verify", work.verify_local)
@@ -336,10 +344,11 @@ def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
     return out
 
 
-def route(ctx, remote: dict) -> Protocol:
-    """Tell every server which ranks will ask it for bytes; None when no rank needs any. The
-    coordinator alone sees every rank's servers; each rank receives its own clients."""
-    if len(ctx.ranks) == 1 or not (yield AllMax((1 if remote else 0,)))[0]:
+def route(ctx, remote: dict, any_remote: int) -> Protocol:
+    """Tell every server which ranks will ask it for bytes; None when no rank needs any
+    (``any_remote`` 0, agreed by all ranks). The coordinator alone sees every rank's servers;
+    each rank receives its own clients."""
+    if len(ctx.ranks) == 1 or not any_remote:
         return None
     asked = yield Gather(wire.encode_json(sorted(remote)), ctx.coordinator)
 

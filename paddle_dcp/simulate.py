@@ -129,6 +129,10 @@ class _NoWork:
     """A rank's load work when only its messages matter: it reads nothing itself."""
 
     remote: dict = {}
+    share_key = (0, False)
+
+    def share_checks(self, index, count):
+        pass
 
     def verify_local(self):
         pass

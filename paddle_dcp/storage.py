@@ -333,6 +333,7 @@ class FileSet:
         self.path = path
         self.meta = meta
         self._fds: dict[int, int] = {}
+        self._stats: dict[int, tuple[int, int, int]] = {}
 
     def fd(self, index: int) -> int:
         fd = self._fds.get(index)
@@ -346,12 +347,24 @@ class FileSet:
             raise IntegrityError(f"data file {full} of checkpoint {self.meta.unique_id} is missing") from None
         except OSError as exc:
             raise StorageError(f"cannot open {full}: {exc}", full) from exc
-        size = os.fstat(fd).st_size
-        if size != entry.nbytes:
+        st = os.fstat(fd)
+        if st.st_size != entry.nbytes:
             os.close(fd)
-            raise IntegrityError(f"data file {full} has {size} bytes, the metadata says {entry.nbytes}")
+            raise IntegrityError(f"data file {full} has {st.st_size} bytes, the metadata says {entry.nbytes}")
         self._fds[index] = fd
+        self._stats[index] = _identity(st)
         return fd
+
+    def check_unchanged(self) -> None:
+        """Raise IntegrityError when a file opened by this set was written since it was opened
+        (its size or modification time moved): bytes checked before the copy may not be the
+        bytes copied."""
+        for index, fd in self._fds.items():
+            if _identity(os.fstat(fd)) != self._stats[index]:
+                raise IntegrityError(
+                    f"data file {self.name(index)} was modified while it was being loaded: the loaded "
+                    f"values may mix old and new bytes"
+                )
 
     def name(self, index: int) -> str:
         return os.path.join(self.path, self.meta.files[index].name)
@@ -381,6 +394,13 @@ class FileSet:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._stats.clear()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    # not the change time: unlinking or renaming a file (which loads fine through its open
+    # descriptor) moves it
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def seed_of(meta: Metadata, piece: SavedPiece) -> int:

@@ -5,7 +5,8 @@ from launcher import assert_passed, run_launch, script
 CASES = [
     "shape_mismatch", "dtype_mismatch", "mismatch_on_one_rank", "tensor_where_value_was_saved",
     "empty_directory", "missing_directory", "missing_unique_id", "bad_unique_id",
-    "truncated_shard", "corrupted_byte", "future_format_version", "damaged_metadata",
+    "truncated_shard", "corrupted_byte", "checks_shared_in_a_reshard", "corrupted_byte_in_a_reshard",
+    "future_format_version", "damaged_metadata",
     "data_file_missing", "unknown_keys_are_left_alone",
     "object_on_one_rank", "object_on_coordinator", "write_fails_on_one_rank", "async_save_without_bfloat16",
 ]

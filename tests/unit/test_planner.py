@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp import nested, planner, storage, wire
 from paddle_dcp.boxes import Box
-from paddle_dcp.errors import FormatError, MismatchError, PlanError
+from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
 from paddle_dcp.metadata import ALIGNMENT, Metadata
 
 from .helpers import (
@@ -256,6 +256,83 @@ def test_any_saved_layout_loads_into_any_target_layout_bit_for_bit(
         load_everything(d, shape, dtypes, load_mesh, load_pl, arrays, block_bytes,
                         max_read_bytes=max_read_bytes, coalesce_gap=coalesce_gap,
                         direct_min_bytes=direct_min_bytes)  # fmt: skip
+
+
+
+def every_block(meta, keys):
+    """(file, start, stop) of every checksum block of every piece of ``keys``, from the
+    metadata's columns alone."""
+    out = []
+    for key in keys:
+        e = meta.tensors[key]
+        size = ITEMSIZE[e.dtype]
+        for i in range(e.pieces.count):
+            n = int(np.prod(e.pieces.shapes[i])) * size
+            at, f = int(e.pieces.byte_offsets[i]), int(e.pieces.files[i])
+            out += [(f, at + b, at + min(n, b + meta.block_bytes)) for b in range(0, max(n, 1), meta.block_bytes)]
+    return out
+
+
+@fast(120)
+@given(layouts(), st.sampled_from([64, 128, 4096]), st.integers(1, 6), st.sampled_from([1, 300, 1 << 20]),
+       st.data(), st.integers(0, 2**32 - 1))  # fmt: skip
+def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
+    layout, block_bytes, count, max_read_bytes, data, seed
+):
+    shape, dtypes, mesh, pl = layout
+    arrays = arrays_for(shape, dtypes, seed)
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(d, arrays, dtypes, mesh, pl, block_bytes)
+        meta = storage.read_metadata(d, 0, lazy=True)
+        keys = data.draw(st.lists(st.sampled_from(sorted(meta.tensors)), min_size=1, unique=True), label="keys")
+        want = every_block(meta, keys)
+        dealt, per_rank = [], []
+        files = storage.FileSet(d, meta)
+        try:
+            for index in range(count):
+                ops = planner.plan_shared_checks(meta, keys, index, count, max_read_bytes)
+                assert [(op.file, op.start) for op in ops] == sorted((op.file, op.start) for op in ops)
+                mine = 0
+                for op in ops:
+                    assert op.nbytes <= max(max_read_bytes, block_bytes)
+                    for seg in op.segments:
+                        assert not seg.copies and op.start <= seg.start <= seg.stop <= op.stop
+                        piece = seg.piece
+                        assert (seg.start - piece.byte_offset) % block_bytes == 0
+                        end = piece.byte_offset + piece.nbytes
+                        assert seg.stop == end or (seg.stop - piece.byte_offset) % block_bytes == 0
+                        for b in range(seg.start, max(seg.stop, seg.start + 1), block_bytes):
+                            dealt.append((op.file, b, min(b + block_bytes, end)))
+                            mine += min(b + block_bytes, end) - b
+                    storage.execute_op(op, files, [], storage.Staging(), check_only=True)  # the real checks pass
+                per_rank.append(mine)
+        finally:
+            files.close()
+        assert sorted(dealt) == sorted(want)  # every block once, no other bytes
+        total = sum(b - a for _, a, b in want)
+        assert max(per_rank) <= total / count + block_bytes
+
+
+def test_shared_checks_find_a_flipped_byte_in_exactly_one_share(tmp_path):
+    arrays = arrays_for({"w": (64, 16), "b": (40,)}, {"w": "float32", "b": "int64"}, 5)
+    save_checkpoint(str(tmp_path), arrays, {"w": "float32", "b": "int64"}, (2,), {"w": (0,), "b": (None,)}, 256)
+    name = str(tmp_path / "1_0.distcp")
+    raw = bytearray(open(name, "rb").read())
+    raw[700] ^= 0x10
+    open(name, "wb").write(bytes(raw))
+    meta = storage.read_metadata(str(tmp_path), 0, lazy=True)
+    failed = []
+    for index in range(3):
+        files = storage.FileSet(str(tmp_path), meta)
+        try:
+            for op in planner.plan_shared_checks(meta, ["model.w", "model.b"], index, 3):
+                storage.execute_op(op, files, [], storage.Staging(), check_only=True)
+        except IntegrityError as exc:
+            assert "1_0.distcp" in str(exc) and "checksum" in str(exc)
+            failed.append(index)
+        finally:
+            files.close()
+    assert len(failed) == 1
 
 
 @pytest.mark.parametrize("max_read_bytes", [1, 64 << 20])

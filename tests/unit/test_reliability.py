@@ -745,6 +745,41 @@ def test_a_file_truncated_after_planning_is_a_storage_error_and_nothing_changes(
     load_fails(ck, StorageError, "1_0.distcp", "cannot map")
 
 
+
+def test_bytes_written_in_place_after_the_verify_step_are_an_integrity_error_naming_the_file(ck, monkeypatch):
+    """The copy does not hash the bytes again: a file written since planning opened it (its
+    modification time moved) is refused once the copy ends, rather than loaded silently."""
+    name = os.path.join(ck, "1_0.distcp")
+    os.utime(name, ns=(1_000_000_000, 1_000_000_000))  # an old checkpoint: any write moves its time
+    real = api._LoadPlan.verify_local
+
+    def verified_then_written(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        with open(name, "r+b") as f:
+            f.seek(40)
+            f.write(b"\xff" * 8)  # same size, other bytes
+
+    monkeypatch.setattr(api._LoadPlan, "verify_local", verified_then_written)
+    sd = target()
+    with pytest.raises(IntegrityError, match="1_0.distcp was modified while it was being loaded"):
+        paddle_dcp.load_state_dict(sd, ck)
+
+
+def test_a_file_renamed_and_deleted_after_planning_is_not_taken_for_a_modified_one(ck, monkeypatch):
+    """Unlinking or renaming moves a file's change time, not its modification time."""
+    name = os.path.join(ck, "0_0.distcp")
+    os.utime(name, ns=(1_000_000_000, 1_000_000_000))
+
+    def rename_then_delete():
+        os.rename(name, name + ".moved")
+        os.remove(name + ".moved")
+
+    _before_verify(monkeypatch, rename_then_delete)
+    sd = target()
+    paddle_dcp.load_state_dict(sd, ck)
+    assert_loaded(sd)
+
+
 SIGBUS_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np

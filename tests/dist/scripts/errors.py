@@ -169,6 +169,50 @@ def corrupted_byte():
     load_fails(target(), p, None, "IntegrityError", "0_0.distcp", "checksum")
 
 
+
+RESHARD_SAVED = [c.Leaf(("big",), (256, 256), "float32", MESH, S0, index=0)]
+RESHARD_TARGET = [c.Leaf(("big",), (256, 256), "float32", MESH, (("S", 1),), index=0)]
+
+
+def checks_shared_in_a_reshard():
+    """Loaded Shard(0) -> Shard(1), each rank reads half of both saved pieces: the two ranks
+    hash each block once between them (half the bytes each), and the values are exact."""
+    p = path("shared_checks")
+    paddle_dcp.save_state_dict(c.build(RESHARD_SAVED, 0), p)
+    real, hashed = storage.block_checksum, []
+
+    def counting(buf, seed, index):
+        hashed.append(len(buf))
+        return real(buf, seed, index)
+
+    storage.block_checksum = counting
+    try:
+        sd = c.build(RESHARD_TARGET, 0, target=True)
+        paddle_dcp.load_state_dict(sd, p)
+    finally:
+        storage.block_checksum = real
+    c.check_state(sd, RESHARD_TARGET, 0, R)
+    total = 256 * 256 * 4
+    assert 0 < sum(hashed) <= total // 2, (sum(hashed), total)
+
+
+def corrupted_byte_in_a_reshard():
+    """A flipped byte that only one rank's share of the checks covers: every rank refuses the
+    load and no rank's state dict changes."""
+    p = path("shared_corrupted")
+    paddle_dcp.save_state_dict(c.build(RESHARD_SAVED, 0), p)
+    c.dist.barrier()
+    if R == 0:
+        with open(os.path.join(p, "1_0.distcp"), "r+b") as f:
+            f.seek(1000)
+            byte = f.read(1)
+            f.seek(1000)
+            f.write(bytes([byte[0] ^ 0x40]))
+    c.dist.barrier()
+    exc = load_fails(c.build(RESHARD_TARGET, 0, target=True), p, None, "IntegrityError", "1_0.distcp", "checksum")
+    assert len(exc.failures) == 1, exc.failures  # one rank checked that block
+
+
 def future_format_version():
     p = good_save("future")
     c.dist.barrier()
@@ -302,6 +346,8 @@ CASES = {
     "bad_unique_id": bad_unique_id,
     "truncated_shard": truncated_shard,
     "corrupted_byte": corrupted_byte,
+    "checks_shared_in_a_reshard": checks_shared_in_a_reshard,
+    "corrupted_byte_in_a_reshard": corrupted_byte_in_a_reshard,
     "future_format_version": future_format_version,
     "damaged_metadata": damaged_metadata,
     "data_file_missing": data_file_missing,
