@@ -493,6 +493,7 @@ def _plan_load(
         logger.warning("keys of the state_dict not found in checkpoint %s (left unchanged): %s", path, missing)
     if unexpected and not meta.subset:  # a part lists only what this rank asked for
         logger.warning("keys of checkpoint %s not in the state_dict (not loaded): %s", path, unexpected)
+    meta.prefetch(match.source.values())
     targets, buffers, fills, index = [], [], [], []
     for h in held:
         source = match.source.get(h.piece.key)

@@ -186,6 +186,14 @@ class Metadata:
                 f"or damaged after it was written"
             )
 
+    def prefetch(self, keys) -> None:
+        """Parse and validate the entries of ``keys`` now, in one vectorised pass (a load
+        uses a few hundred entries at once); any entry that pass cannot take is parsed, and
+        any error worded, on first use as before."""
+        prefetch = getattr(self.tensors, "prefetch", None)
+        if prefetch is not None:
+            prefetch(keys)
+
     def validate(self) -> "Metadata":
         """Parse and validate every tensor entry now (they are otherwise checked on first use)."""
         for key in self.tensors:
@@ -410,7 +418,12 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise FormatError(f"{source}: tensor {key!r}: malformed entry ({type(exc).__name__}: {exc})") from None
 
-    tensors = _LazyTensors(tensors_doc, parse_tensor)
+    def parse_many(keys: list[str]) -> dict[str, TensorEntry]:
+        if full:  # a full parse checks the tiling, tensor by tensor
+            return {}
+        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size)
+
+    tensors = _LazyTensors(tensors_doc, parse_tensor, parse_many)
 
     structure = doc["structure"]
     leaves = set()
@@ -443,8 +456,16 @@ class _LazyTensors(Mapping):
     hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
     allocated from an entry before it has been validated."""
 
-    def __init__(self, docs: dict, parse):
+    def __init__(self, docs: dict, parse, parse_many=None):
         self._docs, self._parse, self._done = docs, parse, {}
+        self._parse_many = parse_many
+
+    def prefetch(self, keys) -> None:
+        """Parse the entries ``keys`` now, together (see _parse_many); entries that cannot be
+        taken together are parsed one by one on first use."""
+        todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
+        if todo and self._parse_many is not None:
+            self._done.update(self._parse_many(todo))
 
     def __getitem__(self, key: str) -> TensorEntry:
         entry = self._done.get(key)
@@ -460,6 +481,121 @@ class _LazyTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self._docs)
+
+
+def _parse_many(
+    keys: list[str], docs: dict, file_sizes: np.ndarray, block_bytes: int, size: int = MAX_METADATA_BYTES
+) -> dict[str, TensorEntry]:
+    """Many tensor entries at once, validated as :func:`_parse_tensor` does without tiling,
+    with numpy over the pieces of all of them rather than per tensor. Only entries whose
+    columns are all plain JSON lists are taken; at the first doubt (anything the per-tensor
+    parse could refuse) the rest is left out and parsed one by one, which words the error.
+    Returns key -> entry for the entries taken."""
+    # ---- per tensor: plain fields, in Python (as _parse_tensor)
+    rows = []  # (key, dtype, shape, count, doc)
+    for key in keys:
+        t = docs.get(key)
+        try:
+            if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
+                continue
+            shape = t["shape"]
+            if type(shape) is not list or len(shape) > 64:
+                continue
+            volume = 1
+            for s in shape:
+                if type(s) is not int or not 0 <= s <= _MAX_INT:
+                    raise ValueError
+                volume *= s
+                if volume * 16 > _MAX_INT:
+                    raise ValueError
+            count = t["count"]
+            if type(count) is not int or not 0 <= count <= min(1 << 40, size, max(volume, 1)):
+                continue
+            if not shape and count > 1:  # a scalar is one piece
+                continue
+            cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
+            if any(type(c) is not list for c in cols):
+                continue
+            n = count * len(shape)
+            if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
+                continue
+        except (KeyError, TypeError, ValueError):
+            continue
+        rows.append((key, t["dtype"], tuple(shape), count, cols))
+    if not rows:
+        return {}
+    rows.sort(key=lambda r: len(r[2]))  # tensors of one rank are neighbours: their boxes stack
+    # ---- every column of every tensor in one array
+    offsets, shapes, limits, files, byte_offsets, sums = [], [], [], [], [], []
+    for _, _, shape, count, cols in rows:
+        offsets += cols[0]
+        shapes += cols[1]
+        limits += shape * count
+        files += cols[2]
+        byte_offsets += cols[3]
+        sums += cols[4]
+    ints = offsets + shapes + files + byte_offsets
+    if not set(map(type, ints)) <= {int} or not set(map(type, sums)) <= {str} or not set(map(len, sums)) <= {16}:
+        return {}
+    hex_digits = "".join(sums)
+    if not re.fullmatch(r"[0-9a-f]*", hex_digits):
+        return {}
+    try:
+        packed = np.array(ints, dtype=np.int64)
+    except OverflowError:
+        return {}
+    if len(packed) and ((packed < -_MAX_INT) | (packed > _MAX_INT)).any():
+        return {}
+    n_box = len(offsets)
+    off, shp = packed[:n_box], packed[n_box : 2 * n_box]
+    fil = packed[2 * n_box : 2 * n_box + len(files)]
+    byt = packed[2 * n_box + len(files) :]
+    lim = np.array(limits, dtype=np.int64)
+    # compared without forming offsets + shapes, which could wrap around (as check_inside)
+    if n_box and ((off < 0) | (shp <= 0) | (shp > lim) | (off > lim - shp)).any():
+        return {}
+    if len(fil) and ((fil < 0) | (fil >= len(file_sizes))).any():
+        return {}
+    # ---- bytes of every piece: the product of its shape row, tensors grouped by rank
+    counts = np.array([r[3] for r in rows], dtype=np.int64)
+    ndims = np.array([len(r[2]) for r in rows], dtype=np.int64)
+    sizes = np.array([itemsize(r[1]) for r in rows], dtype=np.int64)
+    nbytes = np.repeat(sizes, counts)
+    at = 0
+    for d in np.unique(ndims).tolist():
+        m = int(counts[ndims == d].sum())
+        if d and m:
+            nbytes[at : at + m] *= np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
+        at += m
+    if len(byt) and ((byt < 0) | (byt > file_sizes[fil] - nbytes)).any():
+        return {}
+    nblocks = blocks_of(nbytes, block_bytes)
+    piece_start = np.concatenate([[0], np.cumsum(counts)])
+    block_start = np.concatenate([[0], np.cumsum(nblocks)])[piece_start]
+    if int(block_start[-1]) != len(sums) or any(
+        len(r[4][4]) != int(block_start[i + 1] - block_start[i]) for i, r in enumerate(rows)
+    ):
+        return {}
+    checksums = np.frombuffer(bytes.fromhex(hex_digits), dtype=">u8").astype("<u8")
+    for a in (off, shp, fil, byt, checksums):
+        a.flags.writeable = False
+    # ---- one entry per tensor: views of the arrays above
+    out = {}
+    box_at = 0
+    for i, (key, dtype, shape, count, _) in enumerate(rows):
+        p0, p1 = int(piece_start[i]), int(piece_start[i + 1])
+        d = len(shape)
+        box_end = box_at + count * d
+        pieces = PieceTable(
+            offsets=off[box_at:box_end].reshape(count, d),
+            shapes=shp[box_at:box_end].reshape(count, d),
+            files=fil[p0:p1],
+            byte_offsets=byt[p0:p1],
+            checksums=checksums[int(block_start[i]) : int(block_start[i + 1])],
+        )
+        box_at = box_end
+        out[key] = TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)
+    return out
 
 
 def _parse_tensor(

@@ -464,3 +464,69 @@ def test_every_dtype_of_the_format_round_trips(small):
         d["files"][1]["bytes"] = 10_000
         d["tensors"]["m.b"]["checksums"] = ["00" * 8] * sum(max(1, -(-n * dt.itemsize // BLOCK)) for n in (3, 2))
         assert parse(d).tensors["m.b"].itemsize == dt.itemsize
+
+
+# ------------------------------------------------------------------ entries parsed together
+def lazy(doc) -> Metadata:
+    body = json.dumps({k: v for k, v in doc.items() if k != "digest"}, separators=(",", ":"))
+    return Metadata.from_json(with_digest(body.encode()), source="ck/7.metadata", lazy=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 31, 33, 100])
+def test_entries_parsed_together_equal_entries_parsed_one_by_one(rows):
+    doc = doc_of(hand_meta(rows, seed=rows))
+    together, alone = lazy(doc), lazy(doc)
+    together.prefetch(list(doc["tensors"]))
+    taken = set(together.tensors._done)
+    plain = {k for k, t in doc["tensors"].items() if all(isinstance(t[c], list) for c in ("offsets", "shapes", "checksums"))}
+    assert taken == plain and "m.b" in taken and "m.s" in taken  # packed columns are left for one by one
+    assert_same(together, alone)
+    for key in doc["tensors"]:
+        assert not together.tensors[key].pieces.offsets.flags.writeable
+
+
+BAD_EDITS = [
+    lambda t: t.update(offsets=[0, 3.0]),
+    lambda t: t.update(offsets=[0, True]),
+    lambda t: t.update(offsets=[0, 2**63]),
+    lambda t: t.update(offsets=[0, -(2**63)]),
+    lambda t: t.update(offsets=[0, 4]),  # past the end of the tensor
+    lambda t: t.update(offsets=[-1, 3]),
+    lambda t: t.update(shapes=[3, 0]),
+    lambda t: t.update(shapes=[3]),
+    lambda t: t.update(count=3),
+    lambda t: t.update(count=-1),
+    lambda t: t.update(count=True),
+    lambda t: t.update(file=[1, 2]),
+    lambda t: t.update(file=[1, -1]),
+    lambda t: t.update(byte_offset=[0, 10**9]),
+    lambda t: t.update(byte_offset=[0, -64]),
+    lambda t: t.update(checksums=[c.upper() for c in t["checksums"]]),
+    lambda t: t.update(checksums=t["checksums"][:-1]),
+    lambda t: t.update(checksums=t["checksums"] + t["checksums"][:1]),
+    lambda t: t.update(checksums=[c[:15] + "g" for c in t["checksums"]]),
+    lambda t: t.update(checksums=[c[:15] for c in t["checksums"]]),
+    lambda t: t.update(checksums=[int(c, 16) for c in t["checksums"]]),
+    lambda t: t.update(dtype="float128"),
+    lambda t: t.update(shape=[5.0]),
+    lambda t: t.update(shape=[True]),
+    lambda t: t.update(shape=[2**62, 2**62]),
+    lambda t: t.pop("file"),
+    lambda t: t.update(offsets="z:AAAA"),
+]
+
+
+@pytest.mark.parametrize("edit", range(len(BAD_EDITS)))
+def test_an_entry_refused_one_by_one_is_never_taken_together_and_keeps_its_error(edit):
+    doc = doc_of(hand_meta(2))
+    BAD_EDITS[edit](doc["tensors"]["m.b"])
+    alone = lazy(doc)
+    with pytest.raises(FormatError) as expected:
+        alone.tensors["m.b"]
+    together = lazy(doc)
+    together.prefetch(list(doc["tensors"]))
+    assert "m.b" not in together.tensors._done
+    with pytest.raises(FormatError) as got:
+        together.tensors["m.b"]
+    assert str(got.value) == str(expected.value)
+    assert (together.tensors["m.w"].pieces.offsets == alone.tensors["m.w"].pieces.offsets).all()
