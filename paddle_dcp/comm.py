@@ -137,16 +137,17 @@ class Comm:
         raise NotImplementedError
 
     # -- agreement
-    def agree(self, step: str, error: BaseException | None) -> None:
-        """Return when no rank failed; else raise CollectiveError(step, failures) on every
-        rank (the failing rank chains its own error). In a world of one, re-raise the error."""
+    def agree(self, step: str, error: BaseException | None, values: Sequence[int] = ()) -> list[int]:
+        """Return the maximum over the ranks of ``values`` when no rank failed; else raise
+        CollectiveError(step, failures) on every rank (the failing rank chains its own error).
+        In a world of one, re-raise the error."""
         if self.size == 1:
             if error is not None:
                 raise error
-            return
-        failed = self._collective(step, lambda: self.all_max([1 if error is not None else 0])[0])
-        if not failed:
-            return
+            return list(values)
+        maxima = self._collective(step, lambda: self.all_max([1 if error is not None else 0, *values]))
+        if not maxima[0]:
+            return list(maxima[1:])
         message = describe_error(error).encode()[:4000] if error is not None else b""
         messages = self._collective(step, lambda: self.all_gather(message))
         failures = {self.ranks[i]: m.decode(errors="replace") for i, m in enumerate(messages) if m}
@@ -181,8 +182,7 @@ class Comm:
         from . import protocol as p
 
         if isinstance(request, p.Agree):
-            self.agree(request.step, request.error)
-            return None
+            return self.agree(request.step, request.error, request.values)
         if isinstance(request, p.Pairwise):
             try:
                 value, error = request.fn(self), None
@@ -305,8 +305,9 @@ class SimWorld:
             for r, q in requests.items():
                 if q.error is not None:
                     raise q.error
-                self._add(r, cost_all_max(1, size))
-            return {r: None for r in requests}
+                self._add(r, cost_all_max(1 + len(q.values), size))
+            out = [max(v) for v in zip(*(q.values for q in requests.values()))]
+            return {r: list(out) for r in requests}
         if kind is p.AllMax:
             out = [max(v) for v in zip(*(q.values for q in requests.values()))]
             for r, q in requests.items():

@@ -36,6 +36,8 @@ MAX_METADATA_BYTES = 1 << 30
 _MAX_INT = 1 << 62
 _PLAIN_COLUMN_MAX = 64
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,255}$")
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+_HEX_DIGITS = re.compile(r"[0-9a-f]*")
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -117,14 +119,18 @@ class TensorEntry:
         return np.prod(p.shapes, axis=1, dtype=np.int64) * self.itemsize
 
     def block_starts(self) -> np.ndarray:
-        """(p + 1,) index of every piece's first checksum, then the total."""
-        nblocks = blocks_of(self.piece_nbytes(), self.block_bytes)
-        return np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
+        """(p + 1,) index of every piece's first checksum, then the total (computed once)."""
+        starts = self.__dict__.get("_starts")
+        if starts is None:
+            nblocks = blocks_of(self.piece_nbytes(), self.block_bytes)
+            starts = _frozen(np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64))
+            object.__setattr__(self, "_starts", starts)
+        return starts
 
     def piece(self, i: int, starts: np.ndarray | None = None) -> SavedPiece:
         p = self.pieces
         starts = self.block_starts() if starts is None else starts
-        box = Box(tuple(int(x) for x in p.offsets[i]), tuple(int(x) for x in p.shapes[i]))
+        box = Box(tuple(p.offsets[i].tolist()), tuple(p.shapes[i].tolist()))
         return SavedPiece(
             key=self.key,
             index=i,
@@ -322,7 +328,7 @@ def _decode_column(value: Any, count: int, what: str, hex_digits: bool = False) 
         if len(value) != count:
             raise FormatError(f"{what}: {len(value)} entries, expected {count}")
         if hex_digits:
-            if not all(isinstance(x, str) and re.fullmatch(r"[0-9a-f]{16}", x) for x in value):
+            if not all(isinstance(x, str) and _CHECKSUM.fullmatch(x) for x in value):
                 raise FormatError(f"{what}: checksums must be 16 lowercase hex digits")
             return np.array([int(x, 16) for x in value], dtype=dtype)
         if not all(type(x) is int and -_MAX_INT <= x <= _MAX_INT for x in value):
@@ -538,7 +544,7 @@ def _parse_many(
     if not set(map(type, ints)) <= {int} or not set(map(type, sums)) <= {str} or not set(map(len, sums)) <= {16}:
         return {}
     hex_digits = "".join(sums)
-    if not re.fullmatch(r"[0-9a-f]*", hex_digits):
+    if not _HEX_DIGITS.fullmatch(hex_digits):
         return {}
     try:
         packed = np.array(ints, dtype=np.int64)
@@ -562,7 +568,7 @@ def _parse_many(
     sizes = np.array([itemsize(r[1]) for r in rows], dtype=np.int64)
     nbytes = np.repeat(sizes, counts)
     at = 0
-    for d in np.unique(ndims).tolist():
+    for d in sorted(set(ndims.tolist())):  # (np.unique imports numpy.ma on first use: 20 ms)
         m = int(counts[ndims == d].sum())
         if d and m:
             nbytes[at : at + m] *= np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
@@ -571,7 +577,8 @@ def _parse_many(
         return {}
     nblocks = blocks_of(nbytes, block_bytes)
     piece_start = np.concatenate([[0], np.cumsum(counts)])
-    block_start = np.concatenate([[0], np.cumsum(nblocks)])[piece_start]
+    block_start_all = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
+    block_start = block_start_all[piece_start]
     if int(block_start[-1]) != len(sums) or any(
         len(r[4][4]) != int(block_start[i + 1] - block_start[i]) for i, r in enumerate(rows)
     ):
@@ -594,7 +601,9 @@ def _parse_many(
             checksums=checksums[int(block_start[i]) : int(block_start[i + 1])],
         )
         box_at = box_end
-        out[key] = TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)
+        entry = out[key] = TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)
+        starts = block_start_all[p0 : p1 + 1] - block_start_all[p0]
+        object.__setattr__(entry, "_starts", _frozen(starts))
     return out
 
 

@@ -428,6 +428,14 @@ def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
     p = entry.pieces
     if box.ndim == 0:
         return np.arange(p.count)
+    if p.count <= 16:  # the usual few pieces: plain Python beats numpy's per-call cost
+        lo, hi = box.offsets, box.end
+        hits = [
+            i
+            for i, (o, s) in enumerate(zip(p.offsets.tolist(), p.shapes.tolist()))
+            if all(max(a, b) < min(a + n, c) for a, n, b, c in zip(o, s, lo, hi))
+        ]
+        return np.array(hits, dtype=np.int64)
     lo = np.maximum(p.offsets, np.asarray(box.offsets, dtype=np.int64))
     hi = np.minimum(p.offsets + p.shapes, np.asarray(box.end, dtype=np.int64))
     return np.flatnonzero((hi > lo).all(axis=1))
@@ -440,6 +448,21 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
     if len(rows) < 2 or box.ndim == 0:
         return
     p = entry.pieces
+    if len(rows) <= 16:  # plain Python for a few pieces
+        clipped = []
+        for r in rows.tolist():
+            o, s = p.offsets[r].tolist(), p.shapes[r].tolist()
+            clipped.append(
+                (r, [max(a, b) for a, b in zip(o, box.offsets)], [min(a + n, c) for a, n, c in zip(o, s, box.end)])
+            )
+        for a, (ra, lo_a, hi_a) in enumerate(clipped):
+            for rb, lo_b, hi_b in clipped[a + 1 :]:
+                if all(max(x, y) < min(u, v) for x, y, u, v in zip(lo_a, lo_b, hi_a, hi_b)):
+                    raise PlanError(
+                        f"{entry.key}: saved pieces at offsets {tuple(p.offsets[ra].tolist())} and "
+                        f"{tuple(p.offsets[rb].tolist())} overlap"
+                    )
+        return
     lo = np.maximum(p.offsets[rows], np.asarray(box.offsets, dtype=np.int64))
     hi = np.minimum(p.offsets[rows] + p.shapes[rows], np.asarray(box.end, dtype=np.int64))
     for a in range(len(rows) - 1):

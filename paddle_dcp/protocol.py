@@ -61,8 +61,12 @@ class AllGather:
 
 @dataclass(frozen=True)
 class Agree:
+    """The end of a local step: did it fail on any rank? With ``values``, the same all-reduce
+    also returns their maximum over the ranks (one collective instead of two)."""
+
     step: str
     error: BaseException | None
+    values: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,14 +89,24 @@ Protocol = Generator[Any, Any, Any]
 
 def local(step: str, fn: Callable[[], Any]) -> Protocol:
     """A local step followed by its agreement; returns ``fn()``'s value."""
+    value, _ = yield from local_max(step, fn, lambda value: (), 0)
+    return value
+
+
+def local_max(step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int) -> Protocol:
+    """A local step whose agreement also takes the maximum over the ranks of ``width``
+    integers, ``reduce(fn())``; returns (``fn()``'s value, the maxima)."""
     started = time.perf_counter()
     try:
         value, error = fn(), None
+        values = tuple(int(v) for v in reduce(value))
+        if len(values) != width:
+            raise ValueError(f"step {step}: {len(values)} values to reduce, expected {width}")
     except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the driver
-        value, error = None, exc
+        value, error, values = None, exc, (0,) * width
     logger.debug("step %s: %.4f s", step, time.perf_counter() - started)
-    yield Agree(step, error)
-    return value
+    maxima = yield Agree(step, error, values)
+    return value, maxima
 
 
 def run(comm, protocol: Protocol, until_detach: bool = False):
@@ -274,9 +288,11 @@ class LoadRank:
 
 def load(ctx: LoadRank) -> Protocol:
     """The load protocol of one rank."""
-    listing = yield from local("inspect", ctx.inspect)
-    latest = listing.latest if listing.latest is not None else -1
-    uid = ctx.unique_id if ctx.unique_id is not None else (yield AllMax((latest,)))[0]
+    # the agreement of each step carries the all-reduce that the next decision needs
+    listing, (latest,) = yield from local_max(
+        "inspect", ctx.inspect, lambda listing: (listing.latest if listing.latest is not None else -1,), 1
+    )
+    uid = ctx.unique_id if ctx.unique_id is not None else latest
 
     def find_metadata():
         if uid < 0:
@@ -286,12 +302,13 @@ def load(ctx: LoadRank) -> Protocol:
         digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64
         return meta, files, digest
 
-    meta, files, digest = yield from local("read metadata", find_metadata)
     # which ranks read the metadata and which files each sees. On a shared file system all
     # see the same: one all-reduce proves it (every rank has the metadata, the digests of the
     # file lists agree), a few bytes per rank however large the job. Only when they differ
     # (node-local disks) are the statuses, and then the lists, gathered.
-    no_meta, high, neg_low = yield AllMax((0 if meta is not None else 1, digest, -digest))
+    (meta, files, digest), (no_meta, high, neg_low) = yield from local_max(
+        "read metadata", find_metadata, lambda found: (0 if found[0] is not None else 1, found[2], -found[2]), 3
+    )
     if no_meta == 0 and high == -neg_low:
         statuses = [{"m": True, "h": digest}] * len(ctx.ranks)
     else:
@@ -309,25 +326,32 @@ def load(ctx: LoadRank) -> Protocol:
                 ctx.path,
             )
 
-    yield from local("check", check)
+    if not readers:  # every rank has the same statuses: all of them fail here
+        yield from local("check", check)
     if len(readers) < len(ctx.ranks):
         meta = yield ctx.metadata_from_helpers(readers, meta)
-    work = yield from local("plan", lambda: ctx.plan(meta, uid, listing, statuses))
-    # one all-reduce: does any rank need bytes from another, and do all ranks read the same
-    # tensors of a checkpoint they all see (then they share the checksum work)
-    digest, can_share = work.share_key
-    any_remote, high, neg_low, cannot = yield AllMax((1 if work.remote else 0, digest, -digest, 0 if can_share else 1))
+
+    # with the plan's agreement: does any rank need bytes from another, and do all ranks read
+    # the same tensors of a checkpoint they all see (then they share the checksum work)
+    def plan_key(work):
+        digest, can_share = work.share_key
+        return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
+
+    work, (any_remote, high, neg_low, cannot) = yield from local_max(
+        "plan", lambda: ctx.plan(meta, uid, listing, statuses), plan_key, 4
+    )
     if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
         work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
     clients = yield from route(ctx, work.remote, any_remote)
     # every block is checked before any target changes: a damaged file leaves the state dict
     # as it was on every rank
     yield from local("verify", work.verify_local)
-    if clients is not None:
-        yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
+    if clients is None:  # copying and finishing: one step, one agreement
+        yield from local("read", lambda: (work.read_local(), work.finish()))
+        return uid, work
+    yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
     yield from local("read", work.read_local)
-    if clients is not None:
-        yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
+    yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
     yield from local("values", work.finish)
     return uid, work
 

@@ -466,3 +466,25 @@ def test_lazy_metadata_with_a_gap_is_refused_where_a_target_needs_it():
     # a target that avoids the gap loads
     ops = planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((4, 0), (4, 4)))])
     assert sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies) == 16
+
+
+@pytest.mark.parametrize("count", [3, 16, 17, 40])  # plain Python up to 16 pieces, numpy above
+def test_overlapping_pieces_and_overlap_checks_agree_with_brute_force(count):
+    rng = np.random.default_rng(count)
+    shape = (2 * count, 6)
+    boxes = [((2 * i, 0), (2, 6)) for i in range(count)]
+    meta = _lazy_meta_with_boxes(boxes, shape)
+    entry = meta.tensors["w"]
+    for _ in range(50):
+        lo = [int(rng.integers(0, s)) for s in shape]
+        box = Box(tuple(lo), tuple(int(rng.integers(1, s - a + 1)) for a, s in zip(lo, shape)))
+        want = [i for i, (o, s) in enumerate(boxes) if Box(o, s).intersect(box) is not None]
+        assert planner.overlapping_pieces(entry, box).tolist() == want
+    # the last piece moved one row up overlaps its neighbour: refused wherever a target meets both
+    moved = boxes[:-1] + [((2 * count - 3, 0), (2, 6))]
+    meta = _lazy_meta_with_boxes(moved, shape)
+    whole = planner.TargetPiece("w", "float32", shape, Box((0, 0), shape))
+    with pytest.raises(PlanError, match="overlap"):
+        planner.plan_reads(meta, [whole])
+    top = planner.TargetPiece("w", "float32", shape, Box((0, 0), (2 * count - 4, 6)))
+    assert planner.plan_reads(meta, [top])  # a target away from the overlap plans
