@@ -247,13 +247,15 @@ def rows(boxes, ndim):
 
 
 def tiles(shape, boxes):
-    check_tiling(KEY, shape, *rows(boxes, len(shape)))
+    for few in (16, 0):  # pairwise in Python, and the numpy grid / sweep paths
+        check_tiling(KEY, shape, *rows(boxes, len(shape)), few=few)
 
 
 def refuses(shape, boxes, match=None):
-    with pytest.raises(PlanError, match=match) as info:
-        check_tiling(KEY, shape, *rows(boxes, len(shape)))
-    assert KEY in str(info.value)
+    for few in (16, 0):
+        with pytest.raises(PlanError, match=match) as info:
+            check_tiling(KEY, shape, *rows(boxes, len(shape)), few=few)
+        assert KEY in str(info.value)
 
 
 @st.composite

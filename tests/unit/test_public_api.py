@@ -63,3 +63,24 @@ def test_collective_error_names_ranks_and_survives_pickling():
 
 def test_storage_error_keeps_its_path():
     assert errors.StorageError("cannot read", "/ck/0.metadata").path == "/ck/0.metadata"
+
+
+def test_a_cpu_build_places_every_tensor_in_host_memory_without_asking_each():
+    import paddle
+
+    from paddle_dcp import device
+
+    assert device.host_only_build() == (not paddle.is_compiled_with_cuda())
+    t = paddle.ones([3, 2])
+    assert device.is_host(t)
+    # a build with a device asks the tensor: a CPU tensor is still in host memory
+    device.host_only_build.cache_clear()
+    real = paddle.is_compiled_with_cuda
+    paddle.is_compiled_with_cuda = lambda: True
+    try:
+        assert not device.host_only_build()
+        assert device.is_host(t)
+    finally:
+        paddle.is_compiled_with_cuda = real
+        device.host_only_build.cache_clear()
+    assert device.host_only_build() == (not paddle.is_compiled_with_cuda())
