@@ -441,8 +441,12 @@ class _LoadPlan:
         share of them), before any target changes."""
         if not self.verify:
             return
-        for op in self.local if self.checks is None else self.checks:
+        ops = self.local if self.checks is None else self.checks
+        ahead, done = storage.ReadAhead(self.files, ops), 0
+        for i, op in enumerate(ops):
+            ahead.before(i, done)
             storage.execute_op(op, self.files, [], self.staging, check_only=True)
+            done += op.nbytes
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
@@ -455,9 +459,12 @@ class _LoadPlan:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
         not hashed again; a file written since it was opened is refused once the copy ends."""
         arrays = [b.array for b in self.buffers]
+        ahead, done = storage.ReadAhead(self.files, self.local), 0
         try:
-            for op in self.local:
+            for i, op in enumerate(self.local):
+                ahead.before(i, done)
                 storage.execute_op(op, self.files, arrays, self.staging, verify=False)
+                done += op.nbytes
             self.files.check_unchanged()
         finally:
             if not self.remote:
