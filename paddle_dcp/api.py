@@ -418,11 +418,15 @@ class _LoadPlan:
                 keys = sorted({seg.piece.key for op in self.local if op.file == f for seg in op.segments})
                 raise type(exc)(f"{exc}; it holds {keys}") from None
 
+    def _read_keys(self) -> list[str]:
+        """The checkpoint's tensors this rank reads from its own files, sorted."""
+        return sorted({seg.piece.key for op in self.local for seg in op.segments})
+
     @property
     def share_key(self) -> tuple[int, bool]:
         """(digest of the tensors this rank reads, whether it may share their checks): ranks
         that agree on both check the blocks of those tensors once between them."""
-        keys = sorted({seg.piece.key for op in self.local for seg in op.segments})
+        keys = self._read_keys()
         digest = xxhash.xxh3_64_intdigest("\0".join(keys).encode()) >> 1  # fits an int64
         # every piece of these tensors is dealt out: worth it only when the rank reads a fair
         # part of them (a few ranks resharding), not one piece in thousands (a large job)
@@ -433,20 +437,15 @@ class _LoadPlan:
     def share_checks(self, index: int, count: int) -> None:
         """Check only this rank's share of the blocks (see planner.plan_shared_checks); every
         rank reads the same files and tensors, and the verify step's agreement covers them all."""
-        keys = {seg.piece.key for op in self.local for seg in op.segments}
-        self.checks = planner.plan_shared_checks(self.meta, sorted(keys), index, count)
+        self.checks = planner.plan_shared_checks(self.meta, self._read_keys(), index, count)
 
     def verify_local(self) -> None:
         """Check the checksum of every block this rank will read from its own files (or its
         share of them), before any target changes."""
         if not self.verify:
             return
-        ops = self.local if self.checks is None else self.checks
-        ahead, done = storage.ReadAhead(self.files, ops), 0
-        for i, op in enumerate(ops):
-            ahead.before(i, done)
+        for op in storage.read_ahead(self.files, self.local if self.checks is None else self.checks):
             storage.execute_op(op, self.files, [], self.staging, check_only=True)
-            done += op.nbytes
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
@@ -459,12 +458,9 @@ class _LoadPlan:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
         not hashed again; a file written since it was opened is refused once the copy ends."""
         arrays = [b.array for b in self.buffers]
-        ahead, done = storage.ReadAhead(self.files, self.local), 0
         try:
-            for i, op in enumerate(self.local):
-                ahead.before(i, done)
+            for op in storage.read_ahead(self.files, self.local):
                 storage.execute_op(op, self.files, arrays, self.staging, verify=False)
-                done += op.nbytes
             self.files.check_unchanged()
         finally:
             if not self.remote:

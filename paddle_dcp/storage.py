@@ -458,31 +458,26 @@ def verify_segment(meta: Metadata, files: "FileSet", file: int, seg: Segment, da
 
 
 
-class ReadAhead:
-    """Asks the kernel to start reading the byte ranges of the next ops (``posix_fadvise``
-    WILLNEED) while the current one is hashed or copied: a checkpoint that is on disk rather
-    than in the page cache is then read in large requests ahead of use, not one page fault at
-    a time. At most ``window`` bytes are asked for ahead; pages already cached cost a lookup."""
-
-    def __init__(self, files: "FileSet", ops: Sequence, window: int = 128 << 20):
-        self.files, self.ops, self.window = files, ops, window
-        self._next = 0  # first op not yet advised
-        self._advised_until = 0  # bytes of ops advised, cumulative
-
-    def before(self, index: int, done: int) -> None:
-        """Op ``index`` is next; ``done`` bytes of the ops before it are finished."""
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is None:
-            return
-        while self._next < len(self.ops) and (self._next <= index or self._advised_until - done < self.window):
-            op = self.ops[self._next]
+def read_ahead(files: "FileSet", ops: Sequence, window: int = 128 << 20) -> Iterator:
+    """Yield ``ops`` in order, having asked the kernel to start reading the byte ranges of the
+    next ones (``posix_fadvise`` WILLNEED) while the current one is hashed or copied: a
+    checkpoint on disk rather than in the page cache is then read in large requests ahead of
+    use, not a page fault at a time. At most ``window`` bytes are asked for ahead of the op
+    being worked on; pages already cached cost a lookup."""
+    advise = getattr(os, "posix_fadvise", None)
+    advised = done = 0  # bytes of ops asked for / finished
+    following = 0  # first op not asked for yet
+    for i, op in enumerate(ops):
+        while advise is not None and following < len(ops) and (following <= i or advised - done < window):
+            nxt = ops[following]
             try:
-                advise(self.files.fd(op.file), op.start, op.stop - op.start, os.POSIX_FADV_WILLNEED)
+                advise(files.fd(nxt.file), nxt.start, nxt.stop - nxt.start, os.POSIX_FADV_WILLNEED)
             except OSError:  # a hint only: the read itself reports any real problem
                 pass
-            self._advised_until += op.stop - op.start
-            self._next += 1
-
+            advised += nxt.stop - nxt.start
+            following += 1
+        yield op
+        done += op.stop - op.start
 
 class Staging:
     """One reusable host buffer for reads that cannot land in place (bounded by the plan's

@@ -293,12 +293,12 @@ def test_read_ahead_asks_for_the_next_ranges_in_order_within_its_window(tmp_path
     monkeypatch.setattr(storage.os, "posix_fadvise", lambda fd, start, length, advice: asked.append((start, length)))
     files = SimpleNamespace(fd=lambda index: 3)
     ops = [SimpleNamespace(file=0, start=100 * i, stop=100 * i + 100) for i in range(10)]
-    ahead = storage.ReadAhead(files, ops, window=250)
     done = 0
-    for i, op in enumerate(ops):
-        ahead.before(i, done)
+    seen = []
+    for op in storage.read_ahead(files, ops, window=250):
         assert (op.start, 100) in asked  # the op itself was asked for before it runs
-        advised = sum(length for _, length in asked)
-        assert advised - done <= 250 + 100  # never more than the window (and one op) ahead
+        assert sum(length for _, length in asked) - done <= 250 + 100  # never more than the window ahead
+        seen.append(op)
         done += 100
+    assert seen == ops
     assert asked == [(100 * i, 100) for i in range(10)]  # each range once, in order
