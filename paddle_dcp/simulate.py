@@ -150,6 +150,13 @@ class _PlannedWork(_NoWork):
         self.remote = {}
 
 
+def plan_rank(meta: Metadata, targets: Sequence[planner.TargetPiece]) -> list:
+    """One rank's load planning as a real rank does it: the entries of its tensors parsed
+    together, then its reads."""
+    meta.prefetch(t.key for t in targets)
+    return planner.plan_reads(meta, targets)
+
+
 def targets_of(layout: RankLayout) -> list[planner.TargetPiece]:
     return [planner.TargetPiece(p.key, p.dtype, p.global_shape, p.box) for p in layout.pieces if p.box is not None]
 
@@ -186,7 +193,7 @@ def simulate_load(
         def plan(meta, uid, listing_, statuses):
             if not real:
                 return _NoWork()
-            return _PlannedWork(planner.plan_reads(meta, targets_of(layouts[r])))
+            return _PlannedWork(plan_rank(meta, targets_of(layouts[r])))
 
         return protocol.LoadRank(
             rank=r,

@@ -39,9 +39,8 @@ for candidate in (HERE.parent.parent / "shared" / "scale", HERE.parent / "shared
         sys.path.insert(0, str(candidate))
         break
 
-from paddle_dcp import planner  # noqa: E402
 from paddle_dcp.metadata import Metadata  # noqa: E402
-from paddle_dcp.simulate import RankLayout, simulate_load, simulate_save, targets_of  # noqa: E402
+from paddle_dcp.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of  # noqa: E402
 
 try:
     from workload import Job  # noqa: E402
@@ -80,13 +79,13 @@ def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
     rank = ranks // 2
     meta = Metadata.from_json(meta_json, lazy=True)
     t0 = time.perf_counter()
-    ops = planner.plan_reads(meta, targets_of(layouts[rank]))
+    ops = plan_rank(meta, targets_of(layouts[rank]))
     plan_s = time.perf_counter() - t0
     reshard_job = Job(model, ranks, max(1, tp // 2), pp)
     target = RankLayout.flat(reshard_job.pieces(rank))
     meta = Metadata.from_json(meta_json, lazy=True)
     t0 = time.perf_counter()
-    reshard_ops = planner.plan_reads(meta, targets_of(target))
+    reshard_ops = plan_rank(meta, targets_of(target))
     reshard_s = time.perf_counter() - t0
     log(f"[{ranks}] rank {rank} plans {len(ops)} reads in {plan_s:.3f} s, {len(reshard_ops)} resharded in {reshard_s:.3f} s")
 
