@@ -161,6 +161,17 @@ def split_region(region: Box, max_elements: int, array_shape: Sequence[int]) -> 
     return parts
 
 
+def first_overlap(los: Sequence[Sequence[int]], his: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """The first pair (i, j), i < j, of boxes [los[k], his[k]) that share an element, or None;
+    pairwise in plain Python (for the few boxes most tensors have)."""
+    for i in range(len(los)):
+        lo_a, hi_a = los[i], his[i]
+        for j in range(i + 1, len(los)):
+            if all(max(a, b) < min(c, d) for a, b, c, d in zip(lo_a, los[j], hi_a, his[j])):
+                return i, j
+    return None
+
+
 def check_tiling(
     key: str,
     global_shape: Sequence[int],
@@ -189,11 +200,10 @@ def check_tiling(
             return
         raise PlanError(f"{key}: no piece covers this tensor of shape {global_shape}")
     if p <= few:
-        boxes = [(o, [a + n for a, n in zip(o, s)]) for o, s in zip(offsets.tolist(), shapes.tolist())]
-        for i, (lo_a, hi_a) in enumerate(boxes):
-            for lo_b, hi_b in boxes[i + 1 :]:
-                if all(max(a, b) < min(c, d) for a, b, c, d in zip(lo_a, lo_b, hi_a, hi_b)):
-                    raise PlanError(f"{key}: pieces at offsets {tuple(lo_a)} and {tuple(lo_b)} overlap")
+        los = offsets.tolist()
+        pair = first_overlap(los, [[a + n for a, n in zip(o, s)] for o, s in zip(los, shapes.tolist())])
+        if pair is not None:
+            raise PlanError(f"{key}: pieces at offsets {tuple(los[pair[0]])} and {tuple(los[pair[1]])} overlap")
         covered = sum(math.prod(s) for s in shapes.tolist())
         if require_cover and covered != total:
             raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")

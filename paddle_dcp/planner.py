@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from . import nested
-from .boxes import Box, check_tiling, element_span, is_contiguous, split_region
+from .boxes import Box, check_tiling, element_span, first_overlap, is_contiguous, split_region
 from .dtypes import itemsize
 from .errors import MismatchError, PlanError
 from .naming import data_file_name
@@ -449,19 +449,14 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
         return
     p = entry.pieces
     if len(rows) <= 16:  # plain Python for a few pieces
-        clipped = []
-        for r in rows.tolist():
-            o, s = p.offsets[r].tolist(), p.shapes[r].tolist()
-            clipped.append(
-                (r, [max(a, b) for a, b in zip(o, box.offsets)], [min(a + n, c) for a, n, c in zip(o, s, box.end)])
+        offs, shps = p.offsets[rows].tolist(), p.shapes[rows].tolist()
+        los = [[max(a, b) for a, b in zip(o, box.offsets)] for o in offs]
+        his = [[min(a + n, c) for a, n, c in zip(o, s, box.end)] for o, s in zip(offs, shps)]
+        pair = first_overlap(los, his)
+        if pair is not None:
+            raise PlanError(
+                f"{entry.key}: saved pieces at offsets {tuple(offs[pair[0]])} and {tuple(offs[pair[1]])} overlap"
             )
-        for a, (ra, lo_a, hi_a) in enumerate(clipped):
-            for rb, lo_b, hi_b in clipped[a + 1 :]:
-                if all(max(x, y) < min(u, v) for x, y, u, v in zip(lo_a, lo_b, hi_a, hi_b)):
-                    raise PlanError(
-                        f"{entry.key}: saved pieces at offsets {tuple(p.offsets[ra].tolist())} and "
-                        f"{tuple(p.offsets[rb].tolist())} overlap"
-                    )
         return
     lo = np.maximum(p.offsets[rows], np.asarray(box.offsets, dtype=np.int64))
     hi = np.minimum(p.offsets[rows] + p.shapes[rows], np.asarray(box.end, dtype=np.int64))
