@@ -489,6 +489,28 @@ class _LazyTensors(Mapping):
         return len(self._docs)
 
 
+def _shape_and_count(key: str, t: dict, size: int) -> tuple[tuple[int, ...], int]:
+    """A tensor entry's global shape and piece count, validated (FormatError otherwise)."""
+    shape_doc = t["shape"]
+    if not isinstance(shape_doc, list) or len(shape_doc) > 64:
+        raise FormatError(f"tensor {key!r}: shape must be a list of at most 64 integers")
+    shape = tuple(_int(s, f"tensor {key!r}: shape entry") for s in shape_doc)
+    volume = 1
+    for s in shape:
+        volume *= s
+        if volume * 16 > _MAX_INT:
+            raise FormatError(f"tensor {key!r}: shape {shape} has too many elements")
+    count = _int(t["count"], f"tensor {key!r}: count", 0, 1 << 40)
+    # every piece costs the file at least a byte: a larger count is a lie, refused before
+    # anything is decompressed or allocated for it
+    if count > size or count > max(volume, 1):
+        raise FormatError(
+            f"tensor {key!r}: {count} pieces cannot be described by a {size}-byte metadata file or "
+            f"fit a tensor of {volume} elements"
+        )
+    return shape, count
+
+
 def _parse_many(
     keys: list[str], docs: dict, file_sizes: np.ndarray, block_bytes: int, size: int = MAX_METADATA_BYTES
 ) -> dict[str, TensorEntry]:
@@ -504,19 +526,7 @@ def _parse_many(
         try:
             if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
                 continue
-            shape = t["shape"]
-            if type(shape) is not list or len(shape) > 64:
-                continue
-            volume = 1
-            for s in shape:
-                if type(s) is not int or not 0 <= s <= _MAX_INT:
-                    raise ValueError
-                volume *= s
-                if volume * 16 > _MAX_INT:
-                    raise ValueError
-            count = t["count"]
-            if type(count) is not int or not 0 <= count <= min(1 << 40, size, max(volume, 1)):
-                continue
+            shape, count = _shape_and_count(key, t, size)
             if not shape and count > 1:  # a scalar is one piece
                 continue
             cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
@@ -525,9 +535,9 @@ def _parse_many(
             n = count * len(shape)
             if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
                 continue
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, FormatError):
             continue
-        rows.append((key, t["dtype"], tuple(shape), count, cols))
+        rows.append((key, t["dtype"], shape, count, cols))
     if not rows:
         return {}
     rows.sort(key=lambda r: len(r[2]))  # tensors of one rank are neighbours: their boxes stack
@@ -624,25 +634,9 @@ def _parse_tensor(
     dtype = t["dtype"]
     if dtype not in DTYPE_NAMES:
         raise FormatError(f"tensor {key!r}: unknown dtype {str(dtype)[:40]!r}; supported: {', '.join(DTYPE_NAMES)}")
-    shape_doc = t["shape"]
-    if not isinstance(shape_doc, list) or len(shape_doc) > 64:
-        raise FormatError(f"tensor {key!r}: shape must be a list of at most 64 integers")
-    shape = tuple(_int(s, f"tensor {key!r}: shape entry") for s in shape_doc)
-    volume = 1
-    for s in shape:
-        volume *= s
-        if volume * 16 > _MAX_INT:
-            raise FormatError(f"tensor {key!r}: shape {shape} has too many elements")
+    shape, count = _shape_and_count(key, t, size)
     ndim = len(shape)
-    count = _int(t["count"], f"tensor {key!r}: count", 0, 1 << 40)
     what = f"tensor {key!r}"
-    # every piece costs the file at least a byte: a larger count is a lie, refused before
-    # anything is decompressed or allocated for it
-    if count > size or count > max(volume, 1):
-        raise FormatError(
-            f"{what}: {count} pieces cannot be described by a {size}-byte metadata file or fit a "
-            f"tensor of {volume} elements"
-        )
     offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
     shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
     files = _decode_column(t["file"], count, f"{what}: file")
