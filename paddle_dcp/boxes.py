@@ -161,13 +161,20 @@ def split_region(region: Box, max_elements: int, array_shape: Sequence[int]) -> 
     return parts
 
 
+FEW_BOXES = 16  # up to this many boxes, plain Python beats numpy's cost per call
+
+
+def meet(lo_a: Sequence[int], hi_a: Sequence[int], lo_b: Sequence[int], hi_b: Sequence[int]) -> bool:
+    """True when the boxes [lo_a, hi_a) and [lo_b, hi_b) share an element (plain Python)."""
+    return all(max(a, b) < min(c, d) for a, b, c, d in zip(lo_a, lo_b, hi_a, hi_b))
+
+
 def first_overlap(los: Sequence[Sequence[int]], his: Sequence[Sequence[int]]) -> tuple[int, int] | None:
     """The first pair (i, j), i < j, of boxes [los[k], his[k]) that share an element, or None;
     pairwise in plain Python (for the few boxes most tensors have)."""
     for i in range(len(los)):
-        lo_a, hi_a = los[i], his[i]
         for j in range(i + 1, len(los)):
-            if all(max(a, b) < min(c, d) for a, b, c, d in zip(lo_a, los[j], hi_a, his[j])):
+            if meet(los[i], his[i], los[j], his[j]):
                 return i, j
     return None
 
@@ -178,7 +185,7 @@ def check_tiling(
     offsets: np.ndarray,
     shapes: np.ndarray,
     require_cover: bool = True,
-    few: int = 16,
+    few: int = FEW_BOXES,
 ) -> None:
     """Raise PlanError unless the boxes (rows of ``offsets`` / ``shapes``) tile the tensor
     exactly: every box inside it, no two overlapping, their volumes adding up to the whole

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from . import nested
-from .boxes import Box, check_tiling, element_span, first_overlap, is_contiguous, split_region
+from .boxes import FEW_BOXES, Box, check_tiling, element_span, first_overlap, is_contiguous, meet, split_region
 from .dtypes import itemsize
 from .errors import MismatchError, PlanError
 from .naming import data_file_name
@@ -428,12 +428,12 @@ def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
     p = entry.pieces
     if box.ndim == 0:
         return np.arange(p.count)
-    if p.count <= 16:  # the usual few pieces: plain Python beats numpy's per-call cost
+    if p.count <= FEW_BOXES:
         lo, hi = box.offsets, box.end
         hits = [
             i
             for i, (o, s) in enumerate(zip(p.offsets.tolist(), p.shapes.tolist()))
-            if all(max(a, b) < min(a + n, c) for a, n, b, c in zip(o, s, lo, hi))
+            if meet(o, [a + n for a, n in zip(o, s)], lo, hi)
         ]
         return np.array(hits, dtype=np.int64)
     lo = np.maximum(p.offsets, np.asarray(box.offsets, dtype=np.int64))
@@ -448,7 +448,7 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
     if len(rows) < 2 or box.ndim == 0:
         return
     p = entry.pieces
-    if len(rows) <= 16:  # plain Python for a few pieces
+    if len(rows) <= FEW_BOXES:
         offs, shps = p.offsets[rows].tolist(), p.shapes[rows].tolist()
         los = [[max(a, b) for a, b in zip(o, box.offsets)] for o in offs]
         his = [[min(a + n, c) for a, n, c in zip(o, s, box.end)] for o, s in zip(offs, shps)]
