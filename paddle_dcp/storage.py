@@ -457,7 +457,6 @@ def verify_segment(meta: Metadata, files: "FileSet", file: int, seg: Segment, da
             )
 
 
-
 def read_ahead(files: "FileSet", ops: Sequence, window: int = 128 << 20) -> Iterator:
     """Yield ``ops`` in order, having asked the kernel to start reading the byte ranges of the
     next ones (``posix_fadvise`` WILLNEED) while the current one is hashed or copied: a
@@ -478,6 +477,7 @@ def read_ahead(files: "FileSet", ops: Sequence, window: int = 128 << 20) -> Iter
             following += 1
         yield op
         done += op.stop - op.start
+
 
 class Staging:
     """One reusable host buffer for reads that cannot land in place (bounded by the plan's
