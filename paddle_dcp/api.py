@@ -518,24 +518,11 @@ def _plan_load(
             planner.check_targets(meta, [target])
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
     try:
-        ops = [_retarget(op, index) for op in planner.plan_reads(meta, targets)]
+        ops = planner.plan_reads(meta, targets, slots=index)
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
     return _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
-
-
-def _retarget(op: planner.ReadOp, index: list[int]) -> planner.ReadOp:
-    segments = tuple(
-        planner.Segment(
-            s.piece,
-            s.start,
-            s.stop,
-            tuple(planner.Copy(index[c.target], c.region_in_saved, c.region_in_target) for c in s.copies),
-        )
-        for s in op.segments
-    )
-    return planner.ReadOp(op.file, op.start, op.stop, segments, op.direct)
 
 
 def _partial_fill(held) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import add, mul, sub
 from typing import Sequence
 
 import numpy as np
@@ -42,7 +43,7 @@ class Box:
 
     @property
     def end(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.shape))
+        return tuple(map(add, self.offsets, self.shape))
 
     @property
     def volume(self) -> int:
@@ -50,11 +51,11 @@ class Box:
 
     def intersect(self, other: "Box") -> "Box | None":
         """The common part of two boxes in the same space, or None when it is empty."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
-        if any(h <= l for l, h in zip(lo, hi)):
+        lo = tuple(map(max, self.offsets, other.offsets))
+        shape = tuple(map(sub, map(min, self.end, other.end), lo))
+        if shape and min(shape) <= 0:
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, shape)
 
     def contains(self, other: "Box") -> bool:
         return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
@@ -63,7 +64,7 @@ class Box:
 
     def relative_to(self, origin: "Box") -> "Box":
         """This box expressed in the coordinates of ``origin`` (which must contain it)."""
-        return Box(tuple(a - b for a, b in zip(self.offsets, origin.offsets)), self.shape)
+        return Box(tuple(map(sub, self.offsets, origin.offsets)), self.shape)
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
@@ -129,10 +130,14 @@ def element_span(shape: Sequence[int], region: Box) -> tuple[int, int]:
     """[first, last + 1) flat element indices of ``region`` inside a C-order array of ``shape``."""
     if region.volume == 0:
         return 0, 0
-    strides = c_strides(shape)
-    first = sum(o * s for o, s in zip(region.offsets, strides))
-    last = sum((e - 1) * s for e, s in zip(region.end, strides))
-    return first, last + 1
+    return strided_span(region.offsets, region.shape, c_strides(shape))
+
+
+def strided_span(offsets: Sequence[int], shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int]:
+    """[first, last + 1) flat element indices of the non-empty region ``offsets`` + ``shape``
+    of an array with element ``strides`` (:func:`c_strides` of its shape)."""
+    first = sum(map(mul, offsets, strides))
+    return first, first + sum(map(mul, shape, strides)) - sum(strides) + 1
 
 
 def is_contiguous(shape: Sequence[int], region: Box) -> bool:

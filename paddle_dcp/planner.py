@@ -12,13 +12,15 @@ without asking any other rank.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from operator import add, sub
 from typing import Sequence
 
 import numpy as np
 
 from . import nested
-from .boxes import FEW_BOXES, Box, check_tiling, element_span, first_overlap, is_contiguous, meet, split_region
+from .boxes import FEW_BOXES, Box, c_strides, check_tiling, first_overlap, meet, split_region, strided_span
 from .dtypes import itemsize
 from .errors import MismatchError, PlanError
 from .naming import data_file_name
@@ -470,12 +472,28 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
             )
 
 
+def _plan_scalar(entry: TensorEntry, slot: int, starts_cache: dict, segments: list, direct_min_bytes: int) -> None:
+    """The segment of a 0-d target: its one saved piece, whole."""
+    starts = starts_cache.get(entry.key)
+    if starts is None:
+        starts = starts_cache[entry.key] = entry.block_starts()
+    if entry.pieces.count != 1:
+        raise PlanError(
+            f"{entry.key}: the checkpoint's pieces cover {entry.pieces.count} of the 1 elements of the target box {Box((), ())}"
+        )
+    piece = entry.piece(0, starts)
+    scalar = Box((), ())
+    seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, scalar, scalar),))
+    segments.append((piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes))
+
+
 def plan_reads(
     meta: Metadata,
     targets: Sequence[TargetPiece],
     max_read_bytes: int = 32 << 20,
     coalesce_gap: int = 1 << 16,
     direct_min_bytes: int = 1 << 20,
+    slots: Sequence[int] | None = None,
 ) -> list[ReadOp]:
     """The reads that fill every target piece exactly, sorted by file and offset.
 
@@ -484,6 +502,7 @@ def plan_reads(
     outer dims; neighbouring segments of one file less than ``coalesce_gap`` bytes apart are
     merged into one read of at most ``max_read_bytes`` (many small pieces, one syscall);
     exact segments of at least ``direct_min_bytes`` stay alone so they can land in place.
+    Copies name target ``i`` by ``slots[i]`` when given (the caller's own numbering), else by i.
 
     Raises:
         MismatchError: a target's shape or dtype differs from the checkpoint's.
@@ -492,62 +511,79 @@ def plan_reads(
     check_targets(meta, targets)
     block = meta.block_bytes
     max_read_bytes = max(max_read_bytes, 2 * block + 64)
+    if slots is not None and len(slots) != len(targets):
+        raise ValueError(f"{len(slots)} slots for {len(targets)} targets")
     segments: list[tuple[int, int, int, Segment, bool, bool]] = []
     starts_cache: dict[str, np.ndarray] = {}
     for ti, t in enumerate(targets):
+        slot = ti if slots is None else slots[ti]
         entry = meta.tensors[t.key]
-        if t.box.volume == 0 and t.box.ndim > 0:
+        tbox = t.box
+        if tbox.ndim == 0:
+            _plan_scalar(entry, slot, starts_cache, segments, direct_min_bytes)
+            continue
+        if 0 in tbox.shape:
             continue
         isz = entry.itemsize
         starts = starts_cache.get(t.key)
         if starts is None:
             starts = starts_cache[t.key] = entry.block_starts()
-        hits = overlapping_pieces(entry, t.box)
-        if len(hits) == 1 and t.box.ndim:
+        hits = overlapping_pieces(entry, tbox)
+        if len(hits) == 1:
             piece = entry.piece(int(hits[0]), starts)
-            if piece.box == t.box and piece.nbytes <= max_read_bytes - 2 * block:
+            if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
                 # the target is exactly one saved piece (a load into the layout that saved):
                 # one exact segment, no arithmetic on regions
-                whole = Box((0,) * t.box.ndim, t.box.shape)
-                seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(ti, whole, whole),))
+                whole = Box((0,) * tbox.ndim, tbox.shape)
+                seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, whole, whole),))
                 segments.append((piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes))
                 continue
-        _check_disjoint(entry, t.box, hits)
+        _check_disjoint(entry, tbox, hits)
+        max_elems = max(1, (max_read_bytes - 2 * block) // isz)
+        t_lo, t_hi = tbox.offsets, tbox.end
+        t_strides = c_strides(tbox.shape)
         covered = 0
         for i in hits.tolist():
             piece = entry.piece(i, starts)
-            overlap = piece.box.intersect(t.box) if piece.box.ndim else piece.box
-            if overlap is None:
+            pbox = piece.box
+            lo = tuple(map(max, pbox.offsets, t_lo))
+            shape = tuple(map(sub, map(min, pbox.end, t_hi), lo))
+            if min(shape) <= 0:
                 continue
-            covered += overlap.volume
-            in_saved = overlap.relative_to(piece.box)
-            in_target = overlap.relative_to(t.box)
-            max_elems = max(1, (max_read_bytes - 2 * block) // isz)
-            parts = split_region(in_saved, max_elems, piece.box.shape) if in_saved.ndim else [in_saved]
-            for part in parts:
-                first, stop = element_span(piece.box.shape, part) if part.ndim else (0, 1)
+            volume = math.prod(shape)
+            covered += volume
+            in_saved = Box(tuple(map(sub, lo, pbox.offsets)), shape)
+            in_target = Box(tuple(map(sub, lo, t_lo)), shape)
+            p_strides = c_strides(pbox.shape)
+            first, stop = strided_span(in_saved.offsets, shape, p_strides)
+            if stop - first <= max_elems:
+                parts = [(in_saved, in_target, first, stop)]
+            else:  # cut along the outer dims into reads of at most max_read_bytes
+                parts = []
+                for part in split_region(in_saved, max_elems, pbox.shape):
+                    shift = tuple(map(sub, part.offsets, in_saved.offsets))
+                    part_in_target = Box(tuple(map(add, in_target.offsets, shift)), part.shape)
+                    parts.append((part, part_in_target, *strided_span(part.offsets, part.shape, p_strides)))
+            for part, part_in_target, first, stop in parts:
                 b0 = (first * isz) // block * block
                 b1 = min(-(-(stop * isz) // block) * block, piece.nbytes)
-                shift = tuple(a - b for a, b in zip(part.offsets, in_saved.offsets))
-                part_in_target = Box(tuple(a + s for a, s in zip(in_target.offsets, shift)), part.shape)
                 seg = Segment(
                     piece=piece,
                     start=piece.byte_offset + b0,
                     stop=piece.byte_offset + b1,
-                    copies=(Copy(ti, part, part_in_target),),
+                    copies=(Copy(slot, part, part_in_target),),
                 )
-                exact = (
-                    b0 == first * isz
-                    and b1 == stop * isz
-                    and (part.ndim == 0 or is_contiguous(piece.box.shape, part))
-                    and (part.ndim == 0 or is_contiguous(t.box.shape, part_in_target))
-                )
+                part_volume = volume if part is in_saved else part.volume
+                exact = b0 == first * isz and b1 == stop * isz and stop - first == part_volume
+                if exact:
+                    t_first, t_stop = strided_span(part_in_target.offsets, part.shape, t_strides)
+                    exact = t_stop - t_first == part_volume
                 alone = exact and (b1 - b0) >= direct_min_bytes
                 segments.append((piece.file, seg.start, seg.stop, seg, exact, alone))
-        if covered != t.box.volume:
+        if covered != tbox.volume:
             raise PlanError(
-                f"{t.key}: the checkpoint's pieces cover {covered} of the {t.box.volume} elements "
-                f"of the target box {t.box}"
+                f"{t.key}: the checkpoint's pieces cover {covered} of the {tbox.volume} elements "
+                f"of the target box {tbox}"
             )
     segments.sort(key=lambda s: (s[0], s[1]))
     ops: list[ReadOp] = []

@@ -374,6 +374,27 @@ def test_plan_reads_refuses_a_target_of_another_shape_or_dtype(tmp_path):
     assert all(w in str(info.value) for w in ["model.w", "float32", "float16"])
 
 
+
+def test_plan_reads_names_each_target_by_its_slot(tmp_path):
+    shape = {"w": (6, 4), "s": ()}
+    dtypes = {"w": "float32", "s": "int64"}
+    arrays = arrays_for(shape, dtypes, 3)
+    save_checkpoint(str(tmp_path), arrays, dtypes, (2,), {"w": (0,), "s": (None,)})
+    meta = storage.read_metadata(str(tmp_path), 0)
+    targets = [
+        planner.TargetPiece("model.w", "float32", (6, 4), Box((0, 1), (6, 2))),  # both saved pieces
+        planner.TargetPiece("model.s", "int64", (), Box((), ())),
+    ]
+    plain = planner.plan_reads(meta, targets)
+    slotted = planner.plan_reads(meta, targets, slots=[7, 3])
+    assert sorted(c.target for op in plain for seg in op.segments for c in seg.copies) == [0, 0, 1]
+    named = [c.target for op in slotted for seg in op.segments for c in seg.copies]
+    assert named == [{0: 7, 1: 3}[c.target] for op in plain for seg in op.segments for c in seg.copies]
+    strip = lambda ops: [(o.file, o.start, o.stop, [(s.start, s.stop, [(c.region_in_saved, c.region_in_target) for c in s.copies]) for s in o.segments]) for o in ops]  # noqa: E731
+    assert strip(plain) == strip(slotted)
+    with pytest.raises(ValueError, match="1 slots for 2 targets"):
+        planner.plan_reads(meta, targets, slots=[0])
+
 # ------------------------------------------------------------------ keys
 @pytest.mark.parametrize(
     "a, b",
