@@ -115,8 +115,13 @@ class TensorEntry:
         return math.prod(self.shape) * self.itemsize
 
     def piece_nbytes(self) -> np.ndarray:
-        p = self.pieces
-        return np.prod(p.shapes, axis=1, dtype=np.int64) * self.itemsize
+        """(p,) bytes of every piece (computed once)."""
+        nbytes = self.__dict__.get("_nbytes")
+        if nbytes is None:
+            p = self.pieces
+            nbytes = _frozen(np.multiply.reduce(p.shapes, axis=1, dtype=np.int64) * self.itemsize)
+            object.__setattr__(self, "_nbytes", nbytes)
+        return nbytes
 
     def block_starts(self) -> np.ndarray:
         """(p + 1,) index of every piece's first checksum, then the total (computed once)."""

@@ -653,31 +653,26 @@ def plan_shared_checks(
     else:  # only empty pieces: one block each, dealt out in turn
         owner = np.arange(len(length)) % count
     mine = np.flatnonzero(owner == index)
+    # consecutive blocks of one piece make one segment of at most max_blocks blocks
+    cut = np.ones(len(mine), dtype=bool)
+    cut[1:] = (np.diff(mine) != 1) | (np.diff(piece_of[mine]) != 0)
+    run_id = np.cumsum(cut) - 1
+    run_first = np.flatnonzero(cut)
+    max_blocks = max(1, max_read_bytes // block)
+    cut |= (np.arange(len(mine)) - run_first[run_id]) % max_blocks == 0
+    heads = np.flatnonzero(cut)
+    tails = np.append(heads[1:], len(mine)) - 1
     segments: list[tuple[int, int, int, Segment]] = []
     block_starts: dict[int, np.ndarray] = {}
-    max_blocks = max(1, max_read_bytes // block)
-    run_start = 0
-    while run_start < len(mine):  # consecutive blocks of one piece make one segment
-        run_end = run_start + 1
-        pos = int(piece_of[mine[run_start]])
-        while (
-            run_end < len(mine)
-            and run_end - run_start < max_blocks
-            and mine[run_end] == mine[run_end - 1] + 1
-            and piece_of[mine[run_end]] == pos
-        ):
-            run_end += 1
+    for pos, first, last in zip(piece_of[mine[heads]].tolist(), k[mine[heads]].tolist(), k[mine[tails]].tolist()):
         e = int(which[pos])
         entry = entries[e]
         if e not in block_starts:
             block_starts[e] = entry.block_starts()
         piece = entry.piece(int(row[pos]), block_starts[e])
-        first = int(k[mine[run_start]])
-        last = int(k[mine[run_end - 1]])
         seg_start = piece.byte_offset + first * block
         seg_stop = min(piece.byte_offset + (last + 1) * block, piece.byte_offset + piece.nbytes)
         segments.append((piece.file, seg_start, seg_stop, Segment(piece, seg_start, seg_stop, ())))
-        run_start = run_end
     ops: list[ReadOp] = []
     group: list[tuple[int, int, int, Segment]] = []
     for item in segments:
