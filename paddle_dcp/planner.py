@@ -653,6 +653,8 @@ def plan_shared_checks(
     else:  # only empty pieces: one block each, dealt out in turn
         owner = np.arange(len(length)) % count
     mine = np.flatnonzero(owner == index)
+    if not len(mine):
+        return []
     # consecutive blocks of one piece make one segment of at most max_blocks blocks
     cut = np.ones(len(mine), dtype=bool)
     cut[1:] = (np.diff(mine) != 1) | (np.diff(piece_of[mine]) != 0)
