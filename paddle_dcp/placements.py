@@ -88,6 +88,15 @@ def _mesh_dims_of_tensor_dims(key: str, placements, ndim: int) -> tuple[list[lis
     return [[m for _, m in sorted(ds)] for ds in dims], partial
 
 
+def _coord(index: int, mesh_shape: list[int]) -> tuple[int, ...]:
+    """The mesh coordinate of the ``index``-th process id (C order), as np.unravel_index."""
+    coord = []
+    for extent in reversed(mesh_shape):
+        index, c = divmod(index, extent)
+        coord.append(c)
+    return tuple(reversed(coord))
+
+
 def describe(key: str, value: Any, rank: int) -> Held:
     """What ``rank`` holds of the state-dict tensor ``value``.
 
@@ -106,7 +115,7 @@ def describe(key: str, value: Any, rank: int) -> Held:
     mesh_shape = [int(s) for s in mesh.shape]
     if rank not in ids or not value._is_initialized():
         return Held(LocalPiece(key, dtype, shape, None), None)
-    coord = tuple(int(c) for c in np.unravel_index(ids.index(rank), mesh_shape))
+    coord = _coord(ids.index(rank), mesh_shape)
     dims, partial = _mesh_dims_of_tensor_dims(key, value.placements, len(shape))
     box = shard_box(shape, mesh_shape, dims, coord)
     local = value._local_value()
