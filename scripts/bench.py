@@ -39,8 +39,10 @@ memory just freed, "warm"; and with O_DIRECT, past the page cache), then read ba
 readinto, for k = 1 and each rank count; the best of the repeats is shown as the limit a
 library could reach. Each rank waits ``--settle`` seconds before its timed call, so memory a
 VM with free page reporting hands back to its host is in the same state for every library,
-and the files of a checkpoint are read once before each load, so every load reads from the
-page cache (docs/performance.md explains both).
+and the files of a checkpoint are read before each load (by the bench, and again by the ranks
+after that wait, just before the timed call), so every load reads from the page cache; each
+load reports the fraction of the checkpoint's pages cached when its call started
+(docs/performance.md explains all three).
 
 Quick smoke run (every code path, about a minute):
     .venv/bin/python scripts/bench.py --size 16M --repeat 1 --ranks 2
@@ -337,6 +339,7 @@ class Run:
     blocked: list = field(default_factory=list)           # save-async: per rank, until the call returned
     rss_growth_at_return: list = field(default_factory=list)  # save-async: per rank, bytes
     later: dict = field(default_factory=dict)  # save-async: the same process's next saves, per rank
+    cached: list = field(default_factory=list)  # loads: per rank, fraction of the checkpoint's pages cached at the start
 
     @property
     def slowest(self) -> float:
@@ -434,6 +437,7 @@ def launch(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str,
         run.checked_bytes = [res.get("checked_bytes", 0) for res in done]
         run.patched = any(res.get("patched_gpu_staging") for res in done)
         run.rss_method = done[0].get("rss_method", "")
+        run.cached = [res["cached_before"] for res in done if res.get("cached_before") is not None]
         if phase == "save-async":
             run.blocked = [res["blocked_seconds"] for res in done]
             run.rss_growth_at_return = [res["rss_growth_at_return"] for res in done]
@@ -493,7 +497,8 @@ def describe(run: Run, logical: int) -> str:
         return (f"blocked {max(run.blocked):.3f} s, {gbps:6.3f} GB/s until wait() ({run.slowest:.3f} s), "
                 f"peak RSS growth {max(run.rss_growth_at_return) / workload.MiB:.0f} MiB/rank at return, "
                 f"{mib:.0f} until wait(){checked}")
-    return f"{gbps:6.3f} GB/s ({run.slowest:.3f} s), peak RSS growth {mib:.0f} MiB/rank{checked}"
+    cached = f", {100 * min(run.cached):.1f}% of its pages cached at the start" if run.cached else ""
+    return f"{gbps:6.3f} GB/s ({run.slowest:.3f} s), peak RSS growth {mib:.0f} MiB/rank{checked}{cached}"
 
 
 def run_benchmark(args) -> dict:
@@ -632,6 +637,7 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
                     {"repeat": r.repeat, "ok": r.ok, "error": r.error, "seconds_per_rank": r.seconds,
                      "rss_growth_per_rank": r.rss_growth, "checked_bytes_per_rank": r.checked_bytes,
                      "gbps": logical / r.slowest / GB if r.ok else None, "launch_seconds": r.wall,
+                     "cached_fraction_per_rank": r.cached,
                      **({"blocked_seconds_per_rank": r.blocked, "rss_growth_at_return_per_rank": r.rss_growth_at_return,
                          **{k + "_per_rank": v for k, v in r.later.items()}}
                         if phase == "save-async" else {})}
@@ -640,6 +646,7 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
                 "ok_runs": len(good),
                 "gpu_staging_patched": any(r.patched for r in mine),
                 "rss_method": next((r.rss_method for r in mine if r.rss_method), ""),
+                "cached_fraction_min": min((min(r.cached) for r in good if r.cached), default=None),
             }
             if good:
                 best = max(good, key=lambda r: logical / r.slowest)
@@ -894,6 +901,11 @@ def format_report(res: dict) -> str:
         else:
             read = " / ".join(f"{pc[k]['read_gbps']:.2f}" for k in counts)
             out.append(f"page cache read GB/s from {' / '.join(counts)} thread(s): {read}")
+            cached = [(LIB_TITLE[lib], stat["cached_fraction_min"]) for lib, stat in entry["libs"].items()
+                      if stat.get("cached_fraction_min") is not None]
+            if cached:
+                out.append("checkpoint pages in the page cache when the timed call started, lowest of the runs: "
+                           + ", ".join(f"{title} {100 * f:.1f}%" for title, f in cached))
     if any(s.get("gpu_staging_patched") for e in res["phases"] for s in e["libs"].values()):
         out.append("")
         out.append("* paddle built-in with its GPU staging patched out (Tensor.cuda returns the tensor itself,"
