@@ -319,10 +319,6 @@ def _next_saves(lib, sd, ckpt) -> dict:
     out = {}
     for name, options in (("next_async", {"async_save": True}), ("next_full", {})):
         _settle(lib)
-        if phase not in SAVES:
-            _warm(ckpt, lib.rank, lib.ranks)
-            lib.barrier()
-            result["cached_before"] = cached_fraction(ckpt)
         memory = PeakRss()
         with memory:
             t0 = time.perf_counter()
