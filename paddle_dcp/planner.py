@@ -479,7 +479,8 @@ def _plan_scalar(entry: TensorEntry, slot: int, starts_cache: dict, segments: li
         starts = starts_cache[entry.key] = entry.block_starts()
     if entry.pieces.count != 1:
         raise PlanError(
-            f"{entry.key}: the checkpoint's pieces cover {entry.pieces.count} of the 1 elements of the target box {Box((), ())}"
+            f"{entry.key}: the checkpoint's pieces cover {entry.pieces.count} of the 1 elements "
+            f"of the target box {Box((), ())}"
         )
     piece = entry.piece(0, starts)
     scalar = Box((), ())
