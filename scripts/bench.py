@@ -73,6 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import bench_workload as workload  # noqa: E402
+import bench_worker  # noqa: E402  (its file reading: the ranks do the same before a timed load)
 
 WORKER = os.path.join(HERE, "bench_worker.py")
 LIBS = ("ours", "paddle", "torch")
@@ -471,17 +472,6 @@ def parse_ranks(text: str) -> list:
     return out
 
 
-def cache_files(directory: str) -> None:
-    """Read every file under ``directory`` once, so a load reads from the page cache: a daemon
-    may have evicted pages idle for a minute (this VM runs DAMON with a pageout scheme)."""
-    import numpy as np
-
-    buf = memoryview(np.ones(IO_BUFFER, dtype=np.uint8))
-    for root, _, files in os.walk(directory):
-        for name in files:
-            _read_file(os.path.join(root, name), buf)
-
-
 def rotated(items: list, k: int) -> list:
     k %= max(len(items), 1)
     return items[k:] + items[:k]
@@ -579,7 +569,7 @@ def run_benchmark(args) -> dict:
                             runs.append(Run(lib, phase, ranks, rep, error=f"no checkpoint: {prep.error}"))
                             continue
                     if phase not in SAVES:
-                        cache_files(ckpt)
+                        bench_worker.read_files(ckpt)
                     run = launch(lib, phase, ranks, size, ckpt, run_dir, timeout, rep, args.settle)
                     runs.append(run)
                     if phase == "save":

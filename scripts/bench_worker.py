@@ -258,17 +258,16 @@ def _check_all(lib, sd, specs, layout_of) -> int:
     return checked
 
 
-def _warm(directory: str, rank: int, ranks: int) -> None:
-    """Read this rank's share of the checkpoint's files (every ranks-th file), so the timed load
-    finds every page in the page cache. The bench reads the files before the launch too, but this
-    VM's DAMON pages out memory it has seen idle (see docs/performance.md, "Machine"): in the
-    ten seconds a launch takes before its timed call, 2 to 9% of the pages were gone, and the
-    load that met them first read them from disk, whichever library it was."""
+def read_files(directory: str, rank: int = 0, ranks: int = 1) -> None:
+    """Read the files under ``directory`` (every ``ranks``-th, from the ``rank``-th, in sorted
+    order), so that a load finds their pages in the page cache. The bench reads a checkpoint
+    this way before each load's launch, and the ranks read their shares again just before the
+    timed call: this VM's DAMON pages out memory it has seen idle (docs/performance.md,
+    "Machine"), and in the ten seconds a launch takes before its call 1 to 9% of the pages were
+    gone, read back from disk by whichever library met them first."""
+    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
     buf = memoryview(bytearray(16 * workload.MiB))
-    for i, name in enumerate(sorted(os.listdir(directory))):
-        path = os.path.join(directory, name)
-        if i % ranks != rank or not os.path.isfile(path):
-            continue
+    for path in paths[rank::ranks]:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
@@ -351,7 +350,7 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
         result["build_seconds"] = time.perf_counter() - started
         _settle(lib)
         if phase not in SAVES:
-            _warm(ckpt, lib.rank, lib.ranks)
+            read_files(ckpt, lib.rank, lib.ranks)
             lib.barrier()
             result["cached_before"] = cached_fraction(ckpt)
         memory = PeakRss()

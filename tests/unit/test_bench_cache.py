@@ -30,5 +30,5 @@ def test_cached_fraction_sees_pages_dropped_from_the_page_cache_and_read_back(tm
         pytest.skip("this kernel kept the pages (DONTNEED is advice)")
     assert dropped <= 0.75  # most of the second file's pages are gone
     for rank in range(2):  # each rank reads its share of the files: all pages are back
-        bench_worker._warm(str(tmp_path), rank, 2)
+        bench_worker.read_files(str(tmp_path), rank, 2)
     assert bench_worker.cached_fraction(str(tmp_path)) == 1.0
