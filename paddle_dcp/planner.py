@@ -12,7 +12,6 @@ without asking any other rank.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from operator import add, sub
 from typing import Sequence
@@ -472,22 +471,6 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
             )
 
 
-def _plan_scalar(entry: TensorEntry, slot: int, starts_cache: dict, segments: list, direct_min_bytes: int) -> None:
-    """The segment of a 0-d target: its one saved piece, whole."""
-    starts = starts_cache.get(entry.key)
-    if starts is None:
-        starts = starts_cache[entry.key] = entry.block_starts()
-    if entry.pieces.count != 1:
-        raise PlanError(
-            f"{entry.key}: the checkpoint's pieces cover {entry.pieces.count} of the 1 elements "
-            f"of the target box {Box((), ())}"
-        )
-    piece = entry.piece(0, starts)
-    scalar = Box((), ())
-    seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, scalar, scalar),))
-    segments.append((piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes))
-
-
 def plan_reads(
     meta: Metadata,
     targets: Sequence[TargetPiece],
@@ -520,10 +503,7 @@ def plan_reads(
         slot = ti if slots is None else slots[ti]
         entry = meta.tensors[t.key]
         tbox = t.box
-        if tbox.ndim == 0:
-            _plan_scalar(entry, slot, starts_cache, segments, direct_min_bytes)
-            continue
-        if 0 in tbox.shape:
+        if 0 in tbox.shape:  # an empty target reads nothing
             continue
         isz = entry.itemsize
         starts = starts_cache.get(t.key)
@@ -533,30 +513,27 @@ def plan_reads(
         if len(hits) == 1:
             piece = entry.piece(int(hits[0]), starts)
             if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
-                # the target is exactly one saved piece (a load into the layout that saved):
-                # one exact segment, no arithmetic on regions
+                # the target is exactly one saved piece (a load into the layout that saved, or
+                # a scalar): one exact segment, no arithmetic on regions
                 whole = Box((0,) * tbox.ndim, tbox.shape)
                 seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, whole, whole),))
                 segments.append((piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes))
                 continue
         _check_disjoint(entry, tbox, hits)
         max_elems = max(1, (max_read_bytes - 2 * block) // isz)
-        t_lo, t_hi = tbox.offsets, tbox.end
         t_strides = c_strides(tbox.shape)
         covered = 0
         for i in hits.tolist():
             piece = entry.piece(i, starts)
             pbox = piece.box
-            lo = tuple(map(max, pbox.offsets, t_lo))
-            shape = tuple(map(sub, map(min, pbox.end, t_hi), lo))
-            if min(shape) <= 0:
+            overlap = pbox.intersect(tbox)
+            if overlap is None:
                 continue
-            volume = math.prod(shape)
-            covered += volume
-            in_saved = Box(tuple(map(sub, lo, pbox.offsets)), shape)
-            in_target = Box(tuple(map(sub, lo, t_lo)), shape)
+            covered += overlap.volume
+            in_saved = overlap.relative_to(pbox)
+            in_target = overlap.relative_to(tbox)
             p_strides = c_strides(pbox.shape)
-            first, stop = strided_span(in_saved.offsets, shape, p_strides)
+            first, stop = strided_span(in_saved.offsets, in_saved.shape, p_strides)
             if stop - first <= max_elems:
                 parts = [(in_saved, in_target, first, stop)]
             else:  # cut along the outer dims into reads of at most max_read_bytes
@@ -574,11 +551,10 @@ def plan_reads(
                     stop=piece.byte_offset + b1,
                     copies=(Copy(slot, part, part_in_target),),
                 )
-                part_volume = volume if part is in_saved else part.volume
-                exact = b0 == first * isz and b1 == stop * isz and stop - first == part_volume
+                exact = b0 == first * isz and b1 == stop * isz and stop - first == part.volume
                 if exact:
                     t_first, t_stop = strided_span(part_in_target.offsets, part.shape, t_strides)
-                    exact = t_stop - t_first == part_volume
+                    exact = t_stop - t_first == part.volume
                 alone = exact and (b1 - b0) >= direct_min_bytes
                 segments.append((piece.file, seg.start, seg.stop, seg, exact, alone))
         if covered != tbox.volume:

@@ -495,6 +495,16 @@ def test_lazy_metadata_with_a_gap_is_refused_where_a_target_needs_it():
     assert sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies) == 16
 
 
+def test_a_scalar_loads_from_its_one_piece_and_is_refused_without_one():
+    target = planner.TargetPiece("w", "float32", (), Box((), ()))
+    one = planner.plan_reads(_lazy_meta_with_boxes([((), ())], shape=()), [target])
+    assert [(op.start, op.stop, op.direct) for op in one] == [(0, 4, True)]
+    with pytest.raises(PlanError, match="w: the checkpoint's pieces cover 0 of the 1 elements"):
+        planner.plan_reads(_lazy_meta_with_boxes([], shape=()), [target])
+    with pytest.raises(FormatError, match="2 pieces"):  # two pieces of a scalar: refused when parsed
+        planner.plan_reads(_lazy_meta_with_boxes([((), ())] * 2, shape=()), [target])
+
+
 @pytest.mark.parametrize("count", [3, 16, 17, 40])  # plain Python up to 16 pieces, numpy above
 def test_overlapping_pieces_and_overlap_checks_agree_with_brute_force(count):
     rng = np.random.default_rng(count)
