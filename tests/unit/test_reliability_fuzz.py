@@ -141,7 +141,7 @@ def mutation(draw, doc):
             sums[draw(st.integers(0, len(sums) - 1))] = draw(st.sampled_from(["0" * 16, "f" * 16, "0123456789abcdef"]))
         elif isinstance(sums, str) and sums.startswith("z:") and packed(sums) is not None:
             values = packed(sums)
-            values[draw(st.integers(0, len(values) - 1))] ^= 1 << draw(st.integers(0, 63))
+            values[draw(st.integers(0, len(values) - 1))] ^= np.uint64(1 << draw(st.integers(0, 63)))
             t["checksums"] = pack(values)
     elif how == "drop":
         del parent[last]
