@@ -15,6 +15,7 @@ from .errors import (
     MismatchError,
     PlanError,
     StorageError,
+    UnsupportedError,
 )
 from .gather import save_gathered
 from .metadata import FORMAT_VERSION
@@ -37,6 +38,7 @@ __all__ = [
     "StorageError",
     "CollectiveError",
     "PlanError",
+    "UnsupportedError",
     "FORMAT_VERSION",
     "__version__",
 ]

@@ -21,7 +21,7 @@ import xxhash
 from . import exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
-from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError
+from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
 from .metadata import DEFAULT_BLOCK_BYTES, Metadata
 from .placements import describe, has_partial, is_tensor, reduce_partial, rewrap
 from .version import __version__
@@ -34,6 +34,13 @@ def _check_id(unique_id) -> None:
         raise DcpError(f"unique_id must be a non-negative int or None, got {unique_id!r}")
 
 
+def _not_yet(**arguments) -> None:
+    """Refuse paddle's arguments this version does not implement yet (never ignore them)."""
+    given = [name for name, value in arguments.items() if value not in (None, False)]
+    if given:
+        raise UnsupportedError(f"paddle_dcp does not support {', '.join(given)} yet")
+
+
 # ============================================================================ save
 def save_state_dict(
     state_dict: dict,
@@ -42,6 +49,9 @@ def save_state_dict(
     coordinator_rank: int = 0,
     unique_id: int | None = None,
     async_save: bool = False,
+    safetensors: bool = False,
+    save_replicas: bool = False,
+    *,
     durable: bool = False,
 ) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors and plain values.
@@ -60,6 +70,8 @@ def save_state_dict(
             ``path`` (0 for the first).
         async_save: return as soon as every rank's pieces are copied to host memory and
             finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
+        safetensors: write each rank's data file as a valid safetensors file (not yet supported).
+        save_replicas: write every holder's copy of a replicated piece (not yet supported).
         durable: fsync every data file, the metadata and the directory before the save counts
             as done, so the checkpoint survives a power loss (the rename order alone already
             makes a crash of the process leave either the old or the new checkpoint).
@@ -69,6 +81,7 @@ def save_state_dict(
         DcpError: the failure itself (one rank).
     """
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
+    _not_yet(safetensors=safetensors, save_replicas=save_replicas)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
@@ -273,7 +286,13 @@ def load_state_dict(
     unique_id: int | None = None,
     offload: bool = False,
     mw_name_compatibility: bool = True,
+    aoa_config: dict | None = None,
+    safetensors: bool = False,
+    worker_groups: list | None = None,
+    comm_method: str = "broadcast",
+    *,
     verify: bool = True,
+    strict: bool = True,
 ) -> None:
     """Fill a (nested) state dict in place from a checkpoint, on any layout.
 
@@ -295,14 +314,24 @@ def load_state_dict(
             replaced by CPU ones; on the CPU nothing changes).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back,
             as paddle.distributed does.
+        aoa_config: paddle's AOA statements mapping checkpoint keys onto the state dict's
+            (not yet supported).
+        safetensors: ``path`` holds safetensors files (not yet supported).
+        worker_groups: groups that move data between ranks (not yet supported).
+        comm_method: how data moves between ranks (not yet supported).
         verify: check every block's checksum before any tensor changes (the default); off,
             damaged bytes would be loaded silently.
+        strict: a state-dict key the checkpoint lacks raises MismatchError (the default);
+            ``False`` warns and leaves it unchanged, as paddle.distributed does.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both).
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
+    _not_yet(aoa_config=aoa_config, safetensors=safetensors, worker_groups=worker_groups)
+    if comm_method != "broadcast":
+        _not_yet(comm_method=comm_method)
     if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
         from . import singlefile
 

@@ -9,6 +9,7 @@
       StorageError       I/O failure on a named path
       CollectiveError    a step failed on some ranks; .failures maps rank -> message
       PlanError          boxes that overlap, leave gaps, or fall out of bounds
+      UnsupportedError   an argument, layout or value this version refuses (also a ValueError)
 
 Every message says what went wrong, where (key, file, rank) and, where it helps, what to do.
 """
@@ -43,6 +44,10 @@ class StorageError(DcpError):
 
 class PlanError(DcpError):
     """Pieces that do not tile their tensor: overlap, gap, or out of bounds."""
+
+
+class UnsupportedError(DcpError, ValueError):
+    """An argument, layout or value paddle_dcp refuses (rather than ignoring it silently)."""
 
 
 class CollectiveError(DcpError):

@@ -23,6 +23,7 @@ EXPECTED = {
     "StorageError",
     "CollectiveError",
     "PlanError",
+    "UnsupportedError",
     "FORMAT_VERSION",
     "__version__",
 }
@@ -84,3 +85,15 @@ def test_a_cpu_build_places_every_tensor_in_host_memory_without_asking_each():
         paddle.is_compiled_with_cuda = real
         device.host_only_build.cache_clear()
     assert device.host_only_build() == (not paddle.is_compiled_with_cuda())
+
+
+def test_save_and_load_take_paddles_arguments_in_paddles_order():
+    """Switching is one import: every parameter of paddle 3.3.1's two calls is ours too, at the
+    same position with the same default; ours add only keyword-only ones after them."""
+    from paddle.distributed.flex_checkpoint.dcp import load_state_dict as pl, save_state_dict as ps
+
+    for theirs, ours in ((ps.save_state_dict, paddle_dcp.save_state_dict), (pl.load_state_dict, paddle_dcp.load_state_dict)):
+        their_params = list(inspect.signature(theirs).parameters.values())
+        our_params = list(inspect.signature(ours).parameters.values())
+        assert [(p.name, p.default) for p in their_params] == [(p.name, p.default) for p in our_params[: len(their_params)]]
+        assert all(p.kind is p.KEYWORD_ONLY for p in our_params[len(their_params):])
