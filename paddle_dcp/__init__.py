@@ -9,6 +9,7 @@ Switch with one import::
 from .api import AsyncSave, load_state_dict, read_metadata, save_state_dict, wait_async_save
 from .errors import (
     CollectiveError,
+    CollectiveMismatchError,
     DcpError,
     FormatError,
     IntegrityError,
@@ -37,6 +38,7 @@ __all__ = [
     "MismatchError",
     "StorageError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "PlanError",
     "UnsupportedError",
     "FORMAT_VERSION",

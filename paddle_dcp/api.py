@@ -332,10 +332,13 @@ def load_state_dict(
     _not_yet(aoa_config=aoa_config, safetensors=safetensors, worker_groups=worker_groups)
     if comm_method != "broadcast":
         _not_yet(comm_method=comm_method)
+    wait_async_save()  # never load an older checkpoint than one this process asked to save
     if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
         from . import singlefile
 
-        return singlefile.load_file(state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility)
+        return singlefile.load_file(
+            state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility, strict=strict
+        )
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
@@ -354,7 +357,7 @@ def load_state_dict(
         )
 
     def plan(meta, uid, listing, statuses):
-        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify)
+        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict)
         work.split(comm, uid, listing, statuses)
         work.state_dict = state_dict
         return work
@@ -398,8 +401,8 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
             box = summary.piece_box(i)
             if box is not None and key in match.source:
                 targets.append(planner.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
-        value_keys = [nested.flat_key(p) for p, tag, _ in nested.walk(summary.skeleton) if tag in ("v", "f", "x")]
-        return planner.restrict(meta, targets, value_keys, list(match.source.values())).to_json()
+        plain = planner.reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
+        return planner.restrict(meta, targets, list(match.source.values()), [p for p, _ in plain]).to_json()
 
     reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
     if reply is not None:
@@ -418,6 +421,7 @@ class _LoadPlan:
         self.local, self.remote = list(ops), {}
         self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
+        self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
         arrays = [b.array for b in buffers]
         self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, verify, fetch)
 
@@ -511,20 +515,23 @@ class _LoadPlan:
         for key, buffer in zip(self.flat.tensors, self.buffers):
             if buffer.replacement is not None:
                 nested.set_tensor(self.state_dict, self.flat.paths[key], buffer.replacement)
-        saved = self.meta.values()
-        nested.set_values(self.state_dict, self.flat, {k: saved[k] for k in self.flat.values if k in saved})
+        for path, node in self.plain:
+            nested.assign_subtree(self.state_dict, path, node)
 
 
 def _plan_load(
-    comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True
+    comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True,
+    strict: bool = True,
 ) -> _LoadPlan:
-    match, missing, unexpected = planner.reconcile(
-        list(flat.tensors), list(flat.values), list(meta.tensors), list(meta.values()), mw
-    )
-    if missing:
-        logger.warning("keys of the state_dict not found in checkpoint %s (left unchanged): %s", path, missing)
-    if unexpected and not meta.subset:  # a part lists only what this rank asked for
-        logger.warning("keys of checkpoint %s not in the state_dict (not loaded): %s", path, unexpected)
+    keys = planner.reconcile(list(flat.tensors), flat.skeleton, list(meta.tensors), meta.structure, mw)
+    match = keys.match
+    where = f"checkpoint {meta.unique_id} in {path}"
+    if keys.missing and strict:
+        raise MismatchError(planner.missing_message(keys.missing, where))
+    if keys.missing:
+        logger.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(keys.missing))
+    if keys.unexpected and not meta.subset:  # a part lists only what this rank asked for
+        logger.warning("keys of %s not in the state_dict (not loaded): %s", where, list(keys.unexpected))
     meta.prefetch(match.source.values())
     targets, buffers, fills, index = [], [], [], []
     for h in held:
@@ -551,7 +558,9 @@ def _plan_load(
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    return _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
+    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
+    work.plain = keys.plain
+    return work
 
 
 def _partial_fill(held) -> Any:

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import xxhash
 
-from .errors import CollectiveError, DcpError
+from .errors import CollectiveError, DcpError, collective_error
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Comm:
         message = describe_error(error).encode()[:4000] if error is not None else b""
         messages = self._collective(step, lambda: self.all_gather(message))
         failures = {self.ranks[i]: m.decode(errors="replace") for i, m in enumerate(messages) if m}
-        raise CollectiveError(step, failures) from error
+        raise collective_error(step, failures) from error
 
     @contextmanager
     def step(self, name: str) -> Iterator[None]:

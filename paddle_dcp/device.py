@@ -155,6 +155,8 @@ def wire_tensor(array: np.ndarray):
 
     if _on_gpu():
         return paddle.to_tensor(array)
+    if not array.flags.writeable:  # numpy < 2 cannot export read-only memory through DLPack
+        array = array.copy()
     return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(array))
 
 

@@ -8,6 +8,7 @@
       MismatchError      key missing or unexpected; shape or dtype differs (names key + both)
       StorageError       I/O failure on a named path
       CollectiveError    a step failed on some ranks; .failures maps rank -> message
+        CollectiveMismatchError  ... each of them with a MismatchError (also a MismatchError)
       PlanError          boxes that overlap, leave gaps, or fall out of bounds
       UnsupportedError   an argument, layout or value this version refuses (also a ValueError)
 
@@ -72,4 +73,17 @@ class CollectiveError(DcpError):
         )
 
     def __reduce__(self):  # keep the exception picklable for multiprocessing users
-        return (CollectiveError, (self.step, self.failures))
+        return (type(self), (self.step, self.failures))
+
+
+class CollectiveMismatchError(CollectiveError, MismatchError):
+    """A step failed with a MismatchError on every rank that failed (e.g. keys of some rank's
+    state dict that the checkpoint lacks): every rank raises it, and ``except MismatchError``
+    catches it on every rank."""
+
+
+def collective_error(step: str, failures: Mapping[int, str]) -> CollectiveError:
+    """The CollectiveError every rank raises for ``failures`` (rank -> "Type: message")."""
+    if failures and all(m.startswith(f"{MismatchError.__name__}: ") for m in failures.values()):
+        return CollectiveMismatchError(step, failures)
+    return CollectiveError(step, failures)

@@ -102,7 +102,7 @@ def ask_for_metadata(
                 question = recv_message(comm, peer)
                 try:
                     send_message(comm, peer, answer(peer, question))
-                except DcpError as exc:
+                except Exception as exc:  # noqa: BLE001 - sent back, not left hanging
                     send_message(comm, peer, describe_error(exc).encode(), _FAILED)
                     error = error or exc
     if error is not None:

@@ -269,11 +269,14 @@ def _assign(root: Any, path: Path, value: Any) -> None:
     raise MismatchError("cannot replace a value inside a tuple at the root of a state dict")
 
 
-def restrict(skeleton: dict, keys: set[str]) -> dict:
-    """The skeleton with only the leaves whose flat key is in ``keys`` (and the containers on
-    their paths); list and tuple positions are kept by turning dropped items into None."""
+def restrict(skeleton: dict, keys: set[str], whole: frozenset = frozenset()) -> dict:
+    """The skeleton with only the leaves whose flat key is in ``keys`` and the subtrees whose
+    path is in ``whole`` (and the containers on their paths); list and tuple positions are kept
+    by turning dropped items into None."""
 
     def visit(node: dict, path: Path):
+        if path in whole:
+            return node
         tag = kind(node, flat_key(path))
         if tag == "d":
             items = [[k, c] for k, c in ((k, visit(c, path + (k,))) for k, c in node["d"]) if c is not None]
@@ -286,3 +289,75 @@ def restrict(skeleton: dict, keys: set[str]) -> dict:
         return node if flat_key(path) in keys else None
 
     return visit(skeleton, ()) or {"d": []}
+
+
+# ------------------------------------------------------------------ plain subtrees
+def _children(node: dict, tag: str, path: Path) -> list[tuple[Path, dict]]:
+    if tag == "d":
+        return [(path + (k,), child) for k, child in node["d"]]
+    return [(path + (i,), child) for i, child in enumerate(node[tag])]
+
+
+def node_paths(skeleton: dict) -> dict[Path, bool]:
+    """Every node of a skeleton, containers included, by path -> whether it holds a tensor."""
+    out: dict[Path, bool] = {}
+
+    def visit(node: dict, path: Path) -> bool:
+        tag = kind(node, flat_key(path))
+        if tag in _LEAVES:
+            out[path] = tag == "t"
+            return out[path]
+        holds = False
+        for child_path, child in _children(node, tag, path):
+            holds = visit(child, child_path) or holds
+        out[path] = holds
+        return holds
+
+    visit(skeleton, ())
+    return out
+
+
+def plain_subtrees(skeleton: dict) -> list[tuple[Path, dict]]:
+    """The largest subtrees below the root that hold no tensor, as (path, node): a load puts
+    each into the state dict whole, whatever the state dict holds there."""
+    holds = node_paths(skeleton)
+    out = []
+    stack: list[tuple[Path, dict]] = [((), skeleton)]
+    while stack:
+        path, node = stack.pop()
+        tag = kind(node, flat_key(path))
+        if path and not holds[path]:
+            out.append((path, node))
+        elif tag in _CONTAINERS:
+            stack.extend(reversed(_children(node, tag, path)))
+    return out
+
+
+def decode(node: dict, path: Path = ()) -> Any:
+    """The Python value of a subtree that holds no tensor (dicts, lists, tuples, values)."""
+    tag = kind(node, flat_key(path))
+    if tag == "d":
+        return {k: decode(child, path + (k,)) for k, child in node["d"]}
+    if tag in ("l", "u"):
+        items = [decode(child, child_path) for child_path, child in _children(node, tag, path)]
+        return items if tag == "l" else tuple(items)
+    if tag in ("v", "f"):
+        return decode_value(node, flat_key(path))
+    raise FormatError(f"{flat_key(path) or '<root>'}: a {tag!r} node where a plain value was expected")
+
+
+def assign_subtree(state_dict: dict, path: Path, node: dict) -> None:
+    """Put the plain subtree ``node`` into ``state_dict`` at ``path``: a dict or list there is
+    updated in place (its other references see the checkpoint's contents), anything else
+    replaced in its parent (a tuple parent is rebuilt)."""
+    value = decode(node, path)
+    current = state_dict
+    for p in path:
+        current = current[p]
+    if isinstance(current, dict) and isinstance(value, dict):
+        current.clear()
+        current.update(value)
+    elif isinstance(current, list) and isinstance(value, list):
+        current[:] = value
+    else:
+        _assign(state_dict, path, value)

@@ -714,10 +714,10 @@ def match_keys(wanted: Sequence[str], available: Sequence[str], mw_name_compatib
 
 
 def restrict(
-    meta: Metadata, targets: Sequence[TargetPiece], value_keys: Sequence[str] = (), tensor_keys: Sequence[str] = ()
+    meta: Metadata, targets: Sequence[TargetPiece], tensor_keys: Sequence[str] = (), plain: Sequence[tuple] = ()
 ) -> Metadata:
     """The part of ``meta`` a rank with these targets needs: the pieces that overlap them
-    (with their checksums and files), the plain values it asks for, and, with no pieces, the
+    (with their checksums and files), the plain subtrees at the paths ``plain``, and, with no pieces, the
     tensors of ``tensor_keys`` it holds nothing of (so it knows the checkpoint has them). Its
     size grows with that rank's pieces, not with the job; sent to ranks that cannot read the
     metadata file.
@@ -752,13 +752,12 @@ def restrict(
             checksums=p.checksums[blocks],
         )
         tensors[key] = TensorEntry(key, entry.dtype, entry.shape, table, entry.block_bytes)
-    keep = set(tensors) | {k for k in value_keys if k not in meta.tensors}
     return Metadata(
         unique_id=meta.unique_id,
         world_size=meta.world_size,
         files=tuple(meta.files[f] for f in used_files),
         tensors=tensors,
-        structure=nested.restrict(meta.structure, keep),
+        structure=nested.restrict(meta.structure, set(tensors), frozenset(plain)),
         block_bytes=meta.block_bytes,
         checksum_algorithm=meta.checksum_algorithm,
         created_by=meta.created_by,
@@ -766,30 +765,74 @@ def restrict(
     )
 
 
+@dataclass(frozen=True)
+class Reconciled:
+    """How a state dict meets a checkpoint (see :func:`reconcile`).
+
+    Attributes:
+        match: the tensors' pairing.
+        missing: state-dict keys (tensors and plain values) the checkpoint lacks.
+        unexpected: checkpoint keys the state dict lacks (not loaded).
+        plain: the checkpoint's subtrees without tensors that a load puts into the state dict
+            whole, as (path, skeleton node).
+    """
+
+    match: KeyMatch
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    plain: tuple[tuple[tuple, dict], ...]
+
+
 def reconcile(
     tensor_keys: Sequence[str],
-    value_keys: Sequence[str],
+    skeleton: dict,
     saved_tensors: Sequence[str],
-    saved_values: Sequence[str],
+    saved_structure: dict,
     mw_name_compatibility: bool = True,
     where: str = "checkpoint",
-) -> tuple[KeyMatch, list[str], list[str]]:
-    """How a state dict's tensors and plain values meet a checkpoint's: (the tensors' match,
-    every missing key, every unexpected key), as a load warns about them.
+) -> Reconciled:
+    """How a state dict (its tensors' flat keys and its skeleton) meets a checkpoint's tensors
+    and structure. Tensors pair by key (master-weight spelling too). Each largest subtree of
+    the checkpoint that holds no tensor is restored whole where the state dict has that path and
+    holds no tensor there, whatever it holds (a list of another length, None, a dict); a plain
+    value of the state dict inside no such subtree is missing.
 
     Raises:
         MismatchError: a key that is a tensor on one side and a plain value on the other.
     """
     match = match_keys(list(tensor_keys), list(saved_tensors), mw_name_compatibility)
-    values = set(saved_values)
+    saved_nodes = nested.node_paths(saved_structure)
+    holds_tensor = {nested.flat_key(path): holds for path, holds in saved_nodes.items() if path}
     for key in match.missing:
-        if key in values:
+        if not holds_tensor.get(key, True):
             raise MismatchError(f"{key}: the {where} holds a plain value here, the state_dict a tensor")
+    target_nodes = nested.node_paths(skeleton)
     tensors = set(saved_tensors)
-    for key in value_keys:
+    plain, unexpected, restored = [], [], set()
+    for path, node in nested.plain_subtrees(saved_structure):
+        if path not in target_nodes:
+            unexpected.append(nested.flat_key(path))
+        elif not target_nodes[path]:
+            plain.append((path, node))
+            restored.add(path)
+    missing = list(match.missing)
+    for path, tag, _ in nested.walk(skeleton):
+        if tag == "t":
+            continue
+        key = nested.flat_key(path)
         if key in tensors:
             raise MismatchError(f"{key}: the {where} holds a tensor here, the state_dict a plain value")
-    wanted = set(value_keys)
-    missing = list(match.missing) + [k for k in value_keys if k not in values]
-    unexpected = list(match.unexpected) + [k for k in saved_values if k not in wanted]
-    return match, missing, unexpected
+        if not any(path[:i] in restored for i in range(1, len(path) + 1)):
+            missing.append(key)
+    return Reconciled(match, tuple(missing), tuple(match.unexpected) + tuple(unexpected), tuple(plain))
+
+
+def missing_message(missing: Sequence[str], where: str) -> str:
+    """The error of a strict load whose state dict has keys the checkpoint lacks."""
+    shown = ", ".join(missing[:20])
+    more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+    return (
+        f"{len(missing)} key(s) of the state_dict are not in {where}: {shown}{more}. A load "
+        f"leaves no tensor of a state dict unloaded silently; pass strict=False to leave these "
+        f"keys unchanged (with a warning), or check the checkpoint and the key names"
+    )

@@ -297,7 +297,9 @@ class _Reader:
             out[a - lo : b - lo] = band.view(out.dtype).reshape((b - a,) + tuple(shape[1:]))[rest]
 
 
-def load_file(state_dict: dict, path: str, offload: bool = False, mw_name_compatibility: bool = True) -> None:
+def load_file(
+    state_dict: dict, path: str, offload: bool = False, mw_name_compatibility: bool = True, strict: bool = True
+) -> None:
     """Fill a (nested) state dict in place from one safetensors file.
 
     ``paddle_dcp.load_state_dict(state_dict, path)`` comes here when ``path`` is a file. The
@@ -313,6 +315,7 @@ def load_file(state_dict: dict, path: str, offload: bool = False, mw_name_compat
         path: the file.
         offload: put every loaded tensor in CPU memory (see :func:`paddle_dcp.load_state_dict`).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back.
+        strict: a state-dict key the file lacks raises MismatchError; ``False`` warns.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both), or a
@@ -326,18 +329,21 @@ def load_file(state_dict: dict, path: str, offload: bool = False, mw_name_compat
     path = os.fspath(path)
     started = time.perf_counter()
     header = read_header(path)
-    saved_values = nested.values_of(header.structure) if header.structure is not None else {}
     flat = nested.flatten(state_dict, is_tensor)
     rank = _rank(flat)
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
 
-    match, missing, unexpected = planner.reconcile(
-        list(flat.tensors), list(flat.values), list(header.entries), list(saved_values), mw_name_compatibility, "file"
+    structure = header.structure if header.structure is not None else {"d": []}
+    keys = planner.reconcile(
+        list(flat.tensors), flat.skeleton, list(header.entries), structure, mw_name_compatibility, "file"
     )
-    if missing:
-        logger.warning("keys of the state_dict not found in %s (left unchanged): %s", path, missing)
-    if unexpected:
-        logger.warning("keys of %s not in the state_dict (not loaded): %s", path, unexpected)
+    match = keys.match
+    if keys.missing and strict:
+        raise MismatchError(planner.missing_message(keys.missing, path))
+    if keys.missing:
+        logger.warning("keys of the state_dict not found in %s (left unchanged): %s", path, list(keys.missing))
+    if keys.unexpected:
+        logger.warning("keys of %s not in the state_dict (not loaded): %s", path, list(keys.unexpected))
 
     work = []  # every check before any byte moves
     for h in held:
@@ -383,7 +389,8 @@ def load_file(state_dict: dict, path: str, offload: bool = False, mw_name_compat
                     nested.set_tensor(state_dict, flat.paths[h.piece.key], buffer.replacement)
     finally:
         os.close(fd)
-    nested.set_values(state_dict, flat, {k: saved_values[k] for k in flat.values if k in saved_values})
+    for value_path, node in keys.plain:
+        nested.assign_subtree(state_dict, value_path, node)
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
 
 

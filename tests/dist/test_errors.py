@@ -7,7 +7,9 @@ CASES = [
     "empty_directory", "missing_directory", "missing_unique_id", "bad_unique_id",
     "truncated_shard", "corrupted_byte", "checks_shared_in_a_reshard", "corrupted_byte_in_a_reshard",
     "future_format_version", "damaged_metadata",
-    "data_file_missing", "unknown_keys_are_left_alone",
+    "data_file_missing", "unknown_keys_are_left_alone", "missing_keys_raise_on_every_rank",
+    "missing_key_on_one_rank_raises_on_every_rank", "many_missing_keys_are_counted",
+    "plain_values_are_restored_whole", "load_waits_for_this_process_async_save",
     "object_on_one_rank", "object_on_coordinator", "write_fails_on_one_rank", "async_save_without_bfloat16",
 ]
 

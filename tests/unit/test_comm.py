@@ -23,3 +23,15 @@ def test_solo_step_re_raises_the_original_error():
     with c.step("fine"):
         pass
     c.agree("fine", None)
+
+
+def test_a_read_only_message_can_be_sent():
+    """Messages made from bytes are read-only arrays, which numpy < 2 cannot export through
+    DLPack: the wire tensor must still carry their bytes (node-local loads hung without it)."""
+    import numpy as np
+
+    from paddle_dcp import device
+
+    message = np.frombuffer(b"paddle_dcp", dtype=np.uint8)
+    assert not message.flags.writeable
+    assert device.wire_tensor(message).numpy().tobytes() == b"paddle_dcp"

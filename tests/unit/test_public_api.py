@@ -22,6 +22,7 @@ EXPECTED = {
     "MismatchError",
     "StorageError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "PlanError",
     "UnsupportedError",
     "FORMAT_VERSION",
@@ -58,6 +59,10 @@ def test_collective_error_names_ranks_and_survives_pickling():
     assert "rank 1: FormatError: bad" in str(e) and "2 rank(s)" in str(e)
     back = pickle.loads(pickle.dumps(e))
     assert back.step == e.step and back.failures == e.failures and str(back) == str(e)
+    mismatch = errors.collective_error("plan", {0: "MismatchError: 2 key(s) ...", 1: "MismatchError: 1 key(s) ..."})
+    assert isinstance(mismatch, errors.MismatchError) and isinstance(mismatch, errors.CollectiveError)
+    assert type(pickle.loads(pickle.dumps(mismatch))) is errors.CollectiveMismatchError
+    assert not isinstance(errors.collective_error("plan", {0: "MismatchError: a", 1: "OSError: b"}), errors.MismatchError)
     many = errors.CollectiveError("plan", {r: "x" for r in range(20)})
     assert "and 12 more ranks" in str(many)
 

@@ -66,11 +66,19 @@ def test_mismatches_are_refused_before_any_tensor_changes(tmp_path):
         singlefile.load_file({"u": np.zeros(2, np.int16)}, str(other))
 
 
+def test_a_key_the_file_lacks_is_refused_before_any_tensor_changes(tmp_path):
+    path = write(tmp_path / "f", {"a": ("F32", np.ones(2, np.float32))})
+    sd = {"a": np.zeros(2, np.float32), "missing": np.zeros(1, np.float32)}
+    with pytest.raises(MismatchError, match=r"1 key\(s\) of the state_dict are not in .*f: missing\. .*strict=False"):
+        singlefile.load_file(sd, str(path))
+    assert not sd["a"].any()
+
+
 def test_keys_on_one_side_only_are_warned_about(tmp_path, caplog):
     path = write(tmp_path / "f", {"a": ("F32", np.ones(2, np.float32)), "extra": ("F32", np.ones(1, np.float32))})
     sd = {"a": np.zeros(2, np.float32), "missing": np.zeros(1, np.float32)}
     with caplog.at_level(logging.WARNING, logger="paddle_dcp.singlefile"):
-        singlefile.load_file(sd, str(path))
+        singlefile.load_file(sd, str(path), strict=False)
     assert np.array_equal(sd["a"], np.ones(2)) and not sd["missing"].any()
     text = caplog.text
     assert "missing" in text and "extra" in text
@@ -82,7 +90,9 @@ def test_master_weight_spellings(tmp_path):
     singlefile.load_file(sd, str(path))
     assert (sd["opt"]["w_fp32_master_0"] == 5).all()
     sd = {"opt": {"w_fp32_master_0": np.zeros(2, np.float32)}}
-    singlefile.load_file(sd, str(path), mw_name_compatibility=False)
+    with pytest.raises(MismatchError, match="opt.w_fp32_master_0"):
+        singlefile.load_file(sd, str(path), mw_name_compatibility=False)
+    singlefile.load_file(sd, str(path), mw_name_compatibility=False, strict=False)
     assert not sd["opt"]["w_fp32_master_0"].any()
 
 

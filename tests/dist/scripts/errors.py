@@ -265,15 +265,71 @@ def data_file_missing():
 
 
 def unknown_keys_are_left_alone():
-    """Keys the checkpoint lacks are not an error: they keep their values."""
+    """With strict=False, keys the checkpoint lacks are not an error: they keep their values."""
     p = good_save("extra")
     extra = c.Leaf(("extra",), (3, 2), "float32", MESH, S0, index=9)
     sd = target(extra=extra.tensor(0, target=True), other=5)
-    paddle_dcp.load_state_dict(sd, p)
+    paddle_dcp.load_state_dict(sd, p, strict=False)
     c.check_state(sd, LEAVES, 0, R)
     assert sd["step"] == 3 and sd["other"] == 5, (sd["step"], sd["other"])
     assert sd["lrs"] == [0.1, 0.2] and sd["meta"] == {"name": "x", "flag": True}, (sd["lrs"], sd["meta"])
     c.check_tensor(sd["extra"], np.full((3, 2), -7, np.float32), "float32", MESH, S0, R, "extra")
+
+
+def missing_keys_raise_on_every_rank():
+    """Keys the checkpoint lacks (a dist tensor, a plain tensor, a plain value): a
+    MismatchError on every rank naming them and the checkpoint, before any tensor changes."""
+    p = good_save("missing")
+    extra = c.Leaf(("extra",), (3, 2), "float32", MESH, S0, index=9)
+    sd = target(extra=extra.tensor(0, target=True), solo=paddle.zeros([2]), other=5)
+    exc = load_fails(sd, p, [0, 1], "MismatchError", "3 key(s)", "extra", "solo", "other", p, "strict=False")
+    assert isinstance(exc, paddle_dcp.MismatchError), type(exc)
+
+
+def missing_key_on_one_rank_raises_on_every_rank():
+    """Only rank 1's state dict has a key the checkpoint lacks: every rank raises a
+    MismatchError (rank 1's names the key), and no rank's state dict changes."""
+    p = good_save("missing1")
+    sd = target(**({"only_here": paddle.zeros([2])} if R == 1 else {}))
+    exc = load_fails(sd, p, [1], "MismatchError", "only_here")
+    assert isinstance(exc, paddle_dcp.MismatchError), type(exc)
+
+
+def many_missing_keys_are_counted():
+    """The error names the first 20 missing keys and counts them all."""
+    p = good_save("missing_many")
+    sd = target(**{f"gone{i:02d}": paddle.zeros([1]) for i in range(25)})
+    exc = load_fails(sd, p, [0, 1], "25 key(s)", "gone19", "and 5 more")
+    assert "gone20" not in str(exc), str(exc)
+
+
+def plain_values_are_restored_whole():
+    """Lists, tuples and dicts of plain values replace the target's, whatever their length or
+    type there (an LR scheduler's milestones saved [3, 1, 4, 1.5], target []); containers
+    that hold tensors still match element by element."""
+    p = path("plain_whole")
+    saved = {"sched": {"milestones": [3, 1, 4, 1.5], "gamma": (0.1, None)}, "hist": [], "cfg": {"a": [1, {"b": "x"}]},
+             "mixed": [None, 7], **SAVED_VALUES}
+    sd = c.build(LEAVES, 0, saved)
+    sd["mixed"][0] = LEAVES[2].tensor(0)
+    paddle_dcp.save_state_dict(sd, p)
+    sd = target(sched={"milestones": []}, hist=[1, 2, 3], cfg=None, mixed=[LEAVES[2].tensor(0, target=True), 0])
+    milestones = sd["sched"]  # a dict the caller may hold: filled in place
+    paddle_dcp.load_state_dict(sd, p)
+    assert sd["sched"] is milestones and sd["sched"] == {"milestones": [3, 1, 4, 1.5], "gamma": (0.1, None)}, sd["sched"]
+    assert sd["hist"] == [] and sd["cfg"] == {"a": [1, {"b": "x"}]} and sd["mixed"][1] == 7, sd
+    LEAVES[2].check(sd["mixed"][0], 0, R, "mixed.0")
+
+
+def load_waits_for_this_process_async_save():
+    """An async save followed at once by a load of the same directory loads the new
+    checkpoint, not the one before it."""
+    p = good_save("async_then_load")
+    paddle_dcp.save_state_dict(c.build(LEAVES, 1, {**SAVED_VALUES, "step": 4}), p, async_save=True)
+    sd = target()
+    paddle_dcp.load_state_dict(sd, p)
+    c.check_state(sd, LEAVES, 1, R)
+    assert sd["step"] == 4, sd["step"]
 
 
 # ------------------------------------------------------------------------------ save
@@ -336,6 +392,11 @@ def async_save_completes(leaves, name):
 
 
 CASES = {
+    "missing_keys_raise_on_every_rank": missing_keys_raise_on_every_rank,
+    "missing_key_on_one_rank_raises_on_every_rank": missing_key_on_one_rank_raises_on_every_rank,
+    "many_missing_keys_are_counted": many_missing_keys_are_counted,
+    "plain_values_are_restored_whole": plain_values_are_restored_whole,
+    "load_waits_for_this_process_async_save": load_waits_for_this_process_async_save,
     "shape_mismatch": shape_mismatch,
     "dtype_mismatch": dtype_mismatch,
     "mismatch_on_one_rank": mismatch_on_one_rank,

@@ -41,7 +41,7 @@ else:
 
 
 def save():
-    paddle_dcp.save_state_dict(c.build(SAVED, 0, {"step": 11}), "ck")
+    paddle_dcp.save_state_dict(c.build(SAVED, 0, {"step": 11, "milestones": [3, 1, 4, 1.5]}), "ck")
     c.dist.barrier()
     mine = sorted(os.listdir("ck"))
     node_ranks = [r for r in range(N) if r // PER_NODE == NODE]
@@ -50,10 +50,10 @@ def save():
 
 
 def load(leaves):
-    sd = c.build(leaves, 0, {"step": 0}, target=True)
+    sd = c.build(leaves, 0, {"step": 0, "milestones": []}, target=True)
     paddle_dcp.load_state_dict(sd, "ck")
     c.check_state(sd, leaves, 0, R)
-    assert sd["step"] == 11, sd["step"]
+    assert sd["step"] == 11 and sd["milestones"] == [3, 1, 4, 1.5], (sd["step"], sd["milestones"])
 
 
 def file_missing_everywhere():
@@ -101,10 +101,15 @@ def warnings_name_only_missing_keys():
         def emit(self, record):
             records.append(record.getMessage())
 
+    try:  # strict: every rank raises, whether or not it can read the metadata file
+        paddle_dcp.load_state_dict(sd, "ck")
+        raise AssertionError("a strict load of keys the checkpoint lacks returned")
+    except paddle_dcp.MismatchError as exc:
+        assert "extra" in str(exc) and "extra_value" in str(exc), str(exc)
     handler = Keep(logging.WARNING)
     logging.getLogger("paddle_dcp").addHandler(handler)
     try:
-        paddle_dcp.load_state_dict(sd, "ck")
+        paddle_dcp.load_state_dict(sd, "ck", strict=False)
     finally:
         logging.getLogger("paddle_dcp").removeHandler(handler)
     c.check_state(sd, leaves, 0, R)
