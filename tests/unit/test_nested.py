@@ -284,3 +284,43 @@ def test_walk_refuses_malformed_skeletons(skeleton):
 def test_decode_value_refuses_malformed_values(node):
     with pytest.raises(FormatError, match="key"):
         nested.decode_value(node, "key")
+
+
+# ------------------------------------------------------------------ plain subtrees
+def _skeleton(sd):
+    return nested.flatten(sd, lambda v: isinstance(v, np.ndarray)).skeleton
+
+
+def test_plain_subtrees_are_the_largest_ones_without_tensors():
+    t = np.zeros(1)
+    sk = _skeleton({"m": {"w": t, "cfg": {"a": [1, 2]}}, "sched": {"milestones": [3, 1]}, "opt": [t, 5, (None,)], "e": []})
+    got = {path: nested.decode(node, path) for path, node in nested.plain_subtrees(sk)}
+    assert got == {("m", "cfg"): {"a": [1, 2]}, ("sched",): {"milestones": [3, 1]}, ("opt", 1): 5, ("opt", 2): (None,), ("e",): []}
+
+
+def test_a_state_dict_without_tensors_is_matched_below_its_root():
+    sk = _skeleton({"a": 1, "b": [2.0, float("inf")]})
+    got = {path: nested.decode(node, path) for path, node in nested.plain_subtrees(sk)}
+    assert got == {("a",): 1, ("b",): [2.0, float("inf")]}
+
+
+def test_node_paths_say_which_nodes_hold_a_tensor():
+    sk = _skeleton({"m": {"w": np.zeros(1), "n": 3}, "l": []})
+    assert nested.node_paths(sk) == {(): True, ("m",): True, ("m", "w"): True, ("m", "n"): False, ("l",): False}
+
+
+def test_assign_subtree_updates_dicts_and_lists_in_place_and_rebuilds_tuples():
+    sched, hist = {"milestones": [], "old": 1}, [9, 9, 9]
+    sd = {"sched": sched, "hist": hist, "t": (0, [1]), "n": None}
+    nested.assign_subtree(sd, ("sched",), {"d": [["milestones", {"l": [{"v": 3}, {"v": 1.5}]}]]})
+    nested.assign_subtree(sd, ("hist",), {"l": []})
+    nested.assign_subtree(sd, ("t", 0), {"u": [{"v": 1}, {"v": "x"}]})
+    nested.assign_subtree(sd, ("n",), {"d": [["k", {"f": "nan"}]]})
+    assert sd["sched"] is sched and sched == {"milestones": [3, 1.5]}
+    assert sd["hist"] is hist and hist == []
+    assert sd["t"] == ((1, "x"), [1]) and math.isnan(sd["n"]["k"])
+
+
+def test_decode_refuses_a_tensor_leaf():
+    with pytest.raises(FormatError, match="plain value"):
+        nested.decode({"l": [{"t": 0}]})

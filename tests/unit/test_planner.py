@@ -525,3 +525,38 @@ def test_overlapping_pieces_and_overlap_checks_agree_with_brute_force(count):
         planner.plan_reads(meta, [whole])
     top = planner.TargetPiece("w", "float32", shape, Box((0, 0), (2 * count - 4, 6)))
     assert planner.plan_reads(meta, [top])  # a target away from the overlap plans
+
+
+# ------------------------------------------------------------------ reconcile
+def _sk(sd):
+    return nested.flatten(sd, lambda v: isinstance(v, np.ndarray)).skeleton
+
+
+def test_reconcile_restores_plain_subtrees_whole_and_names_what_is_missing():
+    t = np.zeros(1)
+    saved = _sk({"w": t, "sched": {"milestones": [3, 1, 4, 1.5]}, "opt": [t, 5], "only_saved": 1})
+    target = {"w": t, "sched": {"milestones": []}, "opt": [t, 0, 7], "extra": [1], "x": t}
+    r = planner.reconcile(["w", "opt.0", "x"], _sk(target), ["w", "opt.0"], saved)
+    assert dict(r.plain) == {("sched",): saved["d"][1][1], ("opt", 1): {"v": 5}}
+    assert sorted(r.missing) == ["extra.0", "opt.2", "x"]
+    assert r.unexpected == ("only_saved",)
+    assert r.match.source == {"w": "w", "opt.0": "opt.0"}
+
+
+def test_reconcile_leaves_a_target_subtree_holding_tensors_to_the_tensors():
+    saved = _sk({"m": {}})
+    r = planner.reconcile(["m.w"], _sk({"m": {"w": np.zeros(1)}}), [], saved)
+    assert r.plain == () and r.missing == ("m.w",)
+
+
+def test_reconcile_refuses_a_tensor_against_a_plain_value_either_way():
+    with pytest.raises(MismatchError, match="step: the checkpoint holds a plain value here"):
+        planner.reconcile(["step"], _sk({"step": np.zeros(1)}), [], _sk({"step": 3}))
+    with pytest.raises(MismatchError, match="step: the checkpoint holds a tensor here"):
+        planner.reconcile([], _sk({"step": 3}), ["step"], _sk({"step": np.zeros(1)}))
+
+
+def test_missing_message_names_twenty_keys_and_counts_all():
+    text = planner.missing_message([f"k{i}" for i in range(23)], "checkpoint 4 in /ck")
+    assert text.startswith("23 key(s) of the state_dict are not in checkpoint 4 in /ck: k0, ")
+    assert "k19 and 3 more" in text and "k20" not in text and "strict=False" in text
