@@ -41,6 +41,33 @@ def _not_yet(**arguments) -> None:
         raise UnsupportedError(f"paddle_dcp does not support {', '.join(given)} yet")
 
 
+COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
+
+
+def _worker_peers(worker_groups, comm_method: str) -> frozenset:
+    """The global ranks that share one of ``worker_groups`` with this rank (see
+    load_state_dict), after checking ``comm_method``."""
+    if comm_method not in COMM_METHODS:
+        raise UnsupportedError(f"comm_method must be one of {', '.join(COMM_METHODS)}; got {comm_method!r}")
+    if worker_groups is None:
+        return frozenset()
+    if not isinstance(worker_groups, (list, tuple)):
+        raise UnsupportedError(f"worker_groups must be a list of process groups or None, got {type(worker_groups).__name__}")
+    import paddle.distributed as dist
+
+    me, near = dist.get_rank(), set()
+    for group in worker_groups:
+        if group is None:
+            continue
+        ranks = getattr(group, "ranks", None)
+        if ranks is None:
+            raise UnsupportedError(f"worker_groups holds {type(group).__name__}, not a process group (dist.new_group)")
+        if me in ranks:
+            near.update(int(r) for r in ranks)
+    near.discard(me)
+    return frozenset(near)
+
+
 # ============================================================================ save
 def save_state_dict(
     state_dict: dict,
@@ -317,8 +344,17 @@ def load_state_dict(
         aoa_config: paddle's AOA statements mapping checkpoint keys onto the state dict's
             (not yet supported).
         safetensors: ``path`` holds safetensors files (not yet supported).
-        worker_groups: groups that move data between ranks (not yet supported).
-        comm_method: how data moves between ranks (not yet supported).
+        worker_groups: process groups whose ranks this rank prefers as senders when it must
+            receive bytes of a file it cannot read (node-local disks): a rank of one of its
+            groups that can read the file serves it, else any rank that can. ``None`` entries
+            are skipped.
+        comm_method: paddle's names of its reshard transfers, all accepted: ``"send_recv"``,
+            ``"grouped_send_recv"``, ``"broadcast"``, ``"multi_group_broadcast"``,
+            ``"parallel_broadcast"``. paddle_dcp moves checkpoint bytes between ranks only when
+            a rank cannot read a file, and then point to point over a group of the two ranks,
+            each receiving only its byte ranges, whichever value is given: a broadcast would
+            send the same bytes to ranks that read them from storage themselves. Any other
+            value raises UnsupportedError (a ValueError) naming these.
         verify: check every block's checksum before any tensor changes (the default); off,
             damaged bytes would be loaded silently.
         strict: a state-dict key the checkpoint lacks raises MismatchError (the default);
@@ -329,9 +365,8 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
-    _not_yet(aoa_config=aoa_config, safetensors=safetensors, worker_groups=worker_groups)
-    if comm_method != "broadcast":
-        _not_yet(comm_method=comm_method)
+    _not_yet(aoa_config=aoa_config, safetensors=safetensors)
+    near = _worker_peers(worker_groups, comm_method)
     wait_async_save()  # never load an older checkpoint than one this process asked to save
     if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
         from . import singlefile
@@ -358,7 +393,7 @@ def load_state_dict(
 
     def plan(meta, uid, listing, statuses):
         work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict)
-        work.split(comm, uid, listing, statuses)
+        work.split(comm, uid, listing, statuses, near)
         work.state_dict = state_dict
         return work
 
@@ -425,9 +460,10 @@ class _LoadPlan:
         arrays = [b.array for b in buffers]
         self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, verify, fetch)
 
-    def split(self, comm: Comm, uid: int, listing, statuses) -> None:
-        """Ops on files this rank can read, and the others by the rank that will serve them.
-        Every local file is opened (and its size checked) before any byte moves."""
+    def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
+        """Ops on files this rank can read, and the others by the rank that will serve them
+        (one of the ranks ``near``, the worker groups', when one can). Every local file is
+        opened (and its size checked) before any byte moves."""
         mine = {storage.data_file_name(r, uid, g) for r, g in listing.data.get(uid, ())}
         self.local, self.remote = [], {}
         for op in self.ops:
@@ -443,6 +479,7 @@ class _LoadPlan:
             if not servers:
                 keys = sorted({seg.piece.key for seg in op.segments})
                 raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
+            servers = [r for r in servers if r in near] or servers
             self.remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
         for f in sorted({op.file for op in self.local}):
             try:

@@ -6,7 +6,8 @@ from launcher import assert_passed, run_launch, script
 def test_node_local_disks_4ranks_2nodes(tmp_path):
     logs = run_launch(script("nodelocal.py"), 4, tmp_path, args=[tmp_path / "work", 2])
     assert_passed(logs, ["save", "same_layout", "into_1d_s1", "into_reversed_2d", "into_replicate",
-                         "into_plain", "file_missing_everywhere", "load_after_restoring_the_file"], 4)
+                         "into_plain", "file_missing_everywhere", "load_after_restoring_the_file",
+                         "worker_groups_choose_the_sender"], 4)
 
 
 def test_node_local_disks_2ranks_each_alone(tmp_path):

@@ -121,10 +121,52 @@ def warnings_name_only_missing_keys():
     assert not spurious, f"rank {R}: {spurious} {MISSING_WARNING_BUG}: {records}"
 
 
+def servers_with(**kwargs):
+    """The ranks this rank receives bytes from in a load into plain tensors (every rank needs
+    every piece, half of them from the other node's files)."""
+    leaves = TARGETS["into_plain"]
+    seen = []
+    original = paddle_dcp.api._LoadPlan.split
+
+    def split(self, *args):
+        original(self, *args)
+        seen.append(sorted(self.remote))
+
+    paddle_dcp.api._LoadPlan.split = split
+    try:
+        sd = c.build(leaves, 0, {"step": 0, "milestones": []}, target=True)
+        paddle_dcp.load_state_dict(sd, "ck", **kwargs)
+    finally:
+        paddle_dcp.api._LoadPlan.split = original
+    c.check_state(sd, leaves, 0, R)
+    return seen[0]
+
+
+def worker_groups_choose_the_sender():
+    """A rank that must receive bytes takes them from a rank of its worker groups when one can
+    read the file: with the group [1, 2], rank 1 receives from 2 and rank 2 from 1 (without
+    it, from 3 and 0); every comm_method paddle names loads the same, any other is refused."""
+    group = c.dist.new_group([1, 2])
+    default = {0: [2], 1: [3], 2: [0], 3: [1]}
+    grouped = {0: [2], 1: [2], 2: [1], 3: [1]}
+    assert servers_with() == default[R], (R, servers_with())
+    got = servers_with(worker_groups=[None, group], comm_method="send_recv")
+    assert got == grouped[R], (R, got)
+    for method in ("broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast"):
+        assert servers_with(comm_method=method) == default[R]
+    try:
+        paddle_dcp.load_state_dict({}, "ck", comm_method="scatter")
+        raise AssertionError("an unknown comm_method was accepted")
+    except ValueError as exc:
+        assert "send_recv" in str(exc) and "'scatter'" in str(exc), str(exc)
+
+
 CASES = {"save": save}
 CASES.update({name: (lambda leaves=leaves: load(leaves)) for name, leaves in TARGETS.items()})
 CASES["file_missing_everywhere"] = file_missing_everywhere
 CASES["load_after_restoring_the_file"] = lambda: load(TARGETS["into_plain"])
+if N == 4:
+    CASES["worker_groups_choose_the_sender"] = worker_groups_choose_the_sender
 if "warnings_name_only_missing_keys" in sys.argv[3:]:  # a known bug: run only when asked
     CASES["warnings_name_only_missing_keys"] = warnings_name_only_missing_keys
 
