@@ -21,7 +21,9 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
         "gpu": ["paddlepaddle-gpu==3.3.1"],
-        "test": ["pytest", "hypothesis", "psutil"],
+        # paddleformers: the client the tests drive (tiny models from a config, no downloads);
+        # safetensors: an independent reader of the safetensors files we write
+        "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors"],
     },
     entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
