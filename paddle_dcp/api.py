@@ -23,7 +23,8 @@ from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
 from .metadata import DEFAULT_BLOCK_BYTES, Metadata
-from .placements import describe, has_partial, is_tensor, reduce_partial, rewrap
+from .boxes import Box
+from .placements import describe, has_partial, is_sharded_weight, is_tensor, reduce_partial, rewrap
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def save_state_dict(
     *,
     durable: bool = False,
 ) -> "AsyncSave | None":
-    """Save a (nested) state dict of dist tensors, plain tensors and plain values.
+    """Save a (nested) state dict of dist tensors, plain tensors, ShardedWeights and plain values.
 
     Every rank writes the pieces assigned to it to ``{rank}_{unique_id}.distcp``; replicated
     pieces are written once, by ranks chosen to balance the bytes. The coordinator writes
@@ -89,7 +90,9 @@ def save_state_dict(
 
     Args:
         state_dict: nested dicts / lists / tuples of paddle tensors (dist or not), numpy arrays,
-            and plain values (None, bool, int, float, str; taken from the coordinator).
+            paddle's ``ShardedWeight`` (flattened ones included; saved under their state-dict
+            key, as paddle does) and plain values (None, bool, int, float, str; taken from the
+            coordinator).
         path: the checkpoint directory (created if needed).
         process_group: the group of ranks that save; default: all ranks.
         coordinator_rank: global rank that plans and writes the metadata.
@@ -98,7 +101,9 @@ def save_state_dict(
         async_save: return as soon as every rank's pieces are copied to host memory and
             finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
         safetensors: write each rank's data file as a valid safetensors file (not yet supported).
-        save_replicas: write every holder's copy of a replicated piece (not yet supported).
+        save_replicas: every holder of a replicated piece writes its own copy (instead of one
+            holder for all), so that ranks whose node-local disk holds a copy load it without
+            receiving it from another rank.
         durable: fsync every data file, the metadata and the directory before the save counts
             as done, so the checkpoint survives a power loss (the rename order alone already
             makes a crash of the process leave either the old or the new checkpoint).
@@ -108,7 +113,7 @@ def save_state_dict(
         DcpError: the failure itself (one rank).
     """
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
-    _not_yet(safetensors=safetensors, save_replicas=save_replicas)
+    _not_yet(safetensors=safetensors)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
@@ -128,12 +133,14 @@ def save_state_dict(
         }
 
     def describe_all():
-        held = [describe(k, v, comm.rank) for k, v in state["tensors"].items()]
+        held = [describe(k, v, comm.rank, flat_ok=True) for k, v in state["tensors"].items()]
         for h in held:
             if h.piece.key in state["reduced"] and h.local is not None:
                 h.local = state["reduced"][h.piece.key]
         state["held"] = held
-        return state["flat"].skeleton, [h.piece for h in held]
+        # one row per piece: a flattened ShardedWeight is several pieces of one key
+        state["rows"] = [(i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces()]
+        return state["flat"].skeleton, [piece for _, piece, _ in state["rows"]]
 
     def choose_id():
         return unique_id if unique_id is not None else _next_id(path)
@@ -147,7 +154,7 @@ def save_state_dict(
 
     def write(uid, generation, leaves):
         name = storage.data_file_name(comm.rank, uid, generation)
-        return _write_pieces(path, name, state["held"], leaves, durable)
+        return _write_pieces(path, name, state["held"], state["rows"], leaves, durable)
 
     def publish(meta):
         storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json(), durable)
@@ -171,6 +178,7 @@ def save_state_dict(
         block_bytes=DEFAULT_BLOCK_BYTES,
         created_by=f"paddle_dcp {__version__}",
         cache=_SAVE_PLANS,
+        replicas=bool(save_replicas),
     )
     if not async_save:
         result = protocol.run(comm, protocol.save(ctx))
@@ -178,9 +186,9 @@ def save_state_dict(
         _log_saved(result, path, started)
         return None
 
-    def stage(leaves):
-        for leaf in leaves.tolist():
-            state["held"][leaf].local = staged_copy(state["held"][leaf].local)
+    def stage(rows):
+        for i in sorted({state["rows"][row][0] for row in rows.tolist()}):
+            state["held"][i].local = staged_copy(state["held"][i].local)
 
     ctx.stage = stage
     run = protocol.save(ctx)
@@ -287,17 +295,21 @@ def _next_id(path: str) -> int:
     return 0 if latest is None else latest + 1
 
 
-def _write_pieces(path: str, name: str, held, leaves: np.ndarray, durable: bool) -> tuple[int, list[int]]:
-    if not len(leaves):
+def _write_pieces(path: str, name: str, held, rows, chosen: np.ndarray, durable: bool) -> tuple[int, list[int]]:
+    """Write the ``chosen`` rows (held index, piece, start in the flat local or None)."""
+    if not len(chosen):
         return 0, []
     sums: list[int] = []
     writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
+    last, data = None, None
     try:
-        for leaf in leaves.tolist():
-            piece = held[leaf].piece
-            data = host_bytes(held[leaf].local)
+        for row in chosen.tolist():
+            i, piece, at = rows[row]
+            if i != last:  # the pieces of a flattened ShardedWeight share one host copy
+                last, data = i, host_bytes(held[i].local)
+            array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
             seed = storage.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)
-            sums.extend(writer.write(storage.as_bytes(data.array), keep=data, seed=seed))
+            sums.extend(writer.write(storage.as_bytes(array), keep=data, seed=seed))
         return writer.commit(durable), sums
     except BaseException:
         writer.abort()
@@ -382,7 +394,7 @@ def load_state_dict(
     def inspect():
         _check_id(unique_id)
         state["flat"] = nested.flatten(state_dict, is_tensor)
-        state["held"] = [describe(k, v, comm.rank) for k, v in state["flat"].tensors.items()]
+        state["held"] = [describe(k, v, comm.rank, flat_ok=True) for k, v in state["flat"].tensors.items()]
         return storage.list_checkpoints(path)
 
     def helpers(readers, meta):
@@ -392,7 +404,10 @@ def load_state_dict(
         )
 
     def plan(meta, uid, listing, statuses):
-        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict)
+        work = _plan_load(
+            comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict,
+            _visible_files(listing, uid),
+        )
         work.split(comm, uid, listing, statuses, near)
         work.state_dict = state_dict
         return work
@@ -424,7 +439,7 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
     my_clients = [r for r, h in helper_of.items() if h == comm.rank]
     request = b""
     if my_helper is not None:
-        pieces = [h.piece for h in held]
+        pieces = [piece for h in held for piece, _ in h.pieces()]
         request = wire.encode_summary(planner.SaveSummary.from_pieces(comm.rank, flat.skeleton, pieces))
 
     def answer(client: int, question: bytes) -> bytes:
@@ -432,8 +447,8 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
         keys = nested.tensor_keys(summary.skeleton)
         match = planner.match_keys(keys, list(meta.tensors), mw)
         targets = []
-        for i, key in enumerate(keys):
-            box = summary.piece_box(i)
+        for row, i in enumerate(summary.leaves_of_rows().tolist()):
+            key, box = keys[i], summary.piece_box(row)
             if box is not None and key in match.source:
                 targets.append(planner.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
         plain = planner.reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
@@ -445,26 +460,33 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
     return meta
 
 
-class _LoadPlan:
-    """One rank's load: read ops, the buffers they fill, and what finishes each buffer."""
+def _visible_files(listing, uid: int) -> set[str]:
+    """Names of the data files of checkpoint ``uid`` that this rank sees."""
+    return {storage.data_file_name(r, uid, g) for r, g in listing.data.get(uid, ())}
 
-    def __init__(self, flat, meta, ops, files, buffers, fills, verify: bool = True):
+
+class _LoadPlan:
+    """One rank's load: read ops, the buffers they fill, and what finishes each buffer.
+
+    ``buffers`` / ``fills`` are per state-dict tensor; ``views`` are the arrays the ops'
+    copies name (one per target box, views of the buffers)."""
+
+    def __init__(self, flat, meta, ops, files, buffers, fills, views, verify: bool = True):
         self.flat, self.meta = flat, meta
-        self.ops, self.files, self.buffers, self.fills = ops, files, buffers, fills
+        self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
         self.verify = verify
         self.staging = storage.Staging()
         self.local, self.remote = list(ops), {}
         self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
         self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
-        arrays = [b.array for b in buffers]
-        self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, verify, fetch)
+        self.run = lambda op, fetch: storage.execute_op(op, files, views, self.staging, verify, fetch)
 
     def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
         """Ops on files this rank can read, and the others by the rank that will serve them
         (one of the ranks ``near``, the worker groups', when one can). Every local file is
         opened (and its size checked) before any byte moves."""
-        mine = {storage.data_file_name(r, uid, g) for r, g in listing.data.get(uid, ())}
+        mine = _visible_files(listing, uid)
         self.local, self.remote = [], {}
         for op in self.ops:
             name = self.meta.files[op.file].name
@@ -502,7 +524,9 @@ class _LoadPlan:
         # part of them (a few ranks resharding), not one piece in thousands (a large job)
         pieces = sum(self.meta.tensors[k].pieces.count for k in keys)
         own = sum(len(op.segments) for op in self.local)
-        return digest, bool(self.verify and keys and not self.meta.subset and pieces <= 8 * own + 65536)
+        # with replicas, ranks on other nodes read other copies: nothing to share
+        shared = not self.meta.subset and not self.meta.replicas
+        return digest, bool(self.verify and keys and shared and pieces <= 8 * own + 65536)
 
     def share_checks(self, index: int, count: int) -> None:
         """Check only this rank's share of the blocks (see planner.plan_shared_checks); every
@@ -527,10 +551,9 @@ class _LoadPlan:
     def read_local(self) -> None:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
         not hashed again; a file written since it was opened is refused once the copy ends."""
-        arrays = [b.array for b in self.buffers]
         try:
             for op in storage.read_ahead(self.files, self.local):
-                storage.execute_op(op, self.files, arrays, self.staging, verify=False)
+                storage.execute_op(op, self.files, self.views, self.staging, verify=False)
             self.files.check_unchanged()
         finally:
             if not self.remote:
@@ -550,15 +573,28 @@ class _LoadPlan:
                 buffer.fill(fill)
             buffer.finish()
         for key, buffer in zip(self.flat.tensors, self.buffers):
-            if buffer.replacement is not None:
+            if buffer.replacement is None:
+                continue
+            value = self.flat.tensors[key]
+            if is_sharded_weight(value):  # the ShardedWeight stays, holding the offloaded tensor
+                value.local_tensor = buffer.replacement
+            else:
                 nested.set_tensor(self.state_dict, self.flat.paths[key], buffer.replacement)
         for path, node in self.plain:
             nested.assign_subtree(self.state_dict, path, node)
 
 
 def _plan_load(
-    comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True,
+    comm: Comm,
+    flat: nested.Flat,
+    held,
+    meta: Metadata,
+    path: str,
+    offload: bool,
+    mw: bool,
+    verify: bool = True,
     strict: bool = True,
+    visible: set[str] = frozenset(),
 ) -> _LoadPlan:
     keys = planner.reconcile(list(flat.tensors), flat.skeleton, list(meta.tensors), meta.structure, mw)
     match = keys.match
@@ -570,7 +606,7 @@ def _plan_load(
     if keys.unexpected and not meta.subset:  # a part lists only what this rank asked for
         logger.warning("keys of %s not in the state_dict (not loaded): %s", where, list(keys.unexpected))
     meta.prefetch(match.source.values())
-    targets, buffers, fills, index = [], [], [], []
+    targets, buffers, fills, views = [], [], [], []
     for h in held:
         source = match.source.get(h.piece.key)
         if h.local is None or source is None:
@@ -578,26 +614,40 @@ def _plan_load(
             fills.append(None)
             continue
         value = flat.tensors[h.piece.key]
-        buffers.append(
-            _NumpyTarget(h.local) if isinstance(h.local, np.ndarray) else TargetBuffer(h.local, offload, rewrap(value))
-        )
+        buffer = _NumpyTarget(h.local) if isinstance(h.local, np.ndarray) else TargetBuffer(h.local, offload, rewrap(value))
+        buffers.append(buffer)
         fill = _partial_fill(h)
         fills.append(fill)
-        target = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
-        if fill is None:
-            targets.append(target)
-            index.append(len(buffers) - 1)
-        else:  # nothing to read, but the shape and dtype must still agree
-            planner.check_targets(meta, [target])
+        boxes = _key_targets(h, buffer)
+        whole = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
+        if fill is not None or not boxes:  # nothing to read, but the shape and dtype must still agree
+            planner.check_targets(meta, [whole])
+            continue
+        for box, view in boxes:
+            targets.append(planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, box))
+            views.append(view)
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
+    readable = np.array([f.name in visible for f in meta.files], dtype=bool)
     try:
-        ops = planner.plan_reads(meta, targets, slots=index)
+        ops = planner.plan_reads(meta, targets, readable=readable)
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
+    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, views, verify)
     work.plain = keys.plain
     return work
+
+
+def _key_targets(held, buffer) -> list[tuple[Box, np.ndarray]]:
+    """What this rank fills of one state-dict tensor: every box (in_global) with the host array
+    it lands in, a view of the tensor's buffer (the one place a key's targets are built). A
+    flattened ShardedWeight fills the boxes its range covers, each a segment of its flat local
+    tensor; any other tensor fills its one box."""
+    if held.parts is not None:
+        flat = buffer.array.reshape(-1)
+        return [(box, flat[at : at + box.volume].reshape(box.shape)) for box, at in held.parts]
+    box = held.piece.box
+    return [(box, buffer.array.reshape(box.shape))]
 
 
 def _partial_fill(held) -> Any:

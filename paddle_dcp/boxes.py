@@ -146,6 +146,45 @@ def is_contiguous(shape: Sequence[int], region: Box) -> bool:
     return stop - first == region.volume
 
 
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """The boxes that elements [start, stop) of the C-order flattening of an array of
+    ``shape`` make up, in flat order, each one contiguous run (at most 2 * ndim - 1 of them).
+
+    A flattened shard (paddle's ``ShardedWeight`` with ``flattened_range``) is such a run of
+    its box; the boxes are in that box's coordinates (``in_saved`` of the box).
+
+    Raises:
+        PlanError: the range is not inside the array.
+    """
+    shape = tuple(int(s) for s in shape)
+    total = math.prod(shape)
+    if not 0 <= start <= stop <= total:
+        raise PlanError(f"flat range [{start}, {stop}) is not inside an array of shape {shape} ({total} elements)")
+    if start == stop:
+        return []
+    if not shape:
+        return [Box((), ())]
+    inner = math.prod(shape[1:])
+    if len(shape) == 1:
+        return [Box((start,) + (0,) * (len(shape) - 1), (stop - start,) + shape[1:])]
+    first, last = start // inner, stop // inner  # rows holding the first and the stop element
+
+    def within(row: int, lo: int, hi: int) -> list[Box]:
+        return [Box((row,) + b.offsets, (1,) + b.shape) for b in flat_range_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return within(first, start % inner, stop % inner)
+    boxes = []
+    if start % inner:
+        boxes += within(first, start % inner, inner)
+        first += 1
+    if last > first:
+        boxes.append(Box((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]))
+    if stop % inner:
+        boxes += within(last, 0, stop % inner)
+    return boxes
+
+
 def split_region(region: Box, max_elements: int, array_shape: Sequence[int]) -> list[Box]:
     """Cut ``region`` into parts whose span in a C-order array of ``array_shape`` (the array
     the region lives in) is at most ``max_elements``; cuts go along the outermost dims first."""

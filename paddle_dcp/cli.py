@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import consolidate, storage
-from .boxes import Box, check_tiling
+from .boxes import Box, check_tiling, flat_range_boxes
 from .dtypes import DTYPE_NAMES, storage_dtype
 from .errors import DcpError, FormatError, PlanError, StorageError
 from .metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
@@ -519,35 +519,6 @@ def cmd_convert(args) -> int:
 
 # ====================================================================== import-paddle
 _PADDLE_DATA_RE = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
-
-
-def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
-    """The boxes (relative to a box of ``shape``) that the C-order elements [start, stop)
-    of it make, in order: each one a contiguous run, together exactly the range."""
-    shape = tuple(int(s) for s in shape)
-    if start >= stop:
-        return []
-    if not shape:
-        return [Box((), ())]
-    inner = math.prod(shape[1:])
-    rest = len(shape) - 1
-    i0, r0 = divmod(start, inner)
-    i1, r1 = divmod(stop, inner)
-
-    def row(i: int, lo: int, hi: int) -> list[Box]:
-        return [Box((i,) + b.offsets, (1,) + b.shape) for b in flat_range_boxes(shape[1:], lo, hi)]
-
-    if i0 == i1:
-        return row(i0, r0, r1)
-    out = []
-    if r0:
-        out += row(i0, r0, inner)
-        i0 += 1
-    if i1 > i0:
-        out.append(Box((i0,) + (0,) * rest, (i1 - i0,) + shape[1:]))
-    if r1:
-        out += row(i1, 0, r1)
-    return out
 
 
 def _import_paddle_module():

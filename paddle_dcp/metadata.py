@@ -169,6 +169,8 @@ class Metadata:
         format_version: the version of this format.
         subset: only some pieces of some tensors, as one rank needs them (sent between ranks
             when a rank cannot read the metadata file; never written to disk).
+        replicas: saved with ``save_replicas``: a piece may have several copies (rows with
+            exactly equal boxes, each in another file); any one of them may be read.
     """
 
     unique_id: int
@@ -181,6 +183,7 @@ class Metadata:
     created_by: str = ""
     format_version: int = FORMAT_VERSION
     subset: bool = False
+    replicas: bool = False
 
     def values(self) -> dict[str, Any]:
         """Flat key -> plain (non-tensor) value saved in the checkpoint."""
@@ -242,6 +245,8 @@ class Metadata:
             "structure": self.structure,
             "tensors": tensors,
         }
+        if self.replicas:  # absent otherwise: a save without replicas writes the same bytes as before
+            doc["replicas"] = True
         if self.subset:
             doc["subset"] = True
         return with_digest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
@@ -419,9 +424,14 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
         raise FormatError(f"{source}: subset must be true or false")
     if subset and not allow_subset:
         raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
+    replicas = doc.get("replicas", False)
+    if type(replicas) is not bool:
+        raise FormatError(f"{source}: replicas must be true or false")
     def parse_tensor(key: str, t: Any) -> TensorEntry:
         try:
-            return _parse_tensor(key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size)
+            return _parse_tensor(
+                key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas
+            )
         except FormatError as exc:
             raise FormatError(f"{source}: {exc}") from None
         except PlanError as exc:
@@ -459,6 +469,7 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
         created_by=created_by,
         format_version=version,
         subset=subset,
+        replicas=replicas,
     )
 
 
@@ -622,6 +633,19 @@ def _parse_many(
     return out
 
 
+def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
+    """Rows of the first copy of every distinct box (ascending); raises FormatError when two
+    copies of one box lie in the same file (a replica is a holder's own copy)."""
+    if not len(files):
+        return np.zeros(0, np.int64)
+    boxes = np.concatenate([offsets, shapes], axis=1)
+    _, first, group = np.unique(boxes, axis=0, return_index=True, return_inverse=True)
+    pairs = np.unique(np.stack([group.reshape(-1), files], axis=1), axis=0)
+    if len(pairs) != len(files):
+        raise FormatError(f"tensor {key!r}: two copies of one piece in the same file")
+    return np.sort(first)
+
+
 def _parse_tensor(
     key: str,
     t: Any,
@@ -630,10 +654,13 @@ def _parse_tensor(
     tiling: bool = True,
     require_cover: bool = True,
     size: int = MAX_METADATA_BYTES,
+    replicas: bool = False,
 ) -> TensorEntry:
     """One tensor entry, validated. With ``tiling`` off (a load's lazy parse) the pieces are
     checked to lie inside the tensor but not to tile it: a load then checks that the pieces it
-    uses cover each of its boxes exactly, which is all it relies on."""
+    uses cover each of its boxes exactly, which is all it relies on. With ``replicas``, rows
+    with exactly equal boxes are copies of one piece (each in another file); the distinct
+    boxes must tile the tensor."""
     if not isinstance(t, dict):
         raise FormatError(f"tensor {key!r}: entry must be an object")
     dtype = t["dtype"]
@@ -646,7 +673,10 @@ def _parse_tensor(
     shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
     files = _decode_column(t["file"], count, f"{what}: file")
     byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
-    if tiling:
+    if tiling and replicas:
+        first = distinct_boxes(key, offsets, shapes, files)
+        check_tiling(key, shape, offsets[first], shapes[first], require_cover=require_cover)
+    elif tiling:
         check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
     else:
         check_inside(key, shape, offsets, shapes)

@@ -6,27 +6,44 @@ local value paddle holds, so a disagreement with paddle's own rule surfaces at o
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .boxes import Box, shard_box
+from .boxes import Box, flat_range_boxes, shard_box
 from .device import dtype_name
 from .dtypes import name_of_numpy
-from .errors import PlanError
+from .errors import PlanError, UnsupportedError
 from .planner import LocalPiece
 
 
 def is_tensor(value: Any) -> bool:
+    """A state-dict leaf saved as a tensor: numpy array, paddle tensor, or ShardedWeight."""
     if isinstance(value, np.ndarray):
         return True
     try:
         import paddle
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(value, paddle.Tensor)
+    return isinstance(value, paddle.Tensor) or is_sharded_weight(value)
+
+
+def is_sharded_weight(value: Any) -> bool:
+    """paddle's ``ShardedWeight`` (flex_checkpoint): a local tensor with its box stated."""
+    cls = _sharded_weight_class()
+    return cls is not None and isinstance(value, cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_weight_class():
+    try:
+        from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+    except ImportError:  # pragma: no cover - a paddle without flex_checkpoint
+        return None
+    return ShardedWeight
 
 
 @dataclass
@@ -38,12 +55,26 @@ class Held:
         local: the local dense data (paddle tensor or numpy array), None when the rank holds none.
         partial: (mesh dim, reduce type name) of every Partial placement.
         mesh_coord: this rank's coordinate in the tensor's mesh (None for plain tensors).
+        parts: for a flattened ShardedWeight, every box (in_global) its flat range covers,
+            with the index in the flat local tensor where that box's elements begin; its
+            ``piece.box`` is then the whole box the range is taken from. None otherwise.
     """
 
     piece: LocalPiece
     local: Any
     partial: tuple[tuple[int, str], ...] = ()
     mesh_coord: tuple[int, ...] | None = None
+    parts: tuple[tuple[Box, int], ...] | None = None
+
+    def pieces(self) -> list[tuple[LocalPiece, int | None]]:
+        """What this rank holds of the tensor as pieces to save, each with where its elements
+        begin in the flat local tensor (None: the piece is the whole local tensor)."""
+        if self.parts is None:
+            return [(self.piece, None)]
+        if not self.parts:
+            return [(LocalPiece(self.piece.key, self.piece.dtype, self.piece.global_shape, None), None)]
+        p = self.piece
+        return [(LocalPiece(p.key, p.dtype, p.global_shape, box), at) for box, at in self.parts]
 
 
 _SHARD_REPR = re.compile(r"Shard\(dim=(-?\d+)(?:, shard_order=(\d+))?(?:, split_factor=(\d+))?\)")
@@ -97,12 +128,21 @@ def _coord(index: int, mesh_shape: list[int]) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
-def describe(key: str, value: Any, rank: int) -> Held:
+def describe(key: str, value: Any, rank: int, flat_ok: bool = False) -> Held:
     """What ``rank`` holds of the state-dict tensor ``value``.
+
+    Args:
+        flat_ok: the caller handles ``Held.parts`` (a flattened ShardedWeight); otherwise one
+            raises UnsupportedError.
 
     Raises:
         PlanError: a placement we cannot express, or paddle's local shape differs from ours.
     """
+    if is_sharded_weight(value):
+        held = _describe_sharded(key, value)
+        if held.parts is not None and not flat_ok:
+            raise UnsupportedError(f"{key}: a flattened ShardedWeight is not supported here")
+        return held
     if isinstance(value, np.ndarray):
         shape = tuple(int(s) for s in value.shape)
         return Held(LocalPiece(key, name_of_numpy(value.dtype), shape, Box.whole(shape)), value)
@@ -125,6 +165,36 @@ def describe(key: str, value: Any, rank: int) -> Held:
             f"but placements {value.placements} on mesh {mesh_shape} give {box.shape}"
         )
     return Held(LocalPiece(key, dtype, shape, box), local, tuple(partial), coord)
+
+
+def _describe_sharded(key: str, sw) -> Held:
+    """A ShardedWeight: the box ``global_offset`` + ``local_shape`` of ``global_shape``; a
+    flattened one holds elements [start, stop) of that box's C-order flattening, saved as the
+    boxes they make (:func:`flat_range_boxes`)."""
+    shape = tuple(int(s) for s in sw.global_shape)
+    box = Box(tuple(int(o) for o in sw.global_offset), tuple(int(s) for s in sw.local_shape))
+    local = sw.local_tensor
+    dtype = dtype_name(local)
+    if box.ndim != len(shape) or not Box.whole(shape).contains(box) or min(box.offsets, default=0) < 0:
+        raise PlanError(f"{key}: ShardedWeight box {box} is not inside its global shape {shape}")
+    count = int(np.prod([int(s) for s in local.shape]))
+    if not sw.is_flattened:
+        if count != box.volume:
+            raise PlanError(
+                f"{key}: ShardedWeight local tensor has shape {tuple(local.shape)}, its local_shape is {box.shape}"
+            )
+        return Held(LocalPiece(key, dtype, shape, box if box.volume else None), local if box.volume else None)
+    r = sw.flattened_range
+    start, stop = int(r.start), int(r.stop)
+    if count != stop - start or (r.step not in (None, 1)):
+        raise PlanError(
+            f"{key}: flattened ShardedWeight holds {count} elements for the range {r} of its box {box}"
+        )
+    parts, at = [], 0
+    for rel in flat_range_boxes(box.shape, start, stop):
+        parts.append((Box(tuple(o + q for o, q in zip(box.offsets, rel.offsets)), rel.shape), at))
+        at += rel.volume
+    return Held(LocalPiece(key, dtype, shape, box), local, parts=tuple(parts))
 
 
 def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
@@ -161,7 +231,7 @@ def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
 def has_partial(value: Any) -> bool:
     """A dist tensor with a Partial placement whose mesh holds this rank (even with an empty
     local piece: the reduction is a collective of the whole mesh)."""
-    if isinstance(value, np.ndarray) or not value.is_dist():
+    if isinstance(value, np.ndarray) or is_sharded_weight(value) or not value.is_dist():
         return False
     import paddle.distributed as dist
 
@@ -171,7 +241,7 @@ def has_partial(value: Any) -> bool:
 def rewrap(value: Any):
     """A function turning a local tensor into a dist tensor laid out as ``value`` (for offload,
     whose loaded local values live in host memory); None for plain tensors."""
-    if isinstance(value, np.ndarray) or not value.is_dist():
+    if isinstance(value, np.ndarray) or is_sharded_weight(value) or not value.is_dist():
         return None
     from paddle.distributed.auto_parallel.api import dtensor_from_local
 

@@ -60,8 +60,10 @@ class SaveSummary:
         rank: the global rank that sent it.
         skeleton: the nested structure; plain values only in the coordinator's own.
         dtypes / global_shapes: per tensor leaf, in the skeleton's depth-first order.
-        boxes: (leaves, 1 + 2 * max_ndim) int64 rows ``[present, offsets, shape]``, offsets
-            and shape each padded with zeros to the summary's largest rank.
+        boxes: (rows, 1 + 2 * max_ndim) int64 rows ``[present, offsets, shape]``, offsets
+            and shape each padded with zeros to the summary's largest rank; one row per leaf,
+            or several for a leaf held as several boxes (a flattened ShardedWeight).
+        row_leaf: (rows,) int64, the leaf of every row, ascending; None when row i is leaf i.
         header_id: equal for summaries whose skeleton, dtypes and shapes are equal (lets the
             coordinator parse and check each distinct layout once).
     """
@@ -72,12 +74,17 @@ class SaveSummary:
     global_shapes: tuple[tuple[int, ...], ...]
     boxes: np.ndarray
     header_id: object = None
+    row_leaf: np.ndarray | None = None
 
     @classmethod
     def from_pieces(cls, rank: int, skeleton: dict, pieces: Sequence[LocalPiece]) -> "SaveSummary":
+        """From the pieces in the skeleton's tensor order: one per leaf, or a run of several of
+        one key (a leaf held as several boxes)."""
         keys = nested.tensor_keys(skeleton)
-        if [p.key for p in pieces] != keys:
+        starts = [i for i, p in enumerate(pieces) if i == 0 or p.key != pieces[i - 1].key]
+        if [pieces[i].key for i in starts] != keys:
             raise PlanError("local pieces are not in the skeleton's tensor order")
+        firsts = [pieces[i] for i in starts]
         max_nd = max((len(p.global_shape) for p in pieces), default=0)
         boxes = np.zeros((len(pieces), 1 + 2 * max_nd), dtype=np.int64)
         for i, p in enumerate(pieces):
@@ -86,19 +93,30 @@ class SaveSummary:
                 boxes[i, 0] = 1
                 boxes[i, 1 : 1 + nd] = p.box.offsets
                 boxes[i, 1 + max_nd : 1 + max_nd + nd] = p.box.shape
+        row_leaf = None
+        if len(pieces) != len(keys):
+            flags = np.zeros(len(pieces), dtype=np.int64)
+            flags[starts] = 1
+            row_leaf = np.cumsum(flags) - 1
         return cls(
             rank=rank,
             skeleton=skeleton,
-            dtypes=tuple(p.dtype for p in pieces),
-            global_shapes=tuple(tuple(p.global_shape) for p in pieces),
+            dtypes=tuple(p.dtype for p in firsts),
+            global_shapes=tuple(tuple(p.global_shape) for p in firsts),
             boxes=boxes,
+            row_leaf=row_leaf,
         )
 
+    def leaves_of_rows(self) -> np.ndarray:
+        """(rows,) the leaf of every row."""
+        return np.arange(len(self.boxes), dtype=np.int64) if self.row_leaf is None else self.row_leaf
+
     def piece_box(self, i: int) -> Box | None:
+        """The box of row ``i`` (None: the rank holds nothing there)."""
         row = self.boxes[i]
         if not row[0]:
             return None
-        nd = len(self.global_shapes[i])
+        nd = len(self.global_shapes[int(self.leaves_of_rows()[i])])
         max_nd = (self.boxes.shape[1] - 1) // 2
         return Box(tuple(int(x) for x in row[1 : 1 + nd]), tuple(int(x) for x in row[1 + max_nd : 1 + max_nd + nd]))
 
@@ -113,11 +131,14 @@ class SavePlan:
         piece_key / piece_offsets / piece_shapes: the distinct pieces (rows), sorted by key
             then offsets.
         piece_writer: global rank that writes each piece.
-        piece_leaf: index of the piece in the writer's summary.
+        piece_leaf: the piece's row in the writer's summary (its leaf, unless the writer holds
+            that leaf as several boxes).
         piece_byte_offset: where the piece starts in the writer's file, in bytes.
-        writes: global rank -> leaf indices it writes, ascending (the order of its file).
+        writes: global rank -> summary rows it writes, ascending (the order of its file).
         file_bytes: global rank -> size of its data file, in bytes (ranks that write).
         skeleton: the merged structure (placeholders where the coordinator has no value).
+        replicas: every holder of a piece writes its copy (``save_replicas``): the pieces of
+            a key may repeat a box, on several writers.
     """
 
     keys: tuple[str, ...]
@@ -133,6 +154,7 @@ class SavePlan:
     writes: dict[int, np.ndarray]
     file_bytes: dict[int, int]
     skeleton: dict = field(default_factory=dict)
+    replicas: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -149,12 +171,13 @@ def layout_offsets(nbytes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]
     return starts, total
 
 
-def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
+def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SavePlan:
     """Deduplicate replicated pieces and balance the bytes each rank writes.
 
     Every distinct (key, box) is written once, by one of the ranks that hold it: pieces held by
     a single rank go to it; the others, largest first, to the holder with the fewest bytes so
-    far (ties to the lowest rank). The result does not depend on the order of ``summaries``.
+    far (ties to the lowest rank). With ``replicas``, every holder writes its own copy instead
+    (copies sorted by rank). The result does not depend on the order of ``summaries``.
 
     Raises:
         MismatchError: ranks disagree on a key's dtype, shape, or kind.
@@ -170,7 +193,7 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
         if hid in layouts:
             continue
         keys = nested.tensor_keys(s.skeleton)
-        if len(keys) != len(s.dtypes) or len(keys) != len(s.global_shapes) or len(keys) != len(s.boxes):
+        if len(keys) != len(s.dtypes) or len(keys) != len(s.global_shapes):
             raise PlanError(f"rank {s.rank}: summary lists {len(s.dtypes)} tensors for {len(keys)} leaves")
         layouts[hid] = (keys, s)
         skeleton = s.skeleton if skeleton is None else nested.merge(skeleton, s.skeleton)
@@ -194,11 +217,12 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
     for s in summaries:
         hid = s.header_id if s.header_id is not None else id(s)
         b = s.boxes
+        leaf_of_row = _checked_rows(s, len(layout_ids[hid]))
         present = np.flatnonzero(b[:, 0]) if len(b) else np.zeros(0, np.int64)
         if not len(present):
             continue
         block = np.zeros((len(present), width), dtype=np.int64)
-        block[:, 0] = layout_ids[hid][present]
+        block[:, 0] = layout_ids[hid][leaf_of_row[present]]
         nd = (b.shape[1] - 1) // 2  # the summary's own padding
         block[:, 1 : 1 + nd] = b[present, 1 : 1 + nd]
         block[:, 1 + max_nd : 1 + max_nd + nd] = b[present, 1 + nd : 1 + 2 * nd]
@@ -225,6 +249,8 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
     holders_rank = row_rank[order]
     holders_leaf = row_leaf[order]
 
+    if replicas:  # every held row is a piece of its own, written by its holder
+        uniq, group_start, counts = t_sorted, np.arange(len(order)), np.ones(len(order), dtype=np.int64)
     n = len(uniq)
     p_key = uniq[:, 0] if n else np.zeros(0, np.int64)
     p_off = uniq[:, 1 : 1 + max_nd]
@@ -242,7 +268,8 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
     for k, key in enumerate(keys_sorted):
         nd = int(nds[k])
         lo, hi = bounds[k], bounds[k + 1]
-        check_tiling(key, key_info[key][1], p_off[lo:hi, :nd], p_shape[lo:hi, :nd])
+        distinct = np.flatnonzero(new_group[lo:hi]) + lo if replicas else slice(lo, hi)  # copies: one box
+        check_tiling(key, key_info[key][1], p_off[distinct, :nd], p_shape[distinct, :nd])
 
     # -- writers: single holders first, then the rest largest first to the least loaded
     writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
@@ -293,7 +320,19 @@ def plan_save(summaries: Sequence[SaveSummary]) -> SavePlan:
         writes=writes,
         file_bytes=file_bytes,
         skeleton=skeleton if skeleton is not None else {"d": []},
+        replicas=replicas,
     )
+
+
+def _checked_rows(s: SaveSummary, leaves: int) -> np.ndarray:
+    """The leaf of every row of ``s``, checked: each leaf has a run of rows, in order."""
+    row_leaf = s.leaves_of_rows()
+    steps = np.diff(row_leaf)
+    if len(row_leaf) != len(s.boxes) or (
+        len(row_leaf) and (row_leaf[0] != 0 or row_leaf[-1] != leaves - 1 or ((steps != 0) & (steps != 1)).any())
+    ) or (not len(row_leaf) and leaves):
+        raise PlanError(f"rank {s.rank}: summary rows do not map onto its {leaves} leaves")
+    return row_leaf
 
 
 
@@ -358,6 +397,7 @@ def build_metadata(
         structure=structure,
         block_bytes=block_bytes,
         created_by=created_by,
+        replicas=plan.replicas,
     )
 
 
@@ -442,6 +482,22 @@ def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
     return np.flatnonzero((hi > lo).all(axis=1))
 
 
+def pick_replicas(entry: TensorEntry, rows: np.ndarray, readable: np.ndarray | None = None) -> np.ndarray:
+    """One copy of every distinct box among the pieces ``rows``: the lowest row in a file with
+    ``readable[file]`` true, else the lowest row. Boxes that only overlap stay (and fail the
+    overlap check as usual)."""
+    if len(rows) < 2:
+        return rows
+    p = entry.pieces
+    boxes = np.concatenate([p.offsets[rows], p.shapes[rows]], axis=1)
+    far = np.zeros(len(rows), dtype=bool) if readable is None else ~np.asarray(readable, dtype=bool)[p.files[rows]]
+    order = np.lexsort((rows, far) + tuple(boxes[:, c] for c in reversed(range(boxes.shape[1]))))
+    b = boxes[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (b[1:] != b[:-1]).any(axis=1)
+    return np.sort(rows[order[first]])
+
+
 def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
     """Raise PlanError when two of the pieces ``rows`` overlap inside ``box``. With their
     volumes inside the box adding up to the box's, this proves they cover it exactly, whether
@@ -478,6 +534,7 @@ def plan_reads(
     coalesce_gap: int = 1 << 16,
     direct_min_bytes: int = 1 << 20,
     slots: Sequence[int] | None = None,
+    readable: np.ndarray | None = None,
 ) -> list[ReadOp]:
     """The reads that fill every target piece exactly, sorted by file and offset.
 
@@ -487,6 +544,8 @@ def plan_reads(
     merged into one read of at most ``max_read_bytes`` (many small pieces, one syscall);
     exact segments of at least ``direct_min_bytes`` stay alone so they can land in place.
     Copies name target ``i`` by ``slots[i]`` when given (the caller's own numbering), else by i.
+    Of a piece saved in several copies (``meta.replicas``), one is read: the first in a file
+    this rank can read (``readable[file]``), else the first.
 
     Raises:
         MismatchError: a target's shape or dtype differs from the checkpoint's.
@@ -510,6 +569,8 @@ def plan_reads(
         if starts is None:
             starts = starts_cache[t.key] = entry.block_starts()
         hits = overlapping_pieces(entry, tbox)
+        if meta.replicas:
+            hits = pick_replicas(entry, hits, readable)
         if len(hits) == 1:
             piece = entry.piece(int(hits[0]), starts)
             if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
@@ -762,6 +823,7 @@ def restrict(
         checksum_algorithm=meta.checksum_algorithm,
         created_by=meta.created_by,
         subset=True,
+        replicas=meta.replicas,
     )
 
 

@@ -148,6 +148,7 @@ class SaveRank:
         cache: where the rank keeps its last save plan (module-level dict in a real job).
         stage: for an async save, copies the pieces of the given leaves to host memory; the
             protocol then yields Detach and may finish in the background.
+        replicas: every holder writes its copy of a replicated piece (``save_replicas``).
     """
 
     rank: int
@@ -166,6 +167,7 @@ class SaveRank:
     created_by: str = ""
     cache: dict = field(default_factory=dict)
     stage: Callable[[np.ndarray], None] | None = None
+    replicas: bool = False
 
 
 @dataclass
@@ -187,7 +189,7 @@ def save(ctx: SaveRank) -> Protocol:
 
     summary = yield from local("describe", summarize)
     # a plan is reused when no rank's layout changed since the last save of this group
-    key = (tuple(ctx.ranks), ctx.coordinator)
+    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas)
     digest = xxhash.xxh3_128_digest(summary)
     cached = ctx.cache.get(key)
     changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
@@ -199,7 +201,7 @@ def save(ctx: SaveRank) -> Protocol:
     generation = (yield AllMax((seen,)))[0] + 1
     if changed:
         blobs = yield Gather(summary, ctx.coordinator)
-        plan, parts = yield from local("plan", (lambda: plan_from_summaries(ctx.ranks, blobs)) if is_coord else (lambda: (None, None)))
+        plan, parts = yield from local("plan", (lambda: plan_from_summaries(ctx.ranks, blobs, ctx.replicas)) if is_coord else (lambda: (None, None)))
         leaves = wire.decode_assignment((yield Scatter(parts, ctx.coordinator)))
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
@@ -221,13 +223,15 @@ def save(ctx: SaveRank) -> Protocol:
     return SaveResult(uid, size, not changed)
 
 
-def plan_from_summaries(ranks: Sequence[int], blobs: Sequence[bytes]) -> tuple[planner.SavePlan, list[bytes]]:
+def plan_from_summaries(
+    ranks: Sequence[int], blobs: Sequence[bytes], replicas: bool = False
+) -> tuple[planner.SavePlan, list[bytes]]:
     """The coordinator's half of planning a save: decode every summary (each distinct layout
     once), plan, and encode every rank's assignment."""
     cache: dict = {}
     summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
-    plan = planner.plan_save(summaries)
-    parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.dtypes)) for s in summaries]
+    plan = planner.plan_save(summaries, replicas)
+    parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.boxes)) for s in summaries]
     return plan, parts
 
 

@@ -18,6 +18,7 @@ from .errors import FormatError
 from .planner import SaveSummary
 
 _SUMMARY = b"DCS1"
+_SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf column leads the boxes
 _REPORT = b"DCR1"
 _ASSIGN = b"DCA1"
 
@@ -30,13 +31,17 @@ def encode_summary(summary: SaveSummary) -> bytes:
     ).encode()
     hz = zlib.compress(header, 6)
     boxes = np.ascontiguousarray(summary.boxes, dtype="<i8")
+    tag = _SUMMARY
+    if summary.row_leaf is not None:
+        tag = _SUMMARY_ROWS
+        boxes = np.ascontiguousarray(np.column_stack([summary.row_leaf, boxes]), dtype="<i8")
     bz = zlib.compress(boxes.tobytes(), 6)
-    return _SUMMARY + struct.pack("<QQQ", len(hz), boxes.shape[0], boxes.shape[1]) + hz + bz
+    return tag + struct.pack("<QQQ", len(hz), boxes.shape[0], boxes.shape[1]) + hz + bz
 
 
 def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSummary:
     """Parse a rank's summary; ``cache`` (shared across calls) keeps parsed headers."""
-    if data[:4] != _SUMMARY:
+    if data[:4] not in (_SUMMARY, _SUMMARY_ROWS):
         raise FormatError(f"rank {rank}: not a save summary")
     hlen, rows, width = struct.unpack_from("<QQQ", data, 4)
     body = 28
@@ -50,7 +55,10 @@ def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSum
             cache[hid] = parsed
     raw = zlib.decompress(data[body + hlen :])
     boxes = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
-    return SaveSummary(rank, parsed[0], parsed[1], parsed[2], boxes, header_id=hid)
+    row_leaf = None
+    if data[:4] == _SUMMARY_ROWS:
+        row_leaf, boxes = boxes[:, 0], boxes[:, 1:]
+    return SaveSummary(rank, parsed[0], parsed[1], parsed[2], boxes, header_id=hid, row_leaf=row_leaf)
 
 
 def encode_assignment(writes: np.ndarray, leaves: int) -> bytes:

@@ -14,6 +14,7 @@ from paddle_dcp.boxes import (
     Box,
     check_tiling,
     element_span,
+    flat_range_boxes,
     is_contiguous,
     shard_box,
     split_extent,
@@ -363,3 +364,42 @@ def test_mesh_coordinate_of_a_process_is_its_c_order_position(mesh_shape, data):
     index = data.draw(st.integers(0, math.prod(mesh_shape) - 1))
     grid = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)  # the ids of a mesh, in order
     assert grid[_coord(index, mesh_shape)] == index
+
+
+# ------------------------------------------------------------------ flattened ranges
+@st.composite
+def flat_ranges(draw):
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=4)))
+    total = math.prod(shape)
+    start = draw(st.integers(0, total))
+    stop = draw(st.integers(start, total))
+    return shape, start, stop
+
+
+@fast(400)
+@given(flat_ranges())
+def test_flat_range_boxes_cover_the_range_in_order_each_contiguous(case):
+    """Oracle: numpy's own C-order numbering of the array's elements."""
+    shape, start, stop = case
+    numbers = np.arange(math.prod(shape)).reshape(shape)
+    boxes = flat_range_boxes(shape, start, stop)
+    runs = [numbers[b.slices()].reshape(-1) for b in boxes]
+    got = np.concatenate(runs) if runs else np.zeros(0, np.int64)
+    assert got.tolist() == list(range(start, stop))  # exactly the range, in flat order
+    for run in runs:  # each box one unbroken run
+        assert run.size > 0 and run.tolist() == list(range(int(run[0]), int(run[0]) + run.size))
+    assert len(boxes) <= max(1, 2 * len(shape) - 1)
+
+
+def test_flat_range_mid_row_to_mid_row():
+    # a (4, 5) box, elements 3 .. 17: the rest of row 0, rows 1-2, the start of row 3
+    assert flat_range_boxes((4, 5), 3, 17) == [Box((0, 3), (1, 2)), Box((1, 0), (2, 5)), Box((3, 0), (1, 2))]
+    assert flat_range_boxes((4, 5), 0, 20) == [Box((0, 0), (4, 5))]
+    assert flat_range_boxes((4, 5), 6, 8) == [Box((1, 1), (1, 2))]
+    assert flat_range_boxes((), 0, 1) == [Box((), ())]
+
+
+@pytest.mark.parametrize("start, stop", [(-1, 2), (3, 2), (0, 21)])
+def test_flat_range_outside_the_box_is_refused(start, stop):
+    with pytest.raises(PlanError):
+        flat_range_boxes((4, 5), start, stop)
