@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import exchange, nested, planner, protocol, storage, wire
+from . import aoa, exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
@@ -341,8 +341,10 @@ def load_state_dict(
             replaced by CPU ones; on the CPU nothing changes).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back,
             as paddle.distributed does.
-        aoa_config: paddle's AOA statements mapping checkpoint keys onto the state dict's
-            (not yet supported).
+        aoa_config: paddle's AOA statements (``{"aoa_statements": [...]}``) saying how the
+            checkpoint's tensors make the state dict's: renames, transposes, fused weights
+            split or merged, casts. paddle's own engine interprets them; each rank still reads
+            only the byte ranges its pieces need. Needs every rank to read the metadata.
         safetensors: ``path`` holds safetensors files (not yet supported).
         worker_groups: process groups whose ranks this rank prefers as senders when it must
             receive bytes of a file it cannot read (node-local disks): a rank of one of its
@@ -365,9 +367,13 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
-    _not_yet(aoa_config=aoa_config, safetensors=safetensors)
+    _not_yet(safetensors=safetensors)
     near = _worker_peers(worker_groups, comm_method)
     wait_async_save()  # never load an older checkpoint than one this process asked to save
+    if aoa_config is not None:
+        aoa.check_config(aoa_config)
+        if os.path.isfile(path):
+            raise UnsupportedError(f"aoa_config applies to a checkpoint directory; {path} is a file")
     if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
         from . import singlefile
 
@@ -386,13 +392,26 @@ def load_state_dict(
         return storage.list_checkpoints(path)
 
     def helpers(readers, meta):
+        if aoa_config is not None:  # every rank knows the readers: all raise the same error
+            others = [r for r in comm.ranks if r not in readers]
+            raise UnsupportedError(
+                f"aoa_config needs every rank to read the metadata of the checkpoint in {path}; "
+                f"ranks {others} cannot (node-local disks): copy it to them"
+            )
         return protocol.Pairwise(
             "metadata from helpers",
             lambda c: _metadata_from_helpers(c, readers, meta, state["flat"], state["held"], mw_name_compatibility),
         )
 
     def plan(meta, uid, listing, statuses):
-        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict)
+        remap = None
+        if aoa_config is not None:
+            from .aoa_paddle import Remap
+
+            remap = Remap(aoa_config, aoa.source_shards(meta), state["all_targets"])
+        work = _plan_load(
+            comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict, remap
+        )
         work.split(comm, uid, listing, statuses, near)
         work.state_dict = state_dict
         return work
@@ -408,6 +427,11 @@ def load_state_dict(
         metadata_from_helpers=helpers,
         plan=plan,
     )
+    if aoa_config is not None:  # paddle's engine needs every rank's targets
+        ctx.targets = lambda: wire.encode_json(
+            aoa.encode_targets((h.piece.key, h.piece.dtype, h.piece.global_shape, h.piece.box) for h in state["held"] if h.piece.box is not None)
+        )
+        ctx.all_targets = lambda blobs: state.update(all_targets=aoa.merge_targets(wire.decode_json(b) for b in blobs))
     uid, work = protocol.run(comm, protocol.load(ctx))
     _LAST_TRAFFIC["load"] = comm.traffic
     logger.info(
@@ -448,7 +472,7 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
 class _LoadPlan:
     """One rank's load: read ops, the buffers they fill, and what finishes each buffer."""
 
-    def __init__(self, flat, meta, ops, files, buffers, fills, verify: bool = True):
+    def __init__(self, flat, meta, ops, files, buffers, fills, verify: bool = True, staged=()):
         self.flat, self.meta = flat, meta
         self.ops, self.files, self.buffers, self.fills = ops, files, buffers, fills
         self.verify = verify
@@ -457,8 +481,9 @@ class _LoadPlan:
         self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
         self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
-        arrays = [b.array for b in buffers]
-        self.run = lambda op, fetch: storage.execute_op(op, files, arrays, self.staging, verify, fetch)
+        self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into buffers
+        self.arrays = [b.array for b in buffers] + aoa.staging_arrays(self.staged)
+        self.run = lambda op, fetch: storage.execute_op(op, files, self.arrays, self.staging, verify, fetch)
 
     def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
         """Ops on files this rank can read, and the others by the rank that will serve them
@@ -527,10 +552,9 @@ class _LoadPlan:
     def read_local(self) -> None:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
         not hashed again; a file written since it was opened is refused once the copy ends."""
-        arrays = [b.array for b in self.buffers]
         try:
             for op in storage.read_ahead(self.files, self.local):
-                storage.execute_op(op, self.files, arrays, self.staging, verify=False)
+                storage.execute_op(op, self.files, self.arrays, self.staging, verify=False)
             self.files.check_unchanged()
         finally:
             if not self.remote:
@@ -545,6 +569,7 @@ class _LoadPlan:
     def finish(self) -> None:
         """Fill constants, copy host buffers to their devices, put offloaded tensors and the
         checkpoint's plain values into the state dict."""
+        aoa.apply(self.staged, self.arrays)
         for buffer, fill in zip(self.buffers, self.fills):
             if fill is not None:
                 buffer.fill(fill)
@@ -558,21 +583,23 @@ class _LoadPlan:
 
 def _plan_load(
     comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True,
-    strict: bool = True,
+    strict: bool = True, remap=None,
 ) -> _LoadPlan:
-    keys = planner.reconcile(list(flat.tensors), flat.skeleton, list(meta.tensors), meta.structure, mw)
-    match = keys.match
+    mapped, used = _aoa_keys(remap, flat, meta)  # keys the aoa_config fills are not missing
+    tensor_keys = [k for k in flat.tensors if k not in mapped]
+    keys = planner.reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
+    match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
     where = f"checkpoint {meta.unique_id} in {path}"
     if keys.missing and strict:
         raise MismatchError(planner.missing_message(keys.missing, where))
     if keys.missing:
         logger.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(keys.missing))
-    if keys.unexpected and not meta.subset:  # a part lists only what this rank asked for
-        logger.warning("keys of %s not in the state_dict (not loaded): %s", where, list(keys.unexpected))
-    meta.prefetch(match.source.values())
-    targets, buffers, fills, index = [], [], [], []
+    if unexpected and not meta.subset:  # a part lists only what this rank asked for
+        logger.warning("keys of %s not in the state_dict (not loaded): %s", where, unexpected)
+    meta.prefetch(list(match.source.values()) + sorted(used))
+    targets, buffers, fills, index, remapped = [], [], [], [], []
     for h in held:
-        source = match.source.get(h.piece.key)
+        source = match.source.get(h.piece.key, h.piece.key if h.piece.key in mapped else None)
         if h.local is None or source is None:
             buffers.append(_NoTarget())
             fills.append(None)
@@ -583,21 +610,45 @@ def _plan_load(
         )
         fill = _partial_fill(h)
         fills.append(fill)
+        if h.piece.key in mapped:
+            if fill is None:
+                p = h.piece
+                local = aoa.LocalTarget(len(buffers) - 1, p.key, p.dtype, p.global_shape, p.box)
+                remapped.append((local, remap.maps(p.key, p.dtype, p.global_shape, p.box)))
+            continue
         target = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
         if fill is None:
             targets.append(target)
             index.append(len(buffers) - 1)
         else:  # nothing to read, but the shape and dtype must still agree
             planner.check_targets(meta, [target])
+    reads = aoa.plan(meta, remapped, first_slot=len(buffers))
+    targets, index = targets + reads.pieces, index + reads.slots
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
     try:
         ops = planner.plan_reads(meta, targets, slots=index)
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify)
+    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify, reads.staged)
     work.plain = keys.plain
     return work
+
+
+def _aoa_keys(remap, flat: nested.Flat, meta: Metadata) -> tuple[set[str], set[str]]:
+    """(state-dict keys the aoa_config fills, checkpoint keys it reads for them); a key whose
+    sources the checkpoint lacks is not filled (missing, as without a config)."""
+    if remap is None:
+        return set(), set()
+    mapped, used = set(), set()
+    for key in flat.tensors:
+        if key in remap.unmapped or key not in remap.engine_keys:
+            continue
+        sources = remap.sources_of(key)
+        if sources <= set(meta.tensors):
+            mapped.add(key)
+            used |= sources
+    return mapped, used
 
 
 def _partial_fill(held) -> Any:
