@@ -102,9 +102,15 @@ def test_dtype_casts_as_paddle_does(ckpt):
 
 
 def test_keys_filled_by_the_config_are_not_missing(ckpt, caplog):
-    targets = {"blocks.0.w": (6, 4), "blocks.1.w": (6, 4), "emb": (5, 3), "absent": (2,)}
+    stmt = ["layers.$LAYER_ID.w^T -> blocks.$LAYER_ID.w"]
+    targets = {"blocks.0.w": (6, 4), "blocks.1.w": (6, 4), "emb": (5, 3)}
+    sd = load(ckpt, targets, stmt)  # strict: keys are checked after the config's mapping
+    np.testing.assert_array_equal(sd["blocks.1.w"], SAVED["layers.1.w"].T)
+    with pytest.raises(MismatchError, match=r"1 key\(s\) of the state_dict are not in .*: absent\. "):
+        load(ckpt, dict(targets, absent=(2,)), stmt)
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="paddle_dcp.api"):
-        sd = load(ckpt, targets, ["layers.$LAYER_ID.w^T -> blocks.$LAYER_ID.w"])
+        sd = load(ckpt, dict(targets, absent=(2,)), stmt, strict=False)
     np.testing.assert_array_equal(sd["emb"], SAVED["emb"])  # no statement: the same name
     assert (sd["absent"] == -99).all()
     missing = [r.getMessage() for r in caplog.records if "not found" in r.getMessage()]
