@@ -9,7 +9,7 @@ the language ourselves; :mod:`paddle_dcp.aoa` turns the answers into reads.
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from typing import Container, Mapping, Sequence
 
 from . import aoa
 from .boxes import Box
@@ -52,7 +52,8 @@ class Remap:
         try:
             produced = _produced(config, src, dst)
             models = {split_optimizer_state_key(k)[0] for k in src}
-            self.unmapped = tuple(k for k in dst if split_optimizer_state_key(k)[0] not in produced | models)
+            known = produced | models
+            self.unmapped = frozenset(k for k in dst if split_optimizer_state_key(k)[0] not in known)
             kept = {k: v for k, v in dst.items() if k not in self.unmapped}
             self.engine_keys = frozenset(kept)
             self.engine = AOAEngine(aoa_config=config, source_state_shard_info=src, destination_state_shard_info=kept)
@@ -91,6 +92,20 @@ class Remap:
         """The checkpoint keys the config reads for the whole of ``key``."""
         dtype, shape, _ = self._targets[key]
         return {m.source_key for m in self.maps(key, dtype, shape, Box.whole(shape))}
+
+    def filled(self, keys: Sequence[str], saved: Container[str]) -> tuple[set[str], set[str]]:
+        """(the state-dict keys among ``keys`` the config fills, the checkpoint keys it reads
+        for them); a key whose sources the checkpoint lacks is not filled: it is missing, as
+        without a config."""
+        mapped, used = set(), set()
+        for key in keys:
+            if key in self.unmapped or key not in self.engine_keys:
+                continue
+            sources = self.sources_of(key)
+            if all(s in saved for s in sources):
+                mapped.add(key)
+                used |= sources
+        return mapped, used
 
 
 def _produced(config: Mapping, src: dict, dst: dict) -> set[str]:

@@ -585,7 +585,8 @@ def _plan_load(
     comm: Comm, flat: nested.Flat, held, meta: Metadata, path: str, offload: bool, mw: bool, verify: bool = True,
     strict: bool = True, remap=None,
 ) -> _LoadPlan:
-    mapped, used = _aoa_keys(remap, flat, meta)  # keys the aoa_config fills are not missing
+    # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
+    mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
     tensor_keys = [k for k in flat.tensors if k not in mapped]
     keys = planner.reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
     match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
@@ -633,22 +634,6 @@ def _plan_load(
     work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, verify, reads.staged)
     work.plain = keys.plain
     return work
-
-
-def _aoa_keys(remap, flat: nested.Flat, meta: Metadata) -> tuple[set[str], set[str]]:
-    """(state-dict keys the aoa_config fills, checkpoint keys it reads for them); a key whose
-    sources the checkpoint lacks is not filled (missing, as without a config)."""
-    if remap is None:
-        return set(), set()
-    mapped, used = set(), set()
-    for key in flat.tensors:
-        if key in remap.unmapped or key not in remap.engine_keys:
-            continue
-        sources = remap.sources_of(key)
-        if sources <= set(meta.tensors):
-            mapped.add(key)
-            used |= sources
-    return mapped, used
 
 
 def _partial_fill(held) -> Any:
