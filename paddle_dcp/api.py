@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import exchange, nested, planner, protocol, storage, wire
+from . import aoa, exchange, nested, planner, protocol, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
@@ -353,8 +353,10 @@ def load_state_dict(
             replaced by CPU ones; on the CPU nothing changes).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back,
             as paddle.distributed does.
-        aoa_config: paddle's AOA statements mapping checkpoint keys onto the state dict's
-            (not yet supported).
+        aoa_config: paddle's AOA statements (``{"aoa_statements": [...]}``) saying how the
+            checkpoint's tensors make the state dict's: renames, transposes, fused weights
+            split or merged, casts. paddle's own engine interprets them; each rank still reads
+            only the byte ranges its pieces need. Needs every rank to read the metadata.
         safetensors: ``path`` holds safetensors files (not yet supported).
         worker_groups: process groups whose ranks this rank prefers as senders when it must
             receive bytes of a file it cannot read (node-local disks): a rank of one of its
@@ -377,9 +379,13 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
-    _not_yet(aoa_config=aoa_config, safetensors=safetensors)
+    _not_yet(safetensors=safetensors)
     near = _worker_peers(worker_groups, comm_method)
     wait_async_save()  # never load an older checkpoint than one this process asked to save
+    if aoa_config is not None:
+        aoa.check_config(aoa_config)
+        if os.path.isfile(path):
+            raise UnsupportedError(f"aoa_config applies to a checkpoint directory; {path} is a file")
     if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
         from . import singlefile
 
@@ -398,15 +404,26 @@ def load_state_dict(
         return storage.list_checkpoints(path)
 
     def helpers(readers, meta):
+        if aoa_config is not None:  # every rank knows the readers: all raise the same error
+            others = [r for r in comm.ranks if r not in readers]
+            raise UnsupportedError(
+                f"aoa_config needs every rank to read the metadata of the checkpoint in {path}; "
+                f"ranks {others} cannot (node-local disks): copy it to them"
+            )
         return protocol.Pairwise(
             "metadata from helpers",
             lambda c: _metadata_from_helpers(c, readers, meta, state["flat"], state["held"], mw_name_compatibility),
         )
 
     def plan(meta, uid, listing, statuses):
+        remap = None
+        if aoa_config is not None:
+            from .aoa_paddle import Remap
+
+            remap = Remap(aoa_config, aoa.source_shards(meta), state["all_targets"])
         work = _plan_load(
             comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict,
-            _visible_files(listing, uid),
+            _visible_files(listing, uid), remap,
         )
         work.split(comm, uid, listing, statuses, near)
         work.state_dict = state_dict
@@ -423,6 +440,11 @@ def load_state_dict(
         metadata_from_helpers=helpers,
         plan=plan,
     )
+    if aoa_config is not None:  # paddle's engine needs every rank's targets
+        ctx.targets = lambda: wire.encode_json(
+            aoa.encode_targets((h.piece.key, h.piece.dtype, h.piece.global_shape, h.piece.box) for h in state["held"] if h.piece.box is not None)
+        )
+        ctx.all_targets = lambda blobs: state.update(all_targets=aoa.merge_targets(wire.decode_json(b) for b in blobs))
     uid, work = protocol.run(comm, protocol.load(ctx))
     _LAST_TRAFFIC["load"] = comm.traffic
     logger.info(
@@ -469,9 +491,10 @@ class _LoadPlan:
     """One rank's load: read ops, the buffers they fill, and what finishes each buffer.
 
     ``buffers`` / ``fills`` are per state-dict tensor; ``views`` are the arrays the ops'
-    copies name (one per target box, views of the buffers)."""
+    copies name (one per target box, views of the buffers), followed by one staging array
+    per ``staged`` part of an aoa_config mapping."""
 
-    def __init__(self, flat, meta, ops, files, buffers, fills, views, verify: bool = True):
+    def __init__(self, flat, meta, ops, files, buffers, fills, views, verify: bool = True, staged=()):
         self.flat, self.meta = flat, meta
         self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
         self.verify = verify
@@ -480,7 +503,9 @@ class _LoadPlan:
         self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
         self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
-        self.run = lambda op, fetch: storage.execute_op(op, files, views, self.staging, verify, fetch)
+        self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
+        self.arrays = list(views) + aoa.staging_arrays(self.staged)
+        self.run = lambda op, fetch: storage.execute_op(op, files, self.arrays, self.staging, verify, fetch)
 
     def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
         """Ops on files this rank can read, and the others by the rank that will serve them
@@ -553,7 +578,7 @@ class _LoadPlan:
         not hashed again; a file written since it was opened is refused once the copy ends."""
         try:
             for op in storage.read_ahead(self.files, self.local):
-                storage.execute_op(op, self.files, self.views, self.staging, verify=False)
+                storage.execute_op(op, self.files, self.arrays, self.staging, verify=False)
             self.files.check_unchanged()
         finally:
             if not self.remote:
@@ -568,6 +593,7 @@ class _LoadPlan:
     def finish(self) -> None:
         """Fill constants, copy host buffers to their devices, put offloaded tensors and the
         checkpoint's plain values into the state dict."""
+        aoa.apply(self.staged, self.arrays)
         for buffer, fill in zip(self.buffers, self.fills):
             if fill is not None:
                 buffer.fill(fill)
@@ -595,20 +621,24 @@ def _plan_load(
     verify: bool = True,
     strict: bool = True,
     visible: set[str] = frozenset(),
+    remap=None,
 ) -> _LoadPlan:
-    keys = planner.reconcile(list(flat.tensors), flat.skeleton, list(meta.tensors), meta.structure, mw)
-    match = keys.match
+    # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
+    mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
+    tensor_keys = [k for k in flat.tensors if k not in mapped]
+    keys = planner.reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
+    match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
     where = f"checkpoint {meta.unique_id} in {path}"
     if keys.missing and strict:
         raise MismatchError(planner.missing_message(keys.missing, where))
     if keys.missing:
         logger.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(keys.missing))
-    if keys.unexpected and not meta.subset:  # a part lists only what this rank asked for
-        logger.warning("keys of %s not in the state_dict (not loaded): %s", where, list(keys.unexpected))
-    meta.prefetch(match.source.values())
-    targets, buffers, fills, views = [], [], [], []
+    if unexpected and not meta.subset:  # a part lists only what this rank asked for
+        logger.warning("keys of %s not in the state_dict (not loaded): %s", where, unexpected)
+    meta.prefetch(list(match.source.values()) + sorted(used))
+    targets, slots, buffers, fills, views, remapped = [], [], [], [], [], []
     for h in held:
-        source = match.source.get(h.piece.key)
+        source = match.source.get(h.piece.key, h.piece.key if h.piece.key in mapped else None)
         if h.local is None or source is None:
             buffers.append(_NoTarget())
             fills.append(None)
@@ -619,21 +649,32 @@ def _plan_load(
         fill = _partial_fill(h)
         fills.append(fill)
         boxes = _key_targets(h, buffer)
+        if h.piece.key in mapped:
+            if fill is None:
+                p = h.piece
+                for box, view in boxes:
+                    local = aoa.LocalTarget(len(views), p.key, p.dtype, p.global_shape, box)
+                    remapped.append((local, remap.maps(p.key, p.dtype, p.global_shape, box)))
+                    views.append(view)
+            continue
         whole = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
         if fill is not None or not boxes:  # nothing to read, but the shape and dtype must still agree
             planner.check_targets(meta, [whole])
             continue
         for box, view in boxes:
             targets.append(planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, box))
+            slots.append(len(views))
             views.append(view)
+    reads = aoa.plan(meta, remapped, first_slot=len(views))
+    targets, slots = targets + reads.pieces, slots + reads.slots
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
     readable = np.array([f.name in visible for f in meta.files], dtype=bool)
     try:
-        ops = planner.plan_reads(meta, targets, readable=readable)
+        ops = planner.plan_reads(meta, targets, slots=slots, readable=readable)
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, views, verify)
+    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, views, verify, reads.staged)
     work.plain = keys.plain
     return work
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import nested, planner, storage
 from .boxes import Box, split_region
-from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
+from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, bf16_to_float32, storage_dtype
 from .errors import DcpError, FormatError, StorageError
 from .metadata import Metadata, TensorEntry
 
@@ -69,13 +69,6 @@ def output_dtype(dtype: str, bf16_as_float32: bool) -> str:
 
 def output_nbytes(entry: TensorEntry, bf16_as_float32: bool) -> int:
     return math.prod(entry.shape) * storage_dtype(output_dtype(entry.dtype, bf16_as_float32)).itemsize
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) as float32 values: exact, NaN payloads kept."""
-    wide = bits.astype(np.uint32)
-    wide <<= 16
-    return wide.view(np.float32)
 
 
 class TensorReader:

@@ -49,6 +49,35 @@ def name_of_numpy(dtype: np.dtype) -> str:
     raise FormatError(f"numpy dtype {dtype} has no checkpoint dtype; supported: {', '.join(DTYPE_NAMES)}")
 
 
+def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) as float32 values: exact, NaN payloads kept."""
+    wide = bits.astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
+def float32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bit patterns (uint16), as paddle casts them: rounded to the
+    nearest, ties to even (overflow to inf), every NaN to 0x7fff."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FFF), rounded)
+
+
+def cast(array: np.ndarray, source: str, target: str) -> np.ndarray:
+    """An array in the storage dtype of ``source`` converted to that of ``target`` (a new array,
+    or ``array`` itself when the dtypes are equal), with paddle's rounding: bfloat16 goes
+    through float32, as paddle's cast does. (Paddle 3.3.1's CPU kernel turns some float32
+    values below 2**-25 into nonzero float16 bits; IEEE, numpy and paddle's GPU cast give +-0,
+    as this does.)"""
+    if source == target:
+        return array
+    values = bf16_to_float32(array) if source == "bfloat16" else array
+    if target == "bfloat16":
+        return float32_to_bf16(values.astype(np.float32, copy=False))
+    return values.astype(storage_dtype(target))
+
+
 # The format's dtype names -> safetensors' dtype codes (safetensors has no complex128).
 SAFETENSORS_CODES = {
     "bool": "BOOL",

@@ -277,6 +277,9 @@ class LoadRank:
             it reads), ``share_checks(index, count)``, ``verify_local()``,
             ``verify_remote(comm, clients)``, ``read_local()``, ``exchange(comm, clients)`` and
             ``finish()``.
+        targets: with an aoa_config, the rank's targets as bytes; every rank's are then
+            gathered after ``inspect`` and handed to ``all_targets`` (paddle's engine needs
+            them all: patterns on target names, shard counts of fused weights).
     """
 
     rank: int
@@ -288,6 +291,8 @@ class LoadRank:
     read_metadata: Callable[[int], Metadata]
     metadata_from_helpers: Callable[[list[int], Metadata | None], Pairwise]
     plan: Callable[[Metadata, int, Any, list[dict]], Any]
+    targets: Callable[[], bytes] | None = None
+    all_targets: Callable[[Sequence[bytes]], None] | None = None
 
 
 def load(ctx: LoadRank) -> Protocol:
@@ -297,6 +302,9 @@ def load(ctx: LoadRank) -> Protocol:
         "inspect", ctx.inspect, lambda listing: (listing.latest if listing.latest is not None else -1,), 1
     )
     uid = ctx.unique_id if ctx.unique_id is not None else latest
+    if ctx.targets is not None:
+        mine = yield from local("describe targets", ctx.targets)
+        ctx.all_targets((yield AllGather(mine)))
 
     def find_metadata():
         if uid < 0:

@@ -22,3 +22,9 @@ def test_warnings_name_only_missing_keys_on_ranks_without_metadata(tmp_path):
     cases = ["save", "warnings_name_only_missing_keys"]
     logs = run_launch(script("nodelocal.py"), 2, tmp_path, args=[tmp_path / "work", 1, *cases], timeout=120)
     assert_passed(logs, cases, 2)
+
+
+def test_aoa_config_refused_when_a_rank_lacks_the_metadata(tmp_path):
+    cases = ["save", "aoa_refused"]
+    logs = run_launch(script("nodelocal.py"), 2, tmp_path, args=[tmp_path / "work", 1, *cases], timeout=120)
+    assert_passed(logs, cases, 2)

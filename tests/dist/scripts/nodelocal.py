@@ -161,6 +161,21 @@ def worker_groups_choose_the_sender():
         assert "send_recv" in str(exc) and "'scatter'" in str(exc), str(exc)
 
 
+def aoa_refused():
+    """aoa_config needs the whole metadata on every rank (paddle's engine reads every
+    checkpoint key and shard): with a rank that lacks the file, every rank refuses clearly
+    and nothing is loaded."""
+    sd = c.build(TARGETS["into_plain"], 0, {"step": 0}, target=True)
+    before = c.snapshot(sd)
+    try:
+        paddle_dcp.load_state_dict(sd, "ck", aoa_config={"aoa_statements": []})
+    except paddle_dcp.UnsupportedError as exc:
+        assert "needs every rank to read the metadata" in str(exc), exc
+    else:
+        raise AssertionError("aoa_config on node-local disks did not raise")
+    c.assert_unchanged(sd, before)
+
+
 CASES = {"save": save}
 CASES.update({name: (lambda leaves=leaves: load(leaves)) for name, leaves in TARGETS.items()})
 CASES["file_missing_everywhere"] = file_missing_everywhere
@@ -169,5 +184,7 @@ if N == 4:
     CASES["worker_groups_choose_the_sender"] = worker_groups_choose_the_sender
 if "warnings_name_only_missing_keys" in sys.argv[3:]:  # a known bug: run only when asked
     CASES["warnings_name_only_missing_keys"] = warnings_name_only_missing_keys
+if "aoa_refused" in sys.argv[3:]:
+    CASES["aoa_refused"] = aoa_refused
 
 c.run_cases(CASES, sys.argv[3:])
