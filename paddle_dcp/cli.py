@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import consolidate, storage
+from . import consolidate, safetensors_format, storage
 from .boxes import Box, check_tiling
 from .dtypes import DTYPE_NAMES, storage_dtype
 from .errors import DcpError, FormatError, PlanError, StorageError
@@ -592,7 +592,7 @@ def _structure_of(keys: Sequence[str], mapping: Any) -> dict:
 
 def _paddle_file_arrays(paddle, full: str) -> dict:
     if full.endswith(".safetensors"):
-        return consolidate.read_safetensors(full)
+        return safetensors_format.read_arrays(full)
     try:
         arrays = paddle.load(full, return_numpy=True)
     except Exception as exc:  # noqa: BLE001 - anything unpickling raises
@@ -811,7 +811,7 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
             logger.warning("checkpoint %d: metadata unreadable, its files are left alone: %s", uid, _one_line(exc))
             continue
         listed = {f.name for f in meta.files}
-        names += [data_file_name(r, uid, g) for r, g in sorted(present) if data_file_name(r, uid, g) not in listed]
+        names += [n for n in listing.data_names(uid) if n not in listed]
     return names
 
 
@@ -820,11 +820,7 @@ def cmd_clean(args) -> int:
     listing = storage.list_checkpoints(path)
     planned = list(listing.temporary)
     if args.incomplete:
-        planned += [
-            data_file_name(r, uid, g)
-            for uid in incomplete_ids(listing)
-            for r, g in sorted(listing.data[uid])
-        ]
+        planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
         planned += _superseded(path, listing)
     sizes = {}
     for name in planned:

@@ -36,11 +36,18 @@ class Listing:
         complete: ids whose metadata exists (complete checkpoints).
         data: id -> (rank, generation) of every data file present.
         temporary: names of temporary files that saves in progress or crashed left behind.
+        names: every data file's name (``.distcp`` or ``.safetensors``); for a directory of
+            safetensors files loaded as a checkpoint, the files it holds.
     """
 
     complete: frozenset[int]
     data: dict[int, frozenset[tuple[int, int]]]
     temporary: tuple[str, ...] = ()
+    names: frozenset[str] = frozenset()
+
+    def data_names(self, unique_id: int) -> list[str]:
+        """The names of ``unique_id``'s data files present, sorted."""
+        return sorted(n for n in self.names if (parse_data_name(n) or (-1, -1))[1] == unique_id)
 
     @property
     def latest(self) -> int | None:
@@ -62,7 +69,7 @@ def list_checkpoints(path: str) -> Listing:
         return Listing(frozenset(), {})
     except OSError as exc:
         raise StorageError(f"cannot list checkpoint directory {path}: {exc}", path) from exc
-    complete, data, temporary = set(), {}, []
+    complete, data, temporary, found = set(), {}, [], []
     for name in names:
         m = METADATA_RE.match(name)
         if m:
@@ -71,9 +78,11 @@ def list_checkpoints(path: str) -> Listing:
         parsed = parse_data_name(name)
         if parsed is not None:
             data.setdefault(parsed[1], set()).add((parsed[0], parsed[2]))
+            found.append(name)
         elif TMP_RE.match(name):
             temporary.append(name)
-    return Listing(frozenset(complete), {k: frozenset(v) for k, v in data.items()}, tuple(sorted(temporary)))
+    data_sets = {k: frozenset(v) for k, v in data.items()}
+    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found))
 
 
 def remove_files(path: str, names) -> list[str]:
@@ -110,11 +119,11 @@ def remove_temporary(path: str, unique_id: int | None = None, rank: int | None =
 def remove_data(path: str, unique_id: int, rank: int, keep_generation: int | None = None) -> list[str]:
     """Remove ``rank``'s data files of ``unique_id`` but the generation ``keep_generation``."""
     listing = list_checkpoints(path)
-    names = [
-        data_file_name(r, unique_id, g)
-        for r, g in sorted(listing.data.get(unique_id, ()))
-        if r == rank and g != keep_generation
-    ]
+    names = []
+    for name in listing.data_names(unique_id):
+        writer, _, generation = parse_data_name(name)
+        if writer == rank and generation != keep_generation:
+            names.append(name)
     return remove_files(path, names)
 
 
@@ -122,12 +131,7 @@ def remove_incomplete(path: str) -> list[str]:
     """Remove the data files of ids that have no metadata in ``path``. (On node-local disks a
     node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
     listing = list_checkpoints(path)
-    names = [
-        data_file_name(r, uid, g)
-        for uid, files in sorted(listing.data.items())
-        if uid not in listing.complete
-        for r, g in sorted(files)
-    ]
+    names = [n for uid in sorted(listing.data) if uid not in listing.complete for n in listing.data_names(uid)]
     return remove_files(path, names)
 
 
