@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import exchange, nested, planner, protocol, storage, wire
+from . import exchange, nested, planner, protocol, safetensors_dir, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
@@ -83,8 +83,8 @@ def save_state_dict(
 ) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors and plain values.
 
-    Every rank writes the pieces assigned to it to ``{rank}_{unique_id}.distcp``; replicated
-    pieces are written once, by ranks chosen to balance the bytes. The coordinator writes
+    Every rank writes the pieces assigned to it to ``{rank}_{unique_id}.distcp`` (or
+    ``.safetensors``); replicated pieces are written once, by ranks chosen to balance the bytes. The coordinator writes
     ``{unique_id}.metadata`` last: a checkpoint without it is not complete.
 
     Args:
@@ -97,7 +97,10 @@ def save_state_dict(
             ``path`` (0 for the first).
         async_save: return as soon as every rank's pieces are copied to host memory and
             finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
-        safetensors: write each rank's data file as a valid safetensors file (not yet supported).
+        safetensors: write each rank's data file as a safetensors file,
+            ``{rank}_{unique_id}.safetensors``, that other tools open (its header names every
+            piece: the key, and the box in ``key[begin:end,...]`` when it is a part); the
+            metadata still places every piece and a load reads it as any checkpoint.
         save_replicas: write every holder's copy of a replicated piece (not yet supported).
         durable: fsync every data file, the metadata and the directory before the save counts
             as done, so the checkpoint survives a power loss (the rename order alone already
@@ -108,7 +111,7 @@ def save_state_dict(
         DcpError: the failure itself (one rank).
     """
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
-    _not_yet(safetensors=safetensors, save_replicas=save_replicas)
+    _not_yet(save_replicas=save_replicas)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
@@ -146,10 +149,12 @@ def save_state_dict(
         return max(gens) if gens else -1
 
     def write(uid, generation, leaves):
-        name = storage.data_file_name(comm.rank, uid, generation)
-        return _write_pieces(path, name, state["held"], leaves, durable)
+        name = storage.data_file_name(comm.rank, uid, generation, "safetensors" if safetensors else "distcp")
+        return _write_pieces(path, name, state["held"], leaves, durable, safetensors)
 
     def publish(meta):
+        if safetensors:
+            meta = safetensors_dir.rename_files(meta)
         storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json(), durable)
 
     def tidy(uid, generation):
@@ -171,6 +176,7 @@ def save_state_dict(
         block_bytes=DEFAULT_BLOCK_BYTES,
         created_by=f"paddle_dcp {__version__}",
         cache=_SAVE_PLANS,
+        layout=safetensors_dir.layout_plan if safetensors else None,
     )
     if not async_save:
         result = protocol.run(comm, protocol.save(ctx))
@@ -287,11 +293,18 @@ def _next_id(path: str) -> int:
     return 0 if latest is None else latest + 1
 
 
-def _write_pieces(path: str, name: str, held, leaves: np.ndarray, durable: bool) -> tuple[int, list[int]]:
+def _write_pieces(
+    path: str, name: str, held, leaves: np.ndarray, durable: bool, safetensors: bool = False
+) -> tuple[int, list[int]]:
     if not len(leaves):
         return 0, []
     sums: list[int] = []
-    writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
+    if safetensors:  # the header the coordinator's layout_plan counted, then the pieces back to back
+        pieces = [held[leaf].piece for leaf in leaves.tolist()]
+        header = safetensors_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
+        writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES, header=header, alignment=1)
+    else:
+        writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
     try:
         for leaf in leaves.tolist():
             piece = held[leaf].piece
@@ -343,7 +356,11 @@ def load_state_dict(
             as paddle.distributed does.
         aoa_config: paddle's AOA statements mapping checkpoint keys onto the state dict's
             (not yet supported).
-        safetensors: ``path`` holds safetensors files (not yet supported).
+        safetensors: ``path`` may also be a directory of safetensors files without a
+            checkpoint of ours: a Hugging Face ``model.safetensors``, or shards and their
+            ``model.safetensors.index.json`` (else every ``*.safetensors`` in it). Its tensors
+            load into any layout, each rank reading only its byte ranges; those files have no
+            checksums, so none are checked. A checkpoint of ours (``*.metadata``) loads as usual.
         worker_groups: process groups whose ranks this rank prefers as senders when it must
             receive bytes of a file it cannot read (node-local disks): a rank of one of its
             groups that can read the file serves it, else any rank that can. ``None`` entries
@@ -365,7 +382,7 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
-    _not_yet(aoa_config=aoa_config, safetensors=safetensors)
+    _not_yet(aoa_config=aoa_config)
     near = _worker_peers(worker_groups, comm_method)
     wait_async_save()  # never load an older checkpoint than one this process asked to save
     if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
@@ -383,7 +400,18 @@ def load_state_dict(
         _check_id(unique_id)
         state["flat"] = nested.flatten(state_dict, is_tensor)
         state["held"] = [describe(k, v, comm.rank) for k, v in state["flat"].tensors.items()]
-        return storage.list_checkpoints(path)
+        listing = storage.list_checkpoints(path)
+        if safetensors and listing.latest is None:  # a directory of safetensors files
+            state["directory"] = True
+            names, _ = safetensors_dir.shard_names(path)
+            uid = unique_id if unique_id is not None else 0
+            return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
+        return listing
+
+    def read_metadata(uid):
+        if state.get("directory"):
+            return safetensors_dir.directory_metadata(path, uid)
+        return storage.read_metadata(path, uid, lazy=True)
 
     def helpers(readers, meta):
         return protocol.Pairwise(
@@ -392,7 +420,8 @@ def load_state_dict(
         )
 
     def plan(meta, uid, listing, statuses):
-        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict)
+        checks = verify and meta.checksum_algorithm != safetensors_dir.NO_CHECKSUMS
+        work = _plan_load(comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, checks, strict)
         work.split(comm, uid, listing, statuses, near)
         work.state_dict = state_dict
         return work
@@ -404,7 +433,7 @@ def load_state_dict(
         unique_id=unique_id,
         path=path,
         inspect=inspect,
-        read_metadata=lambda uid: storage.read_metadata(path, uid, lazy=True),
+        read_metadata=read_metadata,
         metadata_from_helpers=helpers,
         plan=plan,
     )
@@ -464,7 +493,8 @@ class _LoadPlan:
         """Ops on files this rank can read, and the others by the rank that will serve them
         (one of the ranks ``near``, the worker groups', when one can). Every local file is
         opened (and its size checked) before any byte moves."""
-        mine = {storage.data_file_name(r, uid, g) for r, g in listing.data.get(uid, ())}
+        # this id's data files, or the files of a directory of safetensors files
+        mine = set(listing.data_names(uid)) | {n for n in listing.names if storage.parse_data_name(n) is None}
         self.local, self.remote = [], {}
         for op in self.ops:
             name = self.meta.files[op.file].name

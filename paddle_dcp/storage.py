@@ -238,28 +238,35 @@ class DataWriter:
 
     The bytes go to the file from a thread of their own while the caller prepares the next
     piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` pieces wait to
-    be written, and their host memory is kept alive until they are.
+    be written, and their host memory is kept alive until they are. ``header`` (a safetensors
+    header) is written first, and the pieces follow it at multiples of ``alignment`` bytes.
     """
 
-    def __init__(self, path: str, name: str, block_bytes: int, depth: int = 2):
+    def __init__(
+        self, path: str, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
+    ):
         self.final = os.path.join(path, name)
         self.tmp = f"{self.final}{TMP_MARK}{secrets.token_hex(4)}"
         self.block_bytes = block_bytes
         self.offset = 0
         self.depth = depth
+        self.alignment = alignment
         self._pending: deque[Future] = deque()
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
             raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
+        if header:
+            self._write_at(memoryview(header), 0, None)
+            self.offset = len(header)
 
     def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
         """Append one piece (bytes in C order; ``keep`` is whatever must stay alive until the
         bytes are written; ``seed`` its :func:`piece_seed`); returns its block checksums."""
         view = data.cast("B") if data.format != "B" else data
-        start = self.offset + (-self.offset % ALIGNMENT)  # the gap stays zeros (sparse)
-        sums = block_checksums(view, self.block_bytes, seed)
+        start = self.offset + (-self.offset % self.alignment)  # the gap stays zeros (sparse)
+        sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
         self._pending.append(self._pool.submit(self._write_at, view, start, keep))
         self.offset = start + len(view)
         while len(self._pending) > self.depth:
