@@ -145,7 +145,7 @@ def _output_slabs(reader: TensorReader, key: str, bf16_as_float32: bool) -> Iter
         yield from reader.slabs(key)
 
 
-def _output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress: Progress | None) -> Iterator[memoryview]:
+def output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress: Progress | None) -> Iterator[memoryview]:
     """The bytes of ``key``'s output slabs, each counted by ``progress`` once it is written
     (when the consumer asks for the next)."""
     for slab in _output_slabs(reader, key, bf16_as_float32):
@@ -249,7 +249,7 @@ def write_safetensors(
             _write(f, header, out)
             written = len(header)
             for key in selection.keys:
-                for data in _output_bytes(reader, key, bf16_as_float32, progress):
+                for data in output_bytes(reader, key, bf16_as_float32, progress):
                     _write(f, data, out)
                     written += len(data)
     logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, written)
@@ -303,7 +303,7 @@ def write_npz(
                     dtype = storage_dtype(output_dtype(entry.dtype, bf16_as_float32))
                     with zf.open(key + ".npy", "w", force_zip64=True) as member:
                         member.write(_npy_header(entry.shape, dtype))
-                        for data in _output_bytes(reader, key, bf16_as_float32, progress):
+                        for data in output_bytes(reader, key, bf16_as_float32, progress):
                             member.write(data)
                 text = np.array(json.dumps(info, allow_nan=False))
                 with zf.open(NPZ_METADATA + ".npy", "w") as member:
