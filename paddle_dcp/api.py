@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import aoa, exchange, nested, planner, protocol, storage, wire
+from . import aoa, exchange, nested, planner, protocol, safetensors_dir, storage, wire
 from .comm import Comm, make_comm
 from .device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
@@ -33,13 +33,6 @@ logger = logging.getLogger(__name__)
 def _check_id(unique_id) -> None:
     if unique_id is not None and (type(unique_id) is not int or unique_id < 0):
         raise DcpError(f"unique_id must be a non-negative int or None, got {unique_id!r}")
-
-
-def _not_yet(**arguments) -> None:
-    """Refuse paddle's arguments this version does not implement yet (never ignore them)."""
-    given = [name for name, value in arguments.items() if value not in (None, False)]
-    if given:
-        raise UnsupportedError(f"paddle_dcp does not support {', '.join(given)} yet")
 
 
 COMM_METHODS = ("send_recv", "broadcast", "multi_group_broadcast", "grouped_send_recv", "parallel_broadcast")
@@ -84,8 +77,8 @@ def save_state_dict(
 ) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors, ShardedWeights and plain values.
 
-    Every rank writes the pieces assigned to it to ``{rank}_{unique_id}.distcp``; replicated
-    pieces are written once, by ranks chosen to balance the bytes. The coordinator writes
+    Every rank writes the pieces assigned to it to ``{rank}_{unique_id}.distcp`` (or
+    ``.safetensors``); replicated pieces are written once, by ranks chosen to balance the bytes. The coordinator writes
     ``{unique_id}.metadata`` last: a checkpoint without it is not complete.
 
     Args:
@@ -100,7 +93,10 @@ def save_state_dict(
             ``path`` (0 for the first).
         async_save: return as soon as every rank's pieces are copied to host memory and
             finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
-        safetensors: write each rank's data file as a valid safetensors file (not yet supported).
+        safetensors: write each rank's data file as a safetensors file,
+            ``{rank}_{unique_id}.safetensors``, that other tools open (its header names every
+            piece: the key, and the box in ``key[begin:end,...]`` when it is a part); the
+            metadata still places every piece and a load reads it as any checkpoint.
         save_replicas: every holder of a replicated piece writes its own copy (instead of one
             holder for all), so that ranks whose node-local disk holds a copy load it without
             receiving it from another rank.
@@ -113,7 +109,6 @@ def save_state_dict(
         DcpError: the failure itself (one rank).
     """
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
-    _not_yet(safetensors=safetensors)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
@@ -153,10 +148,12 @@ def save_state_dict(
         return max(gens) if gens else -1
 
     def write(uid, generation, leaves):
-        name = storage.data_file_name(comm.rank, uid, generation)
-        return _write_pieces(path, name, state["held"], state["rows"], leaves, durable)
+        name = storage.data_file_name(comm.rank, uid, generation, "safetensors" if safetensors else "distcp")
+        return _write_pieces(path, name, state["held"], state["rows"], leaves, durable, safetensors)
 
     def publish(meta):
+        if safetensors:
+            meta = safetensors_dir.rename_files(meta)
         storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json(), durable)
 
     def tidy(uid, generation):
@@ -179,6 +176,7 @@ def save_state_dict(
         created_by=f"paddle_dcp {__version__}",
         cache=_SAVE_PLANS,
         replicas=bool(save_replicas),
+        layout=safetensors_dir.layout_plan if safetensors else None,
     )
     if not async_save:
         result = protocol.run(comm, protocol.save(ctx))
@@ -295,12 +293,20 @@ def _next_id(path: str) -> int:
     return 0 if latest is None else latest + 1
 
 
-def _write_pieces(path: str, name: str, held, rows, chosen: np.ndarray, durable: bool) -> tuple[int, list[int]]:
-    """Write the ``chosen`` rows (held index, piece, start in the flat local or None)."""
+def _write_pieces(
+    path: str, name: str, held, rows, chosen: np.ndarray, durable: bool, safetensors: bool = False
+) -> tuple[int, list[int]]:
+    """Write the ``chosen`` rows (held index, piece, start in the flat local or None); a
+    safetensors rank file starts with the header the coordinator's layout_plan counted."""
     if not len(chosen):
         return 0, []
     sums: list[int] = []
-    writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
+    if safetensors:
+        pieces = [rows[row][1] for row in chosen.tolist()]
+        header = safetensors_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
+        writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES, header=header, alignment=1)
+    else:
+        writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
     last, data = None, None
     try:
         for row in chosen.tolist():
@@ -357,7 +363,11 @@ def load_state_dict(
             checkpoint's tensors make the state dict's: renames, transposes, fused weights
             split or merged, casts. paddle's own engine interprets them; each rank still reads
             only the byte ranges its pieces need. Needs every rank to read the metadata.
-        safetensors: ``path`` holds safetensors files (not yet supported).
+        safetensors: ``path`` may also be a directory of safetensors files without a
+            checkpoint of ours: a Hugging Face ``model.safetensors``, or shards and their
+            ``model.safetensors.index.json`` (else every ``*.safetensors`` in it). Its tensors
+            load into any layout, each rank reading only its byte ranges; those files have no
+            checksums, so none are checked. A checkpoint of ours (``*.metadata``) loads as usual.
         worker_groups: process groups whose ranks this rank prefers as senders when it must
             receive bytes of a file it cannot read (node-local disks): a rank of one of its
             groups that can read the file serves it, else any rank that can. ``None`` entries
@@ -379,7 +389,6 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
-    _not_yet(safetensors=safetensors)
     near = _worker_peers(worker_groups, comm_method)
     wait_async_save()  # never load an older checkpoint than one this process asked to save
     if aoa_config is not None:
@@ -401,7 +410,18 @@ def load_state_dict(
         _check_id(unique_id)
         state["flat"] = nested.flatten(state_dict, is_tensor)
         state["held"] = [describe(k, v, comm.rank, flat_ok=True) for k, v in state["flat"].tensors.items()]
-        return storage.list_checkpoints(path)
+        listing = storage.list_checkpoints(path)
+        if safetensors and listing.latest is None:  # a directory of safetensors files
+            state["directory"] = True
+            names, _ = safetensors_dir.shard_names(path)
+            uid = unique_id if unique_id is not None else 0
+            return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
+        return listing
+
+    def read_metadata(uid):
+        if state.get("directory"):
+            return safetensors_dir.directory_metadata(path, uid)
+        return storage.read_metadata(path, uid, lazy=True)
 
     def helpers(readers, meta):
         if aoa_config is not None:  # every rank knows the readers: all raise the same error
@@ -421,8 +441,9 @@ def load_state_dict(
             from .aoa_paddle import Remap
 
             remap = Remap(aoa_config, aoa.source_shards(meta), state["all_targets"])
+        checks = verify and meta.checksum_algorithm != safetensors_dir.NO_CHECKSUMS
         work = _plan_load(
-            comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, verify, strict,
+            comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, checks, strict,
             _visible_files(listing, uid), remap,
         )
         work.split(comm, uid, listing, statuses, near)
@@ -436,7 +457,7 @@ def load_state_dict(
         unique_id=unique_id,
         path=path,
         inspect=inspect,
-        read_metadata=lambda uid: storage.read_metadata(path, uid, lazy=True),
+        read_metadata=read_metadata,
         metadata_from_helpers=helpers,
         plan=plan,
     )
@@ -483,8 +504,9 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
 
 
 def _visible_files(listing, uid: int) -> set[str]:
-    """Names of the data files of checkpoint ``uid`` that this rank sees."""
-    return {storage.data_file_name(r, uid, g) for r, g in listing.data.get(uid, ())}
+    """Names of the data files of checkpoint ``uid`` that this rank sees (with a directory of
+    safetensors files, every file of it)."""
+    return set(listing.data_names(uid)) | {n for n in listing.names if storage.parse_data_name(n) is None}
 
 
 class _LoadPlan:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import consolidate, storage
+from . import consolidate, safetensors_format, storage
 from .boxes import Box, check_tiling, flat_range_boxes
 from .dtypes import DTYPE_NAMES, storage_dtype
 from .errors import DcpError, FormatError, PlanError, StorageError
@@ -485,7 +485,7 @@ def cmd_verify(args) -> int:
 
 
 # ====================================================================== convert
-FORMATS = ("safetensors", "pdparams", "npz")
+FORMATS = ("safetensors", "pdparams", "npz", "hf")
 
 
 def cmd_convert(args) -> int:
@@ -496,6 +496,10 @@ def cmd_convert(args) -> int:
         if ext not in FORMATS:
             raise UsageError(f"cannot tell the format from {args.out!r}: pass --to {'|'.join(FORMATS)}")
         to = ext
+    if to == "hf":
+        return _convert_hf(path, args)
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size applies to --to hf only")
     if os.path.isdir(args.out):
         raise UsageError(f"{args.out} is a directory; OUT is the file to write")
     listing = storage.list_checkpoints(path)
@@ -514,6 +518,32 @@ def cmd_convert(args) -> int:
     bf16 = [k for k in selection.keys if meta.tensors[k].dtype == "bfloat16"]
     if bf16 and not args.bf16_as_float32 and to == "npz":
         _err(f"note: {len(bf16)} bfloat16 tensors are stored as uint16 bit patterns (--bf16-as-float32 for values)")
+    return EXIT_OK
+
+
+def _convert_hf(path: str, args) -> int:
+    """convert --to hf: a Hugging Face directory of shards and their index."""
+    from .gather import parse_size
+    from .hf_export import DEFAULT_MAX_SHARD, export
+
+    try:
+        max_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD)
+    except DcpError:
+        raise UsageError(f"--max-shard-size must be a size like 5GB, 512MB, 64K; got {args.max_shard_size!r}") from None
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        raise UsageError(f"{args.out} exists and is not an empty directory; --to hf writes a new directory")
+    listing = storage.list_checkpoints(path)
+    uid = choose_id(path, listing, args.unique_id)
+    meta = storage.read_metadata(path, uid, lazy=True)
+    selection = consolidate.select(meta, args.keys)
+    if args.keys is not None and not selection.keys:
+        raise UsageError(f"--keys {args.keys!r} matches no tensor of checkpoint {uid}")
+    total = consolidate.selected_bytes(meta, selection, args.bf16_as_float32)
+    with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
+        names = export(path, meta, args.out, selection, max_bytes, args.bf16_as_float32, bar.update)
+    _out(f"wrote {len(selection.keys)} tensors ({total} bytes) of checkpoint {uid} to {args.out}: {', '.join(names)}")
+    if selection.values:
+        _err(f"note: {len(selection.values)} plain values are not exported (a Hugging Face directory holds tensors only)")
     return EXIT_OK
 
 
@@ -563,7 +593,7 @@ def _structure_of(keys: Sequence[str], mapping: Any) -> dict:
 
 def _paddle_file_arrays(paddle, full: str) -> dict:
     if full.endswith(".safetensors"):
-        return consolidate.read_safetensors(full)
+        return safetensors_format.read_arrays(full)
     try:
         arrays = paddle.load(full, return_numpy=True)
     except Exception as exc:  # noqa: BLE001 - anything unpickling raises
@@ -782,7 +812,7 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
             logger.warning("checkpoint %d: metadata unreadable, its files are left alone: %s", uid, _one_line(exc))
             continue
         listed = {f.name for f in meta.files}
-        names += [data_file_name(r, uid, g) for r, g in sorted(present) if data_file_name(r, uid, g) not in listed]
+        names += [n for n in listing.data_names(uid) if n not in listed]
     return names
 
 
@@ -791,11 +821,7 @@ def cmd_clean(args) -> int:
     listing = storage.list_checkpoints(path)
     planned = list(listing.temporary)
     if args.incomplete:
-        planned += [
-            data_file_name(r, uid, g)
-            for uid in incomplete_ids(listing)
-            for r, g in sorted(listing.data[uid])
-        ]
+        planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
         planned += _superseded(path, listing)
     sizes = {}
     for name in planned:
@@ -879,8 +905,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
-        "convert", parents=[common, progress], help="write full tensors to safetensors, pdparams or npz",
-        description="Write the full (global) tensors of a checkpoint to one file. safetensors and "
+        "convert", parents=[common, progress], help="write full tensors to safetensors, pdparams, npz or a HF directory",
+        description="Write the full (global) tensors of a checkpoint to one file, or with --to hf to "
+        "a Hugging Face directory (model-0000i-of-0000N.safetensors shards of at most "
+        "--max-shard-size and model.safetensors.index.json, written last). safetensors and "
         "npz are streamed: at most one slab of 64 MiB of a tensor is in memory at a time, whatever "
         "the checkpoint's size. pdparams is written with paddle.save and holds every selected "
         "tensor in memory. bfloat16: BF16 in safetensors (numpy readers cannot load it: use "
@@ -889,8 +917,10 @@ def build_parser() -> argparse.ArgumentParser:
         "npz member __metadata__ (JSON with every tensor's dtype).",
     )
     p.add_argument("path", metavar="PATH", help="checkpoint directory")
-    p.add_argument("out", metavar="OUT", help="the file to write (replaced once complete)")
-    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension)")
+    p.add_argument("out", metavar="OUT", help="the file to write (replaced once complete); for --to hf, a new directory")
+    p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension); hf: a Hugging Face "
+                   "directory of safetensors shards and model.safetensors.index.json")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="--to hf: data per shard at most (default 5GB; powers of 1024)")
     p.add_argument("--keys", metavar="REGEX", help="only keys (and values) matching REGEX (re.search)")
     p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
     p.add_argument("--bf16-as-float32", action="store_true", help="write bfloat16 tensors as float32 (exact)")

@@ -26,9 +26,10 @@ import numpy as np
 
 from . import nested, planner, storage
 from .boxes import Box, split_region
-from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, bf16_to_float32, storage_dtype
+from .dtypes import SAFETENSORS_CODES, bf16_to_float32, storage_dtype
 from .errors import DcpError, FormatError, StorageError
 from .metadata import Metadata, TensorEntry
+from .safetensors_format import encode_header, read_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def _output_slabs(reader: TensorReader, key: str, bf16_as_float32: bool) -> Iter
         yield from reader.slabs(key)
 
 
-def _output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress: Progress | None) -> Iterator[memoryview]:
+def output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress: Progress | None) -> Iterator[memoryview]:
     """The bytes of ``key``'s output slabs, each counted by ``progress`` once it is written
     (when the consumer asks for the next)."""
     for slab in _output_slabs(reader, key, bf16_as_float32):
@@ -204,31 +205,22 @@ def safetensors_header(
     Raises:
         DcpError: a dtype safetensors cannot hold (complex128), naming the key.
     """
-    header: dict[str, Any] = {}
     # each plain value as JSON text, and the nesting of what the file holds (the skeleton of
     # docs/format.md), so that paddle_dcp.load_state_dict reads the file back whole
     metadata = {k: json.dumps(v) for k, v in selection.values.items()}
     kept = set(selection.keys) | set(selection.values)
     metadata["structure"] = json.dumps(nested.restrict(meta.structure, kept), separators=(",", ":"))
-    header["__metadata__"] = metadata
-    at = 0
+    tensors = []
     for key in selection.keys:
         entry = meta.tensors[key]
         dtype = output_dtype(entry.dtype, bf16_as_float32)
-        code = SAFETENSORS_CODES.get(dtype)
-        if code is None:
+        if dtype not in SAFETENSORS_CODES:
             raise DcpError(
                 f"{key}: safetensors cannot hold dtype {dtype}; leave it out with --keys or "
                 f"convert --to npz"
             )
-        if key == "__metadata__":
-            raise DcpError("a tensor named '__metadata__' cannot be stored in safetensors")
-        n = output_nbytes(entry, bf16_as_float32)
-        header[key] = {"dtype": code, "shape": list(entry.shape), "data_offsets": [at, at + n]}
-        at += n
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return len(text).to_bytes(8, "little") + text
+        tensors.append((key, SAFETENSORS_CODES[dtype], entry.shape, output_nbytes(entry, bf16_as_float32)))
+    return encode_header(tensors, metadata)
 
 
 def write_safetensors(
@@ -250,7 +242,7 @@ def write_safetensors(
             _write(f, header, out)
             written = len(header)
             for key in selection.keys:
-                for data in _output_bytes(reader, key, bf16_as_float32, progress):
+                for data in output_bytes(reader, key, bf16_as_float32, progress):
                     _write(f, data, out)
                     written += len(data)
     logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, written)
@@ -304,7 +296,7 @@ def write_npz(
                     dtype = storage_dtype(output_dtype(entry.dtype, bf16_as_float32))
                     with zf.open(key + ".npy", "w", force_zip64=True) as member:
                         member.write(_npy_header(entry.shape, dtype))
-                        for data in _output_bytes(reader, key, bf16_as_float32, progress):
+                        for data in output_bytes(reader, key, bf16_as_float32, progress):
                             member.write(data)
                 text = np.array(json.dumps(info, allow_nan=False))
                 with zf.open(NPZ_METADATA + ".npy", "w") as member:
@@ -401,46 +393,5 @@ def selected_bytes(meta: Metadata, selection: Selection, bf16_as_float32: bool =
     return sum(output_nbytes(meta.tensors[k], bf16_as_float32) for k in selection.keys)
 
 
-
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """The tensors of a safetensors file as read-only arrays mapped from it (bfloat16 as uint16
-    bit patterns; ``__metadata__`` left out). Checks every range against the file's size.
-
-    Raises:
-        FormatError: a malformed header or a range outside the file.
-        StorageError: the file cannot be read.
-    """
-    codes = DTYPE_OF_SAFETENSORS_CODE
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or 8 + n > size or n > 100 << 20:
-                raise FormatError(f"{path}: not a safetensors file (header of {n} bytes in {size})")
-            header = json.loads(f.read(n))
-    except OSError as exc:
-        raise StorageError(f"cannot read {path}: {exc}", path) from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path}: safetensors header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: safetensors header is not a JSON object")
-    data_start = 8 + n
-    out = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            name = codes[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path}: {key}: malformed safetensors entry {str(info)[:80]}") from None
-        dtype = storage_dtype(name)
-        if not 0 <= begin <= end <= size - data_start or end - begin != math.prod(shape) * dtype.itemsize:
-            raise FormatError(f"{path}: {key}: byte range [{begin}, {end}) does not fit shape {shape} in the file")
-        if end == begin:
-            out[key] = np.zeros(shape, dtype=dtype)
-            continue
-        count = math.prod(shape)
-        out[key] = np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=(count,)).reshape(shape)
-    return out
+# import-paddle reads paddle's safetensors rank files through the one strict reader
+read_safetensors = read_arrays

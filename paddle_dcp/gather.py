@@ -44,7 +44,8 @@ from .boxes import Box, check_tiling, element_span, is_contiguous, split_region
 from .comm import Comm, describe_error, make_comm
 from .dtypes import itemsize, storage_dtype
 from .errors import CollectiveError, DcpError, FormatError, MismatchError, StorageError
-from .singlefile import MAX_HEADER_BYTES, METADATA_FORMAT, METADATA_VERSION, SAFETENSORS_DTYPES
+from .safetensors_format import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, encode_header
+from .singlefile import METADATA_FORMAT, METADATA_VERSION
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -297,26 +298,24 @@ def plan_gather(summaries: list[bytes], ranks: tuple[int, ...], root: int, state
 
 def _header(tensors: list[TensorLayout], skeleton: dict) -> bytes:
     """The safetensors header: 8-byte length, then JSON padded with spaces to 8 bytes."""
-    doc: dict[str, Any] = {
-        "__metadata__": {
-            "format": METADATA_FORMAT,
-            "format_version": METADATA_VERSION,
-            "created_by": f"paddle_dcp {__version__}",
-            "structure": json.dumps(skeleton, separators=(",", ":")),
-        }
+    metadata = {
+        "format": METADATA_FORMAT,
+        "format_version": METADATA_VERSION,
+        "created_by": f"paddle_dcp {__version__}",
+        "structure": json.dumps(skeleton, separators=(",", ":")),
     }
     # Tensors without elements are described in the metadata only: safetensors 0.8's paddle
     # backend (paddle.load(..., safetensors=True)) fails on a zero-byte tensor.
     empty = {t.key: {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape)} for t in tensors if t.nbytes == 0}
     if empty:
-        doc["__metadata__"]["empty_tensors"] = json.dumps(empty, separators=(",", ":"))
-    for t in tensors:
-        if t.nbytes == 0:
-            continue
-        doc[t.key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [t.begin, t.begin + t.nbytes]}
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+        metadata["empty_tensors"] = json.dumps(empty, separators=(",", ":"))
+    stored = sorted((t for t in tensors if t.nbytes), key=lambda t: t.begin)
+    at = 0
+    for t in stored:  # encode_header places them back to back: the plan's layout must agree
+        if t.begin != at:
+            raise AssertionError(f"{t.key}: the plan puts it at byte {t.begin}, after {at} bytes")
+        at += t.nbytes
+    return encode_header(((t.key, SAFETENSORS_DTYPES[t.dtype], t.shape, t.nbytes) for t in stored), metadata)
 
 
 # ============================================================================ the save

@@ -4,10 +4,13 @@ from __future__ import annotations
 import re
 
 METADATA_RE = re.compile(r"^(\d+)\.metadata$")
-# {rank}_{id}.distcp, or {rank}_{id}.{generation}.distcp for a save that replaced a checkpoint
-DATA_RE = re.compile(r"^(\d+)_(\d+)(?:\.(\d+))?\.distcp$")
+# {rank}_{id}.distcp, or {rank}_{id}.{generation}.distcp for a save that replaced a checkpoint;
+# .safetensors instead of .distcp for a save with safetensors=True (the same pieces, and a
+# safetensors header naming them)
+DATA_RE = re.compile(r"^(\d+)_(\d+)(?:\.(\d+))?\.(?:distcp|safetensors)$")
+DATA_SUFFIXES = ("distcp", "safetensors")
 TMP_MARK = ".tmp."
-TMP_RE = re.compile(r"^(?:(\d+)_)?(\d+)(?:\.\d+)?\.(?:distcp|metadata)\.tmp\.[0-9a-f]+$")
+TMP_RE = re.compile(r"^(?:(\d+)_)?(\d+)(?:\.\d+)?\.(?:distcp|safetensors|metadata)\.tmp\.[0-9a-f]+$")
 
 
 def metadata_name(unique_id: int) -> str:
@@ -20,8 +23,11 @@ def parse_data_name(name: str) -> tuple[int, int, int] | None:
     return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
 
 
-def data_file_name(rank: int, unique_id: int, generation: int = 0) -> str:
+def data_file_name(rank: int, unique_id: int, generation: int = 0, suffix: str = "distcp") -> str:
     """The name of a rank's data file: generation 0 is ``{rank}_{id}.distcp``; a save that
     replaces a checkpoint of the same id writes the next generation beside it, so the old one
-    stays loadable until the new metadata lands."""
-    return f"{rank}_{unique_id}.distcp" if generation == 0 else f"{rank}_{unique_id}.{generation}.distcp"
+    stays loadable until the new metadata lands. ``suffix`` is ``safetensors`` for a save with
+    ``safetensors=True``."""
+    if suffix not in DATA_SUFFIXES:
+        raise ValueError(f"data file suffix {suffix!r} is not one of {DATA_SUFFIXES}")
+    return f"{rank}_{unique_id}.{suffix}" if generation == 0 else f"{rank}_{unique_id}.{generation}.{suffix}"

@@ -149,6 +149,8 @@ class SaveRank:
         stage: for an async save, copies the pieces of the given leaves to host memory; the
             protocol then yields Detach and may finish in the background.
         replicas: every holder writes its copy of a replicated piece (``save_replicas``).
+        layout: the coordinator's last word on where pieces go in their files (safetensors
+            rank files put a header first); None: the plan's own layout.
     """
 
     rank: int
@@ -168,6 +170,7 @@ class SaveRank:
     cache: dict = field(default_factory=dict)
     stage: Callable[[np.ndarray], None] | None = None
     replicas: bool = False
+    layout: Callable[[planner.SavePlan], planner.SavePlan] | None = None
 
 
 @dataclass
@@ -189,7 +192,7 @@ def save(ctx: SaveRank) -> Protocol:
 
     summary = yield from local("describe", summarize)
     # a plan is reused when no rank's layout changed since the last save of this group
-    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas)
+    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None)
     digest = xxhash.xxh3_128_digest(summary)
     cached = ctx.cache.get(key)
     changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
@@ -201,7 +204,9 @@ def save(ctx: SaveRank) -> Protocol:
     generation = (yield AllMax((seen,)))[0] + 1
     if changed:
         blobs = yield Gather(summary, ctx.coordinator)
-        plan, parts = yield from local("plan", (lambda: plan_from_summaries(ctx.ranks, blobs, ctx.replicas)) if is_coord else (lambda: (None, None)))
+        plan, parts = yield from local(
+            "plan", (lambda: plan_from_summaries(ctx.ranks, blobs, ctx.replicas, ctx.layout)) if is_coord else (lambda: (None, None))
+        )
         leaves = wire.decode_assignment((yield Scatter(parts, ctx.coordinator)))
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
@@ -224,13 +229,19 @@ def save(ctx: SaveRank) -> Protocol:
 
 
 def plan_from_summaries(
-    ranks: Sequence[int], blobs: Sequence[bytes], replicas: bool = False
+    ranks: Sequence[int],
+    blobs: Sequence[bytes],
+    replicas: bool = False,
+    layout: Callable[[planner.SavePlan], planner.SavePlan] | None = None,
 ) -> tuple[planner.SavePlan, list[bytes]]:
     """The coordinator's half of planning a save: decode every summary (each distinct layout
-    once), plan, and encode every rank's assignment."""
+    once), plan (then ``layout`` places the pieces in their files), and encode every rank's
+    assignment."""
     cache: dict = {}
     summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
     plan = planner.plan_save(summaries, replicas)
+    if layout is not None:
+        plan = layout(plan)
     parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.boxes)) for s in summaries]
     return plan, parts
 

@@ -36,11 +36,18 @@ class Listing:
         complete: ids whose metadata exists (complete checkpoints).
         data: id -> (rank, generation) of every data file present.
         temporary: names of temporary files that saves in progress or crashed left behind.
+        names: every data file's name (``.distcp`` or ``.safetensors``); for a directory of
+            safetensors files loaded as a checkpoint, the files it holds.
     """
 
     complete: frozenset[int]
     data: dict[int, frozenset[tuple[int, int]]]
     temporary: tuple[str, ...] = ()
+    names: frozenset[str] = frozenset()
+
+    def data_names(self, unique_id: int) -> list[str]:
+        """The names of ``unique_id``'s data files present, sorted."""
+        return sorted(n for n in self.names if (parse_data_name(n) or (-1, -1))[1] == unique_id)
 
     @property
     def latest(self) -> int | None:
@@ -62,7 +69,7 @@ def list_checkpoints(path: str) -> Listing:
         return Listing(frozenset(), {})
     except OSError as exc:
         raise StorageError(f"cannot list checkpoint directory {path}: {exc}", path) from exc
-    complete, data, temporary = set(), {}, []
+    complete, data, temporary, found = set(), {}, [], []
     for name in names:
         m = METADATA_RE.match(name)
         if m:
@@ -71,9 +78,11 @@ def list_checkpoints(path: str) -> Listing:
         parsed = parse_data_name(name)
         if parsed is not None:
             data.setdefault(parsed[1], set()).add((parsed[0], parsed[2]))
+            found.append(name)
         elif TMP_RE.match(name):
             temporary.append(name)
-    return Listing(frozenset(complete), {k: frozenset(v) for k, v in data.items()}, tuple(sorted(temporary)))
+    data_sets = {k: frozenset(v) for k, v in data.items()}
+    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found))
 
 
 def remove_files(path: str, names) -> list[str]:
@@ -110,11 +119,11 @@ def remove_temporary(path: str, unique_id: int | None = None, rank: int | None =
 def remove_data(path: str, unique_id: int, rank: int, keep_generation: int | None = None) -> list[str]:
     """Remove ``rank``'s data files of ``unique_id`` but the generation ``keep_generation``."""
     listing = list_checkpoints(path)
-    names = [
-        data_file_name(r, unique_id, g)
-        for r, g in sorted(listing.data.get(unique_id, ()))
-        if r == rank and g != keep_generation
-    ]
+    names = []
+    for name in listing.data_names(unique_id):
+        writer, _, generation = parse_data_name(name)
+        if writer == rank and generation != keep_generation:
+            names.append(name)
     return remove_files(path, names)
 
 
@@ -122,12 +131,7 @@ def remove_incomplete(path: str) -> list[str]:
     """Remove the data files of ids that have no metadata in ``path``. (On node-local disks a
     node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
     listing = list_checkpoints(path)
-    names = [
-        data_file_name(r, uid, g)
-        for uid, files in sorted(listing.data.items())
-        if uid not in listing.complete
-        for r, g in sorted(files)
-    ]
+    names = [n for uid in sorted(listing.data) if uid not in listing.complete for n in listing.data_names(uid)]
     return remove_files(path, names)
 
 
@@ -234,28 +238,35 @@ class DataWriter:
 
     The bytes go to the file from a thread of their own while the caller prepares the next
     piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` pieces wait to
-    be written, and their host memory is kept alive until they are.
+    be written, and their host memory is kept alive until they are. ``header`` (a safetensors
+    header) is written first, and the pieces follow it at multiples of ``alignment`` bytes.
     """
 
-    def __init__(self, path: str, name: str, block_bytes: int, depth: int = 2):
+    def __init__(
+        self, path: str, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
+    ):
         self.final = os.path.join(path, name)
         self.tmp = f"{self.final}{TMP_MARK}{secrets.token_hex(4)}"
         self.block_bytes = block_bytes
         self.offset = 0
         self.depth = depth
+        self.alignment = alignment
         self._pending: deque[Future] = deque()
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
             raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
+        if header:
+            self._write_at(memoryview(header), 0, None)
+            self.offset = len(header)
 
     def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
         """Append one piece (bytes in C order; ``keep`` is whatever must stay alive until the
         bytes are written; ``seed`` its :func:`piece_seed`); returns its block checksums."""
         view = data.cast("B") if data.format != "B" else data
-        start = self.offset + (-self.offset % ALIGNMENT)  # the gap stays zeros (sparse)
-        sums = block_checksums(view, self.block_bytes, seed)
+        start = self.offset + (-self.offset % self.alignment)  # the gap stays zeros (sparse)
+        sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
         self._pending.append(self._pool.submit(self._write_at, view, start, keep))
         self.offset = start + len(view)
         while len(self._pending) > self.depth:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-CORE = ["boxes", "metadata", "nested", "planner", "wire", "dtypes", "errors", "storage", "aoa"]
+CORE = ["boxes", "metadata", "nested", "planner", "wire", "dtypes", "errors", "storage", "aoa", "safetensors_format", "safetensors_dir"]
 
 
 def run_without_paddle(code: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,235 @@
+"""Checkpoints in safetensors files: a Hugging Face directory read as a checkpoint's metadata,
+and each rank's data file written as a safetensors file.
+
+A Hugging Face directory holds ``model.safetensors``, or shards and an index
+``model.safetensors.index.json`` whose ``weight_map`` names the shard of every tensor. Its
+headers become a :class:`~paddle_dcp.metadata.Metadata` (each tensor one piece at its byte
+range in its shard), so a load plans, reads only its byte ranges, exchanges and reshards
+exactly as for a checkpoint of ours. Those files carry no checksums: the metadata says so
+(``checksum_algorithm`` ``"none"``) and the load checks none.
+
+A save with ``safetensors=True`` writes ``{rank}_{id}.safetensors``: a safetensors header naming
+every piece the rank writes (its key, and its box when it is not the whole tensor), then the
+pieces back to back. The coordinator works out every header from the save plan, so the
+metadata's byte offsets point past it, and the metadata stays the one record of where every
+piece belongs. Pure: stdlib and numpy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+
+from .dtypes import itemsize
+from .errors import DcpError, FormatError, StorageError
+from .metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
+from .naming import data_file_name, parse_data_name
+from .planner import SavePlan
+from .safetensors_format import MAX_HEADER_BYTES, Header, code_of, encode_header, read_header
+
+logger = logging.getLogger(__name__)
+
+INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+NO_CHECKSUMS = "none"  # the checksum_algorithm of metadata made from safetensors headers
+MAX_INDEX_BYTES = 64 << 20
+RANK_FILE_METADATA = {"format": "np", "paddle_dcp": "a rank's data file: the checkpoint's metadata places each piece"}
+
+
+# ---------------------------------------------------------------------- load
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise FormatError(f"names {k!r} twice")
+        out[k] = v
+    return out
+
+
+def read_index(path: str, name: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of the index ``path/name``, checked:
+    JSON object, no duplicate names, plain shard file names.
+
+    Raises:
+        FormatError: a malformed index. StorageError: it cannot be read.
+    """
+    full = os.path.join(path, name)
+    try:
+        with open(full, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except OSError as exc:
+        raise StorageError(f"cannot read {full}: {exc}", full) from exc
+    if len(raw) > MAX_INDEX_BYTES:
+        raise FormatError(f"{full}: more than the {MAX_INDEX_BYTES} bytes allowed for an index")
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except FormatError as exc:
+        raise FormatError(f"{full}: the index {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{full}: not UTF-8 JSON ({exc})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise FormatError(f"{full}: an index must be a JSON object with a weight_map object")
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise FormatError(f"{full}: weight_map[{key!r}] must be a file name")
+        check_file_name(shard, f"{full}: weight_map[{key!r}]")
+    return weight_map
+
+
+def shard_names(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of the directory ``path`` that hold tensors, and the index's
+    weight_map (None without an index): the files the one ``*.safetensors.index.json`` names,
+    else every ``*.safetensors`` but rank data files of ours.
+
+    Raises:
+        FormatError: no safetensors file, or more than one index.
+    """
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        raise StorageError(f"cannot list {path}: {exc}", path) from exc
+    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    if len(indexes) > 1:
+        raise FormatError(f"{path}: more than one safetensors index ({', '.join(indexes)}): which one is meant?")
+    if indexes:
+        weight_map = read_index(path, indexes[0])
+        return sorted(set(weight_map.values())), weight_map
+    files = [n for n in names if n.endswith(".safetensors") and parse_data_name(n) is None]
+    if not files:
+        raise FormatError(
+            f"no checkpoint in {path}: no *.metadata, no {SINGLE_FILE} or other *.safetensors file, no *{INDEX_SUFFIX}"
+        )
+    return files, None
+
+
+def directory_metadata(path: str, unique_id: int = 0) -> Metadata:
+    """The metadata of a directory of safetensors files (see :func:`shard_names`): every
+    tensor one piece, at its byte range in its file; no checksums. Tensors of a dtype
+    paddle_dcp does not load (FP8, unsigned wider than 8 bits) are left out, with a warning.
+
+    Raises:
+        FormatError: a malformed header or index; an index naming a missing file or a tensor
+            its file does not hold, or a file holding a tensor the index does not list; one
+            name in two files.
+        StorageError: a file cannot be read.
+    """
+    path = os.fspath(path)
+    names, weight_map = shard_names(path)
+    headers: list[Header] = []
+    for name in names:
+        full = os.path.join(path, name)
+        if weight_map is not None and not os.path.isfile(full):
+            raise FormatError(f"{path}: the index names {name}, which is missing")
+        headers.append(read_header(full))
+    found: dict[str, int] = {}
+    for i, header in enumerate(headers):
+        for key in header.entries:
+            if key in found:
+                raise FormatError(f"{path}: tensor {key!r} is in both {names[found[key]]} and {names[i]}")
+            found[key] = i
+            if weight_map is not None and weight_map.get(key) != names[i]:
+                raise FormatError(f"{path}: {names[i]} holds {key!r}, which the index places in {weight_map.get(key)}")
+    if weight_map is not None:
+        lost = sorted(k for k in weight_map if k not in found)
+        if lost:
+            raise FormatError(f"{path}: the index places {lost[:5]} in files that do not hold them")
+    tensors, skipped = {}, []
+    for key, i in found.items():
+        entry = headers[i].entries[key]
+        if entry.dtype is None:
+            skipped.append(f"{key} ({entry.code})")
+            continue
+        nd = len(entry.shape)
+        pieces = PieceTable(
+            offsets=_frozen(np.zeros((1, nd), dtype=np.int64)),
+            shapes=_frozen(np.array([entry.shape], dtype=np.int64).reshape(1, nd)),
+            files=_frozen(np.array([i], dtype=np.int64)),
+            byte_offsets=_frozen(np.array([entry.begin], dtype=np.int64)),
+            checksums=_frozen(np.zeros(0, dtype=np.uint64)),
+        )
+        # one-byte "blocks": the load's reads round to blocks, and there is nothing to check
+        tensors[key] = TensorEntry(key, entry.dtype, entry.shape, pieces, block_bytes=1)
+    if skipped:
+        logger.warning("%s: tensors of a dtype paddle_dcp does not load, left out: %s", path, skipped)
+    return Metadata(
+        unique_id=unique_id,
+        world_size=1,
+        files=tuple(FileEntry(n, h.file_bytes) for n, h in zip(names, headers)),
+        tensors=tensors,
+        structure={"d": [[k, {"t": 0}] for k in tensors]},
+        block_bytes=1,
+        checksum_algorithm=NO_CHECKSUMS,
+        created_by="safetensors files",
+    )
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+# ---------------------------------------------------------------------- save
+def piece_name(key: str, offsets: Sequence[int], shape: Sequence[int], global_shape: Sequence[int]) -> str:
+    """A piece's name in a rank's safetensors file: its key for the whole tensor, else the key
+    and its box, ``key[begin:end,...]`` in elements (``w[0:4,8:16]``)."""
+    if tuple(shape) == tuple(global_shape) and not any(offsets):
+        return key
+    return f"{key}[{','.join(f'{o}:{o + s}' for o, s in zip(offsets, shape))}]"
+
+
+def rank_header(pieces: Sequence[tuple]) -> bytes:
+    """The safetensors header of a rank's data file holding ``pieces`` back to back, each
+    (key, dtype, offsets, shape, global shape); the data starts 64-byte aligned.
+
+    Raises:
+        DcpError: a dtype safetensors cannot hold, two pieces of one name, or a header larger
+            than safetensors reads.
+    """
+    tensors = []
+    for key, dtype, offsets, shape, global_shape in pieces:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
+        tensors.append((piece_name(key, offsets, shape, global_shape), code_of(key, dtype), shape, nbytes))
+    header = encode_header(tensors, RANK_FILE_METADATA, align=64)
+    if len(header) - 8 > MAX_HEADER_BYTES:
+        raise DcpError(
+            f"the safetensors header of a rank's file would take {len(header) - 8} bytes, over the "
+            f"{MAX_HEADER_BYTES} safetensors reads: save with safetensors=False"
+        )
+    return header
+
+
+def layout_plan(plan: SavePlan) -> SavePlan:
+    """The save plan with every writer's file laid out as a safetensors file: its header
+    (:func:`rank_header` of its pieces in file order), then its pieces back to back."""
+    n = len(plan.piece_key)
+    offsets = np.zeros(n, dtype=np.int64)
+    file_bytes = {}
+    for rank in plan.writes:
+        rows = np.flatnonzero(plan.piece_writer == rank)
+        rows = rows[np.argsort(plan.piece_leaf[rows], kind="stable")]
+        pieces = []
+        for row in rows.tolist():
+            k = int(plan.piece_key[row])
+            nd = len(plan.shapes[k])
+            offs = tuple(plan.piece_offsets[row, :nd].tolist())
+            shape = tuple(plan.piece_shapes[row, :nd].tolist())
+            pieces.append((plan.keys[k], plan.dtypes[k], offs, shape, plan.shapes[k]))
+        header = len(rank_header(pieces))
+        sizes = plan.piece_nbytes[rows]
+        offsets[rows] = header + np.cumsum(sizes) - sizes
+        file_bytes[rank] = header + int(sizes.sum())
+    return dataclasses.replace(plan, piece_byte_offset=offsets, file_bytes=file_bytes)
+
+
+def rename_files(meta: Metadata) -> Metadata:
+    """The metadata of a save with ``safetensors=True``: its data files are ``.safetensors``."""
+    files = []
+    for f in meta.files:
+        rank, uid, generation = parse_data_name(f.name)
+        files.append(FileEntry(data_file_name(rank, uid, generation, "safetensors"), f.nbytes))
+    return dataclasses.replace(meta, files=tuple(files))
