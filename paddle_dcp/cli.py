@@ -25,7 +25,7 @@ import numpy as np
 from . import consolidate, safetensors_format, storage
 from .boxes import Box, check_tiling, flat_range_boxes
 from .dtypes import DTYPE_NAMES, storage_dtype
-from .errors import DcpError, FormatError, PlanError, StorageError
+from .errors import DcpError, FormatError, PlanError, StorageError, UnsupportedError
 from .metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
 from .naming import METADATA_RE, data_file_name, metadata_name
 from .version import __version__
@@ -498,8 +498,8 @@ def cmd_convert(args) -> int:
         to = ext
     if to == "hf":
         return _convert_hf(path, args)
-    if args.max_shard_size is not None:
-        raise UsageError("--max-shard-size applies to --to hf only")
+    if args.max_shard_size is not None or args.aoa_config is not None:
+        raise UsageError(f"{'--max-shard-size' if args.max_shard_size is not None else '--aoa-config'} applies to --to hf only")
     if os.path.isdir(args.out):
         raise UsageError(f"{args.out} is a directory; OUT is the file to write")
     listing = storage.list_checkpoints(path)
@@ -535,6 +535,8 @@ def _convert_hf(path: str, args) -> int:
     listing = storage.list_checkpoints(path)
     uid = choose_id(path, listing, args.unique_id)
     meta = storage.read_metadata(path, uid, lazy=True)
+    if args.aoa_config is not None:
+        return _convert_hf_remapped(path, uid, meta, args, max_bytes)
     selection = consolidate.select(meta, args.keys)
     if args.keys is not None and not selection.keys:
         raise UsageError(f"--keys {args.keys!r} matches no tensor of checkpoint {uid}")
@@ -545,6 +547,52 @@ def _convert_hf(path: str, args) -> int:
     if selection.values:
         _err(f"note: {len(selection.values)} plain values are not exported (a Hugging Face directory holds tensors only)")
     return EXIT_OK
+
+
+def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int:
+    """convert --to hf --aoa-config: the tensors under the names the config's load reads."""
+    from . import aoa
+    from .hf_export import export_remapped, remapped_outputs
+
+    config = _aoa_config_file(args.aoa_config)
+    try:
+        from .aoa_paddle import Reverse
+    except ImportError as exc:
+        raise DcpError(f"--aoa-config needs paddle, whose AOA engine interprets the config ({exc})") from None
+    try:
+        remap = Reverse(config, aoa.source_shards(meta))
+    except UnsupportedError as exc:
+        raise UsageError(f"--aoa-config {args.aoa_config}: {_one_line(exc)}") from None
+    outputs = remapped_outputs(meta, remap, args.keys, args.bf16_as_float32)
+    if not outputs:
+        raise UsageError(f"--keys {args.keys!r} matches no tensor of the export" if args.keys else "the export has no tensor")
+    total = sum(o.nbytes for o in outputs)
+    with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
+        names = export_remapped(path, meta, args.out, remap, outputs, max_bytes, bar.update)
+    _out(
+        f"wrote {len(outputs)} tensors ({total} bytes) of checkpoint {uid}, named by {args.aoa_config}, "
+        f"to {args.out}: {', '.join(names)}"
+    )
+    if remap.skipped:
+        _err(f"note: {len(remap.skipped)} optimizer states are not exported (with --aoa-config, model weights only)")
+    return EXIT_OK
+
+
+def _aoa_config_file(name: str) -> dict:
+    """The JSON config of --aoa-config, checked as load_state_dict checks aoa_config."""
+    from . import aoa
+
+    try:
+        with open(name, "rb") as f:
+            config = json.loads(f.read())
+        aoa.check_config(config)
+    except OSError as exc:
+        raise UsageError(f"--aoa-config {name}: cannot read it: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSON errors and UnsupportedError
+        raise UsageError(f"--aoa-config {name}: not a config {{\"aoa_statements\": [...]}}: {_one_line(exc)}") from None
+    if "aoa_statements" not in config:
+        raise UsageError(f"--aoa-config {name}: no \"aoa_statements\" list")
+    return config
 
 
 # ====================================================================== import-paddle
@@ -914,13 +962,19 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor in memory. bfloat16: BF16 in safetensors (numpy readers cannot load it: use "
         "--bf16-as-float32), bfloat16 tensors in pdparams, uint16 bit patterns in npz. Plain "
         "values go to safetensors' __metadata__ (as JSON text), to the pdparams dict, and to the "
-        "npz member __metadata__ (JSON with every tensor's dtype).",
+        "npz member __metadata__ (JSON with every tensor's dtype). With --to hf --aoa-config FILE, "
+        "the tensors are written under the names that config reads on a load (Hugging Face names): "
+        "paddle's AOA engine runs it backwards, each tensor is built slab by slab from boxes of the "
+        "checkpoint's tensors (split, transposed, cast as the config says).",
     )
     p.add_argument("path", metavar="PATH", help="checkpoint directory")
     p.add_argument("out", metavar="OUT", help="the file to write (replaced once complete); for --to hf, a new directory")
     p.add_argument("--to", choices=FORMATS, help="output format (default: from OUT's extension); hf: a Hugging Face "
                    "directory of safetensors shards and model.safetensors.index.json")
     p.add_argument("--max-shard-size", metavar="SIZE", help="--to hf: data per shard at most (default 5GB; powers of 1024)")
+    p.add_argument("--aoa-config", metavar="FILE", help="--to hf: a JSON file {\"aoa_statements\": [...]}, the config "
+                   "load_state_dict(aoa_config=...) takes to read the HF directory into the model; the export applies it "
+                   "backwards (paddle's AOA engine) and writes the HF names; needs paddle; model weights only")
     p.add_argument("--keys", metavar="REGEX", help="only keys (and values) matching REGEX (re.search)")
     p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
     p.add_argument("--bf16-as-float32", action="store_true", help="write bfloat16 tensors as float32 (exact)")

@@ -54,14 +54,23 @@ def select(meta: Metadata, pattern: str | None = None) -> Selection:
     Raises:
         DcpError: the pattern is not a valid regular expression.
     """
+    keep = key_filter(pattern)
+    keys = tuple(k for k in meta.tensors if keep(k))
+    values = {k: v for k, v in meta.values().items() if keep(k)}
+    return Selection(keys, values)
+
+
+def key_filter(pattern: str | None) -> Callable[[str], bool]:
+    """Whether a key matches ``pattern`` (``re.search``; every key when None).
+
+    Raises:
+        DcpError: the pattern is not a valid regular expression.
+    """
     try:
         rx = re.compile(pattern) if pattern is not None else None
     except re.error as exc:
         raise DcpError(f"--keys {pattern!r} is not a regular expression: {exc}") from None
-    keep = (lambda k: True) if rx is None else (lambda k: rx.search(k) is not None)
-    keys = tuple(k for k in meta.tensors if keep(k))
-    values = {k: v for k, v in meta.values().items() if keep(k)}
-    return Selection(keys, values)
+    return (lambda k: True) if rx is None else (lambda k: rx.search(k) is not None)
 
 
 def output_dtype(dtype: str, bf16_as_float32: bool) -> str:
@@ -101,9 +110,12 @@ class TensorReader:
     def read_into(self, key: str, box: Box, out: np.ndarray) -> None:
         """Fill ``out`` (shape ``box.shape``, the storage dtype) with ``box`` of tensor ``key``."""
         entry = self.meta.tensors[key]
-        target = planner.TargetPiece(key, entry.dtype, tuple(entry.shape), box)
-        ops = planner.plan_reads(self.meta, [target], max_read_bytes=self.slab_bytes)
-        storage.execute_reads(ops, self.files, [out])
+        self.read_pieces([planner.TargetPiece(key, entry.dtype, tuple(entry.shape), box)], [0], [out])
+
+    def read_pieces(self, pieces: Sequence[planner.TargetPiece], slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
+        """Fill ``arrays[slots[i]]`` (shaped as the box, storage dtype) with each piece."""
+        ops = planner.plan_reads(self.meta, pieces, max_read_bytes=self.slab_bytes, slots=slots)
+        storage.execute_reads(ops, self.files, arrays)
 
     def slabs(self, key: str, slab_bytes: int | None = None) -> Iterator[np.ndarray]:
         """The tensor's elements in C order, as consecutive arrays of at most ``slab_bytes``
@@ -141,7 +153,12 @@ def _output_slabs(reader: TensorReader, key: str, bf16_as_float32: bool) -> Iter
 def output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress: Progress | None) -> Iterator[memoryview]:
     """The bytes of ``key``'s output slabs, each counted by ``progress`` once it is written
     (when the consumer asks for the next)."""
-    for slab in _output_slabs(reader, key, bf16_as_float32):
+    return counted_bytes(_output_slabs(reader, key, bf16_as_float32), progress)
+
+
+def counted_bytes(slabs: Iterator[np.ndarray], progress: Progress | None) -> Iterator[memoryview]:
+    """The bytes of each slab, counted by ``progress`` once the consumer asks for the next."""
+    for slab in slabs:
         yield storage.as_bytes(slab)
         if progress:
             progress(slab.nbytes)

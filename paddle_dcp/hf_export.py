@@ -8,17 +8,29 @@ index. Each shard is written through :class:`paddle_dcp.storage.DataWriter` (a t
 renamed when complete) from slabs of the checkpoint (every block's checksum checked), so
 memory stays at one slab whatever the tensors' sizes. Plain values are not exported (a
 Hugging Face directory has no place for them).
+
+With an ``aoa_config`` (the one a load takes to read a Hugging Face directory into the model's
+names), the tensors are written under the Hugging Face names: paddle's AOA engine, run
+backwards (:class:`paddle_dcp.aoa_paddle.Reverse`), says which boxes of which checkpoint
+tensors make each slab of each output tensor, and with which permutation and cast; the slab
+is read and finished by the load's own machinery (:func:`paddle_dcp.aoa.plan`).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
-from . import storage
-from .consolidate import Progress, Selection, TensorReader, output_bytes, output_dtype, output_nbytes
-from .errors import DcpError, StorageError
+import numpy as np
+
+from . import aoa, storage
+from .boxes import Box, split_region
+from .consolidate import Progress, Selection, TensorReader, counted_bytes, key_filter, output_bytes, output_dtype
+from .dtypes import bf16_to_float32, storage_dtype
+from .errors import DcpError, MismatchError, StorageError
 from .metadata import Metadata
 from .safetensors_dir import INDEX_SUFFIX, SINGLE_FILE
 from .safetensors_format import code_of, encode_header
@@ -29,18 +41,39 @@ DEFAULT_MAX_SHARD = "5GB"  # transformers' default for save_pretrained
 SHARD_METADATA = {"format": "pt"}  # transformers refuses shards without a format it knows
 
 
-def plan_shards(meta: Metadata, keys: Sequence[str], max_shard_bytes: int, bf16_as_float32: bool = False) -> list[list[str]]:
-    """The keys of every shard: in order, as many as fit ``max_shard_bytes`` of data; a tensor
-    larger than that alone in its shard."""
-    shards: list[list[str]] = []
+class Remapped(Protocol):
+    """What an export under other names needs (:class:`paddle_dcp.aoa_paddle.Reverse`)."""
+
+    outputs: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, global shape)
+    sources: Mapping[str, tuple[str, ...]]  # name -> the checkpoint keys it is made of
+
+    def maps(self, name: str, box: Box) -> list[aoa.SliceMap]: ...
+
+
+@dataclass(frozen=True)
+class Output:
+    """One tensor of the directory: its name, and the dtype and shape it is written with."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * storage_dtype(self.dtype).itemsize
+
+
+def plan_shards(outputs: Sequence[Output], max_shard_bytes: int) -> list[list[Output]]:
+    """The tensors of every shard: in order, as many as fit ``max_shard_bytes`` of data; a
+    tensor larger than that alone in its shard."""
+    shards: list[list[Output]] = []
     size = 0
-    for key in keys:
-        n = output_nbytes(meta.tensors[key], bf16_as_float32)
-        if not shards or (size + n > max_shard_bytes and shards[-1]):
+    for o in outputs:
+        if not shards or (size + o.nbytes > max_shard_bytes and shards[-1]):
             shards.append([])
             size = 0
-        shards[-1].append(key)
-        size += n
+        shards[-1].append(o)
+        size += o.nbytes
     return shards
 
 
@@ -64,6 +97,79 @@ def export(
         DcpError: ``out`` is not empty; a dtype safetensors cannot hold, naming the key.
         FormatError / IntegrityError / StorageError: a damaged checkpoint or an I/O failure.
     """
+    outputs = [
+        Output(k, output_dtype(meta.tensors[k].dtype, bf16_as_float32), tuple(meta.tensors[k].shape))
+        for k in selection.keys
+    ]
+    return _write(
+        path, meta, out, outputs, max_shard_bytes,
+        lambda reader, o: output_bytes(reader, o.name, bf16_as_float32, progress),
+    )
+
+
+def remapped_outputs(meta: Metadata, remap: Remapped, pattern: str | None = None, bf16_as_float32: bool = False) -> list[Output]:
+    """The tensors an export through ``remap`` writes: those whose name matches ``pattern``
+    (``re.search``), in the checkpoint's order of their first source, then by name."""
+    keep = key_filter(pattern)
+    order = {k: i for i, k in enumerate(meta.tensors)}
+    names = [n for n in remap.outputs if keep(n)]
+    names.sort(key=lambda n: (min((order[s] for s in remap.sources[n]), default=len(order)), n))
+    return [Output(n, output_dtype(remap.outputs[n][0], bf16_as_float32), remap.outputs[n][1]) for n in names]
+
+
+def export_remapped(
+    path: str,
+    meta: Metadata,
+    out: str,
+    remap: Remapped,
+    outputs: Sequence[Output],
+    max_shard_bytes: int,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Like :func:`export`, for tensors made by ``remap`` (an :class:`aoa_paddle.Reverse`):
+    each is built and written slab by slab (:func:`remapped_slabs`).
+
+    Raises:
+        MismatchError / PlanError: the config's answer does not fill a tensor exactly.
+        UnsupportedError: paddle's engine refused a tensor.
+    """
+
+    def produce(reader: TensorReader, o: Output) -> Iterator[memoryview]:
+        widen = o.dtype != remap.outputs[o.name][0]  # bfloat16 written as float32
+        slabs = remapped_slabs(reader, remap, o.name, reader.slab_bytes // 2 if widen else None)
+        return counted_bytes((bf16_to_float32(s) for s in slabs) if widen else slabs, progress)
+
+    return _write(path, meta, out, outputs, max_shard_bytes, produce)
+
+
+def remapped_slabs(reader: TensorReader, remap: Remapped, name: str, slab_bytes: int | None = None) -> Iterator[np.ndarray]:
+    """Output ``name`` of ``remap`` as consecutive C-order slabs of at most ``slab_bytes``
+    (default the reader's): for each, the engine says which boxes of which checkpoint tensors
+    fill it and how they are permuted and cast; :func:`aoa.plan` turns that into reads and
+    staging arrays, as on a load. Memory: one slab and its staging arrays."""
+    dtype, shape = remap.outputs[name]
+    limit = max(1, int(slab_bytes or reader.slab_bytes) // storage_dtype(dtype).itemsize)
+    for box in split_region(Box.whole(shape), limit, shape):
+        maps = remap.maps(name, box)
+        if not maps:
+            raise MismatchError(f"{name}: aoa_config fills nothing of box {box} (shape {shape})")
+        reads = aoa.plan(reader.meta, [(aoa.LocalTarget(0, name, dtype, shape, box), maps)], first_slot=1)
+        arrays = [np.empty(box.shape, dtype=storage_dtype(dtype))] + aoa.staging_arrays(reads.staged)
+        reader.read_pieces(reads.pieces, reads.slots, arrays)
+        aoa.apply(reads.staged, arrays)
+        yield arrays[0]
+
+
+def _write(
+    path: str,
+    meta: Metadata,
+    out: str,
+    outputs: Sequence[Output],
+    max_shard_bytes: int,
+    produce: Callable[[TensorReader, Output], Iterator[memoryview]],
+) -> list[str]:
+    """The directory: every shard through a DataWriter (``produce`` gives a tensor's bytes),
+    then the index."""
     if max_shard_bytes <= 0:
         raise DcpError(f"the shard size must be positive, got {max_shard_bytes}")
     try:
@@ -72,34 +178,29 @@ def export(
             raise DcpError(f"{out} is not empty: export to a new directory")
     except OSError as exc:
         raise StorageError(f"cannot create {out}: {exc}", out) from exc
-    keys = list(selection.keys)
-    codes = {k: code_of(k, output_dtype(meta.tensors[k].dtype, bf16_as_float32)) for k in keys}
-    shards = plan_shards(meta, keys, max_shard_bytes, bf16_as_float32) or [[]]
+    codes = {o.name: code_of(o.name, o.dtype) for o in outputs}
+    shards = plan_shards(outputs, max_shard_bytes) or [[]]
     names, weight_map = [], {}
     with TensorReader(path, meta) as reader:
         for i, shard in enumerate(shards):
             name = shard_name(i, len(shards))
-            header = encode_header(
-                ((k, codes[k], meta.tensors[k].shape, output_nbytes(meta.tensors[k], bf16_as_float32)) for k in shard),
-                SHARD_METADATA,
-            )
+            header = encode_header(((o.name, codes[o.name], o.shape, o.nbytes) for o in shard), SHARD_METADATA)
             # depth 0: each slab is written before the reader reuses its buffer
             writer = storage.DataWriter(out, name, 0, depth=0, header=header, alignment=1)
             try:
-                for key in shard:
-                    for data in output_bytes(reader, key, bf16_as_float32, progress):
+                for o in shard:
+                    for data in produce(reader, o):
                         writer.write(data, keep=data)
                 writer.commit()
             except BaseException:
                 writer.abort()
                 raise
             names.append(name)
-            weight_map.update(dict.fromkeys(shard, name))
+            weight_map.update(dict.fromkeys((o.name for o in shard), name))
     if len(shards) > 1:
-        total = sum(output_nbytes(meta.tensors[k], bf16_as_float32) for k in keys)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(o.nbytes for o in outputs)}, "weight_map": weight_map}
         index_name = "model" + INDEX_SUFFIX
         storage.write_atomic(out, index_name, json.dumps(index, indent=2).encode())
         names.append(index_name)
-    logger.info("exported %d tensors to %s in %d shards", len(keys), out, len(shards))
+    logger.info("exported %d tensors to %s in %d shards", len(outputs), out, len(shards))
     return names
