@@ -575,6 +575,8 @@ def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int
     )
     if remap.skipped:
         _err(f"note: {len(remap.skipped)} optimizer states are not exported (with --aoa-config, model weights only)")
+    if meta.values():
+        _err(f"note: {len(meta.values())} plain values are not exported (a Hugging Face directory holds tensors only)")
     return EXIT_OK
 
 
@@ -965,7 +967,9 @@ def build_parser() -> argparse.ArgumentParser:
         "npz member __metadata__ (JSON with every tensor's dtype). With --to hf --aoa-config FILE, "
         "the tensors are written under the names that config reads on a load (Hugging Face names): "
         "paddle's AOA engine runs it backwards, each tensor is built slab by slab from boxes of the "
-        "checkpoint's tensors (split, transposed, cast as the config says).",
+        "checkpoint's tensors (split, transposed, cast as the config says). Not reversible: dtype= "
+        "(use src_dtype=..., dst_dtype=...) and * over Hugging Face names are refused; a merge of "
+        "parts of unequal sizes (a, b -> ab, axis=N) is split evenly back.",
     )
     p.add_argument("path", metavar="PATH", help="checkpoint directory")
     p.add_argument("out", metavar="OUT", help="the file to write (replaced once complete); for --to hf, a new directory")
@@ -975,7 +979,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aoa-config", metavar="FILE", help="--to hf: a JSON file {\"aoa_statements\": [...]}, the config "
                    "load_state_dict(aoa_config=...) takes to read the HF directory into the model; the export applies it "
                    "backwards (paddle's AOA engine) and writes the HF names; needs paddle; model weights only")
-    p.add_argument("--keys", metavar="REGEX", help="only keys (and values) matching REGEX (re.search)")
+    p.add_argument("--keys", metavar="REGEX", help="only keys (and values) matching REGEX (re.search); "
+                   "with --aoa-config, the names written")
     p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
     p.add_argument("--bf16-as-float32", action="store_true", help="write bfloat16 tensors as float32 (exact)")
     p.set_defaults(func=cmd_convert)
