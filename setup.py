@@ -25,6 +25,6 @@ setup(
         # safetensors: an independent reader of the safetensors files we write
         "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors"],
     },
-    entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.cli:main"]},
+    entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.tools.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
 )

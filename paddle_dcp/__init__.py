@@ -19,7 +19,7 @@ from .errors import (
     UnsupportedError,
 )
 from .gather import save_gathered
-from .metadata import FORMAT_VERSION
+from .core.metadata import FORMAT_VERSION
 from .training import get_state_dict, set_state_dict
 from .version import __version__
 

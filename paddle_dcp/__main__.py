@@ -1,6 +1,6 @@
-"""``python -m paddle_dcp``: the command line (see :mod:`paddle_dcp.cli`)."""
+"""``python -m paddle_dcp``: the command line (see :mod:`paddle_dcp.tools.cli`)."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -18,13 +18,16 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import aoa, exchange, nested, planner, protocol, safetensors_dir, storage, wire
-from .comm import Comm, make_comm
-from .device import TargetBuffer, host_bytes, staged_copy
+from .core import aoa, nested, planner
+from .dist import exchange, protocol, wire
+from .format import hf_dir
+from .io import storage
+from .dist.comm import Comm, make_comm
+from .dist.device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
-from .metadata import DEFAULT_BLOCK_BYTES, Metadata
-from .boxes import Box
-from .placements import describe, has_partial, is_sharded_weight, is_tensor, reduce_partial, rewrap
+from .core.metadata import DEFAULT_BLOCK_BYTES, Metadata
+from .core.boxes import Box
+from .dist.placements import describe, has_partial, is_sharded_weight, is_tensor, reduce_partial, rewrap
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -153,7 +156,7 @@ def save_state_dict(
 
     def publish(meta):
         if safetensors:
-            meta = safetensors_dir.rename_files(meta)
+            meta = hf_dir.rename_files(meta)
         storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json(), durable)
 
     def tidy(uid, generation):
@@ -176,7 +179,7 @@ def save_state_dict(
         created_by=f"paddle_dcp {__version__}",
         cache=_SAVE_PLANS,
         replicas=bool(save_replicas),
-        layout=safetensors_dir.layout_plan if safetensors else None,
+        layout=hf_dir.layout_plan if safetensors else None,
     )
     if not async_save:
         result = protocol.run(comm, protocol.save(ctx))
@@ -303,7 +306,7 @@ def _write_pieces(
     sums: list[int] = []
     if safetensors:
         pieces = [rows[row][1] for row in chosen.tolist()]
-        header = safetensors_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
+        header = hf_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
         writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES, header=header, alignment=1)
     else:
         writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
@@ -413,14 +416,14 @@ def load_state_dict(
         listing = storage.list_checkpoints(path)
         if safetensors and listing.latest is None:  # a directory of safetensors files
             state["directory"] = True
-            names, _ = safetensors_dir.shard_names(path)
+            names, _ = hf_dir.shard_names(path)
             uid = unique_id if unique_id is not None else 0
             return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
         return listing
 
     def read_metadata(uid):
         if state.get("directory"):
-            return safetensors_dir.directory_metadata(path, uid)
+            return hf_dir.directory_metadata(path, uid)
         return storage.read_metadata(path, uid, lazy=True)
 
     def helpers(readers, meta):
@@ -438,10 +441,10 @@ def load_state_dict(
     def plan(meta, uid, listing, statuses):
         remap = None
         if aoa_config is not None:
-            from .aoa_paddle import Remap
+            from .dist.aoa_paddle import Remap
 
             remap = Remap(aoa_config, aoa.source_shards(meta), state["all_targets"])
-        checks = verify and meta.checksum_algorithm != safetensors_dir.NO_CHECKSUMS
+        checks = verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
         work = _plan_load(
             comm, state["flat"], state["held"], meta, path, offload, mw_name_compatibility, checks, strict,
             _visible_files(listing, uid), remap,

@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from . import nested
-from .boxes import Box, check_tiling, element_span, is_contiguous, split_region
-from .comm import Comm, describe_error, make_comm
-from .dtypes import itemsize, storage_dtype
+from .core import nested
+from .core.boxes import Box, check_tiling, element_span, is_contiguous, split_region
+from .dist.comm import Comm, describe_error, make_comm
+from .core.dtypes import itemsize, storage_dtype
 from .errors import CollectiveError, DcpError, FormatError, MismatchError, StorageError
-from .safetensors_format import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, encode_header
+from .format.safetensors import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, encode_header
 from .singlefile import METADATA_FORMAT, METADATA_VERSION
 from .version import __version__
 
@@ -360,7 +360,7 @@ def save_gathered(
         DcpError: the failure itself (one rank): MismatchError when ranks disagree on the
             tensors, FormatError for a dtype safetensors lacks (complex), StorageError.
     """
-    from .placements import describe, has_partial, is_tensor, reduce_partial
+    from .dist.placements import describe, has_partial, is_tensor, reduce_partial
 
     if state_type not in STATE_TYPES:
         raise DcpError(f"state_type must be 'params' or 'opt', got {state_type!r}")
@@ -481,7 +481,7 @@ class _HostPieces:
 
     def region(self, key: str, box: Box) -> np.ndarray:
         """The elements of ``box`` (global coordinates) of this rank's piece of ``key``."""
-        from .device import host_bytes
+        from .dist.device import host_bytes
 
         h = self.held[key]
         if key != self._key:
@@ -620,7 +620,7 @@ def _link(rank: int, peer: int):
     from paddle.base import core
     from paddle.distributed import collective
 
-    from .comm import _host
+    from .dist.comm import _host
 
     gid = _LINK_GID + b * (b - 1) // 2 + a  # distinct for every pair
     if gid >= 1 << 31:
@@ -650,7 +650,7 @@ def _link(rank: int, peer: int):
 
 def _send(comm: Comm, peer: int, data: np.ndarray) -> None:
     """Send the uint8 array ``data`` to ``peer`` (blocks until it is taken)."""
-    from .device import wire_tensor
+    from .dist.device import wire_tensor
 
     group, index = _link(comm.rank, peer)
     group.send(wire_tensor(data), index, True).wait()
@@ -658,7 +658,7 @@ def _send(comm: Comm, peer: int, data: np.ndarray) -> None:
 
 def _recv_into(comm: Comm, peer: int, out: np.ndarray) -> None:
     """Receive exactly ``len(out)`` bytes from ``peer`` into the uint8 array ``out``."""
-    from .device import wire_buffer
+    from .dist.device import wire_buffer
 
     group, index = _link(comm.rank, peer)
     with wire_buffer(out) as t:

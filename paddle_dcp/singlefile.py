@@ -1,9 +1,9 @@
 """One safetensors file (as :func:`paddle_dcp.save_gathered` writes it) -> a state dict, in place.
 
-The header is read and checked by :mod:`paddle_dcp.safetensors_format` (the one strict
+The header is read and checked by :mod:`paddle_dcp.format.safetensors` (the one strict
 reader) before any byte of a tensor is read. ``save_gathered`` puts the state dict's nesting
 and plain values in its ``__metadata__`` (``structure``: the skeleton of
-:mod:`paddle_dcp.nested`, as JSON). No pickle anywhere.
+:mod:`paddle_dcp.core.nested`, as JSON). No pickle anywhere.
 
 Each process reads only what it holds: the box of every dist tensor its rank holds, the whole
 of plain tensors and numpy arrays, in bounded reads straight into the tensors' host memory.
@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from . import nested, planner
-from .boxes import Box, element_span, is_contiguous
-from .dtypes import storage_dtype
+from .core import nested, planner
+from .core.boxes import Box, element_span, is_contiguous
+from .core.dtypes import storage_dtype
 from .errors import FormatError, MismatchError, StorageError
-from .safetensors_format import (  # noqa: F401 - re-exported: the reader this module used to hold
+from .format.safetensors import (  # noqa: F401 - re-exported: the reader this module used to hold
     DTYPE_OF_CODE,
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
@@ -117,8 +117,8 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .device import TargetBuffer
-    from .placements import describe, is_tensor, rewrap
+    from .dist.device import TargetBuffer
+    from .dist.placements import describe, is_tensor, rewrap
 
     path = os.fspath(path)
     started = time.perf_counter()

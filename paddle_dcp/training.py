@@ -194,7 +194,7 @@ def set_state_dict(model, optimizer, state: dict) -> None:
 
 
 def _is_tensor(value) -> bool:
-    from .placements import is_tensor
+    from .dist.placements import is_tensor
 
     return is_tensor(value)
 
@@ -218,9 +218,9 @@ def _copy_into(target, source, key: str) -> None:
     import paddle
     import paddle.distributed as dist
 
-    from .device import TargetBuffer, dtype_name, host_bytes
-    from .dtypes import name_of_numpy
-    from .placements import describe
+    from .dist.device import TargetBuffer, dtype_name, host_bytes
+    from .core.dtypes import name_of_numpy
+    from .dist.placements import describe
 
     if not _is_tensor(source):
         raise MismatchError(f"{key}: expected a tensor, got {type(source).__name__}")

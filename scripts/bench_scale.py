@@ -3,7 +3,7 @@
 
 For every rank of a job from ../shared/scale/workload.py (the per-rank layouts of a large
 model on a [pp, dp, tp] mesh), this runs paddle_dcp's real save and load protocols in one
-process (paddle_dcp.simulate): the same generators a real rank runs, with the collectives
+process (paddle_dcp.tools.simulate): the same generators a real rank runs, with the collectives
 replaced by an in-process world that hands each rank what the real collective would and counts
 its bytes with the real comm's cost functions. Nothing but planning runs: no tensors, no data
 files; the metadata is built, serialized and parsed for real.
@@ -39,8 +39,8 @@ for candidate in (HERE.parent.parent / "shared" / "scale", HERE.parent / "shared
         sys.path.insert(0, str(candidate))
         break
 
-from paddle_dcp.metadata import Metadata  # noqa: E402
-from paddle_dcp.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of  # noqa: E402
+from paddle_dcp.core.metadata import Metadata  # noqa: E402
+from paddle_dcp.tools.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of  # noqa: E402
 
 try:
     from workload import Job  # noqa: E402

@@ -1,5 +1,5 @@
 """Our shard rule equals paddle's: for many (shape, mesh, placements), the box
-paddle_dcp.placements.describe computes, paddle's own local value (shape and values) and the
+paddle_dcp.dist.placements.describe computes, paddle's own local value (shape and values) and the
 test's independent oracle all agree."""
 from launcher import assert_passed, run_launch, script
 

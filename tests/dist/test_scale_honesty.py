@@ -1,4 +1,4 @@
-"""The simulation of thousands of ranks (paddle_dcp.simulate, scripts/bench_scale.py) predicts
+"""The simulation of thousands of ranks (paddle_dcp.tools.simulate, scripts/bench_scale.py) predicts
 the planning traffic of a real job: a real 4-rank save and load report the bytes each rank sent
 and received; the simulation of the same layout must give the same counts within 10%."""
 import json
@@ -39,9 +39,9 @@ def _box(shape, ids, spec, rank):
 
 
 def test_simulation_predicts_the_traffic_of_a_real_4_rank_job(tmp_path):
-    from paddle_dcp.planner import LocalPiece
-    from paddle_dcp.boxes import Box
-    from paddle_dcp.simulate import RankLayout, simulate_load, simulate_save
+    from paddle_dcp.core.planner import LocalPiece
+    from paddle_dcp.core.boxes import Box
+    from paddle_dcp.tools.simulate import RankLayout, simulate_load, simulate_save
     from traffic_layout import LAYOUT
 
     logs = run_launch(script("traffic.py"), 4, tmp_path, args=[tmp_path / "work"])

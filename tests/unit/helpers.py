@@ -16,9 +16,11 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from paddle_dcp import nested, planner, storage, wire
-from paddle_dcp.boxes import Box
-from paddle_dcp.metadata import Metadata
+from paddle_dcp.core import nested, planner
+from paddle_dcp.dist import wire
+from paddle_dcp.io import storage
+from paddle_dcp.core.boxes import Box
+from paddle_dcp.core.metadata import Metadata
 
 # No example database: the suite leaves no .hypothesis directory behind and runs the same way
 # on a fresh clone.

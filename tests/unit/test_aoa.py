@@ -3,9 +3,10 @@ reads, staging and numpy postprocess; dtypes.cast against rounding oracles. No p
 import numpy as np
 import pytest
 
-from paddle_dcp import aoa, planner, storage
-from paddle_dcp.boxes import Box
-from paddle_dcp.dtypes import cast
+from paddle_dcp.core import aoa, planner
+from paddle_dcp.io import storage
+from paddle_dcp.core.boxes import Box
+from paddle_dcp.core.dtypes import cast
 from paddle_dcp.errors import MismatchError, UnsupportedError
 
 from .helpers import save_checkpoint

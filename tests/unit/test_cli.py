@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp import cli, consolidate, storage
-from paddle_dcp.boxes import element_span
-from paddle_dcp.metadata import TensorEntry
+from paddle_dcp.io import storage
+from paddle_dcp.tools import cli, consolidate
+from paddle_dcp.core.boxes import element_span
+from paddle_dcp.core.metadata import TensorEntry
 
 from .helpers import coords, fast, random_array, ref_box, same_bits, save_checkpoint
 
@@ -111,7 +112,7 @@ def test_inspect_verify_convert_do_not_import_paddle(saved, tmp_path):
     code = f"""
         import sys
         BLOCK
-        from paddle_dcp.cli import main
+        from paddle_dcp.tools.cli import main
         assert main(["inspect", {path!r}]) == 0
         assert main(["inspect", {path!r}, "--json"]) == 0
         assert main(["verify", {path!r}]) == 0

@@ -1,7 +1,7 @@
 """SoloComm: the world of one that runs without paddle.distributed."""
 import pytest
 
-from paddle_dcp.comm import SoloComm
+from paddle_dcp.dist.comm import SoloComm
 from paddle_dcp.errors import FormatError
 
 
@@ -30,7 +30,7 @@ def test_a_read_only_message_can_be_sent():
     DLPack: the wire tensor must still carry their bytes (node-local loads hung without it)."""
     import numpy as np
 
-    from paddle_dcp import device
+    from paddle_dcp.dist import device
 
     message = np.frombuffer(b"paddle_dcp", dtype=np.uint8)
     assert not message.flags.writeable

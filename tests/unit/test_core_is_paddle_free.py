@@ -1,5 +1,6 @@
-"""The core of paddle_dcp (boxes, metadata, nested, planner, wire, dtypes, errors, storage) runs
-without paddle: these modules are what the unit tests, the planner and the file format rely on."""
+"""The core of paddle_dcp (every module of core/ and format/, plus errors, io.storage and
+dist.wire) runs without paddle: these modules are what the unit tests, the planner and the file
+format rely on."""
 import subprocess
 import sys
 import textwrap
@@ -7,7 +8,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-CORE = ["boxes", "metadata", "nested", "planner", "wire", "dtypes", "errors", "storage", "aoa", "safetensors_format", "safetensors_dir"]
+PACKAGE = REPO / "paddle_dcp"
+# every module of the pure subpackages, found by walking them (a new module is checked too)
+PURE_DIRS = ["core", "format"]
+# paddle-free modules that live elsewhere in the layout
+OTHERS = ["errors", "io.storage", "dist.wire"]
+
+
+def pure_modules() -> list[str]:
+    found = [
+        ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        for d in PURE_DIRS
+        for path in sorted((PACKAGE / d).rglob("*.py"))
+    ]
+    return [m[: -len(".__init__")] if m.endswith(".__init__") else m for m in found]
+
+
+CORE = pure_modules() + OTHERS
+
+
+def test_the_walk_finds_the_core_modules():
+    # guards the walk: an empty or wrong list would make the import test below pass vacuously
+    for name in ("core.boxes", "core.metadata", "core.planner", "core.aoa", "format.safetensors", "format.hf_dir"):
+        assert name in CORE, CORE
 
 
 def run_without_paddle(code: str) -> subprocess.CompletedProcess:
@@ -47,8 +70,8 @@ def test_core_pipeline_runs_with_paddle_blocked(tmp_path):
         f"""
         import numpy as np
         from tests.unit.helpers import save_checkpoint, load_rank
-        from paddle_dcp import planner
-        from paddle_dcp.boxes import Box
+        from paddle_dcp.core import planner
+        from paddle_dcp.core.boxes import Box
         a = np.arange(30, dtype=np.float32).reshape(5, 6)
         save_checkpoint({str(tmp_path)!r}, {{"w": a}}, {{"w": "float32"}}, (2,), {{"w": (0,)}})
         t = planner.TargetPiece("model.w", "float32", (5, 6), Box((1, 2), (3, 3)))

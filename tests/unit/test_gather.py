@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from .helpers import fast
 from paddle_dcp import gather, singlefile
-from paddle_dcp.boxes import Box
+from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import DcpError, FormatError, MismatchError, PlanError
 
 DT = {"float32": np.float32, "int64": np.int64, "bool": np.bool_, "float16": np.float16, "uint8": np.uint8,
@@ -201,7 +201,7 @@ def test_params_needs_the_same_keys_on_every_rank_and_opt_takes_the_union():
         gather.plan_gather([a, b], (0, 1), 0, "params", 100)
     plan = gather.plan_gather([a, b], (0, 1), 0, "opt", 100)
     assert [t.key for t in plan.tensors] == ["w", "m1"]
-    from paddle_dcp import nested
+    from paddle_dcp.core import nested
 
     assert nested.values_of(plan.skeleton) == {"lr": 1, "x": 3}  # the gathering rank's value wins
 

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 paddle = pytest.importorskip("paddle")
 
 import paddle_dcp  # noqa: E402
-from paddle_dcp import cli, consolidate  # noqa: E402
+from paddle_dcp.tools import cli, consolidate  # noqa: E402
 
 D, HEADS, KV, HD, FF, VOCAB = 4, 4, 2, 2, 6, 5  # hidden, heads, key/value heads, head dim, ffn, vocab
 LAYERS = 2

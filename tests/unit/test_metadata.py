@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp.errors import FormatError
-from paddle_dcp.metadata import (
+from paddle_dcp.core.metadata import (
     FORMAT_VERSION,
     FileEntry,
     Metadata,
@@ -359,7 +359,7 @@ def test_refuses_fields_of_the_wrong_type_or_range(small, edit):
 
 
 def test_refuses_metadata_over_the_size_limit(monkeypatch):
-    import paddle_dcp.metadata as md
+    import paddle_dcp.core.metadata as md
 
     monkeypatch.setattr(md, "MAX_METADATA_BYTES", 100)
     with pytest.raises(FormatError, match="limit"):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp import nested
+from paddle_dcp.core import nested
 from paddle_dcp.errors import FormatError, MismatchError
 
 from .helpers import fast, is_tensor

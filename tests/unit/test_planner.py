@@ -12,10 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp import nested, planner, storage, wire
-from paddle_dcp.boxes import Box
+from paddle_dcp.core import nested, planner
+from paddle_dcp.dist import wire
+from paddle_dcp.io import storage
+from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
-from paddle_dcp.metadata import ALIGNMENT, Metadata
+from paddle_dcp.core.metadata import ALIGNMENT, Metadata
 
 from .helpers import (
     coords,

@@ -27,10 +27,12 @@ import numpy as np
 import pytest
 
 import paddle_dcp
-from paddle_dcp.metadata import with_digest
-from paddle_dcp import api, metadata, storage
+from paddle_dcp.core.metadata import with_digest
+from paddle_dcp import api
+from paddle_dcp.core import metadata
+from paddle_dcp.io import storage
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, PlanError, StorageError
-from paddle_dcp.naming import TMP_RE
+from paddle_dcp.core.naming import TMP_RE
 
 from .helpers import listdir, save_checkpoint
 
@@ -310,7 +312,7 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
 def test_the_cli_removes_temporary_files(tmp_path):
     """``python -m paddle_dcp clean DIR`` (docs/format.md) removes every temporary file a
     crashed save left and nothing of a complete checkpoint."""
-    pytest.importorskip("paddle_dcp.cli", reason="paddle_dcp.cli does not exist yet")
+    pytest.importorskip("paddle_dcp.tools.cli", reason="paddle_dcp.tools.cli does not exist yet")
     path = str(tmp_path / "ck")
     paddle_dcp.save_state_dict(sd_of(0), path)
     for other in ("0_1.distcp.tmp.0a0b0c0d", "1.metadata.tmp.0a0b0c0d", "3_0.1.distcp.tmp.aa"):
@@ -784,7 +786,7 @@ SIGBUS_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
     import paddle_dcp
-    from paddle_dcp import storage
+    from paddle_dcp.io import storage
     ck = sys.argv[1]
     real = storage.verify_segment
     def truncate_while_mapped(meta, files, file, seg, data):

@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import paddle_dcp
-from paddle_dcp.metadata import with_digest
+from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.errors import DcpError
-from paddle_dcp.metadata import Metadata
+from paddle_dcp.core.metadata import Metadata
 
 from .helpers import get, nodes, save_checkpoint
 

@@ -14,8 +14,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import paddle_dcp
-from paddle_dcp import cli, planner, safetensors_dir, safetensors_format, storage
-from paddle_dcp.boxes import Box
+from paddle_dcp.core import planner
+from paddle_dcp.format import hf_dir, safetensors
+from paddle_dcp.io import storage
+from paddle_dcp.tools import cli
+from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
 
 
@@ -52,35 +55,35 @@ HOSTILE = {
 def test_the_one_reader_refuses_hostile_headers(tmp_path, name):
     header, data = HOSTILE[name]
     path = raw_file(tmp_path / "x.safetensors", header, data)
-    for read in (safetensors_format.read_header, safetensors_format.read_arrays):
+    for read in (safetensors.read_header, safetensors.read_arrays):
         with pytest.raises(FormatError, match="x.safetensors"):
             read(path)
 
 
 def test_header_length_bounds(tmp_path):
     path = tmp_path / "x.safetensors"
-    path.write_bytes(struct.pack("<Q", safetensors_format.MAX_HEADER_BYTES + 1) + b"{}")
+    path.write_bytes(struct.pack("<Q", safetensors.MAX_HEADER_BYTES + 1) + b"{}")
     with pytest.raises(FormatError, match="header of"):
-        safetensors_format.read_header(str(path))
+        safetensors.read_header(str(path))
     path.write_bytes(struct.pack("<Q", 100) + b"{}")
     with pytest.raises(FormatError, match="truncated"):
-        safetensors_format.read_header(str(path))
+        safetensors.read_header(str(path))
 
 
 def test_reader_takes_what_the_safetensors_package_writes(tmp_path):
     arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64), "c": np.ones((), np.float16)}
     save_file(arrays, str(tmp_path / "m.safetensors"))
-    got = safetensors_format.read_arrays(str(tmp_path / "m.safetensors"))
+    got = safetensors.read_arrays(str(tmp_path / "m.safetensors"))
     assert sorted(got) == ["a", "b", "c"]
     for k, v in arrays.items():
         assert got[k].dtype == v.dtype and np.array_equal(got[k], v)
-    codes = {k: e.code for k, e in safetensors_format.read_header(str(tmp_path / "m.safetensors")).entries.items()}
+    codes = {k: e.code for k, e in safetensors.read_header(str(tmp_path / "m.safetensors")).entries.items()}
     assert codes == {"a": "F32", "b": "I64", "c": "F16"}
 
 
 def test_writer_output_opens_in_the_safetensors_package(tmp_path):
     a, b = np.arange(3, dtype=np.int32), np.arange(8, dtype=np.float64).reshape(2, 4)
-    header = safetensors_format.encode_header([("a", "I32", a.shape, a.nbytes), ("b", "F64", b.shape, b.nbytes)], {"k": "v"}, align=64)
+    header = safetensors.encode_header([("a", "I32", a.shape, a.nbytes), ("b", "F64", b.shape, b.nbytes)], {"k": "v"}, align=64)
     assert len(header) % 64 == 0
     (tmp_path / "w.safetensors").write_bytes(header + a.tobytes() + b.tobytes())
     got = load_file(str(tmp_path / "w.safetensors"))
@@ -113,7 +116,7 @@ ARRAYS = {
 @pytest.mark.parametrize("shards", [None, [["embed.w"], ["head.b", "norm"]]])
 def test_directory_metadata_places_each_tensor_at_its_bytes(tmp_path, shards):
     d = hf_directory(tmp_path / "hf", ARRAYS, shards)
-    meta = safetensors_dir.directory_metadata(str(d))
+    meta = hf_dir.directory_metadata(str(d))
     assert sorted(meta.tensors) == sorted(ARRAYS) and meta.checksum_algorithm == "none"
     for key, array in ARRAYS.items():
         t = meta.tensors[key]
@@ -149,31 +152,31 @@ def test_directory_errors_name_what_is_wrong(tmp_path):
     doc["weight_map"]["ghost"] = doc["weight_map"]["norm"]
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="ghost"):
-        safetensors_dir.directory_metadata(str(d))
+        hf_dir.directory_metadata(str(d))
     doc["weight_map"].pop("ghost")
     doc["weight_map"]["norm"] = "model-00001-of-00002.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="norm"):
-        safetensors_dir.directory_metadata(str(d))
+        hf_dir.directory_metadata(str(d))
     doc["weight_map"]["norm"] = "../evil.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="plain file name"):
-        safetensors_dir.directory_metadata(str(d))
+        hf_dir.directory_metadata(str(d))
     doc["weight_map"]["norm"] = "gone.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="missing"):
-        safetensors_dir.directory_metadata(str(d))
+        hf_dir.directory_metadata(str(d))
     index.write_text('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}')
     with pytest.raises(FormatError, match="twice"):
-        safetensors_dir.directory_metadata(str(d))
+        hf_dir.directory_metadata(str(d))
     index.unlink()  # without the index: every shard, and a name in two of them is refused
     save_file({"norm": ARRAYS["norm"]}, str(d / "extra.safetensors"))
     with pytest.raises(FormatError, match="'norm' is in both"):
-        safetensors_dir.directory_metadata(str(d))
+        hf_dir.directory_metadata(str(d))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FormatError, match="no checkpoint"):
-        safetensors_dir.directory_metadata(str(empty))
+        hf_dir.directory_metadata(str(empty))
 
 
 # ------------------------------------------------------------------ save with safetensors=True
@@ -185,7 +188,7 @@ def test_rank_file_layout_counts_the_header():
         ])
         for r in range(2)
     ])
-    laid = safetensors_dir.layout_plan(plan)
+    laid = hf_dir.layout_plan(plan)
     for r, size in laid.file_bytes.items():
         rows = np.flatnonzero(laid.piece_writer == r)
         rows = rows[np.argsort(laid.piece_leaf[rows])]
@@ -209,8 +212,8 @@ def test_save_with_safetensors_writes_files_the_package_opens(tmp_path):
 
 
 def test_piece_names_carry_the_box():
-    assert safetensors_dir.piece_name("w", (0, 0), (4, 6), (4, 6)) == "w"
-    assert safetensors_dir.piece_name("w", (2, 0), (2, 6), (4, 6)) == "w[2:4,0:6]"
+    assert hf_dir.piece_name("w", (0, 0), (4, 6), (4, 6)) == "w"
+    assert hf_dir.piece_name("w", (2, 0), (2, 6), (4, 6)) == "w[2:4,0:6]"
 
 
 # ------------------------------------------------------------------ convert --to hf

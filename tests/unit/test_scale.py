@@ -1,5 +1,5 @@
 """The planning at thousands of ranks, on synthetic jobs (no timing assertions): the real save
-and load protocols for every rank in one process (paddle_dcp.simulate), checked for what they
+and load protocols for every rank in one process (paddle_dcp.tools.simulate), checked for what they
 must produce whatever the scale."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 
 import numpy as np
 
-from paddle_dcp import planner
-from paddle_dcp.metadata import Metadata
-from paddle_dcp.simulate import RankLayout, simulate_load, simulate_save, targets_of
+from paddle_dcp.core import planner
+from paddle_dcp.core.metadata import Metadata
+from paddle_dcp.tools.simulate import RankLayout, simulate_load, simulate_save, targets_of
 
 
 def _chunk(n, k, i):

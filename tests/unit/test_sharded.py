@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp import planner, wire
-from paddle_dcp.boxes import Box, flat_range_boxes
+from paddle_dcp.core import planner
+from paddle_dcp.dist import wire
+from paddle_dcp.core.boxes import Box, flat_range_boxes
 from paddle_dcp.errors import FormatError, PlanError
-from paddle_dcp.metadata import Metadata, blocks_of
+from paddle_dcp.core.metadata import Metadata, blocks_of
 
 from .helpers import fast
 

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp import singlefile
-from paddle_dcp.boxes import Box
+from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, MismatchError
 
 from .helpers import fast

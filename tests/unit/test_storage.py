@@ -8,8 +8,9 @@ import numpy as np
 import xxhash
 import pytest
 
-from paddle_dcp import planner, storage
-from paddle_dcp.boxes import Box
+from paddle_dcp.core import planner
+from paddle_dcp.io import storage
+from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
 
 from .helpers import listdir, load_rank, save_checkpoint

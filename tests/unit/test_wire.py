@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp import planner, wire
-from paddle_dcp.boxes import Box
+from paddle_dcp.core import planner
+from paddle_dcp.dist import wire
+from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
 
 from .helpers import fast

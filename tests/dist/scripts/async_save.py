@@ -13,7 +13,8 @@ import paddle.distributed as dist
 
 import common as c
 import paddle_dcp
-from paddle_dcp import CollectiveError, storage
+from paddle_dcp import CollectiveError
+from paddle_dcp.io import storage
 
 root = c.init()
 R = c.rank()

@@ -2,7 +2,7 @@
 
 The oracle lives here: global arrays whose values come from their positions, and each rank's
 slice derived from the placements by this module's own arithmetic (it never calls
-``paddle_dcp.boxes`` or ``paddle_dcp.placements``).
+``paddle_dcp.core.boxes`` or ``paddle_dcp.dist.placements``).
 
 A layout is written as a spec: a tuple with one entry per mesh dim, each ``"R"`` (Replicate),
 ``("S", d)`` (Shard(d)), ``("S", d, order)`` (Shard(d, shard_order=order): when several mesh

@@ -35,7 +35,8 @@ os.makedirs(ROOT, exist_ok=True)
 
 import common as c  # noqa: E402
 import paddle_dcp  # noqa: E402
-from paddle_dcp import exchange, storage  # noqa: E402
+from paddle_dcp.dist import exchange
+from paddle_dcp.io import storage  # noqa: E402
 
 SAVE_RANKS = 3
 

@@ -19,7 +19,8 @@ import paddle
 
 import common as c
 import paddle_dcp
-from paddle_dcp import CollectiveError, storage
+from paddle_dcp import CollectiveError
+from paddle_dcp.io import storage
 
 ROOT = c.init()
 R = c.rank()

@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 
 import common as c
-from paddle_dcp.comm import PaddleComm
+from paddle_dcp.dist.comm import PaddleComm
 
 c.init()
 

@@ -1,5 +1,5 @@
 """Cross-check of the shard rule: paddle's local values, the oracle's slice and
-paddle_dcp.placements.describe's box agree for many (shape, mesh, placements).
+paddle_dcp.dist.placements.describe's box agree for many (shape, mesh, placements).
 
 Usage (under paddle.distributed.launch): layout.py DIR {2|4|coshard} [case ...]
 
@@ -14,7 +14,7 @@ import paddle
 import paddle.distributed as dist
 
 import common as c
-from paddle_dcp.placements import describe
+from paddle_dcp.dist.placements import describe
 
 c.init()
 SCENARIO = sys.argv[2]

@@ -17,8 +17,8 @@ import numpy as np
 
 import common as c
 import paddle_dcp
-from paddle_dcp.metadata import with_digest
-from paddle_dcp import storage
+from paddle_dcp.core.metadata import with_digest
+from paddle_dcp.io import storage
 
 ROOT = c.init()
 R = c.rank()

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import common as c
 import paddle_dcp
-from paddle_dcp import storage
+from paddle_dcp.io import storage
 
 ROOT = c.init()
 R = c.rank()

@@ -1,5 +1,5 @@
 """Save and load a flat state dict on 4 ranks and print each rank's planning traffic, for the
-test that checks paddle_dcp.simulate's prediction of it (issue: planning at scale).
+test that checks paddle_dcp.tools.simulate's prediction of it (issue: planning at scale).
 
 argv: WORKDIR. Prints ``TRAFFIC {"rank": r, "save": [sent, received], "load": [...]}``.
 """

@@ -24,12 +24,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import nested, planner, storage
-from .boxes import Box, split_region
-from .dtypes import SAFETENSORS_CODES, bf16_to_float32, storage_dtype
-from .errors import DcpError, FormatError, StorageError
-from .metadata import Metadata, TensorEntry
-from .safetensors_format import encode_header, read_arrays
+from ..core import nested, planner
+from ..io import storage
+from ..core.boxes import Box, split_region
+from ..core.dtypes import SAFETENSORS_CODES, bf16_to_float32, storage_dtype
+from ..errors import DcpError, FormatError, StorageError
+from ..core.metadata import Metadata, TensorEntry
+from ..format.safetensors import encode_header, read_arrays
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .comm import Comm, describe_error
-from .errors import DcpError, StorageError
-from .planner import ReadOp
-from .storage import RangeReader, Staging
+from ..errors import DcpError, StorageError
+from ..core.planner import ReadOp
+from ..io.storage import RangeReader, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ def check_remote(
     """Pairwise: ask each server for the checksums of the blocks this rank will read from it,
     compare them with the metadata's, and answer the same question for this rank's clients.
     Raises IntegrityError naming the file and range of the first mismatch."""
-    from .errors import IntegrityError
-    from .storage import checksum
+    from ..errors import IntegrityError
+    from ..io.storage import checksum
 
     me = comm.rank
     reader = RangeReader(path)

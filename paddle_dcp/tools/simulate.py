@@ -2,7 +2,7 @@
 
 No tensors and no files: each simulated rank holds a layout (its skeleton and the boxes of its
 pieces); writing returns the checksum count a real write would produce; the metadata is built,
-serialized and parsed for real. The collectives are :class:`paddle_dcp.comm.SimWorld`'s, which
+serialized and parsed for real. The collectives are :class:`paddle_dcp.dist.comm.SimWorld`'s, which
 hand each rank what the real collective would and count its bytes with the real comm's cost
 functions, so the figures predict a real job's planning traffic (scripts/bench_scale.py; a
 multi-process test checks the prediction against a real 4-rank run).
@@ -16,11 +16,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import planner, protocol, storage
-from .boxes import Box
-from .comm import SimWorld, Traffic
-from .metadata import DEFAULT_BLOCK_BYTES, Metadata, blocks_of
-from .dtypes import itemsize
+from ..core import planner
+from ..dist import protocol
+from ..io import storage
+from ..core.boxes import Box
+from ..dist.comm import SimWorld, Traffic
+from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata, blocks_of
+from ..core.dtypes import itemsize
 
 
 @dataclass

@@ -4,16 +4,16 @@
 most ``max_shard_bytes`` of tensor data (a larger tensor gets a shard of its own, as
 ``transformers`` does), and ``model.safetensors.index.json`` (``metadata.total_size``,
 ``weight_map``: tensor -> shard), written last; a single shard is ``model.safetensors`` with no
-index. Each shard is written through :class:`paddle_dcp.storage.DataWriter` (a temporary name,
+index. Each shard is written through :class:`paddle_dcp.io.storage.DataWriter` (a temporary name,
 renamed when complete) from slabs of the checkpoint (every block's checksum checked), so
 memory stays at one slab whatever the tensors' sizes. Plain values are not exported (a
 Hugging Face directory has no place for them).
 
 With an ``aoa_config`` (the one a load takes to read a Hugging Face directory into the model's
 names), the tensors are written under the Hugging Face names: paddle's AOA engine, run
-backwards (:class:`paddle_dcp.aoa_paddle.Reverse`), says which boxes of which checkpoint
+backwards (:class:`paddle_dcp.dist.aoa_paddle.Reverse`), says which boxes of which checkpoint
 tensors make each slab of each output tensor, and with which permutation and cast; the slab
-is read and finished by the load's own machinery (:func:`paddle_dcp.aoa.plan`).
+is read and finished by the load's own machinery (:func:`paddle_dcp.core.aoa.plan`).
 """
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from . import aoa, storage
-from .boxes import Box, split_region
+from ..core import aoa
+from ..io import storage
+from ..core.boxes import Box, split_region
 from .consolidate import Progress, Selection, TensorReader, counted_bytes, key_filter, output_bytes, output_dtype
-from .dtypes import bf16_to_float32, storage_dtype
-from .errors import DcpError, MismatchError, StorageError
-from .metadata import Metadata
-from .safetensors_dir import INDEX_SUFFIX, SINGLE_FILE
-from .safetensors_format import code_of, encode_header
+from ..core.dtypes import bf16_to_float32, storage_dtype
+from ..errors import DcpError, MismatchError, StorageError
+from ..core.metadata import Metadata
+from ..format.hf_dir import INDEX_SUFFIX, SINGLE_FILE
+from ..format.safetensors import code_of, encode_header
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ SHARD_METADATA = {"format": "pt"}  # transformers refuses shards without a forma
 
 
 class Remapped(Protocol):
-    """What an export under other names needs (:class:`paddle_dcp.aoa_paddle.Reverse`)."""
+    """What an export under other names needs (:class:`paddle_dcp.dist.aoa_paddle.Reverse`)."""
 
     outputs: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, global shape)
     sources: Mapping[str, tuple[str, ...]]  # name -> the checkpoint keys it is made of

@@ -1,6 +1,6 @@
 """aoa_config on load: paddle's source -> target slice mappings turned into our reads.
 
-Paddle's AOA engine (called by :mod:`paddle_dcp.aoa_paddle`) interprets the config and says,
+Paddle's AOA engine (called by :mod:`paddle_dcp.dist.aoa_paddle`) interprets the config and says,
 for a box of a state-dict tensor, which boxes of which checkpoint tensors fill which parts
 of it, and what to do with them on the way (permute the axes, cast the dtype). This module
 holds that answer as plain data (:class:`SliceMap`) and turns the maps of one rank's targets
@@ -19,7 +19,7 @@ import numpy as np
 
 from .boxes import Box
 from .dtypes import cast, storage_dtype
-from .errors import MismatchError, PlanError, UnsupportedError
+from ..errors import MismatchError, PlanError, UnsupportedError
 from .metadata import Metadata
 from .planner import TargetPiece
 
@@ -90,7 +90,7 @@ def after_steps(shape: tuple[int, ...], dtype: str, steps: Sequence[Step]) -> tu
 
 def postprocess(array: np.ndarray, dtype: str, steps: Sequence[Step]) -> np.ndarray:
     """Apply the steps to ``array`` (storage dtype of ``dtype``) with numpy; casts round as
-    paddle's do (see :func:`paddle_dcp.dtypes.cast`)."""
+    paddle's do (see :func:`paddle_dcp.core.dtypes.cast`)."""
     for s in steps:
         if s.perm is not None:
             array = np.transpose(array, s.perm)

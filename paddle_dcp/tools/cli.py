@@ -22,13 +22,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import consolidate, safetensors_format, storage
-from .boxes import Box, check_tiling, flat_range_boxes
-from .dtypes import DTYPE_NAMES, storage_dtype
-from .errors import DcpError, FormatError, PlanError, StorageError, UnsupportedError
-from .metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
-from .naming import METADATA_RE, data_file_name, metadata_name
-from .version import __version__
+from . import consolidate
+from ..format import safetensors
+from ..io import storage
+from ..core.boxes import Box, check_tiling, flat_range_boxes
+from ..core.dtypes import DTYPE_NAMES, storage_dtype
+from ..errors import DcpError, FormatError, PlanError, StorageError, UnsupportedError
+from ..core.metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
+from ..core.naming import METADATA_RE, data_file_name, metadata_name
+from ..version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -523,7 +525,7 @@ def cmd_convert(args) -> int:
 
 def _convert_hf(path: str, args) -> int:
     """convert --to hf: a Hugging Face directory of shards and their index."""
-    from .gather import parse_size
+    from ..gather import parse_size
     from .hf_export import DEFAULT_MAX_SHARD, export
 
     try:
@@ -551,12 +553,12 @@ def _convert_hf(path: str, args) -> int:
 
 def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int:
     """convert --to hf --aoa-config: the tensors under the names the config's load reads."""
-    from . import aoa
+    from ..core import aoa
     from .hf_export import export_remapped, remapped_outputs
 
     config = _aoa_config_file(args.aoa_config)
     try:
-        from .aoa_paddle import Reverse
+        from ..dist.aoa_paddle import Reverse
     except ImportError as exc:
         raise DcpError(f"--aoa-config needs paddle, whose AOA engine interprets the config ({exc})") from None
     try:
@@ -582,7 +584,7 @@ def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int
 
 def _aoa_config_file(name: str) -> dict:
     """The JSON config of --aoa-config, checked as load_state_dict checks aoa_config."""
-    from . import aoa
+    from ..core import aoa
 
     try:
         with open(name, "rb") as f:
@@ -643,7 +645,7 @@ def _structure_of(keys: Sequence[str], mapping: Any) -> dict:
 
 def _paddle_file_arrays(paddle, full: str) -> dict:
     if full.endswith(".safetensors"):
-        return safetensors_format.read_arrays(full)
+        return safetensors.read_arrays(full)
     try:
         arrays = paddle.load(full, return_numpy=True)
     except Exception as exc:  # noqa: BLE001 - anything unpickling raises

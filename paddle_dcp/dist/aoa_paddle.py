@@ -4,7 +4,7 @@ The engine (``paddle.distributed.flex_checkpoint.aoa``) reads the config's state
 their macros (``$LAYER_ID``, ``$EXPERT_ID``, ``*``, ``^T``, ``fused_qkv``, ``fused_ffn``,
 ``permute``, ``dtype``), propagates shapes from the checkpoint's tensors, and answers, for a
 box of a state-dict tensor, which boxes of which checkpoint tensors fill it. We never parse
-the language ourselves; :mod:`paddle_dcp.aoa` turns the answers into reads. :class:`Remap`
+the language ourselves; :mod:`paddle_dcp.core.aoa` turns the answers into reads. :class:`Remap`
 runs it for a load; :class:`Reverse` runs the same config backwards for an export to Hugging
 Face names (``convert --to hf --aoa-config``).
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Container, Mapping, Sequence
 
-from . import aoa
-from .boxes import Box
-from .errors import MismatchError, UnsupportedError
+from ..core import aoa
+from ..core.boxes import Box
+from ..errors import MismatchError, UnsupportedError
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Paddle tensors -> what this rank holds of them (key, dtype, global shape, box).
 
 The only module that reads ``process_mesh`` and ``placements``. It reduces them to plain ints
-and lets :func:`paddle_dcp.boxes.shard_box` compute the box, then checks the result against the
+and lets :func:`paddle_dcp.core.boxes.shard_box` compute the box, then checks the result against the
 local value paddle holds, so a disagreement with paddle's own rule surfaces at once.
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from .boxes import Box, flat_range_boxes, shard_box
+from ..core.boxes import Box, flat_range_boxes, shard_box
 from .device import dtype_name
-from .dtypes import name_of_numpy
-from .errors import PlanError, UnsupportedError
-from .planner import LocalPiece
+from ..core.dtypes import name_of_numpy
+from ..errors import PlanError, UnsupportedError
+from ..core.planner import LocalPiece
 
 
 def is_tensor(value: Any) -> bool:

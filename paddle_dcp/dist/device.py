@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .dtypes import storage_dtype
+from ..core.dtypes import storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def host_bytes(tensor) -> HostBytes:
     """The bytes of a (local, dense) tensor in host memory: the tensor's own memory on the
     CPU, else one copy (to pinned memory when the build has it)."""
     if isinstance(tensor, np.ndarray):
-        from .dtypes import name_of_numpy
+        from ..core.dtypes import name_of_numpy
 
         return HostBytes(np.ascontiguousarray(tensor, dtype=storage_dtype(name_of_numpy(tensor.dtype))), tensor)
     name = dtype_name(tensor)

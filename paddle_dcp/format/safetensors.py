@@ -23,9 +23,9 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import nested
-from .dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
-from .errors import DcpError, FormatError, StorageError
+from ..core import nested
+from ..core.dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
+from ..errors import DcpError, FormatError, StorageError
 
 # safetensors' dtypes that paddle.load reads: all of the format's but complex
 SAFETENSORS_DTYPES = {name: code for name, code in SAFETENSORS_CODES.items() if not name.startswith("complex")}
@@ -71,7 +71,7 @@ class Header:
         data_start: where the data section begins, in bytes from the start of the file.
         file_bytes: the file's size, in bytes.
         structure: the nesting and plain values ``save_gathered`` stored (a skeleton of
-            :mod:`paddle_dcp.nested`), None for a file of another writer.
+            :mod:`paddle_dcp.core.nested`), None for a file of another writer.
     """
 
     entries: dict[str, Entry]

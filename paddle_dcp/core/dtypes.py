@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import FormatError
+from ..errors import FormatError
 
 # name -> numpy dtype used to hold the raw little-endian bytes. bfloat16 has no numpy type:
 # its bytes travel as uint16 and only paddle interprets them.

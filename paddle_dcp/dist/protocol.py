@@ -5,8 +5,8 @@ after a local step, or a pairwise exchange) and receives their results; it never
 files or other ranks itself: the rank's ``SaveRank`` / ``LoadRank`` supplies the local work.
 
 Two drivers run these same generators:
-  * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.comm.Comm`;
-  * :func:`paddle_dcp.comm.SimWorld.run` for every rank of a job in one process, advancing all
+  * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.dist.comm.Comm`;
+  * :func:`paddle_dcp.dist.comm.SimWorld.run` for every rank of a job in one process, advancing all
     generators in lockstep, so that a simulation of thousands of ranks executes the very steps
     and messages of a real save or load (scripts/bench_scale.py).
 
@@ -23,9 +23,10 @@ from typing import Any, Callable, Generator, Sequence
 import numpy as np
 import xxhash
 
-from . import nested, planner, wire
-from .errors import FormatError, StorageError
-from .metadata import Metadata
+from . import wire
+from ..core import nested, planner
+from ..errors import FormatError, StorageError
+from ..core.metadata import Metadata
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import FormatError, MismatchError
+from ..errors import FormatError, MismatchError
 
 Path = tuple  # of str (dict key) or int (list / tuple index)
 

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import xxhash
 
-from .errors import CollectiveError, DcpError, collective_error
+from ..errors import CollectiveError, DcpError, collective_error
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Comm:
         return self._collective(step, fn)
 
     def execute(self, request):
-        """Carry out one request of a protocol (see :mod:`paddle_dcp.protocol`)."""
+        """Carry out one request of a protocol (see :mod:`paddle_dcp.dist.protocol`)."""
         from . import protocol as p
 
         if isinstance(request, p.Agree):

@@ -24,7 +24,7 @@ import xxhash
 from . import nested
 from .boxes import Box, check_inside, check_tiling
 from .dtypes import DTYPE_NAMES, itemsize
-from .errors import FormatError, PlanError
+from ..errors import FormatError, PlanError
 
 FORMAT_NAME = "paddle_dcp"
 FORMAT_VERSION = 1
@@ -162,7 +162,7 @@ class Metadata:
         world_size: number of ranks that saved it.
         files: the data files, referenced by index from the pieces.
         tensors: flat key -> TensorEntry.
-        structure: the nested skeleton (see :mod:`paddle_dcp.nested`), plain values included.
+        structure: the nested skeleton (see :mod:`paddle_dcp.core.nested`), plain values included.
         block_bytes: size of a checksum block, in bytes.
         checksum_algorithm: name of the checksum of every block.
         created_by: the writer's name and version.

@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from .errors import FormatError
-from .planner import SaveSummary
+from ..errors import FormatError
+from ..core.planner import SaveSummary
 
 _SUMMARY = b"DCS1"
 _SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf column leads the boxes

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import PlanError
+from ..errors import PlanError
 
 
 @dataclass(frozen=True)

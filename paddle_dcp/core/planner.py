@@ -21,7 +21,7 @@ import numpy as np
 from . import nested
 from .boxes import FEW_BOXES, Box, c_strides, check_tiling, first_overlap, meet, split_region, strided_span
 from .dtypes import itemsize
-from .errors import MismatchError, PlanError
+from ..errors import MismatchError, PlanError
 from .naming import data_file_name
 from .metadata import (
     ALIGNMENT,

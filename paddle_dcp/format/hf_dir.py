@@ -3,7 +3,7 @@ and each rank's data file written as a safetensors file.
 
 A Hugging Face directory holds ``model.safetensors``, or shards and an index
 ``model.safetensors.index.json`` whose ``weight_map`` names the shard of every tensor. Its
-headers become a :class:`~paddle_dcp.metadata.Metadata` (each tensor one piece at its byte
+headers become a :class:`~paddle_dcp.core.metadata.Metadata` (each tensor one piece at its byte
 range in its shard), so a load plans, reads only its byte ranges, exchanges and reshards
 exactly as for a checkpoint of ours. Those files carry no checksums: the metadata says so
 (``checksum_algorithm`` ``"none"``) and the load checks none.
@@ -24,12 +24,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .dtypes import itemsize
-from .errors import DcpError, FormatError, StorageError
-from .metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
-from .naming import data_file_name, parse_data_name
-from .planner import SavePlan
-from .safetensors_format import MAX_HEADER_BYTES, Header, code_of, encode_header, read_header
+from ..core.dtypes import itemsize
+from ..errors import DcpError, FormatError, StorageError
+from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
+from ..core.naming import data_file_name, parse_data_name
+from ..core.planner import SavePlan
+from .safetensors import MAX_HEADER_BYTES, Header, code_of, encode_header, read_header
 
 logger = logging.getLogger(__name__)
 
