@@ -1,0 +1,148 @@
+"""The package's directories draw its architecture: imports flow one way,
+tools/ -> root (api, gather, singlefile, training) -> dist/, io/ -> format/ -> core/,
+and nothing outside tools/ imports tools/ (but ``__main__``, the command line's entry point).
+Every module is parsed with ``ast`` (nothing is imported), so an import hidden inside a
+function counts too."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "paddle_dcp"
+SUBPACKAGES = ("core", "format", "io", "dist", "tools")
+
+# the layers each layer may import (its own included); errors and version are leaves
+BASE = {"errors", "version"}
+ALLOWED = {
+    "errors": set(),
+    "version": set(),
+    "core": {"errors", "core"},
+    "format": BASE | {"core", "format"},
+    "io": BASE | {"core", "format", "io"},
+    "dist": BASE | {"core", "format", "io", "dist"},
+    "root": BASE | {"core", "format", "io", "dist", "root"},
+    "tools": BASE | {"core", "format", "io", "dist", "root", "tools"},
+    "main": {"tools"},
+}
+# third-party packages a pure layer may import: numpy, and xxhash for the metadata digest
+# (a required dependency, paddle-free); the standard library is always allowed
+PURE_THIRD_PARTY = {"numpy", "xxhash"}
+PURE_LAYERS = {"errors", "version", "core", "format"}
+
+
+def layer_of(module: str) -> str:
+    """'paddle_dcp.core.boxes' -> 'core'; root modules ('paddle_dcp.api', the package) -> 'root'."""
+    parts = module.split(".")
+    assert parts[0] == "paddle_dcp", module
+    if len(parts) == 1:
+        return "root"
+    if parts[1] in SUBPACKAGES:
+        return parts[1]
+    if parts[1] == "__main__":
+        return "main"
+    if parts[1] in BASE:
+        return parts[1]
+    return "root"
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in the source, relative ones resolved. For
+    ``from X import a``, ``X.a`` is listed when X is paddle_dcp or one of its subpackages (a
+    submodule or a name of the root, e.g. ``from .. import errors``)."""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            if target == "paddle_dcp" or target in {f"paddle_dcp.{s}" for s in SUBPACKAGES}:
+                found += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, target))
+    return found
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    layer = layer_of(module)
+    out = []
+    for line, target in imports_of(source, module, is_package):
+        top = target.split(".")[0]
+        if top == "paddle_dcp":
+            to = layer_of(target)
+            if to not in ALLOWED[layer]:
+                out.append(f"{module}:{line} ({layer}) imports {target} ({to})")
+        elif layer in PURE_LAYERS and top not in sys.stdlib_module_names and top not in PURE_THIRD_PARTY:
+            out.append(f"{module}:{line} ({layer}) imports {target} (only the standard library and numpy)")
+    return out
+
+
+def package_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_is_in_a_known_place():
+    for path in package_modules():
+        rel = path.relative_to(PACKAGE)
+        assert len(rel.parts) == 1 or (len(rel.parts) == 2 and rel.parts[0] in SUBPACKAGES), rel
+    for sub in SUBPACKAGES:
+        assert (PACKAGE / sub / "__init__.py").is_file(), sub
+
+
+@pytest.mark.parametrize("path", package_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_flow_one_way(path):
+    module = module_name(path)
+    assert violations(path.read_text(), module, path.name == "__init__.py") == []
+
+
+# guards: the checker must see the imports it is meant to refuse
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("paddle_dcp.core.boxes", "from ..dist import comm\n"),
+        ("paddle_dcp.core.boxes", "from ..dist.comm import Comm\n"),
+        ("paddle_dcp.core.planner", "from ..format.safetensors import read_header\n"),
+        ("paddle_dcp.core.planner", "from ..io import storage\n"),
+        ("paddle_dcp.core.planner", "from .. import version\n"),
+        ("paddle_dcp.core.planner", "def f():\n    import paddle\n"),
+        ("paddle_dcp.format.safetensors", "import paddle.distributed as dist\n"),
+        ("paddle_dcp.format.hf_dir", "from ..io.storage import DataWriter\n"),
+        ("paddle_dcp.io.storage", "from ..dist import wire\n"),
+        ("paddle_dcp.dist.comm", "from .. import api\n"),
+        ("paddle_dcp.dist.comm", "from ..gather import parse_size\n"),
+        ("paddle_dcp.api", "def f():\n    from .tools import cli\n"),
+        ("paddle_dcp.gather", "from .tools.consolidate import Progress\n"),
+        ("paddle_dcp.dist.exchange", "import paddle_dcp.tools.simulate\n"),
+        ("paddle_dcp.core.nested", "from paddle_dcp.tools import cli\n"),
+        ("paddle_dcp", "from .tools.cli import main\n"),
+    ],
+)
+def test_the_checker_refuses_imports_against_the_flow(module, source):
+    assert violations(source, module, module == "paddle_dcp") != []
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        ("paddle_dcp.core.planner", "from ..errors import PlanError\nfrom . import nested\nimport numpy as np\n"),
+        ("paddle_dcp.format.hf_dir", "from ..core.planner import SavePlan\nfrom .safetensors import code_of\n"),
+        ("paddle_dcp.dist.exchange", "from ..io.storage import RangeReader\n"),
+        ("paddle_dcp.api", "from .dist import protocol\nfrom .format import hf_dir\n"),
+        ("paddle_dcp.tools.cli", "from ..gather import parse_size\nfrom . import consolidate\n"),
+        ("paddle_dcp.__main__", "from .tools.cli import main\n"),
+    ],
+)
+def test_the_checker_lets_the_flow_through(module, source):
+    assert violations(source, module) == []
