@@ -288,7 +288,7 @@ def _library_block_bytes() -> int:
     import re
 
     try:
-        with open(os.path.join(REPO, "paddle_dcp", "metadata.py")) as f:
+        with open(os.path.join(REPO, "paddle_dcp", "core", "metadata.py")) as f:
             m = re.search(r"^DEFAULT_BLOCK_BYTES\s*=\s*(\d+)(?:\s*<<\s*(\d+))?\s*$", f.read(), re.M)
         if m:
             return int(m.group(1)) << int(m.group(2) or 0)

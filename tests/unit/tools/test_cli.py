@@ -22,9 +22,9 @@ from paddle_dcp.tools import cli, consolidate
 from paddle_dcp.core.boxes import element_span
 from paddle_dcp.core.metadata import TensorEntry
 
-from .helpers import coords, fast, random_array, ref_box, same_bits, save_checkpoint
+from ..helpers import coords, fast, random_array, ref_box, same_bits, save_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # name -> (dtype, global shape, placements on a (2, 2) mesh): several pieces per tensor,
 # uneven splits, a scalar, every dtype safetensors holds

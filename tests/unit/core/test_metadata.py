@@ -22,7 +22,7 @@ from paddle_dcp.core.metadata import (
     with_digest,
 )
 
-from .helpers import STORAGE, fast, get, nodes
+from ..helpers import STORAGE, fast, get, nodes
 
 BLOCK = 64
 STRUCTURE = {

@@ -9,7 +9,7 @@ from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import cast
 from paddle_dcp.errors import MismatchError, UnsupportedError
 
-from .helpers import save_checkpoint
+from ..helpers import save_checkpoint
 
 ROWS, COLS = 12, 4
 QKV = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) * 0.5 + 1

@@ -14,7 +14,7 @@ from paddle_dcp.core.boxes import Box, flat_range_boxes
 from paddle_dcp.errors import FormatError, PlanError
 from paddle_dcp.core.metadata import Metadata, blocks_of
 
-from .helpers import fast
+from ..helpers import fast
 
 SHAPE = (4, 5)
 

@@ -9,7 +9,7 @@ from paddle_dcp.dist import wire
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
 
-from .helpers import fast
+from ..helpers import fast
 
 
 def make_summary(rank, boxes):

@@ -19,7 +19,7 @@ from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
 from paddle_dcp.core.metadata import ALIGNMENT, Metadata
 
-from .helpers import (
+from ..helpers import (
     coords,
     count_copies,
     fast,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from paddle_dcp.core import nested
 from paddle_dcp.errors import FormatError, MismatchError
 
-from .helpers import fast, is_tensor
+from ..helpers import fast, is_tensor
 
 A, B, C = np.zeros(2), np.ones((2, 2)), np.arange(3)
 

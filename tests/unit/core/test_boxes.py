@@ -22,7 +22,7 @@ from paddle_dcp.core.boxes import (
 )
 from paddle_dcp.errors import PlanError
 
-from .helpers import coords, fast, mesh_dims_of, meshes, placements_for, ref_box, ref_chunk, shapes
+from ..helpers import coords, fast, mesh_dims_of, meshes, placements_for, ref_box, ref_chunk, shapes
 
 KEY = "layer.w"
 

@@ -13,7 +13,7 @@ from paddle_dcp.io import storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
 
-from .helpers import listdir, load_rank, save_checkpoint
+from ..helpers import listdir, load_rank, save_checkpoint
 
 W = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
 B = np.arange(300, dtype=np.int64)
