@@ -8,6 +8,7 @@ Switch with one import::
 """
 from .api import AsyncSave, load_state_dict, read_metadata, save_state_dict, wait_async_save
 from .errors import (
+    ArgumentError,
     CollectiveError,
     CollectiveMismatchError,
     DcpError,
@@ -33,6 +34,7 @@ __all__ = [
     "get_state_dict",
     "set_state_dict",
     "DcpError",
+    "ArgumentError",
     "FormatError",
     "IntegrityError",
     "MismatchError",

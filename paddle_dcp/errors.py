@@ -10,7 +10,8 @@
       CollectiveError    a step failed on some ranks; .failures maps rank -> message
         CollectiveMismatchError  ... each of them with a MismatchError (also a MismatchError)
       PlanError          boxes that overlap, leave gaps, or fall out of bounds
-      UnsupportedError   an argument, layout or value this version refuses (also a ValueError)
+      ArgumentError      a bad argument of a call (also a ValueError)
+      UnsupportedError   a layout or value this version refuses (also a ValueError)
 
 Every message says what went wrong, where (key, file, rank) and, where it helps, what to do.
 """
@@ -45,6 +46,10 @@ class StorageError(DcpError):
 
 class PlanError(DcpError):
     """Pieces that do not tile their tensor: overlap, gap, or out of bounds."""
+
+
+class ArgumentError(DcpError, ValueError):
+    """An argument of a call that is wrong in itself (a negative id, an unknown name)."""
 
 
 class UnsupportedError(DcpError, ValueError):

@@ -17,6 +17,7 @@ EXPECTED = {
     "get_state_dict",
     "set_state_dict",
     "DcpError",
+    "ArgumentError",
     "FormatError",
     "IntegrityError",
     "MismatchError",
