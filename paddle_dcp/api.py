@@ -21,7 +21,7 @@ import xxhash
 from .core import aoa, nested, planner
 from .dist import exchange, protocol, wire
 from .format import hf_dir
-from .io import storage
+from .io import open_storage, storage
 from .dist.comm import Comm, make_comm
 from .dist.device import TargetBuffer, host_bytes, staged_copy
 from .errors import DcpError, FormatError, MismatchError, PlanError, StorageError, UnsupportedError
@@ -113,6 +113,7 @@ def save_state_dict(
     """
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
     path = os.fspath(path)
+    store = open_storage(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
     state: dict[str, Any] = {}
@@ -141,26 +142,26 @@ def save_state_dict(
         return state["flat"].skeleton, [piece for _, piece, _ in state["rows"]]
 
     def choose_id():
-        return unique_id if unique_id is not None else _next_id(path)
+        return unique_id if unique_id is not None else _next_id(store)
 
     def prepare_id(uid):
-        storage.remove_temporary(path, uid, comm.rank)
+        storage.remove_temporary(store, uid, comm.rank)
         if comm.is_coordinator:
-            storage.remove_temporary(path, uid, -1)
-        gens = storage.list_checkpoints(path).generations(uid)
+            storage.remove_temporary(store, uid, -1)
+        gens = store.list_checkpoints().generations(uid)
         return max(gens) if gens else -1
 
     def write(uid, generation, leaves):
         name = storage.data_file_name(comm.rank, uid, generation, "safetensors" if safetensors else "distcp")
-        return _write_pieces(path, name, state["held"], state["rows"], leaves, durable, safetensors)
+        return _write_pieces(store, name, state["held"], state["rows"], leaves, durable, safetensors)
 
     def publish(meta):
         if safetensors:
             meta = hf_dir.rename_files(meta)
-        storage.write_atomic(path, storage.metadata_name(meta.unique_id), meta.to_json(), durable)
+        store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), durable)
 
     def tidy(uid, generation):
-        storage.remove_data(path, uid, comm.rank, keep_generation=generation)
+        storage.remove_data(store, uid, comm.rank, keep_generation=generation)
 
     ctx = protocol.SaveRank(
         rank=comm.rank,
@@ -291,13 +292,13 @@ _SAVE_PLANS: dict = {}
 _LAST_TRAFFIC: dict = {}
 
 
-def _next_id(path: str) -> int:
-    latest = storage.list_checkpoints(path).latest
+def _next_id(store: storage.Storage) -> int:
+    latest = store.list_checkpoints().latest
     return 0 if latest is None else latest + 1
 
 
 def _write_pieces(
-    path: str, name: str, held, rows, chosen: np.ndarray, durable: bool, safetensors: bool = False
+    store: storage.Storage, name: str, held, rows, chosen: np.ndarray, durable: bool, safetensors: bool = False
 ) -> tuple[int, list[int]]:
     """Write the ``chosen`` rows (held index, piece, start in the flat local or None); a
     safetensors rank file starts with the header the coordinator's layout_plan counted."""
@@ -307,9 +308,9 @@ def _write_pieces(
     if safetensors:
         pieces = [rows[row][1] for row in chosen.tolist()]
         header = hf_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
-        writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES, header=header, alignment=1)
+        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, header=header, alignment=1)
     else:
-        writer = storage.DataWriter(path, name, DEFAULT_BLOCK_BYTES)
+        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES)
     last, data = None, None
     try:
         for row in chosen.tolist():
@@ -405,6 +406,7 @@ def load_state_dict(
             state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility, strict=strict
         )
     path = os.fspath(path)
+    store = open_storage(path)
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
     state: dict[str, Any] = {}
@@ -413,7 +415,7 @@ def load_state_dict(
         _check_id(unique_id)
         state["flat"] = nested.flatten(state_dict, is_tensor)
         state["held"] = [describe(k, v, comm.rank, flat_ok=True) for k, v in state["flat"].tensors.items()]
-        listing = storage.list_checkpoints(path)
+        listing = store.list_checkpoints()
         if safetensors and listing.latest is None:  # a directory of safetensors files
             state["directory"] = True
             names, _ = hf_dir.shard_names(path)
@@ -424,7 +426,7 @@ def load_state_dict(
     def read_metadata(uid):
         if state.get("directory"):
             return hf_dir.directory_metadata(path, uid)
-        return storage.read_metadata(path, uid, lazy=True)
+        return store.read_metadata(uid, lazy=True)
 
     def helpers(readers, meta):
         if aoa_config is not None:  # every rank knows the readers: all raise the same error
@@ -528,6 +530,7 @@ class _LoadPlan:
         self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
         self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
+        self.store: storage.Storage | None = None  # where ``files`` are (ranges served to others)
         self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
         self.arrays = list(views) + aoa.staging_arrays(self.staged)
         self.run = lambda op, fetch: storage.execute_op(op, files, self.arrays, self.staging, verify, fetch)
@@ -555,7 +558,7 @@ class _LoadPlan:
             self.remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
         for f in sorted({op.file for op in self.local}):
             try:
-                self.files.fd(f)
+                self.files.open(f)
             except DcpError as exc:
                 keys = sorted({seg.piece.key for op in self.local if op.file == f for seg in op.segments})
                 raise type(exc)(f"{exc}; it holds {keys}") from None
@@ -596,7 +599,7 @@ class _LoadPlan:
         if not self.verify:
             return
         blocks = lambda op: [b for seg in op.segments for b in storage.segment_blocks(self.meta, seg)]  # noqa: E731
-        exchange.check_remote(comm, self.files.path, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
+        exchange.check_remote(comm, self.store, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
 
     def read_local(self) -> None:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
@@ -611,7 +614,7 @@ class _LoadPlan:
 
     def exchange(self, comm: Comm, clients) -> None:
         try:
-            exchange.fetch_remote(comm, self.files.path, self.remote, clients, lambda i: self.meta.files[i].name, self.run)
+            exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run)
         finally:
             self.files.close()
 
@@ -699,8 +702,9 @@ def _plan_load(
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    work = _LoadPlan(flat, meta, ops, storage.FileSet(path, meta), buffers, fills, views, verify, reads.staged)
-    work.plain = keys.plain
+    store = open_storage(path)
+    work = _LoadPlan(flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged)
+    work.plain, work.store = keys.plain, store
     return work
 
 
@@ -755,9 +759,10 @@ def read_metadata(path: str, unique_id: int | None = None) -> Metadata:
     file, needs no process group."""
     path = os.fspath(path)
     _check_id(unique_id)
-    listing = storage.list_checkpoints(path)
+    store = open_storage(path)
+    listing = store.list_checkpoints()
     if unique_id is None:
         if listing.latest is None:
             raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
         unique_id = listing.latest
-    return storage.read_metadata(path, unique_id)
+    return store.read_metadata(unique_id)

@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import socket
 import struct
 import time
@@ -44,6 +43,7 @@ from .core.boxes import Box, check_tiling, element_span, is_contiguous, split_re
 from .dist.comm import Comm, describe_error, make_comm
 from .core.dtypes import itemsize, storage_dtype
 from .errors import CollectiveError, DcpError, FormatError, MismatchError, StorageError
+from .io.local import AtomicFile
 from .format.safetensors import MAX_HEADER_BYTES, SAFETENSORS_DTYPES, encode_header
 from .singlefile import METADATA_FORMAT, METADATA_VERSION
 from .version import __version__
@@ -404,7 +404,7 @@ def save_gathered(
     writer = None
     with comm.step("open"):
         if is_root:
-            writer = _FileWriter(path, st["plan"].header)
+            writer = _open_output(path, st["plan"].header)
         else:
             st["sends"] = _parse_assignment(mine, held)
 
@@ -534,7 +534,7 @@ def _message(msg, pieces: _HostPieces, nbytes: int) -> np.ndarray:
     return out
 
 
-def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: "_FileWriter") -> BaseException | None:
+def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: AtomicFile) -> BaseException | None:
     """Assemble and write every group; returns the first error (after which bytes are still
     received, so that the senders stay in step, but nothing more is written)."""
     error = None
@@ -665,57 +665,19 @@ def _recv_into(comm: Comm, peer: int, out: np.ndarray) -> None:
         group.recv(t, index, True).wait()
 
 
-class _FileWriter:
-    """``path`` written through ``path.tmp.<hex>`` beside it and renamed at the end."""
-
-    def __init__(self, path: str, header: bytes):
-        self.path = path
-        self.tmp = f"{path}.tmp.{secrets.token_hex(4)}"
-        self.fd = None
-        try:
-            directory = os.path.dirname(os.path.abspath(path))
-            os.makedirs(directory, exist_ok=True)
-            if os.path.isdir(path):
-                raise StorageError(f"cannot write {path}: it is a directory", path)
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            self.write(np.frombuffer(header, np.uint8))
-        except OSError as exc:
-            self.abort()
-            raise StorageError(f"cannot write {self.tmp}: {exc}", self.tmp) from exc
-
-    def write(self, data: np.ndarray) -> None:
-        view = memoryview(data).cast("B")
-        done = 0
-        try:
-            while done < len(view):
-                done += os.write(self.fd, view[done : done + (1 << 30)])
-        except OSError as exc:
-            raise StorageError(f"cannot write {self.tmp}: {exc}", self.tmp) from exc
-
-    def commit(self, durable: bool) -> None:
-        try:
-            if durable:
-                os.fsync(self.fd)
-            os.close(self.fd)
-            self.fd = None
-            os.replace(self.tmp, self.path)
-            if durable:
-                dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-        except OSError as exc:
-            raise StorageError(f"cannot write {self.path}: {exc}", self.path) from exc
-
-    def abort(self) -> None:
-        if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = None
-        try:
-            os.unlink(self.tmp)
-        except OSError:
-            pass
+def _open_output(path: str, header: bytes) -> AtomicFile:
+    """``path`` (its directory created) written through ``path.tmp.<hex>`` beside it, the
+    header first; renamed into place by its commit."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc}", path) from exc
+    if os.path.isdir(path):
+        raise StorageError(f"cannot write {path}: it is a directory", path)
+    out = AtomicFile(path)
+    try:
+        out.write(header)
+    except StorageError:
+        out.abort()
+        raise
+    return out

@@ -148,6 +148,12 @@ class TensorEntry:
         )
 
 
+def aligned(offset, alignment: int = ALIGNMENT):
+    """The first multiple of ``alignment`` at or after ``offset`` (an int or an int array):
+    where a piece written after ``offset`` bytes of its file starts."""
+    return offset + (-offset % alignment)
+
+
 def blocks_of(nbytes: np.ndarray | int, block_bytes: int):
     """Number of checksum blocks of pieces of ``nbytes`` (at least one, even when empty)."""
     return np.maximum(1, -(-np.asarray(nbytes, dtype=np.int64) // block_bytes))

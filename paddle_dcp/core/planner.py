@@ -24,12 +24,12 @@ from .dtypes import itemsize
 from ..errors import MismatchError, PlanError
 from .naming import data_file_name
 from .metadata import (
-    ALIGNMENT,
     FileEntry,
     Metadata,
     PieceTable,
     SavedPiece,
     TensorEntry,
+    aligned,
     blocks_of,
 )
 
@@ -165,7 +165,7 @@ def layout_offsets(nbytes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]
     """Byte offsets of pieces written back to back, each aligned to ALIGNMENT; and the
     file's size. Writer and coordinator both use it, so offsets need not be sent."""
     sizes = np.asarray(nbytes, dtype=np.int64)
-    padded = -(-sizes // ALIGNMENT) * ALIGNMENT
+    padded = aligned(sizes)
     starts = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes) else sizes
     total = int(starts[-1] + sizes[-1]) if len(sizes) else 0
     return starts, total
@@ -297,7 +297,7 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
         order = np.lexsort((p_leaf, p_writer))
         w_sorted = p_writer[order]
         first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
-        padded = -(-p_nbytes[order] // ALIGNMENT) * ALIGNMENT
+        padded = aligned(p_nbytes[order])
         starts = np.cumsum(padded) - padded
         group = np.cumsum(np.isin(np.arange(n), first)) - 1  # which writer each row belongs to
         p_byte_offset[order] = starts - starts[first][group]

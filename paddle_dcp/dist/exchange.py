@@ -28,7 +28,7 @@ import numpy as np
 from .comm import Comm, describe_error
 from ..errors import DcpError, StorageError
 from ..core.planner import ReadOp
-from ..io.storage import RangeReader, Staging
+from ..io.storage import RangeSource, Staging, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def ask_for_metadata(
 
 def fetch_remote(
     comm: Comm,
-    path: str,
+    store: Storage,
     my_servers: dict[int, list[ReadOp]],
     my_clients: Sequence[int],
     file_name: Callable[[int], str],
@@ -128,7 +128,7 @@ def fetch_remote(
         run_op: carries out one op, taking its bytes from the fetch function it is given.
     """
     me = comm.rank
-    reader = RangeReader(path)
+    reader = store.range_reader()
     staging = Staging()
     received, error = 0, None
     try:
@@ -173,7 +173,7 @@ def fetch_remote(
     return received
 
 
-def _serve(comm: Comm, client: int, reader: RangeReader, staging: Staging) -> DcpError | None:
+def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
     request = json.loads(recv_message(comm, client))
     error = None
     for name, start, stop in request:
@@ -192,7 +192,7 @@ def _serve(comm: Comm, client: int, reader: RangeReader, staging: Staging) -> Dc
 
 def check_remote(
     comm: Comm,
-    path: str,
+    store: Storage,
     my_servers: dict[int, list[ReadOp]],
     my_clients: Sequence[int],
     blocks: Callable[[ReadOp], list[tuple[int, int, int]]],
@@ -205,7 +205,7 @@ def check_remote(
     from ..io.storage import checksum
 
     me = comm.rank
-    reader = RangeReader(path)
+    reader = store.range_reader()
     staging = Staging()
     error = None
     try:

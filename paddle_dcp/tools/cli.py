@@ -24,11 +24,11 @@ import numpy as np
 
 from . import consolidate
 from ..format import safetensors
-from ..io import storage
+from ..io import open_storage, storage
 from ..core.boxes import Box, check_tiling, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
 from ..errors import DcpError, FormatError, PlanError, StorageError, UnsupportedError
-from ..core.metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
+from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned
 from ..core.naming import METADATA_RE, data_file_name, metadata_name
 from ..version import __version__
 
@@ -177,7 +177,7 @@ def describe(path: str, unique_id: int | None = None) -> dict:
     """What ``inspect`` reports, as one JSON-ready dict: the ids in ``path`` and, for the chosen
     checkpoint, every tensor, data file and plain value. Entries of the metadata that fail
     validation are listed in ``problems`` (the rest is still described)."""
-    listing = storage.list_checkpoints(path)
+    listing = open_storage(path).list_checkpoints()
     doc: dict[str, Any] = {
         "path": path,
         "complete": sorted(listing.complete),
@@ -188,7 +188,7 @@ def describe(path: str, unique_id: int | None = None) -> dict:
     }
     try:
         uid = choose_id(path, listing, unique_id)
-        meta = storage.read_metadata(path, uid, lazy=True)
+        meta = open_storage(path).read_metadata(uid, lazy=True)
     except (FormatError, StorageError) as exc:
         doc["problems"].append(_one_line(exc))
         return doc
@@ -357,7 +357,7 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     meta_file = os.path.join(path, metadata_name(unique_id))
     counts = {"tensors": 0, "pieces": 0, "files": 0, "bytes": 0}
     try:
-        meta = storage.read_metadata(path, unique_id, lazy=True)
+        meta = open_storage(path).read_metadata(unique_id, lazy=True)
     except (FormatError, StorageError) as exc:
         return [_located(meta_file, exc)], counts
     problems: list[str] = []
@@ -381,7 +381,7 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
         held = [keys[k] for k in np.unique(by_file[f]["key"]).tolist()] if f in by_file else []
         holds = f" (holds pieces of {_keys_list(held)})" if held else ""
         try:
-            full = storage.inside(path, entry.name)
+            full = open_storage(path).resolve(entry.name)
             size = os.stat(full).st_size
         except FormatError as exc:
             problems.append(f"{full}: {_one_line(exc)}{holds}")
@@ -434,10 +434,7 @@ def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
         sums = entry.pieces.checksums
         seed = storage.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
         bad, first_bad = 0, None
-        nblocks = max(1, -(-nbytes // block))
-        for b in range(nblocks):
-            at = off + b * block
-            length = min(block, nbytes - b * block)
+        for b, at, length in storage.blocks(off, off + nbytes, off, block):
             if storage.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
                 bad += 1
                 first_bad = first_bad or (at, at + length)
@@ -463,7 +460,7 @@ def _located(where: str, exc: BaseException) -> str:
 
 def cmd_verify(args) -> int:
     path = _directory(args.path)
-    listing = storage.list_checkpoints(path)
+    listing = open_storage(path).list_checkpoints()
     if args.all:
         ids = sorted(listing.complete)
         if not ids:
@@ -504,9 +501,9 @@ def cmd_convert(args) -> int:
         raise UsageError(f"{'--max-shard-size' if args.max_shard_size is not None else '--aoa-config'} applies to --to hf only")
     if os.path.isdir(args.out):
         raise UsageError(f"{args.out} is a directory; OUT is the file to write")
-    listing = storage.list_checkpoints(path)
+    listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)
-    meta = storage.read_metadata(path, uid, lazy=True)
+    meta = open_storage(path).read_metadata(uid, lazy=True)
     selection = consolidate.select(meta, args.keys)
     if args.keys is not None and not selection.keys and not selection.values:
         raise UsageError(f"--keys {args.keys!r} matches no key of checkpoint {uid}")
@@ -534,9 +531,9 @@ def _convert_hf(path: str, args) -> int:
         raise UsageError(f"--max-shard-size must be a size like 5GB, 512MB, 64K; got {args.max_shard_size!r}") from None
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UsageError(f"{args.out} exists and is not an empty directory; --to hf writes a new directory")
-    listing = storage.list_checkpoints(path)
+    listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)
-    meta = storage.read_metadata(path, uid, lazy=True)
+    meta = open_storage(path).read_metadata(uid, lazy=True)
     if args.aoa_config is not None:
         return _convert_hf_remapped(path, uid, meta, args, max_bytes)
     selection = consolidate.select(meta, args.keys)
@@ -678,7 +675,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
         raise UsageError(f"{src} has no {metadata_name(uid)}; ids with metadata: {_ids(ids)}")
     if os.path.realpath(src) == os.path.realpath(out):
         raise UsageError("OUT must be another directory than PATH: paddle's files and ours have the same names")
-    out_listing = storage.list_checkpoints(out)
+    out_listing = open_storage(out).list_checkpoints()
     if uid in out_listing.complete or uid in out_listing.data:
         raise UsageError(f"{out} already holds files of checkpoint {uid}; import into another directory")
     paddle = _import_paddle_module()
@@ -755,7 +752,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
                 full = os.path.join(src, fname)
                 arrays = _paddle_file_arrays(paddle, full)
                 name = data_file_name(ranks[fname], uid)
-                writer = storage.DataWriter(out, name, DEFAULT_BLOCK_BYTES)
+                writer = open_storage(out).data_writer(name, DEFAULT_BLOCK_BYTES)
                 try:
                     for key, offset, local, fr in sorted(by_file[fname], key=lambda it: (key_order[it[0]], it[1], it[3] or ())):
                         dtype = storage_dtype(info[key][0])
@@ -768,7 +765,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
                             at += n
                             if n == 0:
                                 continue
-                            start = writer.offset + (-writer.offset % ALIGNMENT)
+                            start = aligned(writer.offset)
                             box_offsets = tuple(o + r for o, r in zip(offset, rel.offsets))
                             seed = storage.piece_seed(key, info[key][0], box_offsets, rel.shape)
                             sums = writer.write(storage.as_bytes(np.ascontiguousarray(data)), seed=seed)
@@ -806,7 +803,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
         blob = meta.to_json()
         # validated as any reader will: pieces inside their tensors, tiling them exactly
         Metadata.from_json(blob, source=f"the metadata imported from {meta_file}")
-        storage.write_atomic(out, metadata_name(uid), blob)
+        open_storage(out).write_atomic(metadata_name(uid), blob)
     except BaseException:
         for full in written:
             try:
@@ -859,7 +856,7 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
         if not present:
             continue
         try:
-            meta = storage.read_metadata(path, uid, lazy=True)
+            meta = open_storage(path).read_metadata(uid, lazy=True)
         except DcpError as exc:
             logger.warning("checkpoint %d: metadata unreadable, its files are left alone: %s", uid, _one_line(exc))
             continue
@@ -870,7 +867,7 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
 
 def cmd_clean(args) -> int:
     path = _directory(args.path)
-    listing = storage.list_checkpoints(path)
+    listing = open_storage(path).list_checkpoints()
     planned = list(listing.temporary)
     if args.incomplete:
         planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
@@ -884,10 +881,10 @@ def cmd_clean(args) -> int:
     if args.dry_run:
         removed = planned
     else:
-        removed = storage.remove_temporary(path)
+        removed = storage.remove_temporary(open_storage(path))
         if args.incomplete:
-            removed += storage.remove_incomplete(path)
-            removed += storage.remove_files(path, _superseded(path, storage.list_checkpoints(path)))
+            removed += storage.remove_incomplete(open_storage(path))
+            removed += open_storage(path).remove(_superseded(path, open_storage(path).list_checkpoints()))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         _out(f"{verb} {os.path.join(path, name)}")

@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -25,7 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..core import nested, planner
-from ..io import storage
+from ..io import open_storage, storage
+from ..io.local import atomic_path
 from ..core.boxes import Box, split_region
 from ..core.dtypes import SAFETENSORS_CODES, bf16_to_float32, storage_dtype
 from ..errors import DcpError, FormatError, StorageError
@@ -95,7 +95,7 @@ class TensorReader:
         self.path = path
         self.meta = meta
         self.slab_bytes = max(16, int(slab_bytes if slab_bytes is not None else SLAB_BYTES))
-        self.files = storage.FileSet(path, meta)
+        self.files = open_storage(path).open_files(meta)
         self._buf = np.empty(0, dtype=np.uint8)
 
     def __enter__(self) -> "TensorReader":
@@ -172,33 +172,6 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-class _AtomicOutput:
-    """An output file written under a temporary name and renamed into place when complete."""
-
-    def __init__(self, path: str):
-        self.final = os.fspath(path)
-        self.tmp = f"{self.final}.tmp.{secrets.token_hex(4)}"
-
-    def __enter__(self) -> str:
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                os.replace(self.tmp, self.final)
-                return
-            except OSError as err:
-                self._discard()
-                raise StorageError(f"cannot write {self.final}: {err}", self.final) from err
-        self._discard()
-
-    def _discard(self) -> None:
-        try:
-            os.unlink(self.tmp)
-        except OSError:
-            pass
-
-
 def _open_output(path: str):
     try:
         return open(path, "wb")
@@ -255,7 +228,7 @@ def write_safetensors(
         The output file's size, in bytes.
     """
     header = safetensors_header(meta, selection, bf16_as_float32)
-    with TensorReader(path, meta) as reader, _AtomicOutput(out) as tmp:
+    with TensorReader(path, meta) as reader, atomic_path(out) as tmp:
         with _open_output(tmp) as f:
             _write(f, header, out)
             written = len(header)
@@ -306,7 +279,7 @@ def write_npz(
         "bfloat16": "float32 values" if bf16_as_float32 else "uint16 bit patterns",
         "values": {k: _json_value(v) for k, v in selection.values.items()},
     }
-    with TensorReader(path, meta) as reader, _AtomicOutput(out) as tmp:
+    with TensorReader(path, meta) as reader, atomic_path(out) as tmp:
         try:
             with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
                 for key in selection.keys:
@@ -359,7 +332,7 @@ def write_pdparams(
                 progress(array.nbytes)
             del array
     state.update(selection.values)
-    with _AtomicOutput(out) as tmp:
+    with atomic_path(out) as tmp:
         try:
             paddle.save(state, tmp)
         except OSError as exc:

@@ -4,7 +4,7 @@
 most ``max_shard_bytes`` of tensor data (a larger tensor gets a shard of its own, as
 ``transformers`` does), and ``model.safetensors.index.json`` (``metadata.total_size``,
 ``weight_map``: tensor -> shard), written last; a single shard is ``model.safetensors`` with no
-index. Each shard is written through :class:`paddle_dcp.io.storage.DataWriter` (a temporary name,
+index. Each shard is written through :class:`paddle_dcp.io.local.DataWriter` (a temporary name,
 renamed when complete) from slabs of the checkpoint (every block's checksum checked), so
 memory stays at one slab whatever the tensors' sizes. Plain values are not exported (a
 Hugging Face directory has no place for them).
@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from ..core import aoa
-from ..io import storage
+from ..io import open_storage
 from ..core.boxes import Box, split_region
 from .consolidate import Progress, Selection, TensorReader, counted_bytes, key_filter, output_bytes, output_dtype
 from ..core.dtypes import bf16_to_float32, storage_dtype
@@ -187,7 +187,7 @@ def _write(
             name = shard_name(i, len(shards))
             header = encode_header(((o.name, codes[o.name], o.shape, o.nbytes) for o in shard), SHARD_METADATA)
             # depth 0: each slab is written before the reader reuses its buffer
-            writer = storage.DataWriter(out, name, 0, depth=0, header=header, alignment=1)
+            writer = open_storage(out).data_writer(name, 0, depth=0, header=header, alignment=1)
             try:
                 for o in shard:
                     for data in produce(reader, o):
@@ -201,7 +201,7 @@ def _write(
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(o.nbytes for o in outputs)}, "weight_map": weight_map}
         index_name = "model" + INDEX_SUFFIX
-        storage.write_atomic(out, index_name, json.dumps(index, indent=2).encode())
+        open_storage(out).write_atomic(index_name, json.dumps(index, indent=2).encode())
         names.append(index_name)
     logger.info("exported %d tensors to %s in %d shards", len(outputs), out, len(shards))
     return names

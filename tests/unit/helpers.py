@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp.core import nested, planner
 from paddle_dcp.dist import wire
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.metadata import Metadata
 
@@ -189,7 +189,7 @@ def save_checkpoint(
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]
-        w = storage.DataWriter(path, storage.data_file_name(r, unique_id), block_bytes)
+        w = local.DataWriter(path, storage.data_file_name(r, unique_id), block_bytes)
         cs: list[int] = []
         for leaf in leaves.tolist():
             p = pieces[leaf]
@@ -199,7 +199,7 @@ def save_checkpoint(
         sums[r] = np.array(cs, dtype=np.uint64)
     structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)
     meta = planner.build_metadata(plan, sums, structure, unique_id, len(ranks), block_bytes)
-    storage.write_atomic(path, storage.metadata_name(unique_id), meta.to_json())
+    local.write_atomic(path, storage.metadata_name(unique_id), meta.to_json())
     return Saved(path, unique_id, len(ranks), summaries, plan, meta)
 
 
@@ -207,14 +207,14 @@ def load_rank(path: str, unique_id: int, targets: Sequence[planner.TargetPiece],
     """Read a rank's target pieces (into arrays prefilled with garbage); returns (arrays, ops).
     With ``restrict``, plan from the part of the metadata these targets need, sent as JSON (as a
     rank that cannot read the metadata file gets it)."""
-    meta = storage.read_metadata(path, unique_id)
+    meta = local.read_metadata(path, unique_id)
     if restrict:
         part = planner.restrict(meta, targets)
         meta = Metadata.from_json(part.to_json(), source="part", allow_subset=True)
         assert meta.subset and len(meta.files) <= len(part.files)
     ops = planner.plan_reads(meta, targets, **plan_kw)
     out = [garbage_like(t.box.shape, t.dtype) for t in targets]
-    files = storage.FileSet(path, meta)
+    files = local.FileSet(path, meta)
     try:
         storage.execute_reads(ops, files, out)
     finally:

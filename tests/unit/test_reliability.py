@@ -30,7 +30,7 @@ import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
 from paddle_dcp import api
 from paddle_dcp.core import metadata
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, PlanError, StorageError
 from paddle_dcp.core.naming import TMP_RE
 
@@ -172,7 +172,7 @@ def test_data_files_exist_only_under_temporary_names_until_renamed_and_the_metad
     path = str(tmp_path / "ck")
     paddle_dcp.save_state_dict(sd_of(0), path, unique_id=1)  # the checkpoint being replaced
     events = []
-    real_replace, real_write = os.replace, storage.DataWriter.write
+    real_replace, real_write = os.replace, local.DataWriter.write
 
     def rec_replace(src, dst, *args, **kwargs):
         if os.path.dirname(os.fspath(dst)) == path:
@@ -184,7 +184,7 @@ def test_data_files_exist_only_under_temporary_names_until_renamed_and_the_metad
         return real_write(self, data, *args, **kwargs)
 
     monkeypatch.setattr(os, "replace", rec_replace)
-    monkeypatch.setattr(storage.DataWriter, "write", rec_write)
+    monkeypatch.setattr(local.DataWriter, "write", rec_write)
     paddle_dcp.save_state_dict(sd_of(1), path, unique_id=1)
     monkeypatch.undo()
 
@@ -212,15 +212,15 @@ def test_a_checkpoint_without_metadata_is_never_picked(tmp_path, monkeypatch):
     clear error, and the next save of that id replaces its files."""
     path = str(tmp_path / "ck")
     paddle_dcp.save_state_dict(sd_of(0), path)
-    real = storage.write_atomic
+    real = local.write_atomic
 
     def no_metadata(dirpath, name, *args, **kwargs):
         raise StorageError(f"cannot write {name}: injected", name)
 
-    monkeypatch.setattr(storage, "write_atomic", no_metadata)
+    monkeypatch.setattr(local, "write_atomic", no_metadata)
     with pytest.raises(StorageError, match="injected"):
         paddle_dcp.save_state_dict(sd_of(1), path)
-    monkeypatch.setattr(storage, "write_atomic", real)
+    monkeypatch.setattr(local, "write_atomic", real)
     # an incomplete id higher still, written by hand
     with open(os.path.join(path, "0_9.distcp"), "wb") as f:
         f.write(b"\xff" * 100)
@@ -250,21 +250,21 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
     paddle_dcp.save_state_dict(sd_of(0), path)
 
     # id 1: dies in the middle of its data file (after the first piece)
-    real_write = storage.DataWriter.write
+    real_write = local.DataWriter.write
 
     def dies_after_first_piece(self, data, *args, **kwargs):
         if self.offset:
             raise Crash()
         return real_write(self, data, *args, **kwargs)
 
-    real_abort = storage.DataWriter.abort
-    monkeypatch.setattr(storage.DataWriter, "write", dies_after_first_piece)
+    real_abort = local.DataWriter.abort
+    monkeypatch.setattr(local.DataWriter, "write", dies_after_first_piece)
     # a dead process cleans nothing up (the writer's thread is still stopped)
-    monkeypatch.setattr(storage.DataWriter, "abort", lambda self: self._drain())
+    monkeypatch.setattr(local.DataWriter, "abort", lambda self: self._drain())
     with pytest.raises(Crash):
         paddle_dcp.save_state_dict(sd_of(1), path, unique_id=1)
-    monkeypatch.setattr(storage.DataWriter, "write", real_write)
-    monkeypatch.setattr(storage.DataWriter, "abort", real_abort)
+    monkeypatch.setattr(local.DataWriter, "write", real_write)
+    monkeypatch.setattr(local.DataWriter, "abort", real_abort)
 
     # id 2: dies between the metadata's temporary file and its rename
     real_replace = os.replace
@@ -285,7 +285,7 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
     assert len(tmp1) == 1 and len(tmp2) == 1, names
     assert names == sorted(["0.metadata", "0_0.distcp", "0_2.distcp"] + tmp1 + tmp2), names
     assert os.path.getsize(os.path.join(path, tmp1[0])) > 0 and os.path.getsize(os.path.join(path, tmp2[0])) > 0
-    assert storage.list_checkpoints(path).complete == {0}
+    assert local.list_checkpoints(path).complete == {0}
     # others' temporary files: another id's, another rank's of id 1 (garbage bytes)
     others = ["0_7.distcp.tmp.0a0b0c0d", "7.metadata.tmp.0a0b0c0d", "1_1.distcp.tmp.0e0f0a0b"]
     for other in others:
@@ -728,7 +728,7 @@ def test_a_file_deleted_after_planning_opened_it_still_loads_exactly(ck, monkeyp
 
 
 def test_a_file_deleted_between_listing_and_planning_is_an_integrity_error_naming_it(ck, monkeypatch):
-    real = storage.FileSet.fd
+    real = local.FileSet.fd
 
     def deleted_first(self, index, *args, **kwargs):
         victim = os.path.join(ck, "1_0.distcp")
@@ -736,7 +736,7 @@ def test_a_file_deleted_between_listing_and_planning_is_an_integrity_error_namin
             os.remove(victim)
         return real(self, index, *args, **kwargs)
 
-    monkeypatch.setattr(storage.FileSet, "fd", deleted_first)
+    monkeypatch.setattr(local.FileSet, "fd", deleted_first)
     load_fails(ck, IntegrityError, "1_0.distcp", "missing")
 
 
@@ -786,7 +786,7 @@ SIGBUS_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
     import paddle_dcp
-    from paddle_dcp.io import storage
+    from paddle_dcp.io import local, storage
     ck = sys.argv[1]
     real = storage.verify_segment
     def truncate_while_mapped(meta, files, file, seg, data):

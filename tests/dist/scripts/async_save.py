@@ -14,7 +14,7 @@ import paddle.distributed as dist
 import common as c
 import paddle_dcp
 from paddle_dcp import CollectiveError
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 
 root = c.init()
 R = c.rank()
@@ -51,14 +51,14 @@ def changed_after_return():
 
 def writer_fails_in_background():
     p = os.path.join(root, "fails")
-    original = storage.DataWriter.write
+    original = local.DataWriter.write
 
     def broken(self, data, *args, **kwargs):
         if R == 1:
             raise OSError(28, "No space left on device (injected)")
         return original(self, data, *args, **kwargs)
 
-    storage.DataWriter.write = broken
+    local.DataWriter.write = broken
     try:
         handle = paddle_dcp.save_state_dict(state(1), p, async_save=True)
         try:
@@ -69,7 +69,7 @@ def writer_fails_in_background():
         else:
             raise AssertionError("the background failure did not surface")
     finally:
-        storage.DataWriter.write = original
+        local.DataWriter.write = original
     dist.barrier()
     assert not [n for n in os.listdir(p) if n.endswith(".metadata")], os.listdir(p)
     # nothing pending is left: a new save goes through
@@ -103,7 +103,7 @@ def load_while_saving():
     os.chdir(os.path.join(root, f"local{R}"))
     saved = c.mixed_layout(MESH, (("S", 0),))
     target_layout = c.mixed_layout(MESH, (("S", 1),))
-    original = storage.DataWriter.write
+    original = local.DataWriter.write
 
     def slow(self, data, *args, **kwargs):
         import time
@@ -113,7 +113,7 @@ def load_while_saving():
 
     try:
         paddle_dcp.save_state_dict(c.build(saved, 0, {"step": 11}), "ck")
-        storage.DataWriter.write = slow
+        local.DataWriter.write = slow
         handle = paddle_dcp.save_state_dict(state(6), "bg", async_save=True)
         for _ in range(3):
             target = c.build(target_layout, 0, {"step": 0}, target=True)
@@ -122,7 +122,7 @@ def load_while_saving():
             assert target["step"] == 11, target["step"]
         assert handle.wait(timeout=120) == 0
     finally:
-        storage.DataWriter.write = original
+        local.DataWriter.write = original
         os.chdir(home)
     assert sorted(os.listdir(os.path.join(root, f"local{R}", "bg"))) == sorted(
         [f"{R}_0.distcp"] + (["0.metadata"] if R == 0 else [])), os.listdir(os.path.join(root, f"local{R}", "bg"))

@@ -36,7 +36,7 @@ os.makedirs(ROOT, exist_ok=True)
 import common as c  # noqa: E402
 import paddle_dcp  # noqa: E402
 from paddle_dcp.dist import exchange
-from paddle_dcp.io import storage  # noqa: E402
+from paddle_dcp.io import local, storage  # noqa: E402
 
 SAVE_RANKS = 3
 
@@ -105,7 +105,7 @@ def save_scenario(scenario: str) -> None:
         paddle_dcp.save_state_dict(c.build(saved, 2, variant_values(2)), path, unique_id=1)
     c.dist.barrier()
     if scenario.startswith("writer") and r == 1:
-        real_write = storage.DataWriter.write
+        real_write = local.DataWriter.write
         calls = [0]
 
         def write_then_block(self, data, *args, **kwargs):
@@ -117,7 +117,7 @@ def save_scenario(scenario: str) -> None:
                 announce(f"writing {os.path.basename(self.tmp)} after its first piece")
             return real_write(self, data, *args, **kwargs)
 
-        storage.DataWriter.write = write_then_block
+        local.DataWriter.write = write_then_block
     if scenario.startswith("coordinator") and r == 0:
         real_replace = os.replace
 
@@ -145,13 +145,13 @@ def load_phase(phase: str) -> None:
     assert sorted(os.listdir("ck")) == (["0.metadata", "0_0.distcp"] if r == 0 else ["1_0.distcp"]), os.listdir("ck")
     if r == 1:
         if phase == "verify":
-            real = storage.RangeReader.read_into
+            real = local.RangeReader.read_into
 
             def read_then_block(self, name, *args, **kwargs):
                 announce(f"reading {name} to hash the blocks rank 0 asked for")
                 return real(self, name, *args, **kwargs)
 
-            storage.RangeReader.read_into = read_then_block
+            local.RangeReader.read_into = read_then_block
         else:
             real_serve = exchange._serve
 
@@ -195,7 +195,7 @@ def check_one(scenario: str) -> None:
         gen = ".1" if same else ""
         assert all(f"{r}_1{gen}.distcp" in names for r in range(SAVE_RANKS)), names
         assert [n for n in tmp if n.startswith("1.metadata.tmp.")], names
-    listing = storage.list_checkpoints(path)
+    listing = local.list_checkpoints(path)
     expected_latest = 1 if same else 0
     assert listing.latest == expected_latest, (listing.complete, names)
     # the previous checkpoint loads exactly; the crashed one is never chosen

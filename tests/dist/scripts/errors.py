@@ -20,7 +20,7 @@ import paddle
 import common as c
 import paddle_dcp
 from paddle_dcp import CollectiveError
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 
 ROOT = c.init()
 R = c.rank()
@@ -354,17 +354,17 @@ def object_on_coordinator():
 def write_fails_on_one_rank():
     """A rank whose write fails mid-save: every rank raises, no metadata, no temporary file."""
     p = path("write")
-    original = storage.DataWriter.write
+    original = local.DataWriter.write
 
     def broken(self, data, *args, **kwargs):
         raise paddle_dcp.StorageError(f"cannot write {self.tmp}: injected failure", self.tmp)
 
     if R == 1:
-        storage.DataWriter.write = broken
+        local.DataWriter.write = broken
     try:
         expect(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), p), [1], "StorageError", "injected failure")
     finally:
-        storage.DataWriter.write = original
+        local.DataWriter.write = original
     c.dist.barrier()
     names = files(p)
     assert not [f for f in names if f.endswith(".metadata")], names

@@ -18,7 +18,7 @@ import numpy as np
 import common as c
 import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 
 ROOT = c.init()
 R = c.rank()
@@ -131,7 +131,7 @@ def verify_false_loads_a_flipped_bit():
     p = save("noverify")
 
     def damage():
-        meta = storage.read_metadata(p, 0)
+        meta = local.read_metadata(p, 0)
         pieces = meta.tensors["t.w"].pieces
         i = [k for k in range(pieces.count) if meta.files[int(pieces.files[k])].name == "1_0.distcp"][0]
         with open(os.path.join(p, "1_0.distcp"), "r+b") as f:
@@ -158,7 +158,7 @@ def deleted_after_listing():
     """1_0.distcp disappears after every rank listed the directory, before planning opens it:
     the ranks that read it raise IntegrityError naming it; every rank raises; nothing changes."""
     p = save("vanish")
-    real_list = storage.list_checkpoints
+    real_list = local.list_checkpoints
     calls = [0]
 
     def list_then_vanish(path, *args, **kwargs):
@@ -171,11 +171,11 @@ def deleted_after_listing():
             c.dist.barrier()
         return out
 
-    storage.list_checkpoints = list_then_vanish
+    local.list_checkpoints = list_then_vanish
     try:
         exc = every_rank_fails(p, "IntegrityError", "1_0.distcp", "missing")
     finally:
-        storage.list_checkpoints = real_list
+        local.list_checkpoints = real_list
     assert 1 in exc.failures, exc.failures
 
 

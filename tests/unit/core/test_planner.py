@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp.core import nested, planner
 from paddle_dcp.dist import wire
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
 from paddle_dcp.core.metadata import ALIGNMENT, Metadata
@@ -250,7 +250,7 @@ def test_any_saved_layout_loads_into_any_target_layout_bit_for_bit(
     values = {"step": 7, "lr": [0.5, float("nan")]}
     with tempfile.TemporaryDirectory() as d:
         saved = save_checkpoint(d, arrays, dtypes, save_mesh, save_pl, block_bytes, values)
-        meta = storage.read_metadata(d, 0)
+        meta = local.read_metadata(d, 0)
         assert meta.world_size == math.prod(save_mesh)
         assert meta.values()["step"] == 7 and math.isnan(meta.values()["lr.1"])
         assert sorted(meta.tensors) == sorted(f"model.{k}" for k in shape)
@@ -285,11 +285,11 @@ def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
     arrays = arrays_for(shape, dtypes, seed)
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(d, arrays, dtypes, mesh, pl, block_bytes)
-        meta = storage.read_metadata(d, 0, lazy=True)
+        meta = local.read_metadata(d, 0, lazy=True)
         keys = data.draw(st.lists(st.sampled_from(sorted(meta.tensors)), min_size=1, unique=True), label="keys")
         want = every_block(meta, keys)
         dealt, per_rank = [], []
-        files = storage.FileSet(d, meta)
+        files = local.FileSet(d, meta)
         try:
             for index in range(count):
                 ops = planner.plan_shared_checks(meta, keys, index, count, max_read_bytes)
@@ -322,10 +322,10 @@ def test_shared_checks_find_a_flipped_byte_in_exactly_one_share(tmp_path):
     raw = bytearray(open(name, "rb").read())
     raw[700] ^= 0x10
     open(name, "wb").write(bytes(raw))
-    meta = storage.read_metadata(str(tmp_path), 0, lazy=True)
+    meta = local.read_metadata(str(tmp_path), 0, lazy=True)
     failed = []
     for index in range(3):
-        files = storage.FileSet(str(tmp_path), meta)
+        files = local.FileSet(str(tmp_path), meta)
         try:
             for op in planner.plan_shared_checks(meta, ["model.w", "model.b"], index, 3):
                 storage.execute_op(op, files, [], storage.Staging(), check_only=True)
@@ -359,7 +359,7 @@ def test_zero_size_tensors_round_trip(tmp_path):
     arrays = arrays_for(shape, dtypes, 2)
     pl = {"e": (0,), "f": (1,), "w": (0,)}
     save_checkpoint(str(tmp_path), arrays, dtypes, (2,), pl)
-    meta = storage.read_metadata(str(tmp_path), 0)
+    meta = local.read_metadata(str(tmp_path), 0)
     assert meta.tensors["model.e"].pieces.count == 0 and meta.tensors["model.e"].shape == (0, 4)
     load_everything(str(tmp_path), shape, dtypes, (3,), {"e": (1,), "f": (None,), "w": (0,)}, arrays, 64)
 
@@ -367,7 +367,7 @@ def test_zero_size_tensors_round_trip(tmp_path):
 def test_plan_reads_refuses_a_target_of_another_shape_or_dtype(tmp_path):
     arrays = {"w": np.zeros((4, 4), np.float32)}
     save_checkpoint(str(tmp_path), arrays, {"w": "float32"}, (1,), {"w": (None,)})
-    meta = storage.read_metadata(str(tmp_path), 0)
+    meta = local.read_metadata(str(tmp_path), 0)
     with pytest.raises(MismatchError) as info:
         planner.plan_reads(meta, [planner.TargetPiece("model.w", "float32", (4, 5), Box.whole((4, 5)))])
     assert all(w in str(info.value) for w in ["model.w", "(4, 4)", "(4, 5)"])
@@ -382,7 +382,7 @@ def test_plan_reads_names_each_target_by_its_slot(tmp_path):
     dtypes = {"w": "float32", "s": "int64"}
     arrays = arrays_for(shape, dtypes, 3)
     save_checkpoint(str(tmp_path), arrays, dtypes, (2,), {"w": (0,), "s": (None,)})
-    meta = storage.read_metadata(str(tmp_path), 0)
+    meta = local.read_metadata(str(tmp_path), 0)
     targets = [
         planner.TargetPiece("model.w", "float32", (6, 4), Box((0, 1), (6, 2))),  # both saved pieces
         planner.TargetPiece("model.s", "int64", (), Box((), ())),

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import paddle_dcp
 from paddle_dcp.core import planner
 from paddle_dcp.format import hf_dir, safetensors
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 from paddle_dcp.tools import cli
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
@@ -130,8 +130,8 @@ def test_directory_metadata_places_each_tensor_at_its_bytes(tmp_path, shards):
 def test_load_a_directory_into_parts_reads_only_their_bytes(tmp_path, shards, monkeypatch):
     d = hf_directory(tmp_path / "hf", ARRAYS, shards)
     read = []
-    real = storage.FileSet.mapped
-    monkeypatch.setattr(storage.FileSet, "mapped", lambda self, i, a, b: (read.append(b - a), real(self, i, a, b))[1])
+    real = local.FileSet.mapped
+    monkeypatch.setattr(local.FileSet, "mapped", lambda self, i, a, b: (read.append(b - a), real(self, i, a, b))[1])
     sd = {"embed": {"w": np.zeros((8, 6), np.float32)}, "head.b": np.zeros(5, np.int64), "norm": np.zeros(7, np.float16)}
     paddle_dcp.load_state_dict(sd, str(d), safetensors=True)
     assert np.array_equal(sd["embed"]["w"], ARRAYS["embed.w"]) and np.array_equal(sd["head.b"], ARRAYS["head.b"])
@@ -208,7 +208,7 @@ def test_save_with_safetensors_writes_files_the_package_opens(tmp_path):
     target = {"model": {"w": np.zeros_like(w), "b": np.zeros(3, np.int64)}, "step": 0}
     paddle_dcp.load_state_dict(target, str(tmp_path))
     assert np.array_equal(target["model"]["w"], w) and target["step"] == 5
-    assert storage.list_checkpoints(str(tmp_path)).data_names(0) == ["0_0.safetensors"]
+    assert local.list_checkpoints(str(tmp_path)).data_names(0) == ["0_0.safetensors"]
 
 
 def test_piece_names_carry_the_box():

@@ -9,7 +9,7 @@ import xxhash
 import pytest
 
 from paddle_dcp.core import planner
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
 
@@ -39,7 +39,7 @@ def whole_targets():
 
 
 def data_file_of(path, key):
-    meta = storage.read_metadata(path, 0)
+    meta = local.read_metadata(path, 0)
     p = meta.tensors[key].pieces
     return os.path.join(path, meta.files[int(p.files[0])].name), int(p.byte_offsets[0])
 
@@ -50,7 +50,7 @@ def test_list_checkpoints_complete_means_metadata_and_data_files_by_id(tmp_path)
                  "2_9.distcp.tmp.cd34", "notes.txt", "x.metadata", "1_x.distcp", "12.metadata",
                  "0_3.2.distcp", "1_3.2.distcp.tmp.0a1b"]:  # fmt: skip
         (tmp_path / name).write_bytes(b"")
-    listing = storage.list_checkpoints(str(tmp_path))
+    listing = local.list_checkpoints(str(tmp_path))
     assert listing.complete == {3, 12}
     assert listing.data == {3: {(0, 0), (1, 0), (0, 2)}, 5: {(0, 0)}}
     assert listing.generations(3) == {0: [0, 1], 2: [0]}
@@ -64,37 +64,38 @@ def test_removing_temporary_and_stale_files_touches_only_what_it_names(tmp_path)
     for name in names:
         (tmp_path / name).write_bytes(b"")
     path = str(tmp_path)
-    assert storage.remove_temporary(path, 3, 0) == ["0_3.distcp.tmp.ab"]
-    assert storage.remove_temporary(path, 3, -1) == ["3.metadata.tmp.ef"]
-    assert storage.remove_data(path, 3, 0, keep_generation=1) == ["0_3.distcp"]
-    assert storage.remove_incomplete(path) == ["0_4.distcp"]
-    assert sorted(storage.remove_temporary(path)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
+    store = local.LocalStorage(path)
+    assert storage.remove_temporary(store, 3, 0) == ["0_3.distcp.tmp.ab"]
+    assert storage.remove_temporary(store, 3, -1) == ["3.metadata.tmp.ef"]
+    assert storage.remove_data(store, 3, 0, keep_generation=1) == ["0_3.distcp"]
+    assert storage.remove_incomplete(store) == ["0_4.distcp"]
+    assert sorted(storage.remove_temporary(store)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
     assert sorted(os.listdir(path)) == ["0_3.1.distcp", "1_3.distcp", "3.metadata", "notes.txt"]
 
 
 def test_list_checkpoints_of_a_missing_or_empty_directory(tmp_path):
     for path in (tmp_path / "nope", tmp_path):
-        listing = storage.list_checkpoints(str(path))
+        listing = local.list_checkpoints(str(path))
         assert listing.complete == frozenset() and listing.data == {} and listing.latest is None
 
 
 def test_list_checkpoints_of_a_file_is_a_storage_error(tmp_path):
     (tmp_path / "f").write_bytes(b"")
     with pytest.raises(StorageError) as info:
-        storage.list_checkpoints(str(tmp_path / "f"))
+        local.list_checkpoints(str(tmp_path / "f"))
     assert info.value.path == str(tmp_path / "f")
 
 
 def test_a_save_lists_as_complete(ckpt):
-    listing = storage.list_checkpoints(ckpt)
+    listing = local.list_checkpoints(ckpt)
     assert listing.complete == {0} and listing.data == {0: {(0, 0), (1, 0)}}
     assert not [n for n in listdir(ckpt) if storage.TMP_MARK in n]
 
 
 # ------------------------------------------------------------------ writing
 def test_write_atomic_leaves_only_the_final_file(tmp_path):
-    storage.write_atomic(str(tmp_path), "0.metadata", b"first")
-    storage.write_atomic(str(tmp_path), "0.metadata", b"second", durable=True)
+    local.write_atomic(str(tmp_path), "0.metadata", b"first")
+    local.write_atomic(str(tmp_path), "0.metadata", b"second", durable=True)
     assert listdir(str(tmp_path)) == ["0.metadata"]
     assert (tmp_path / "0.metadata").read_bytes() == b"second"
 
@@ -102,15 +103,15 @@ def test_write_atomic_leaves_only_the_final_file(tmp_path):
 def test_write_atomic_failure_is_a_storage_error_and_leaves_nothing(tmp_path):
     (tmp_path / "0.metadata").mkdir()  # a directory in the way: the rename fails
     with pytest.raises(StorageError) as info:
-        storage.write_atomic(str(tmp_path), "0.metadata", b"x")
+        local.write_atomic(str(tmp_path), "0.metadata", b"x")
     assert "0.metadata" in str(info.value)
     assert listdir(str(tmp_path)) == ["0.metadata"]
     with pytest.raises(StorageError):
-        storage.write_atomic(str(tmp_path / "missing"), "0.metadata", b"x")
+        local.write_atomic(str(tmp_path / "missing"), "0.metadata", b"x")
 
 
 def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
-    w = storage.DataWriter(str(tmp_path), "0_0.distcp", 64)
+    w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
     a = np.arange(30, dtype=np.uint8)
     b = np.arange(100, dtype=np.uint8)
     sums_a = w.write(storage.as_bytes(a))
@@ -126,7 +127,7 @@ def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
 
 
 def test_data_writer_abort_removes_its_temporary_file(tmp_path):
-    w = storage.DataWriter(str(tmp_path), "0_0.distcp", 64)
+    w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
     w.write(storage.as_bytes(np.zeros(3, np.uint8)))
     w.abort()
     assert listdir(str(tmp_path)) == []
@@ -152,7 +153,7 @@ def test_block_checksums_are_xxh3_64_of_each_block_seeded_by_the_piece_and_block
 def test_a_clean_checkpoint_loads(ckpt):
     (w, b), _ = load_rank(ckpt, 0, whole_targets())
     assert np.array_equal(w, W) and np.array_equal(b, B)
-    assert storage.read_metadata(ckpt, 0).values() == {"step": 3}
+    assert local.read_metadata(ckpt, 0).values() == {"step": 3}
 
 
 def test_file_set_refuses_a_file_whose_size_differs_from_the_metadata(ckpt):
@@ -205,25 +206,25 @@ def test_a_flipped_byte_outside_the_target_is_not_read(ckpt):
 
 def test_read_metadata_of_a_missing_id_or_the_wrong_id(ckpt):
     with pytest.raises(StorageError, match="no metadata"):
-        storage.read_metadata(ckpt, 1)
+        local.read_metadata(ckpt, 1)
     os.rename(os.path.join(ckpt, "0.metadata"), os.path.join(ckpt, "4.metadata"))
     with pytest.raises(FormatError, match="checkpoint 0, not 4"):
-        storage.read_metadata(ckpt, 4)
+        local.read_metadata(ckpt, 4)
 
 
 def test_read_metadata_of_a_truncated_file_is_a_format_error(ckpt):
     full = os.path.join(ckpt, "0.metadata")
     os.truncate(full, os.path.getsize(full) // 2)
     with pytest.raises(FormatError, match="0.metadata"):
-        storage.read_metadata(ckpt, 0)
+        local.read_metadata(ckpt, 0)
 
 
 # ------------------------------------------------------------------ paths
 def test_inside_accepts_plain_names_and_symlinks_within(tmp_path):
     (tmp_path / "a").write_bytes(b"")
     os.symlink("a", tmp_path / "b")
-    assert storage.inside(str(tmp_path), "a") == os.path.join(str(tmp_path), "a")
-    assert storage.inside(str(tmp_path), "b") == os.path.join(str(tmp_path), "b")
+    assert local.inside(str(tmp_path), "a") == os.path.join(str(tmp_path), "a")
+    assert local.inside(str(tmp_path), "b") == os.path.join(str(tmp_path), "b")
 
 
 def test_inside_refuses_a_symlink_pointing_outside(tmp_path):
@@ -234,13 +235,13 @@ def test_inside_refuses_a_symlink_pointing_outside(tmp_path):
     os.symlink("../secret", ck / "1_0.distcp")
     for name in ("0_0.distcp", "1_0.distcp"):
         with pytest.raises(FormatError, match="outside the checkpoint directory"):
-            storage.inside(str(ck), name)
+            local.inside(str(ck), name)
 
 
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "", "a/b", ".."])
 def test_inside_refuses_names_that_are_not_plain(tmp_path, name):
     with pytest.raises(FormatError):
-        storage.inside(str(tmp_path), name)
+        local.inside(str(tmp_path), name)
 
 
 def test_a_data_file_symlinked_outside_is_refused_at_load(ckpt, tmp_path):
@@ -260,11 +261,11 @@ def test_the_load_path_never_unpickles(ckpt, monkeypatch):
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    meta = storage.read_metadata(ckpt, 0)
+    meta = local.read_metadata(ckpt, 0)
     targets = whole_targets() + [planner.TargetPiece("model.w", "float32", (7, 5), Box((2, 1), (4, 3)))]
     ops = planner.plan_reads(meta, targets, max_read_bytes=1)
     out = [np.zeros(t.box.shape, dtype={"float32": np.float32, "int64": np.int64}[t.dtype]) for t in targets]
-    files = storage.FileSet(ckpt, meta)
+    files = local.FileSet(ckpt, meta)
     try:
         storage.execute_reads(ops, files, out)
     finally:
@@ -284,15 +285,15 @@ def test_read_metadata_refuses_a_file_marked_as_a_subset(ckpt):
     with open(full, "w") as f:
         json.dump(doc, f)
     with pytest.raises(FormatError):
-        storage.read_metadata(ckpt, 0)
+        local.read_metadata(ckpt, 0)
 
 
 def test_read_ahead_asks_for_the_next_ranges_in_order_within_its_window(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     asked = []
-    monkeypatch.setattr(storage.os, "posix_fadvise", lambda fd, start, length, advice: asked.append((start, length)))
-    files = SimpleNamespace(fd=lambda index: 3)
+    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, start, length, advice: asked.append((start, length)))
+    files = SimpleNamespace(fd=lambda index: 3, advise=lambda *args: local.FileSet.advise(files, *args))
     ops = [SimpleNamespace(file=0, start=100 * i, stop=100 * i + 100) for i in range(10)]
     done = 0
     seen = []

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp.io import storage
+from paddle_dcp.io import local, storage
 from paddle_dcp.tools import cli, consolidate
 from paddle_dcp.core.boxes import element_span
 from paddle_dcp.core.metadata import TensorEntry
@@ -81,7 +81,7 @@ def bf16_as_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def piece_location(path, key, index=0):
-    meta = storage.read_metadata(path, 0)
+    meta = local.read_metadata(path, 0)
     p = meta.tensors[key].pieces
     return os.path.join(path, meta.files[int(p.files[index])].name), int(p.byte_offsets[index])
 
@@ -251,7 +251,7 @@ def remove(path, key):
 def overlap(path, key):
     """Metadata whose pieces of ``key`` overlap: the second piece moved onto the first."""
     name = os.path.join(path, "0.metadata")
-    meta = storage.read_metadata(path, 0)
+    meta = local.read_metadata(path, 0)
     entry = meta.tensors[key]
     offsets = entry.pieces.offsets.copy()
     offsets[1] = offsets[0]
@@ -417,7 +417,7 @@ def test_convert_in_tiny_slabs_is_exact(saved, tmp_path, capsys, monkeypatch, fm
 
 def test_slabs_are_consecutive_and_bounded(saved):
     path, oracle = saved
-    meta = storage.read_metadata(path, 0, lazy=True)
+    meta = local.read_metadata(path, 0, lazy=True)
     with consolidate.TensorReader(path, meta, slab_bytes=16) as reader:
         for key, array in oracle.items():
             parts = [s.copy() for s in reader.slabs(key)]

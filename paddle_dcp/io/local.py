@@ -1,0 +1,407 @@
+"""The local-disk storage: a checkpoint directory on a local or shared POSIX filesystem.
+
+Files are written under a temporary name beside the final one and renamed into place
+(:class:`AtomicFile`, the one atomic writer: data files, metadata, gathered and converted
+files); data files are read with ``preadv`` or mapped from the page cache. OSError becomes
+StorageError naming the path.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from ..errors import FormatError, IntegrityError, StorageError
+from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, aligned, check_file_name
+from ..core.naming import TMP_MARK, metadata_name
+from .storage import Listing, block_checksums, listing_of
+
+logger = logging.getLogger(__name__)
+
+
+class LocalStorage:
+    """The :class:`paddle_dcp.io.storage.Storage` of a directory on disk."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def list_checkpoints(self) -> Listing:
+        return list_checkpoints(self.path)
+
+    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
+        return read_metadata(self.path, unique_id, lazy)
+
+    def open_files(self, meta: Metadata) -> "FileSet":
+        return FileSet(self.path, meta)
+
+    def range_reader(self) -> "RangeReader":
+        return RangeReader(self.path)
+
+    def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
+        write_atomic(self.path, name, data, durable)
+
+    def data_writer(
+        self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
+    ) -> "DataWriter":
+        return DataWriter(self.path, name, block_bytes, depth, header, alignment)
+
+    def remove(self, names: Iterable[str]) -> list[str]:
+        return remove_files(self.path, names)
+
+    def resolve(self, name: str) -> str:
+        return inside(self.path, name)
+
+
+def list_checkpoints(path: str) -> Listing:
+    """Scan ``path``; a missing directory is an empty listing."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return Listing(frozenset(), {})
+    except OSError as exc:
+        raise StorageError(f"cannot list checkpoint directory {path}: {exc}", path) from exc
+    return listing_of(names)
+
+
+def remove_files(path: str, names: Iterable[str]) -> list[str]:
+    """Remove ``path/name`` for each name (missing ones skipped); returns the names removed."""
+    removed = []
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            full = os.path.join(path, name)
+            raise StorageError(f"cannot remove {full}: {exc}", full) from exc
+    return removed
+
+
+def inside(path: str, name: str) -> str:
+    """``path/name`` for a validated plain ``name`` that resolves inside ``path``."""
+    check_file_name(name)
+    full = os.path.join(path, name)
+    real_dir = os.path.realpath(path)
+    real = os.path.realpath(full)
+    if os.path.dirname(real) != real_dir:
+        raise FormatError(f"{full} resolves to {real}, outside the checkpoint directory {real_dir}")
+    return full
+
+
+# ---------------------------------------------------------------------- writing
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A file written as ``{final}.tmp.{hex}`` beside ``final`` and renamed to ``final`` by
+    :meth:`commit`, so that it appears whole or not at all. With ``durable``, the file is
+    fsynced before the rename and its directory after. :meth:`abort` removes it."""
+
+    def __init__(self, final: str):
+        self.final = os.fspath(final)
+        self.tmp = f"{self.final}{TMP_MARK}{secrets.token_hex(4)}"
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
+
+    def write(self, data) -> None:
+        """Append ``data`` (any buffer) at the current position."""
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done : done + (1 << 30)])
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.tmp}: {exc}", self.tmp) from exc
+
+    def pwrite(self, view: memoryview, offset: int) -> None:
+        """Write ``view`` (bytes) at ``offset``."""
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], offset + done)
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.tmp}: {exc}", self.tmp) from exc
+
+    def commit(self, durable: bool = False, size: int | None = None) -> None:
+        """Close (cut to ``size`` bytes first, when given) and rename into place."""
+        try:
+            if size is not None:
+                os.ftruncate(self.fd, size)
+            if durable:
+                os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.final)
+            if durable:
+                fsync_dir(os.path.dirname(self.final) or ".")
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.final}: {exc}", self.final) from exc
+
+    def abort(self) -> None:
+        """Close and remove the temporary file (never raises)."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+@contextmanager
+def atomic_path(final: str, durable: bool = False) -> Iterator[str]:
+    """The temporary name to write ``final`` under (by any writer that takes a path); renamed
+    to ``final`` when the block ends normally, removed when it raises."""
+    out = AtomicFile(final)
+    try:
+        yield out.tmp
+        out.commit(durable)
+    except BaseException:
+        out.abort()
+        raise
+
+
+def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> None:
+    """Write ``data`` to ``path/name`` through a temporary file and a rename."""
+    out = AtomicFile(os.path.join(path, name))
+    try:
+        out.write(data)
+        out.commit(durable)
+    except StorageError:  # only an I/O failure: a process that dies leaves its files as they are
+        out.abort()
+        raise
+
+
+def read_metadata(path: str, unique_id: int, lazy: bool = False) -> Metadata:
+    """Read and validate ``path/{unique_id}.metadata`` (tensor entries on first use when
+    ``lazy``)."""
+    full = os.path.join(path, metadata_name(unique_id))
+    try:
+        with open(full, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                raise FormatError(f"{full}: {size} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata")
+            data = f.read()
+    except FileNotFoundError:
+        raise StorageError(f"checkpoint {unique_id} has no metadata file {full}", full) from None
+    except OSError as exc:
+        raise StorageError(f"cannot read {full}: {exc}", full) from exc
+    meta = Metadata.from_json(data, source=full, lazy=lazy)
+    if meta.unique_id != unique_id:
+        raise FormatError(f"{full} describes checkpoint {meta.unique_id}, not {unique_id}")
+    return meta
+
+
+class DataWriter:
+    """Writes one rank's data file: pieces back to back at ALIGNMENT boundaries, under a
+    temporary name until :meth:`commit`.
+
+    The bytes go to the file from a thread of their own while the caller prepares the next
+    piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` pieces wait to
+    be written, and their host memory is kept alive until they are. ``header`` (a safetensors
+    header) is written first, and the pieces follow it at multiples of ``alignment`` bytes.
+    """
+
+    def __init__(
+        self, path: str, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
+    ):
+        self.file = AtomicFile(os.path.join(path, name))
+        self.final, self.tmp = self.file.final, self.file.tmp
+        self.block_bytes = block_bytes
+        self.offset = 0
+        self.depth = depth
+        self.alignment = alignment
+        self._pending: deque[Future] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
+        if header:
+            self._write_at(memoryview(header), 0, None)
+            self.offset = len(header)
+
+    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
+        """Append one piece (bytes in C order; ``keep`` is whatever must stay alive until the
+        bytes are written; ``seed`` its :func:`piece_seed`); returns its block checksums."""
+        view = data.cast("B") if data.format != "B" else data
+        start = aligned(self.offset, self.alignment)  # the gap stays zeros (sparse)
+        sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
+        self._pending.append(self._pool.submit(self._write_at, view, start, keep))
+        self.offset = start + len(view)
+        while len(self._pending) > self.depth:
+            self._pending.popleft().result()
+        return sums
+
+    def _write_at(self, view: memoryview, offset: int, keep) -> None:
+        self.file.pwrite(view, offset)
+
+    def _drain(self) -> None:
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def commit(self, durable: bool = False) -> int:
+        """Close and rename into place (with ``durable``: after an fsync of the file, and with
+        one of the directory after); returns the file's size."""
+        self._drain()
+        self.file.commit(durable, size=self.offset)
+        return self.offset
+
+    def abort(self) -> None:
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - the save already failed; remove what is left
+            pass
+        self.file.abort()
+
+
+# ---------------------------------------------------------------------- reading
+def read_exact(fd: int, offset: int, out: memoryview, name: str, whose: str) -> None:
+    """Fill ``out`` from ``offset`` of an open file; a file that ends first is an
+    IntegrityError naming it and ``whose`` expectation it fails."""
+    done = 0
+    try:
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise IntegrityError(
+                    f"data file {name} ends at {offset + done} bytes, before the {offset + len(out)} {whose}"
+                )
+            done += n
+    except OSError as exc:
+        raise StorageError(f"cannot read {name}: {exc}", name) from exc
+
+
+class FileSet:
+    """Open data files of one checkpoint, by index into ``Metadata.files``; checks each file's
+    size against the metadata the first time it is opened."""
+
+    def __init__(self, path: str, meta: Metadata):
+        self.path = path
+        self.meta = meta
+        self._fds: dict[int, int] = {}
+        self._stats: dict[int, tuple[int, int, int]] = {}
+
+    def fd(self, index: int) -> int:
+        fd = self._fds.get(index)
+        if fd is not None:
+            return fd
+        entry = self.meta.files[index]
+        full = inside(self.path, entry.name)
+        try:
+            fd = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            raise IntegrityError(f"data file {full} of checkpoint {self.meta.unique_id} is missing") from None
+        except OSError as exc:
+            raise StorageError(f"cannot open {full}: {exc}", full) from exc
+        st = os.fstat(fd)
+        if st.st_size != entry.nbytes:
+            os.close(fd)
+            raise IntegrityError(f"data file {full} has {st.st_size} bytes, the metadata says {entry.nbytes}")
+        self._fds[index] = fd
+        self._stats[index] = _identity(st)
+        return fd
+
+    def open(self, index: int) -> None:
+        """Open file ``index`` now and check its size."""
+        self.fd(index)
+
+    def advise(self, index: int, start: int, length: int) -> None:
+        """Ask the kernel to start reading these bytes (``posix_fadvise`` WILLNEED)."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None:
+            return
+        try:
+            advise(self.fd(index), start, length, os.POSIX_FADV_WILLNEED)
+        except OSError:  # a hint only: the read itself reports any real problem
+            pass
+
+    def check_unchanged(self) -> None:
+        """Raise IntegrityError when a file opened by this set was written since it was opened
+        (its size or modification time moved): bytes checked before the copy may not be the
+        bytes copied."""
+        for index, fd in self._fds.items():
+            if _identity(os.fstat(fd)) != self._stats[index]:
+                raise IntegrityError(
+                    f"data file {self.name(index)} was modified while it was being loaded: the loaded "
+                    f"values may mix old and new bytes"
+                )
+
+    def name(self, index: int) -> str:
+        return os.path.join(self.path, self.meta.files[index].name)
+
+    def read_into(self, index: int, offset: int, out: memoryview) -> None:
+        read_exact(self.fd(index), offset, out, self.name(index), "the metadata promises")
+
+    @contextmanager
+    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
+        """The bytes [start, stop) of a file as a read-only uint8 array, mapped from the page
+        cache (no read copy: a strided copy out of it touches only the bytes it needs)."""
+        fd = self.fd(index)
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mm = mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=base)
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"cannot map {self.name(index)}: {exc}", self.name(index)) from exc
+        try:
+            yield np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a view still alive: unmapped when it is collected
+                pass
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._stats.clear()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    # not the change time: unlinking or renaming a file (which loads fine through its open
+    # descriptor) moves it
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class RangeReader:
+    """Reads byte ranges of named data files for other ranks (a server of node-local data)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fds: dict[str, int] = {}
+
+    def read_into(self, name: str, start: int, out: memoryview) -> None:
+        fd = self._fds.get(name)
+        if fd is None:
+            full = inside(self.path, name)
+            try:
+                fd = os.open(full, os.O_RDONLY)
+            except FileNotFoundError:
+                raise IntegrityError(f"data file {full} is missing") from None
+            except OSError as exc:
+                raise StorageError(f"cannot open {full}: {exc}", full) from exc
+            self._fds[name] = fd
+        read_exact(fd, start, out, os.path.join(self.path, name), "a reader asked for")
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
