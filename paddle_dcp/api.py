@@ -121,7 +121,7 @@ def save_state_dict(
     def prepare():
         _check_id(unique_id)
         state["flat"] = nested.flatten(state_dict, is_tensor, keep_values=False)
-        os.makedirs(path, exist_ok=True)
+        store.create()
         state["tensors"] = dict(state["flat"].tensors)
 
     def reduce():

@@ -32,6 +32,9 @@ class LocalStorage:
     def __init__(self, path: str):
         self.path = path
 
+    def create(self) -> None:
+        os.makedirs(self.path, exist_ok=True)
+
     def list_checkpoints(self) -> Listing:
         return list_checkpoints(self.path)
 

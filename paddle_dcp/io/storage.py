@@ -136,6 +136,9 @@ class Storage(Protocol):
 
     path: str
 
+    def create(self) -> None:
+        """Make the directory, where the storage has directories (a save calls it first)."""
+
     def list_checkpoints(self) -> Listing:
         """What the directory holds (a missing directory is an empty listing)."""
 

@@ -28,7 +28,7 @@ from ..io import open_storage, storage
 from ..core.boxes import Box, check_tiling, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
 from ..errors import DcpError, FormatError, PlanError, StorageError, UnsupportedError
-from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned
+from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned, blocks_of
 from ..core.naming import METADATA_RE, data_file_name, metadata_name
 from ..version import __version__
 
@@ -433,7 +433,7 @@ def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
         entry = entries[keys[k]]
         sums = entry.pieces.checksums
         seed = storage.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
-        bad, first_bad = 0, None
+        bad, first_bad, nblocks = 0, None, int(blocks_of(nbytes, block))
         for b, at, length in storage.blocks(off, off + nbytes, off, block):
             if storage.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
                 bad += 1

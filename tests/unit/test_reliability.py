@@ -657,7 +657,7 @@ def test_enormous_metadata_is_refused_without_reading_it(ck, monkeypatch, sparse
     if sparse:
         os.truncate(full, metadata.MAX_METADATA_BYTES + 1)
     else:
-        monkeypatch.setattr(storage, "MAX_METADATA_BYTES", os.path.getsize(full) - 1)
+        monkeypatch.setattr(local, "MAX_METADATA_BYTES", os.path.getsize(full) - 1)
     peak = _peak_allocated(lambda: load_fails(ck, FormatError, "0.metadata", "limit"))
     assert peak < 16 << 20, f"{peak} bytes allocated to refuse an over-sized metadata file"
 

@@ -1,0 +1,234 @@
+"""The storage interface is the only way save and load reach the files: an in-memory storage
+(a fake written here from the Protocol alone) saves and loads a state dict with no file on
+disk, byte for byte as the local disk does. And the one atomic writer: temporary name,
+fsync of the file before its rename and of the directory after, only when durable."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+import paddle_dcp
+from paddle_dcp import api
+from paddle_dcp.core.metadata import Metadata, aligned
+from paddle_dcp.core.naming import metadata_name
+from paddle_dcp.errors import IntegrityError, StorageError
+from paddle_dcp.io import local, open_storage, storage
+
+from ..helpers import listdir
+
+
+class MemoryFiles:
+    def __init__(self, blobs: dict, meta: Metadata):
+        self.blobs, self.meta = blobs, meta
+
+    def _data(self, index: int) -> bytes:
+        name = self.meta.files[index].name
+        if name not in self.blobs:
+            raise IntegrityError(f"data file {name} is missing")
+        return self.blobs[name]
+
+    def name(self, index: int) -> str:
+        return self.meta.files[index].name
+
+    def open(self, index: int) -> None:
+        self._data(index)
+
+    def read_into(self, index: int, offset: int, out: memoryview) -> None:
+        out[:] = self._data(index)[offset : offset + len(out)]
+
+    @contextmanager
+    def mapped(self, index: int, start: int, stop: int):
+        yield np.frombuffer(self._data(index), np.uint8, count=stop - start, offset=start)
+
+    def advise(self, index: int, start: int, length: int) -> None:
+        pass
+
+    def check_unchanged(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryWriter:
+    def __init__(self, blobs: dict, name: str, block_bytes: int, header: bytes, alignment: int):
+        self.blobs, self.name, self.block_bytes, self.alignment = blobs, name, block_bytes, alignment
+        self.buf = bytearray(header)
+        self.offset = len(header)
+
+    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
+        view = data.cast("B")
+        self.buf += bytes(aligned(self.offset, self.alignment) - self.offset) + bytes(view)
+        self.offset = len(self.buf)
+        return storage.block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
+
+    def commit(self, durable: bool = False) -> int:
+        self.blobs[self.name] = bytes(self.buf)
+        return self.offset
+
+    def abort(self) -> None:
+        pass
+
+
+class MemoryStorage:
+    """Every file a bytes value in a dict: a second implementation of ``storage.Storage``."""
+
+    def __init__(self, path: str, blobs: dict):
+        self.path, self.blobs = path, blobs
+
+    def create(self) -> None:
+        pass
+
+    def list_checkpoints(self) -> storage.Listing:
+        return storage.listing_of(self.blobs)
+
+    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
+        name = metadata_name(unique_id)
+        if name not in self.blobs:
+            raise StorageError(f"checkpoint {unique_id} has no metadata file {name}", name)
+        return Metadata.from_json(self.blobs[name], source=name, lazy=lazy)
+
+    def open_files(self, meta: Metadata) -> MemoryFiles:
+        return MemoryFiles(self.blobs, meta)
+
+    def range_reader(self):
+        raise AssertionError("one process reads every file itself")
+
+    def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
+        self.blobs[name] = bytes(data)
+
+    def data_writer(self, name, block_bytes, depth=2, header=b"", alignment=64) -> MemoryWriter:
+        return MemoryWriter(self.blobs, name, block_bytes, header, alignment)
+
+    def remove(self, names) -> list[str]:
+        return [n for n in names if self.blobs.pop(n, None) is not None]
+
+    def resolve(self, name: str) -> str:
+        return name
+
+
+def state() -> dict:
+    w = np.arange(33 * 17, dtype=np.float32).reshape(33, 17) / 7
+    return {"model": {"w": w, "b": np.arange(1001, dtype=np.int64)}, "step": 3}
+
+
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_for_byte(
+    tmp_path, monkeypatch, safetensors
+):
+    disk = str(tmp_path / "disk")
+    paddle_dcp.save_state_dict(state(), disk, safetensors=safetensors)
+    blobs: dict[str, bytes] = {}
+    monkeypatch.setattr(api, "open_storage", lambda path: MemoryStorage(path, blobs))
+    mem = str(tmp_path / "mem")
+    paddle_dcp.save_state_dict(state(), mem, safetensors=safetensors)
+    assert not os.path.exists(mem)  # nothing reached the disk
+    assert sorted(blobs) == listdir(disk)
+    for name, data in blobs.items():
+        with open(os.path.join(disk, name), "rb") as f:
+            assert f.read() == data, name
+    # a second save of the same id replaces the data files by generation, then tidies
+    paddle_dcp.save_state_dict(state(), mem, unique_id=0, safetensors=safetensors)
+    assert len([n for n in blobs if not n.endswith(".metadata")]) == 1, sorted(blobs)
+    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    paddle_dcp.load_state_dict(target, mem)
+    want = state()
+    assert np.array_equal(target["model"]["w"], want["model"]["w"])
+    assert np.array_equal(target["model"]["b"], want["model"]["b"])
+    assert target["step"] == 3
+
+
+def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path, monkeypatch):
+    blobs: dict[str, bytes] = {}
+    monkeypatch.setattr(api, "open_storage", lambda path: MemoryStorage(path, blobs))
+    paddle_dcp.save_state_dict(state(), "mem")
+    data = bytearray(blobs["0_0.distcp"])
+    data[100] ^= 1
+    blobs["0_0.distcp"] = bytes(data)
+    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    with pytest.raises(IntegrityError, match="0_0.distcp"):
+        paddle_dcp.load_state_dict(target, "mem")
+    assert not target["model"]["w"].any()
+
+
+def test_open_storage_of_a_local_path_is_the_local_disk(tmp_path):
+    assert isinstance(open_storage(str(tmp_path)), local.LocalStorage)
+
+
+# ---------------------------------------------------------------------- the one atomic writer
+def _log(monkeypatch, events):
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def rec_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rec_replace(src, dst, *args, **kwargs):
+        events.append(("rename", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", rec_fsync)
+    monkeypatch.setattr(os, "replace", rec_replace)
+
+
+WRITERS = {
+    "write_atomic": lambda d, durable: local.write_atomic(d, "f", b"abc", durable),
+    "data_writer": lambda d, durable: (lambda w: (w.write(memoryview(b"abc")), w.commit(durable)))(
+        local.DataWriter(d, "f", 64)
+    ),
+    "atomic_file": lambda d, durable: (lambda a: (a.write(b"abc"), a.commit(durable)))(
+        local.AtomicFile(os.path.join(d, "f"))
+    ),
+}
+
+
+@pytest.mark.parametrize("durable", [False, True])
+@pytest.mark.parametrize("kind", sorted(WRITERS))
+def test_the_atomic_writer_fsyncs_the_file_before_its_rename_and_the_directory_after_only_when_durable(
+    tmp_path, monkeypatch, kind, durable
+):
+    d = str(tmp_path)
+    events: list = []
+    _log(monkeypatch, events)
+    WRITERS[kind](d, durable)
+    monkeypatch.undo()
+    final = os.path.join(d, "f")
+    renames = [e for e in events if e[0] == "rename"]
+    assert len(renames) == 1 and renames[0][2] == final, events
+    tmp = renames[0][1]
+    assert tmp.startswith(final + ".tmp.") and storage.TMP_RE.match(os.path.basename(tmp)) is None  # not a checkpoint name
+    if durable:
+        assert events == [("fsync", tmp), renames[0], ("fsync", d)], events
+    else:
+        assert events == renames, events
+    assert listdir(d) == ["f"] and open(final, "rb").read() == b"abc"
+
+
+def test_atomic_path_renames_on_success_and_removes_the_temporary_file_on_error(tmp_path):
+    final = str(tmp_path / "out.npz")
+    with pytest.raises(RuntimeError):
+        with local.atomic_path(final) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(b"partial")
+            raise RuntimeError("writer failed")
+    assert listdir(str(tmp_path)) == []
+    with local.atomic_path(final) as tmp:
+        assert os.path.dirname(tmp) == str(tmp_path) and tmp.startswith(final + ".tmp.")
+        with open(tmp, "wb") as f:
+            f.write(b"whole")
+    assert listdir(str(tmp_path)) == ["out.npz"] and open(final, "rb").read() == b"whole"
+
+
+def test_blocks_cover_a_range_of_a_piece_with_indices_from_the_piece_start():
+    assert list(storage.blocks(100, 100 + 150, 100, 64)) == [(0, 100, 64), (1, 164, 64), (2, 228, 22)]
+    assert list(storage.blocks(164 + 64, 250, 100, 64)) == [(2, 228, 22)]
+    assert list(storage.blocks(40, 40, 40, 64)) == [(0, 40, 0)]  # an empty piece: one empty block
+
+
+def test_aligned_is_the_next_multiple_for_ints_and_arrays():
+    assert [aligned(n) for n in (0, 1, 63, 64, 65)] == [0, 64, 64, 64, 128]
+    assert aligned(5, 1) == 5
+    assert aligned(np.array([0, 1, 64, 65])).tolist() == [0, 64, 64, 128]
