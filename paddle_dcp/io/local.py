@@ -292,6 +292,17 @@ def read_exact(fd: int, offset: int, out: memoryview, name: str, whose: str) -> 
         raise StorageError(f"cannot read {name}: {exc}", name) from exc
 
 
+def open_data(full: str, whose: str = "") -> int:
+    """A descriptor of data file ``full`` open for reading; a missing one is an IntegrityError
+    (``whose``: what to add to its name, e.g. " of checkpoint 3")."""
+    try:
+        return os.open(full, os.O_RDONLY)
+    except FileNotFoundError:
+        raise IntegrityError(f"data file {full}{whose} is missing") from None
+    except OSError as exc:
+        raise StorageError(f"cannot open {full}: {exc}", full) from exc
+
+
 class FileSet:
     """Open data files of one checkpoint, by index into ``Metadata.files``; checks each file's
     size against the metadata the first time it is opened."""
@@ -308,12 +319,7 @@ class FileSet:
             return fd
         entry = self.meta.files[index]
         full = inside(self.path, entry.name)
-        try:
-            fd = os.open(full, os.O_RDONLY)
-        except FileNotFoundError:
-            raise IntegrityError(f"data file {full} of checkpoint {self.meta.unique_id} is missing") from None
-        except OSError as exc:
-            raise StorageError(f"cannot open {full}: {exc}", full) from exc
+        fd = open_data(full, f" of checkpoint {self.meta.unique_id}")
         st = os.fstat(fd)
         if st.st_size != entry.nbytes:
             os.close(fd)
@@ -394,13 +400,7 @@ class RangeReader:
     def read_into(self, name: str, start: int, out: memoryview) -> None:
         fd = self._fds.get(name)
         if fd is None:
-            full = inside(self.path, name)
-            try:
-                fd = os.open(full, os.O_RDONLY)
-            except FileNotFoundError:
-                raise IntegrityError(f"data file {full} is missing") from None
-            except OSError as exc:
-                raise StorageError(f"cannot open {full}: {exc}", full) from exc
+            fd = open_data(inside(self.path, name))
             self._fds[name] = fd
         read_exact(fd, start, out, os.path.join(self.path, name), "a reader asked for")
 

@@ -18,6 +18,7 @@ from paddle_dcp.errors import IntegrityError, StorageError
 from paddle_dcp.io import local, open_storage, storage
 
 from ..helpers import listdir
+from ..test_reliability import _fsync_log
 
 
 class MemoryFiles:
@@ -159,21 +160,6 @@ def test_open_storage_of_a_local_path_is_the_local_disk(tmp_path):
 
 
 # ---------------------------------------------------------------------- the one atomic writer
-def _log(monkeypatch, events):
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def rec_fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        return real_fsync(fd)
-
-    def rec_replace(src, dst, *args, **kwargs):
-        events.append(("rename", os.fspath(src), os.fspath(dst)))
-        return real_replace(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "fsync", rec_fsync)
-    monkeypatch.setattr(os, "replace", rec_replace)
-
-
 WRITERS = {
     "write_atomic": lambda d, durable: local.write_atomic(d, "f", b"abc", durable),
     "data_writer": lambda d, durable: (lambda w: (w.write(memoryview(b"abc")), w.commit(durable)))(
@@ -192,7 +178,7 @@ def test_the_atomic_writer_fsyncs_the_file_before_its_rename_and_the_directory_a
 ):
     d = str(tmp_path)
     events: list = []
-    _log(monkeypatch, events)
+    _fsync_log(monkeypatch, events, d)
     WRITERS[kind](d, durable)
     monkeypatch.undo()
     final = os.path.join(d, "f")
