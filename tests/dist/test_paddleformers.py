@@ -4,7 +4,28 @@ on the same layout and on another tensor-parallel degree, with paddle's calls ro
 paddle_dcp by patch_paddle (scripts/pformers.py says what each phase checks).
 
 The ``builtin`` tests run the same scripts with paddle's own functions: they show that the
-harness and its oracles work on CPU, so that the ``dcp`` ones fail only for paddle_dcp."""
+harness and its oracles work on CPU, so that the ``dcp`` ones fail only for paddle_dcp.
+
+What cannot run on CPU (paddle 3.3.1 CPU, paddleformers 1.2.0), hence the Trainer's own
+checkpoint functions driven directly for tensor parallel:
+
+- ``Trainer.train`` with ``tensor_model_parallel_size=2``: with ``max_grad_norm > 0`` (the
+  default) ``_wrap_distributed_optimizer`` raises ``AttributeError: 'AdamW' object has no
+  attribute '_inner_opt'`` (so does sharding stage 1); with ``max_grad_norm=0`` the first
+  forward raises ``AssertionError: Only support xpu, gpu and custom_device now, but this is
+  cpu`` (fleet's ``broadcast_input_data`` in ``TensorParallel._pre_forward``), and the model's
+  own forward under fleet's mp group raises ``NotImplementedError: (Unimplemented)
+  ProcessGroupGLOO does not support all_reduce with sync_op and use_calc_stream flag``
+  (``VocabParallelEmbedding`` -> ``mp_ops._mp_allreduce``).
+- The default sharding (stage 1 with ``split_param``) asserts ``amp_master_grad``, which needs
+  bf16 / fp16 training; ``fuse_rms_norm`` (the default) has no CPU kernel
+  (``fused_rms_norm_ext``).
+
+What runs: ``Trainer.train`` on 2 ranks with data parallel 2 as sharding stage 1
+(``split_param=False``, ``max_grad_norm=0``), save and resume included; a tensor-parallel-2
+Trainer built, its optimizer created and wrapped, then ``_load_flex_checkpoint`` (its resume
+path), ``_save_flex_model_state`` and ``_save_flex_optimizer_state``; ``save_pretrained`` and
+``from_pretrained`` of a tensor-parallel-2 model."""
 import pytest
 
 pytest.importorskip("paddleformers")
