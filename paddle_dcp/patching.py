@@ -105,17 +105,21 @@ def read_state_dict_metadata(path: str, unique_id: int | None = None) -> StateDi
 
     Args:
         path: a checkpoint directory, or its ``{id}.metadata`` file.
-        unique_id: which checkpoint of a directory (default: the highest complete one);
-            ignored for a file, whose name gives it.
+        unique_id: which checkpoint of a directory (default: the highest complete one); for
+            a file, its name gives it (another one is refused).
 
     Raises:
         FormatError: no complete checkpoint, or damaged metadata.
+        StorageError: no metadata file for ``unique_id``.
+        UnsupportedError: a ``unique_id`` other than the metadata file's.
     """
     from .api import read_metadata
 
     path = os.fspath(path)
     match = METADATA_RE.match(os.path.basename(path))
     if match and os.path.isfile(path):
+        if unique_id is not None and unique_id != int(match.group(1)):
+            raise UnsupportedError(f"{path} is checkpoint {match.group(1)}, not unique_id={unique_id}")
         path, unique_id = os.path.dirname(path) or ".", int(match.group(1))
     return state_dict_metadata(read_metadata(path, unique_id))
 

@@ -135,6 +135,11 @@ def test_paddle_load_of_our_metadata_is_pickle_free_and_shaped_like_paddles(tmp_
     # the same from the directory, and the directory with an id
     assert paddle_dcp.read_state_dict_metadata(str(tmp_path)) == got
     assert paddle_dcp.read_state_dict_metadata(str(tmp_path), 0) == got
+    assert paddle_dcp.read_state_dict_metadata(meta_file, 0) == got
+    with pytest.raises(paddle_dcp.UnsupportedError, match="not unique_id=1"):
+        paddle_dcp.read_state_dict_metadata(meta_file, 1)
+    with pytest.raises(paddle_dcp.StorageError, match="checkpoint 1 has no metadata file"):
+        paddle_dcp.read_state_dict_metadata(str(tmp_path), 1)
 
 
 def test_paddle_load_of_anything_else_is_paddles(tmp_path):
