@@ -162,7 +162,12 @@ def test_options_for_our_metadata_are_refused_not_ignored(tmp_path):
 
 
 def test_paddleformers_picks_a_comm_method_we_take():
-    """PaddleFormers' select_flex_ckpt_comm_method chooses "parallel_broadcast" (with
-    worker_groups, which paddle_dcp refuses) for more than 64 ranks when the source of
-    dist.load_state_dict mentions it; ours must not until it implements them."""
-    assert "parallel_broadcast" not in inspect.getsource(paddle_dcp.load_state_dict)
+    """PaddleFormers' select_flex_ckpt_comm_method picks "parallel_broadcast" (for more than 64
+    ranks, with worker_groups that may hold None) when the source of dist.load_state_dict
+    mentions it, else "broadcast": whichever it picks for ours, ours takes it."""
+    from paddle_dcp import api
+
+    source = inspect.getsource(paddle_dcp.load_state_dict)
+    picked = "parallel_broadcast" if "parallel_broadcast" in source else "broadcast"
+    assert picked in api.COMM_METHODS
+    assert api._worker_peers([None, None], picked) == frozenset()
