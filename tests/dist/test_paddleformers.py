@@ -34,12 +34,12 @@ from launcher import KnownBug, assert_passed, expect_known_bug, launch, run_laun
 
 PFORMERS = script("pformers.py")
 # Until paddle_dcp takes them, each phase may fail only with the refusal named here.
-SHARDED = ("cannot save a value of type ShardedWeight",)
+SHARDED = ("of type ShardedWeight",)
 NEEDS_SHARDED = pytest.mark.xfail(
     strict=True, raises=KnownBug,
     reason="PaddleFormers saves and loads ShardedWeight state dicts: not in paddle_dcp yet",
 )
-HF = ("does not support aoa_config, safetensors yet", "ShardedWeight")
+HF = ("does not support aoa_config", "does not support safetensors", "of type ShardedWeight")
 NEEDS_HF = pytest.mark.xfail(
     strict=True, raises=KnownBug,
     reason="from_pretrained loads ShardedWeights from safetensors with an aoa_config: not in paddle_dcp yet",
