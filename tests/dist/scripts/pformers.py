@@ -12,7 +12,9 @@ Phases (one launch each, 2 ranks, CPU, a tiny Llama built from a config: no down
   one; under ``dcp`` also paddle's built-in result.
 - ``train``: a Trainer run (data parallel 2 with sharding stage 1: PaddleFormers' flex
   checkpoint; tensor parallel cannot train on CPU, see docs/guide.md) of 6 steps, saving at 3
-  and 6; each rank dumps the model and optimizer pieces it saved at step 3 (the oracle).
+  and 6; each rank dumps the model and optimizer pieces it saved at step 3 (the oracle). Under
+  ``dcp`` also: what the Trainer reads through ``paddle.load(".../0.metadata")`` (routed to
+  ``read_state_dict_metadata``) equals paddle's own pickled metadata of the same state.
 - ``resume``: a new run resumed from ``checkpoint-3``: its losses equal the uninterrupted run's.
 - ``tp_reshard``: a Trainer of tensor-parallel degree 2 takes ``checkpoint-3`` through its own
   resume path (``_load_flex_checkpoint``: the metadata read, init_optimizer, the loads with
@@ -72,7 +74,7 @@ class on_host:
 
 def route():
     """Route paddle's calls to the library under test (for the rest of the process)."""
-    BUILTIN["load_state_dict"] = dist.load_state_dict
+    BUILTIN.update(load_state_dict=dist.load_state_dict, save_state_dict=dist.save_state_dict, load=paddle.load)
     if LIB == "dcp":
         import paddle_dcp
 
@@ -196,7 +198,7 @@ def run_training(resume_from=None) -> list:
     tr = trainer(1, os.path.join(HERE, "run"), [Record()])
     holder["trainer"] = tr
     tr.train(resume_from_checkpoint=resume_from)
-    return losses
+    return losses, tr
 
 
 def oracle() -> dict:
@@ -227,7 +229,7 @@ def losses_file(name: str) -> str:
 def train():
     def train_and_save():
         route()
-        losses = run_training()
+        losses, state["trainer"] = run_training()
         assert [s for s, _ in losses] == list(range(1, STEPS + 1)), losses
         with open(losses_file("full"), "w") as f:
             json.dump(losses, f)
@@ -236,12 +238,37 @@ def train():
             names = os.listdir(os.path.join(ckpt, part))
             assert [n for n in names if n.endswith(".metadata")] == ["0.metadata"], (part, names)
 
-    run_cases({"train_and_save": train_and_save}, [])
+    def metadata_same_as_paddles():
+        """What the Trainer reads from the metadata of checkpoint-6 (paddle.load, routed)
+        against paddle's own metadata of the same state saved by paddle's own save."""
+        tr = state["trainer"]
+        ckpt = os.path.join(HERE, "run", f"checkpoint-{STEPS}")
+        model_sd = tr.model.sharded_state_dict()
+        for part, sd in (("model_state", model_sd), ("optimizer_state", tr.optimizer.sharded_state_dict(model_sd))):
+            theirs_dir = os.path.join(HERE, f"paddle_{part}")
+            with on_host():
+                BUILTIN["save_state_dict"](sd, theirs_dir)
+            dist.barrier()
+            ours = paddle.load(os.path.join(ckpt, part, "0.metadata")).state_dict_metadata
+            theirs = BUILTIN["load"](os.path.join(theirs_dir, "0.metadata")).state_dict_metadata  # a pickle
+
+            def geometry(sdm):
+                return {k: {(tuple(m.global_offset), tuple(m.local_shape), m.dtype, tuple(m.global_shape)) for m in v}
+                        for k, v in sdm.items()}
+
+            assert geometry(ours) == geometry(theirs), part
+            assert len(ours) > 10, (part, len(ours))
+
+    state = {}
+    cases = {"train_and_save": train_and_save}
+    if LIB == "dcp":
+        cases["metadata_same_as_paddles"] = metadata_same_as_paddles
+    run_cases(cases, [])
 
 
 def resumed_losses_match(source: str, name: str):
     route()
-    losses = run_training(resume_from=source)
+    losses, _ = run_training(resume_from=source)
     with open(losses_file(name), "w") as f:
         json.dump(losses, f)
     with open(losses_file("full")) as f:
