@@ -34,11 +34,6 @@ from launcher import KnownBug, assert_passed, expect_known_bug, launch, run_laun
 
 PFORMERS = script("pformers.py")
 # Until paddle_dcp takes them, each phase may fail only with the refusal named here.
-SHARDED = ("of type ShardedWeight",)
-NEEDS_SHARDED = pytest.mark.xfail(
-    strict=True, raises=KnownBug,
-    reason="PaddleFormers saves and loads ShardedWeight state dicts: not in paddle_dcp yet",
-)
 HF = ("does not support aoa_config", "does not support safetensors", "of type ShardedWeight")
 NEEDS_HF = pytest.mark.xfail(
     strict=True, raises=KnownBug,
@@ -85,9 +80,8 @@ def test_from_pretrained_into_tensor_parallel_builtin(tmp_path):
     phases(tmp_path, "builtin", ["pretrained"])
 
 
-@NEEDS_SHARDED
 def test_trainer_resume_same_layout_and_other_tensor_parallel_degree_dcp(tmp_path):
-    root = phases(tmp_path, "dcp", ["train", "resume", "tp_reshard", "resume_tp"], known=SHARDED)
+    root = phases(tmp_path, "dcp", ["train", "resume", "tp_reshard", "resume_tp"])
     check_trainer_files(root)
     meta = (root / "run" / "checkpoint-3" / "model_state" / "0.metadata").read_bytes()
     assert meta.lstrip().startswith(b"{"), "the checkpoint is paddle_dcp's (JSON metadata)"
