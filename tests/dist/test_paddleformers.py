@@ -33,11 +33,11 @@ pytest.importorskip("paddleformers")
 from launcher import KnownBug, assert_passed, expect_known_bug, launch, run_launch, script  # noqa: E402
 
 PFORMERS = script("pformers.py")
-# Until paddle_dcp takes them, each phase may fail only with the refusal named here.
-HF = ("does not support aoa_config", "does not support safetensors", "of type ShardedWeight")
+# Until paddle_dcp takes it, the phase may fail only with this refusal.
+HF = ("does not support safetensors",)
 NEEDS_HF = pytest.mark.xfail(
     strict=True, raises=KnownBug,
-    reason="from_pretrained loads ShardedWeights from safetensors with an aoa_config: not in paddle_dcp yet",
+    reason="from_pretrained loads a Hugging Face safetensors directory (safetensors=True): not in paddle_dcp yet",
 )
 CASES = {
     "train": ["train_and_save"],
