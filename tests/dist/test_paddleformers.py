@@ -30,15 +30,9 @@ import pytest
 
 pytest.importorskip("paddleformers")
 
-from launcher import KnownBug, assert_passed, expect_known_bug, launch, run_launch, script  # noqa: E402
+from launcher import assert_passed, run_launch, script  # noqa: E402
 
 PFORMERS = script("pformers.py")
-# Until paddle_dcp takes it, the phase may fail only with this refusal.
-HF = ("does not support safetensors",)
-NEEDS_HF = pytest.mark.xfail(
-    strict=True, raises=KnownBug,
-    reason="from_pretrained loads a Hugging Face safetensors directory (safetensors=True): not in paddle_dcp yet",
-)
 CASES = {
     "train": ["train_and_save"],
     "resume": ["resume_losses_equal"],
@@ -52,16 +46,12 @@ def cases(lib, name):
     return CASES[name] + (["metadata_same_as_paddles"] if lib == "dcp" and name == "train" else [])
 
 
-def phases(tmp_path, lib, names, known=None, timeout=240):
-    """Run the phases in order, one launch each; with ``known``, a phase that fails with one of
-    those messages raises KnownBug (any other failure fails the test)."""
+def phases(tmp_path, lib, names, timeout=240):
+    """Run the phases in order, one launch each, every case passing on both ranks."""
     work = tmp_path / "work"
     for name in names:
         args = [work, lib, name]
-        if known is None:
-            assert_passed(run_launch(PFORMERS, 2, tmp_path, args=args, timeout=timeout), cases(lib, name), 2)
-        else:
-            expect_known_bug(launch(PFORMERS, 2, tmp_path, args, timeout), known, cases(lib, name), 2)
+        assert_passed(run_launch(PFORMERS, 2, tmp_path, args=args, timeout=timeout), cases(lib, name), 2)
     return work / lib
 
 
@@ -71,9 +61,8 @@ def check_trainer_files(root):
         assert (ckpt / part / "0.metadata").is_file(), part
 
 
-@NEEDS_HF
 def test_from_pretrained_into_tensor_parallel_dcp(tmp_path):
-    phases(tmp_path, "dcp", ["pretrained"], known=HF)
+    phases(tmp_path, "dcp", ["pretrained"])
 
 
 def test_from_pretrained_into_tensor_parallel_builtin(tmp_path):
