@@ -36,8 +36,9 @@ PFORMERS = script("pformers.py")
 CASES = {
     "train": ["train_and_save"],
     "resume": ["resume_losses_equal"],
-    "tp_reshard": ["tp2_loads_dp_checkpoint", "tp2_saves_with_its_own_functions"],
+    "tp_reshard": ["tp2_loads_dp_checkpoint", "tp2_saves_with_its_own_functions", "tp2_save_pretrained"],
     "resume_tp": ["resume_from_tp2_losses_equal"],
+    "hf_load": ["trainer_loads_hf_directory"],
     "pretrained": ["from_pretrained_routed"],
 }
 
@@ -70,12 +71,12 @@ def test_from_pretrained_into_tensor_parallel_builtin(tmp_path):
 
 
 def test_trainer_resume_same_layout_and_other_tensor_parallel_degree_dcp(tmp_path):
-    root = phases(tmp_path, "dcp", ["train", "resume", "tp_reshard", "resume_tp"])
+    root = phases(tmp_path, "dcp", ["train", "resume", "tp_reshard", "resume_tp", "hf_load"])
     check_trainer_files(root)
     meta = (root / "run" / "checkpoint-3" / "model_state" / "0.metadata").read_bytes()
     assert meta.lstrip().startswith(b"{"), "the checkpoint is paddle_dcp's (JSON metadata)"
 
 
 def test_trainer_resume_same_layout_and_other_tensor_parallel_degree_builtin(tmp_path):
-    root = phases(tmp_path, "builtin", ["train", "resume", "tp_reshard", "resume_tp"])
+    root = phases(tmp_path, "builtin", ["train", "resume", "tp_reshard", "resume_tp", "hf_load"])
     check_trainer_files(root)

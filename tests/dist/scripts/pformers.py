@@ -20,8 +20,12 @@ Phases (one launch each, 2 ranks, CPU, a tiny Llama built from a config: no down
   resume path (``_load_flex_checkpoint``: the metadata read, init_optimizer, the loads with
   comm_method / aoa_config / offload): every model and optimizer piece equals the oracle's;
   then its own ``_save_flex_model_state`` / ``_save_flex_optimizer_state`` write ``tp2-3``.
+  It also writes ``hf-3`` with ``save_pretrained`` (safetensors).
 - ``resume_tp``: a data-parallel run resumed from ``tp2-3`` (saved with tensor parallel 2):
   its losses equal the uninterrupted run's.
+- ``hf_load``: a data-parallel Trainer with ``load_from_hf`` takes ``hf-3`` through its resume
+  path (``load_state_dict(..., aoa_config=..., safetensors=True, comm_method=...,
+  worker_groups=...)``): every model piece equals the oracle's.
 """
 from __future__ import annotations
 
@@ -148,7 +152,7 @@ class Data(paddle.io.Dataset):
         return {"input_ids": x, "labels": x}
 
 
-def trainer(tp: int, out: str, callbacks=()):
+def trainer(tp: int, out: str, callbacks=(), **more):
     from paddleformers.trainer import Trainer, TrainingArguments
     from paddleformers.transformers import LlamaForCausalLM
 
@@ -162,6 +166,7 @@ def trainer(tp: int, out: str, callbacks=()):
         split_param=False,  # sharding v2 needs amp_master_grad, i.e. bf16 / fp16: no CPU matmul for them
         bf16=False, fp16=False, amp_master_grad=False,
         max_grad_norm=0.0,  # > 0 fails in _wrap_distributed_optimizer ('AdamW' object has no attribute '_inner_opt')
+        **more,
     )
     paddle.seed(1)
     model = LlamaForCausalLM(tiny_config(args.tensor_model_parallel_size))
@@ -312,8 +317,31 @@ def tp_reshard():
         tr._save_flex_model_state(target)
         tr._save_flex_optimizer_state(target)
 
+    def tp2_save_pretrained():
+        with on_host():  # PaddleFormers' own writer (paddle's full_param gather): not under test
+            state["trainer"].model.save_pretrained(os.path.join(HERE, f"hf-{SAVE_AT}"))
+
     run_cases({"tp2_loads_dp_checkpoint": tp2_loads_dp_checkpoint,
-               "tp2_saves_with_its_own_functions": tp2_saves_with_its_own_functions}, [])
+               "tp2_saves_with_its_own_functions": tp2_saves_with_its_own_functions,
+               "tp2_save_pretrained": tp2_save_pretrained}, [])
+
+
+def hf_load():
+    def trainer_loads_hf_directory():
+        route()
+        tr = trainer(1, os.path.join(HERE, "hf"), load_from_hf=True, ignore_load_lr_and_optim=True)
+        tr.create_optimizer_and_scheduler(num_training_steps=STEPS)
+        tr.model_wrapped = tr._wrap_model(tr.model_wrapped)
+        tr._load_flex_checkpoint(os.path.join(HERE, f"hf-{SAVE_AT}"))  # aoa_config + safetensors=True
+        whole = oracle()
+        model = {k: w for k, w in tr.model.sharded_state_dict().items()}
+        assert len(model) > 10 and all(k in whole for k in model), sorted(set(model) - set(whole))
+        for key, w in model.items():
+            a = local(w.local_tensor)
+            want = whole[key][tuple(slice(o, o + n) for o, n in zip(w.global_offset, a.shape))]
+            assert_equal(a, want, key)
+
+    run_cases({"trainer_loads_hf_directory": trainer_loads_hf_directory}, [])
 
 
 def resume_tp():
@@ -324,4 +352,4 @@ def resume_tp():
 if __name__ == "__main__":
     os.makedirs(HERE, exist_ok=True)
     {"pretrained": pretrained, "train": train, "resume": resume, "tp_reshard": tp_reshard,
-     "resume_tp": resume_tp}[PHASE]()
+     "resume_tp": resume_tp, "hf_load": hf_load}[PHASE]()
