@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core.naming import METADATA_RE
-from .errors import UnsupportedError
+from .errors import ArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def read_state_dict_metadata(path: str, unique_id: int | None = None) -> StateDi
     Raises:
         FormatError: no complete checkpoint, or damaged metadata.
         StorageError: no metadata file for ``unique_id``.
-        UnsupportedError: a ``unique_id`` other than the metadata file's.
+        ArgumentError: a ``unique_id`` other than the metadata file's.
     """
     from .api import read_metadata
 
@@ -119,7 +119,7 @@ def read_state_dict_metadata(path: str, unique_id: int | None = None) -> StateDi
     match = METADATA_RE.match(os.path.basename(path))
     if match and os.path.isfile(path):
         if unique_id is not None and unique_id != int(match.group(1)):
-            raise UnsupportedError(f"{path} is checkpoint {match.group(1)}, not unique_id={unique_id}")
+            raise ArgumentError(f"{path} is checkpoint {match.group(1)}, not unique_id={unique_id}")
         path, unique_id = os.path.dirname(path) or ".", int(match.group(1))
     return state_dict_metadata(read_metadata(path, unique_id))
 
@@ -144,7 +144,7 @@ def _paddle_load_routed(original):
     def load(path, **configs):
         if is_dcp_metadata_file(path):
             if configs:
-                raise UnsupportedError(f"{path}: paddle_dcp metadata is read without options, got {sorted(configs)}")
+                raise ArgumentError(f"{path}: paddle_dcp metadata is read without options, got {sorted(configs)}")
             return read_state_dict_metadata(path)
         return original(path, **configs)
 
