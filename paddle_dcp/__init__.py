@@ -21,6 +21,7 @@ from .errors import (
 )
 from .gather import save_gathered
 from .core.metadata import FORMAT_VERSION
+from .patching import PaddlePatch, StateDictMetadata, patch_paddle, read_state_dict_metadata
 from .training import get_state_dict, set_state_dict
 from .version import __version__
 
@@ -33,6 +34,10 @@ __all__ = [
     "save_gathered",
     "get_state_dict",
     "set_state_dict",
+    "patch_paddle",
+    "PaddlePatch",
+    "read_state_dict_metadata",
+    "StateDictMetadata",
     "DcpError",
     "ArgumentError",
     "FormatError",

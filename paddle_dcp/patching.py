@@ -1,0 +1,228 @@
+"""patch_paddle: route paddle.distributed's and flex_checkpoint's save/load to paddle_dcp.
+
+What :func:`patch_paddle` replaces, in every module loaded when it is called:
+
+- paddle's ``save_state_dict`` (defined in ``paddle.distributed.flex_checkpoint.dcp.save_state_dict``,
+  re-exported as ``paddle.distributed.save_state_dict``) -> :func:`paddle_dcp.save_state_dict`;
+- paddle's ``load_state_dict`` (defined in ``paddle.distributed.flex_checkpoint.dcp.load_state_dict``,
+  re-exported as ``paddle.distributed.load_state_dict``) -> :func:`paddle_dcp.load_state_dict`;
+- ``paddle.load`` (defined in ``paddle.framework.io``) -> the same function, except that a
+  paddle_dcp ``{id}.metadata`` file (JSON, where paddle's is a pickle) gives
+  :func:`read_state_dict_metadata` instead of failing to unpickle.
+
+Every module attribute named ``save_state_dict``, ``load_state_dict`` or ``load`` that holds
+paddle's function of that name is replaced (``paddle.distributed.load_state_dict``,
+``paddle.load``, ``paddle.framework.load``, a ``from paddle.distributed import
+load_state_dict`` in user code...), so code that looks the name up at call time (PaddleFormers'
+``dist.load_state_dict(...)``, ``paddle.load(...)``) and code that imported it by name both
+reach paddle_dcp; so do paddle's own helpers that call ``load_state_dict`` from their module
+(``load_merged_state_dict``). Other references are left alone on purpose: a name bound under
+another name (``import ... as``, ``builtin_load = dist.load_state_dict``: a way to keep
+paddle's own), an object's attribute, a default argument or a closure made before the call
+(patch before building them).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .core.naming import METADATA_RE
+from .errors import ArgumentError
+
+logger = logging.getLogger(__name__)
+
+# (defining module, attribute): paddle's function that a route replaces
+_SAVE = ("paddle.distributed.flex_checkpoint.dcp.save_state_dict", "save_state_dict")
+_LOAD = ("paddle.distributed.flex_checkpoint.dcp.load_state_dict", "load_state_dict")
+_PADDLE_LOAD = ("paddle.framework.io", "load")
+_ORIGINALS: dict[tuple[str, str], Any] = {}  # paddle's own functions, found once
+_REPLACEMENTS: dict[tuple[str, str], Any] = {}
+
+
+# ============================================================ the metadata without pickle
+@dataclass(frozen=True)
+class TensorPieceMetadata:
+    """One saved piece of a tensor, with the fields of paddle's ``LocalTensorMetadata``.
+
+    Attributes:
+        global_offset: where the piece starts in the whole tensor, in elements per dim.
+        local_shape: the piece's shape, in elements.
+        dtype: paddle's dtype name (``"float32"``, ``"bfloat16"``...).
+        global_shape: the whole tensor's shape, in elements.
+        is_flattened: always False (paddle_dcp saves pieces in their shape).
+        flattened_range: always None.
+    """
+
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    global_shape: tuple[int, ...]
+    is_flattened: bool = False
+    flattened_range: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class StateDictMetadata:
+    """What paddle's pickled ``Metadata`` tells about tensors, read from paddle_dcp's JSON.
+
+    Attributes:
+        state_dict_metadata: flat key -> its saved pieces, as paddle's attribute of that name.
+        unique_id: the checkpoint's id.
+    """
+
+    state_dict_metadata: dict[str, list[TensorPieceMetadata]]
+    unique_id: int
+
+
+def state_dict_metadata(meta) -> StateDictMetadata:
+    """paddle's ``Metadata.state_dict_metadata`` shape, built from a paddle_dcp Metadata."""
+    out: dict[str, list[TensorPieceMetadata]] = {}
+    for key in meta.tensors:
+        entry = meta.tensors[key]
+        pieces = entry.pieces
+        out[key] = [
+            TensorPieceMetadata(
+                global_offset=tuple(int(x) for x in pieces.offsets[i]),
+                local_shape=tuple(int(x) for x in pieces.shapes[i]),
+                dtype=entry.dtype,
+                global_shape=tuple(entry.shape),
+            )
+            for i in range(pieces.count)
+        ]
+    return StateDictMetadata(out, meta.unique_id)
+
+
+def read_state_dict_metadata(path: str, unique_id: int | None = None) -> StateDictMetadata:
+    """The tensors of a checkpoint in the shape of paddle's ``Metadata.state_dict_metadata``,
+    from paddle_dcp's JSON metadata (no pickle).
+
+    PaddleFormers' Trainer reads ``paddle.load(".../0.metadata").state_dict_metadata`` before
+    it loads a flex checkpoint (to create the optimizer's states); under :func:`patch_paddle`
+    that call returns this.
+
+    Args:
+        path: a checkpoint directory, or its ``{id}.metadata`` file.
+        unique_id: which checkpoint of a directory (default: the highest complete one); for
+            a file, its name gives it (another one is refused).
+
+    Raises:
+        FormatError: no complete checkpoint, or damaged metadata.
+        StorageError: no metadata file for ``unique_id``.
+        ArgumentError: a ``unique_id`` other than the metadata file's.
+    """
+    from .api import read_metadata
+
+    path = os.fspath(path)
+    match = METADATA_RE.match(os.path.basename(path))
+    if match and os.path.isfile(path):
+        if unique_id is not None and unique_id != int(match.group(1)):
+            raise ArgumentError(f"{path} is checkpoint {match.group(1)}, not unique_id={unique_id}")
+        path, unique_id = os.path.dirname(path) or ".", int(match.group(1))
+    return state_dict_metadata(read_metadata(path, unique_id))
+
+
+def is_dcp_metadata_file(path: Any) -> bool:
+    """True for a paddle_dcp ``{id}.metadata`` file (JSON; paddle's own is a pickle)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = os.fspath(path)
+    if not isinstance(path, str) or not METADATA_RE.match(os.path.basename(path)):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64).lstrip()
+    except OSError:
+        return False
+    return head.startswith(b"{")
+
+
+# ============================================================ the patch
+def _paddle_load_routed(original):
+    def load(path, **configs):
+        if is_dcp_metadata_file(path):
+            if configs:
+                raise ArgumentError(f"{path}: paddle_dcp metadata is read without options, got {sorted(configs)}")
+            return read_state_dict_metadata(path)
+        return original(path, **configs)
+
+    load.__wrapped__ = original
+    load.__doc__ = "paddle.load, except that a paddle_dcp metadata file gives paddle_dcp.read_state_dict_metadata(path)."
+    return load
+
+
+def _routes() -> dict[tuple[str, str], tuple[Any, Any]]:
+    """(defining module, name) -> (paddle's function, its replacement)."""
+    import importlib
+
+    from . import api
+
+    if not _ORIGINALS:
+        for route in (_SAVE, _LOAD, _PADDLE_LOAD):
+            _ORIGINALS[route] = getattr(importlib.import_module(route[0]), route[1])
+        _REPLACEMENTS[_SAVE] = api.save_state_dict
+        _REPLACEMENTS[_LOAD] = api.load_state_dict
+        _REPLACEMENTS[_PADDLE_LOAD] = _paddle_load_routed(_ORIGINALS[_PADDLE_LOAD])
+    return {route: (_ORIGINALS[route], _REPLACEMENTS[route]) for route in _ORIGINALS}
+
+
+class PaddlePatch:
+    """The replacements made by :func:`patch_paddle`; ``undo()`` (or leaving a ``with``
+    block) puts paddle's functions back."""
+
+    def __init__(self, changes: list[tuple[Any, str, Any, Any]]):
+        self._changes = changes  # (module, attribute, paddle's function, replacement)
+
+    @property
+    def replaced(self) -> list[str]:
+        """``module.attribute`` of every name this patch replaced, sorted."""
+        return sorted(f"{m.__name__}.{name}" for m, name, _, _ in self._changes)
+
+    def undo(self) -> None:
+        """Restore paddle's functions where this patch put ours (a name set to something else
+        since is left alone). Calling it again does nothing."""
+        for module, name, original, replacement in reversed(self._changes):
+            if vars(module).get(name) is replacement:
+                setattr(module, name, original)
+        self._changes = []
+
+    def __enter__(self) -> "PaddlePatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def patch_paddle() -> PaddlePatch:
+    """Point paddle.distributed's and flex_checkpoint's save/load (and ``paddle.load`` of a
+    paddle_dcp metadata file) at paddle_dcp, in every module loaded now.
+
+    Replaced, wherever a loaded module binds them under their own names (see the module
+    docstring for what is and is not reached):
+    paddle's ``save_state_dict`` -> :func:`paddle_dcp.save_state_dict`, paddle's
+    ``load_state_dict`` -> :func:`paddle_dcp.load_state_dict`, and ``paddle.load`` -> itself
+    except for a paddle_dcp ``{id}.metadata`` file, which gives
+    :func:`read_state_dict_metadata` (what PaddleFormers' Trainer reads from paddle's pickled
+    metadata before it resumes). Modules imported later that take the names from paddle get
+    paddle_dcp's. Call it before building objects that keep a reference (PaddleFormers'
+    Trainer keeps ``dist.load_state_dict`` in ``_load_ckpt_func`` when it is built).
+
+    Returns:
+        a :class:`PaddlePatch`: ``undo()`` restores paddle's functions; also a context
+        manager (``with paddle_dcp.patch_paddle(): ...``) that restores them on exit.
+    """
+    routes = _routes()
+    changes = []
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict):
+            continue
+        for (_, name), (original, replacement) in routes.items():
+            if names.get(name) is original:
+                setattr(module, name, replacement)
+                changes.append((module, name, original, replacement))
+    patch = PaddlePatch(changes)
+    logger.info("paddle_dcp routes %d names to itself: %s", len(changes), ", ".join(patch.replaced))
+    return patch
