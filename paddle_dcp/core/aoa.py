@@ -21,7 +21,7 @@ from .boxes import Box
 from .dtypes import cast, storage_dtype
 from ..errors import MismatchError, PlanError, UnsupportedError
 from .metadata import Metadata
-from .planner import TargetPiece
+from .load_plan import TargetPiece
 
 
 @dataclass(frozen=True)

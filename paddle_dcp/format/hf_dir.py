@@ -28,7 +28,7 @@ from ..core.dtypes import itemsize
 from ..errors import DcpError, FormatError, StorageError
 from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
 from ..core.naming import data_file_name, parse_data_name
-from ..core.planner import SavePlan
+from ..core.save_plan import SavePlan
 from .safetensors import MAX_HEADER_BYTES, Header, code_of, encode_header, read_header
 
 logger = logging.getLogger(__name__)
