@@ -9,7 +9,7 @@ with numpy and grows as O(pieces log pieces).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
@@ -170,8 +170,51 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
         PlanError: the distinct pieces of a key do not tile it exactly.
     """
     summaries = sorted(summaries, key=lambda s: s.rank)
-    # -- distinct layouts: keys, dtypes and shapes checked once per distinct header
-    key_info: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    key_info, layouts, skeleton = _distinct_layouts(summaries)
+    keys_sorted = tuple(sorted(key_info))
+    key_id = {k: i for i, k in enumerate(keys_sorted)}
+    max_nd = max((len(info[1]) for info in key_info.values()), default=0)
+    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
+    table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
+    pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
+    p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
+    isz = np.array([itemsize(key_info[k][0]) for k in keys_sorted], dtype=np.int64)
+    nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
+    if len(p_key):
+        masked = np.where(np.arange(max_nd)[None, :] < nds[p_key][:, None], p_shape, 1)
+        p_nbytes = np.prod(masked, axis=1, dtype=np.int64) * isz[p_key]
+    else:
+        p_nbytes = np.zeros(0, np.int64)
+    _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas)
+    p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
+    p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
+    return SavePlan(
+        keys=keys_sorted,
+        dtypes=tuple(key_info[k][0] for k in keys_sorted),
+        shapes=tuple(key_info[k][1] for k in keys_sorted),
+        piece_key=p_key,
+        piece_offsets=pieces.uniq[:, 1 : 1 + max_nd],
+        piece_shapes=p_shape,
+        piece_writer=p_writer,
+        piece_leaf=p_leaf,
+        piece_nbytes=p_nbytes,
+        piece_byte_offset=p_byte_offset,
+        writes=writes,
+        file_bytes=file_bytes,
+        skeleton=skeleton if skeleton is not None else {"d": []},
+        replicas=replicas,
+    )
+
+
+_KeyInfo = Dict[str, Tuple[str, Tuple[int, ...], int]]  # key -> (dtype, shape, first rank)
+
+
+def _distinct_layouts(
+    summaries: Sequence[SaveSummary],
+) -> tuple[_KeyInfo, dict[object, tuple[list[str], SaveSummary]], dict | None]:
+    """Keys, dtypes and shapes checked once per distinct header: (key -> (dtype, shape, first
+    rank), header -> (its keys, a summary), the merged skeleton)."""
+    key_info: _KeyInfo = {}
     layouts: dict[object, tuple[list[str], SaveSummary]] = {}
     skeleton = None
     for s in summaries:
@@ -192,13 +235,15 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
                     f"{key}: rank {seen[2]} holds dtype {seen[0]} shape {seen[1]}, "
                     f"rank {s.rank} holds dtype {dtype} shape {shape}"
                 )
-    keys_sorted = tuple(sorted(key_info))
-    key_id = {k: i for i, k in enumerate(keys_sorted)}
-    max_nd = max((len(info[1]) for info in key_info.values()), default=0)
-    width = 1 + 2 * max_nd
+    return key_info, layouts, skeleton
 
-    # -- one row per held piece: [key_id, offsets(max_nd), shape(max_nd)] + rank, leaf
-    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
+
+def _held_rows(
+    summaries: Sequence[SaveSummary], layout_ids: dict[object, np.ndarray], max_nd: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row per held piece, ``[key_id, offsets(max_nd), shape(max_nd)]``, with the rank
+    holding it and its row in that rank's summary."""
+    width = 1 + 2 * max_nd
     rows, ranks, leaves = [], [], []
     for s in summaries:
         hid = s.header_id if s.header_id is not None else id(s)
@@ -215,15 +260,36 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
         rows.append(block)
         ranks.append(np.full(len(present), s.rank, dtype=np.int64))
         leaves.append(present.astype(np.int64))
-    if rows:
-        table = np.concatenate(rows)
-        row_rank = np.concatenate(ranks)
-        row_leaf = np.concatenate(leaves)
-    else:
-        table = np.zeros((0, width), np.int64)
-        row_rank = row_leaf = np.zeros(0, np.int64)
+    if not rows:
+        return np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(ranks), np.concatenate(leaves)
 
-    # -- distinct pieces, sorted by (key, offsets, shape); rows grouped per piece by rank
+
+@dataclass(frozen=True, eq=False)
+class _Pieces:
+    """The distinct pieces, sorted by (key, offsets, shape), and their holders.
+
+    Attributes:
+        uniq: (pieces, 1 + 2 * max_nd) rows ``[key_id, offsets, shape]``.
+        group_start / counts: where each piece's holders start in the sorted rows, how many.
+        new_group: per sorted row, true where a distinct box starts.
+        holders_rank / holders_leaf: per sorted row, the holder and its summary row.
+    """
+
+    uniq: np.ndarray
+    group_start: np.ndarray
+    counts: np.ndarray
+    new_group: np.ndarray
+    holders_rank: np.ndarray
+    holders_leaf: np.ndarray
+
+
+def _distinct_pieces(
+    table: np.ndarray, row_rank: np.ndarray, row_leaf: np.ndarray, max_nd: int, replicas: bool
+) -> _Pieces:
+    """Group the held rows by piece, each group by rank; with ``replicas`` every held row is
+    a piece of its own, written by its holder."""
+    width = 1 + 2 * max_nd
     order = np.lexsort((row_rank,) + tuple(table[:, c] for c in reversed(range(width))))
     t_sorted = table[order]
     new_group = np.ones(len(order), dtype=bool)
@@ -232,35 +298,32 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
     group_start = np.flatnonzero(new_group)
     uniq = t_sorted[group_start]
     counts = np.diff(np.concatenate([group_start, [len(order)]]))
-    holders_rank = row_rank[order]
-    holders_leaf = row_leaf[order]
-
-    if replicas:  # every held row is a piece of its own, written by its holder
+    if replicas:
         uniq, group_start, counts = t_sorted, np.arange(len(order)), np.ones(len(order), dtype=np.int64)
-    n = len(uniq)
-    p_key = uniq[:, 0] if n else np.zeros(0, np.int64)
-    p_off = uniq[:, 1 : 1 + max_nd]
-    p_shape = uniq[:, 1 + max_nd :]
-    isz = np.array([itemsize(key_info[k][0]) for k in keys_sorted], dtype=np.int64)
-    nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
-    if n:
-        masked = np.where(np.arange(max_nd)[None, :] < nds[p_key][:, None], p_shape, 1)
-        p_nbytes = np.prod(masked, axis=1, dtype=np.int64) * isz[p_key]
-    else:
-        p_nbytes = np.zeros(0, np.int64)
+    return _Pieces(uniq, group_start, counts, new_group, row_rank[order], row_leaf[order])
 
-    # -- tiling of every key by its distinct pieces
+
+def _check_tilings(
+    keys_sorted: Sequence[str], key_info: _KeyInfo, nds: np.ndarray, pieces: _Pieces, max_nd: int, replicas: bool
+) -> None:
+    """Raise PlanError unless the distinct pieces of every key tile it exactly."""
+    p_key = pieces.uniq[:, 0]
+    p_off, p_shape = pieces.uniq[:, 1 : 1 + max_nd], pieces.uniq[:, 1 + max_nd :]
     bounds = np.searchsorted(p_key, np.arange(len(keys_sorted) + 1))
     for k, key in enumerate(keys_sorted):
         nd = int(nds[k])
         lo, hi = bounds[k], bounds[k + 1]
-        distinct = np.flatnonzero(new_group[lo:hi]) + lo if replicas else slice(lo, hi)  # copies: one box
+        distinct = np.flatnonzero(pieces.new_group[lo:hi]) + lo if replicas else slice(lo, hi)  # copies: one box
         check_tiling(key, key_info[key][1], p_off[distinct, :nd], p_shape[distinct, :nd])
 
-    # -- writers: single holders first, then the rest largest first to the least loaded
+
+def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The writer of every piece and its row in the writer's summary: single holders first,
+    then the rest largest first to the least loaded holder."""
+    group_start, counts = pieces.group_start, pieces.counts
     writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
-    all_ranks = np.unique(holders_rank)
-    dense_holders = np.searchsorted(all_ranks, holders_rank)
+    all_ranks = np.unique(pieces.holders_rank)
+    dense_holders = np.searchsorted(all_ranks, pieces.holders_rank)
     dense = np.zeros(len(all_ranks), dtype=np.int64)  # bytes each holder writes so far
     single = counts == 1
     np.add.at(dense, dense_holders[group_start[single]], p_nbytes[single])
@@ -272,42 +335,33 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
         j = int(np.argmin(dense[hs]))  # holders are sorted by rank: ties go to the lowest
         dense[hs[j]] += p_nbytes[u]
         writer_pos[u] = lo + j
-    p_writer = holders_rank[writer_pos]
-    p_leaf = holders_leaf[writer_pos]
+    return pieces.holders_rank[writer_pos], pieces.holders_leaf[writer_pos]
 
-    # -- every writer's file: its pieces in leaf order, back to back (as layout_offsets)
+
+def _file_layouts(
+    p_writer: np.ndarray, p_leaf: np.ndarray, p_nbytes: np.ndarray
+) -> tuple[np.ndarray, dict[int, np.ndarray], dict[int, int]]:
+    """Every writer's file: its pieces in leaf order, back to back (as layout_offsets). Returns
+    each piece's byte offset, writer -> its rows in file order, writer -> its file's size."""
+    n = len(p_writer)
     p_byte_offset = np.zeros(n, dtype=np.int64)
     writes: dict[int, np.ndarray] = {}
     file_bytes: dict[int, int] = {}
-    if n:
-        order = np.lexsort((p_leaf, p_writer))
-        w_sorted = p_writer[order]
-        first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
-        padded = -(-p_nbytes[order] // ALIGNMENT) * ALIGNMENT
-        starts = np.cumsum(padded) - padded
-        group = np.cumsum(np.isin(np.arange(n), first)) - 1  # which writer each row belongs to
-        p_byte_offset[order] = starts - starts[first][group]
-        last = np.concatenate([first[1:], [n]]) - 1
-        ends = p_byte_offset[order][last] + p_nbytes[order][last]
-        for r, lo, hi, end in zip(w_sorted[first].tolist(), first.tolist(), (last + 1).tolist(), ends.tolist()):
-            writes[r] = p_leaf[order[lo:hi]]
-            file_bytes[r] = end
-    return SavePlan(
-        keys=keys_sorted,
-        dtypes=tuple(key_info[k][0] for k in keys_sorted),
-        shapes=tuple(key_info[k][1] for k in keys_sorted),
-        piece_key=p_key,
-        piece_offsets=p_off,
-        piece_shapes=p_shape,
-        piece_writer=p_writer,
-        piece_leaf=p_leaf,
-        piece_nbytes=p_nbytes,
-        piece_byte_offset=p_byte_offset,
-        writes=writes,
-        file_bytes=file_bytes,
-        skeleton=skeleton if skeleton is not None else {"d": []},
-        replicas=replicas,
-    )
+    if not n:
+        return p_byte_offset, writes, file_bytes
+    order = np.lexsort((p_leaf, p_writer))
+    w_sorted = p_writer[order]
+    first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
+    padded = -(-p_nbytes[order] // ALIGNMENT) * ALIGNMENT
+    starts = np.cumsum(padded) - padded
+    group = np.cumsum(np.isin(np.arange(n), first)) - 1  # which writer each row belongs to
+    p_byte_offset[order] = starts - starts[first][group]
+    last = np.concatenate([first[1:], [n]]) - 1
+    ends = p_byte_offset[order][last] + p_nbytes[order][last]
+    for r, lo, hi, end in zip(w_sorted[first].tolist(), first.tolist(), (last + 1).tolist(), ends.tolist()):
+        writes[r] = p_leaf[order[lo:hi]]
+        file_bytes[r] = end
+    return p_byte_offset, writes, file_bytes
 
 
 def _checked_rows(s: SaveSummary, leaves: int) -> np.ndarray:
