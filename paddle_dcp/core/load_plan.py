@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import add, sub
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -168,82 +168,112 @@ def plan_reads(
         PlanError: the checkpoint's pieces do not cover a target exactly.
     """
     check_targets(meta, targets)
-    block = meta.block_bytes
-    max_read_bytes = max(max_read_bytes, 2 * block + 64)
+    max_read_bytes = max(max_read_bytes, 2 * meta.block_bytes + 64)
     if slots is not None and len(slots) != len(targets):
         raise ValueError(f"{len(slots)} slots for {len(targets)} targets")
-    segments: list[tuple[int, int, int, Segment, bool, bool]] = []
+    segments: list[_Found] = []
     starts_cache: dict[str, np.ndarray] = {}
     for ti, t in enumerate(targets):
-        slot = ti if slots is None else slots[ti]
-        entry = meta.tensors[t.key]
-        tbox = t.box
-        if 0 in tbox.shape:  # an empty target reads nothing
+        if 0 in t.box.shape:  # an empty target reads nothing
             continue
-        isz = entry.itemsize
         starts = starts_cache.get(t.key)
         if starts is None:
-            starts = starts_cache[t.key] = entry.block_starts()
-        hits = overlapping_pieces(entry, tbox)
-        if meta.replicas:
-            hits = pick_replicas(entry, hits, readable)
-        if len(hits) == 1:
-            piece = entry.piece(int(hits[0]), starts)
-            if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
-                # the target is exactly one saved piece (a load into the layout that saved, or
-                # a scalar): one exact segment, no arithmetic on regions
-                whole = Box((0,) * tbox.ndim, tbox.shape)
-                seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, whole, whole),))
-                segments.append((piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes))
-                continue
-        _check_disjoint(entry, tbox, hits)
-        max_elems = max(1, (max_read_bytes - 2 * block) // isz)
-        t_strides = c_strides(tbox.shape)
-        covered = 0
-        for i in hits.tolist():
-            piece = entry.piece(i, starts)
-            pbox = piece.box
-            overlap = pbox.intersect(tbox)
-            if overlap is None:
-                continue
-            covered += overlap.volume
-            in_saved = overlap.relative_to(pbox)
-            in_target = overlap.relative_to(tbox)
-            p_strides = c_strides(pbox.shape)
-            first, stop = strided_span(in_saved.offsets, in_saved.shape, p_strides)
-            if stop - first <= max_elems:
-                parts = [(in_saved, in_target, first, stop)]
-            else:  # cut along the outer dims into reads of at most max_read_bytes
-                parts = []
-                for part in split_region(in_saved, max_elems, pbox.shape):
-                    shift = tuple(map(sub, part.offsets, in_saved.offsets))
-                    part_in_target = Box(tuple(map(add, in_target.offsets, shift)), part.shape)
-                    parts.append((part, part_in_target, *strided_span(part.offsets, part.shape, p_strides)))
-            for part, part_in_target, first, stop in parts:
-                b0 = (first * isz) // block * block
-                b1 = min(-(-(stop * isz) // block) * block, piece.nbytes)
-                seg = Segment(
-                    piece=piece,
-                    start=piece.byte_offset + b0,
-                    stop=piece.byte_offset + b1,
-                    copies=(Copy(slot, part, part_in_target),),
-                )
-                exact = b0 == first * isz and b1 == stop * isz and stop - first == part.volume
-                if exact:
-                    t_first, t_stop = strided_span(part_in_target.offsets, part.shape, t_strides)
-                    exact = t_stop - t_first == part.volume
-                alone = exact and (b1 - b0) >= direct_min_bytes
-                segments.append((piece.file, seg.start, seg.stop, seg, exact, alone))
-        if covered != tbox.volume:
-            raise PlanError(
-                f"{t.key}: the checkpoint's pieces cover {covered} of the {tbox.volume} elements "
-                f"of the target box {tbox}"
+            starts = starts_cache[t.key] = meta.tensors[t.key].block_starts()
+        slot = ti if slots is None else slots[ti]
+        segments.extend(_target_segments(meta, t, slot, starts, max_read_bytes, direct_min_bytes, readable))
+    return _coalesce(segments, coalesce_gap, max_read_bytes)
+
+
+# a segment found: (file, start, stop, segment, exact, alone); ``exact``: one contiguous
+# region into a contiguous region; ``alone``: exact and large enough to be read by itself
+_Found = Tuple[int, int, int, Segment, bool, bool]
+
+
+def _target_segments(
+    meta: Metadata,
+    t: TargetPiece,
+    slot: int,
+    starts: np.ndarray,
+    max_read_bytes: int,
+    direct_min_bytes: int,
+    readable: np.ndarray | None,
+) -> list[_Found]:
+    """The segments that fill target ``t`` (copies named ``slot``), checked to cover it."""
+    block = meta.block_bytes
+    entry = meta.tensors[t.key]
+    tbox = t.box
+    isz = entry.itemsize
+    hits = overlapping_pieces(entry, tbox)
+    if meta.replicas:
+        hits = pick_replicas(entry, hits, readable)
+    if len(hits) == 1:
+        piece = entry.piece(int(hits[0]), starts)
+        if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
+            # the target is exactly one saved piece (a load into the layout that saved, or
+            # a scalar): one exact segment, no arithmetic on regions
+            whole = Box((0,) * tbox.ndim, tbox.shape)
+            seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, whole, whole),))
+            return [(piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes)]
+    _check_disjoint(entry, tbox, hits)
+    max_elems = max(1, (max_read_bytes - 2 * block) // isz)
+    t_strides = c_strides(tbox.shape)
+    found: list[_Found] = []
+    covered = 0
+    for i in hits.tolist():
+        piece = entry.piece(i, starts)
+        pbox = piece.box
+        overlap = pbox.intersect(tbox)
+        if overlap is None:
+            continue
+        covered += overlap.volume
+        for part, part_in_target, first, stop in _parts(overlap, pbox, tbox, max_elems):
+            b0 = (first * isz) // block * block
+            b1 = min(-(-(stop * isz) // block) * block, piece.nbytes)
+            seg = Segment(
+                piece=piece,
+                start=piece.byte_offset + b0,
+                stop=piece.byte_offset + b1,
+                copies=(Copy(slot, part, part_in_target),),
             )
+            exact = b0 == first * isz and b1 == stop * isz and stop - first == part.volume
+            if exact:
+                t_first, t_stop = strided_span(part_in_target.offsets, part.shape, t_strides)
+                exact = t_stop - t_first == part.volume
+            alone = exact and (b1 - b0) >= direct_min_bytes
+            found.append((piece.file, seg.start, seg.stop, seg, exact, alone))
+    if covered != tbox.volume:
+        raise PlanError(
+            f"{t.key}: the checkpoint's pieces cover {covered} of the {tbox.volume} elements "
+            f"of the target box {tbox}"
+        )
+    return found
+
+
+def _parts(overlap: Box, pbox: Box, tbox: Box, max_elems: int) -> list[tuple[Box, Box, int, int]]:
+    """The overlap of a saved piece ``pbox`` and a target ``tbox`` as (region in saved, region
+    in target, first and stop element in the saved piece), cut along the outer dims into parts
+    of at most ``max_elems`` elements of span."""
+    in_saved = overlap.relative_to(pbox)
+    in_target = overlap.relative_to(tbox)
+    p_strides = c_strides(pbox.shape)
+    first, stop = strided_span(in_saved.offsets, in_saved.shape, p_strides)
+    if stop - first <= max_elems:
+        return [(in_saved, in_target, first, stop)]
+    parts = []
+    for part in split_region(in_saved, max_elems, pbox.shape):
+        shift = tuple(map(sub, part.offsets, in_saved.offsets))
+        part_in_target = Box(tuple(map(add, in_target.offsets, shift)), part.shape)
+        parts.append((part, part_in_target, *strided_span(part.offsets, part.shape, p_strides)))
+    return parts
+
+
+def _coalesce(segments: list[_Found], coalesce_gap: int, max_read_bytes: int) -> list[ReadOp]:
+    """Sort the segments by file and offset and merge neighbours into reads."""
     segments.sort(key=lambda s: (s[0], s[1]))
     ops: list[ReadOp] = []
-    group: list[tuple[int, int, int, Segment, bool, bool]] = []
+    group: list[_Found] = []
 
-    def flush():
+    def flush() -> None:
         if not group:
             return
         f, start = group[0][0], group[0][1]
