@@ -106,16 +106,9 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
 
 
 def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: int = MAX_METADATA_BYTES) -> Metadata:
-    if not isinstance(doc, dict):
-        raise FormatError(f"{source}: metadata must be a JSON object")
-    if doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{source}: not a paddle_dcp metadata file (format={str(doc.get('format'))[:40]!r})")
-    version = doc.get("format_version")
-    if type(version) is not int or version not in SUPPORTED_VERSIONS:
-        raise FormatError(
-            f"{source}: format_version {str(version)[:20]!r} is not supported; this paddle_dcp "
-            f"reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}"
-        )
+    """The metadata of the JSON document ``doc``: header, files and structure validated now,
+    tensor entries when first used (all of them at once by :meth:`Metadata.validate`)."""
+    version = _check_format(doc, source)
     unique_id = _int(doc["unique_id"], "unique_id")
     world_size = _int(doc["world_size"], "world_size", 1, 1 << 24)
     checksum = doc["checksum"]
@@ -126,31 +119,16 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
     created_by = doc.get("created_by", "")
     if not isinstance(created_by, str):
         raise FormatError(f"{source}: created_by must be a string")
-
-    files_doc = doc["files"]
-    if not isinstance(files_doc, list):
-        raise FormatError(f"{source}: files must be a list")
-    files = []
-    seen_names = set()
-    for i, f in enumerate(files_doc):
-        name = check_file_name(f["name"], f"{source}: files[{i}]")
-        if name in seen_names:
-            raise FormatError(f"{source}: file {name!r} is listed twice")
-        seen_names.add(name)
-        files.append(FileEntry(name, _int(f["bytes"], f"files[{i}].bytes")))
+    files = _parse_files(doc["files"], source)
     file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
-
     tensors_doc = doc["tensors"]
     if not isinstance(tensors_doc, dict):
         raise FormatError(f"{source}: tensors must be an object")
-    subset = doc.get("subset", False)
-    if type(subset) is not bool:
-        raise FormatError(f"{source}: subset must be true or false")
+    subset = _flag(doc, "subset", source)
     if subset and not allow_subset:
         raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
-    replicas = doc.get("replicas", False)
-    if type(replicas) is not bool:
-        raise FormatError(f"{source}: replicas must be true or false")
+    replicas = _flag(doc, "replicas", source)
+
     def parse_tensor(key: str, t: Any) -> TensorEntry:
         try:
             return _parse_tensor(
@@ -169,8 +147,63 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
         return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size)
 
     tensors = _LazyTensors(tensors_doc, parse_tensor, parse_many)
-
     structure = doc["structure"]
+    _check_structure(structure, tensors, source)
+    return Metadata(
+        unique_id=unique_id,
+        world_size=world_size,
+        files=files,
+        tensors=tensors,
+        structure=structure,
+        block_bytes=block_bytes,
+        checksum_algorithm=algorithm,
+        created_by=created_by,
+        format_version=version,
+        subset=subset,
+        replicas=replicas,
+    )
+
+
+def _check_format(doc: Any, source: str) -> int:
+    """The document's format version, checked to be one this code reads."""
+    if not isinstance(doc, dict):
+        raise FormatError(f"{source}: metadata must be a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise FormatError(f"{source}: not a paddle_dcp metadata file (format={str(doc.get('format'))[:40]!r})")
+    version = doc.get("format_version")
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        raise FormatError(
+            f"{source}: format_version {str(version)[:20]!r} is not supported; this paddle_dcp "
+            f"reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
+    return version
+
+
+def _parse_files(files_doc: Any, source: str) -> tuple[FileEntry, ...]:
+    """The data files: plain names, each listed once, with their sizes."""
+    if not isinstance(files_doc, list):
+        raise FormatError(f"{source}: files must be a list")
+    files = []
+    seen_names = set()
+    for i, f in enumerate(files_doc):
+        name = check_file_name(f["name"], f"{source}: files[{i}]")
+        if name in seen_names:
+            raise FormatError(f"{source}: file {name!r} is listed twice")
+        seen_names.add(name)
+        files.append(FileEntry(name, _int(f["bytes"], f"files[{i}].bytes")))
+    return tuple(files)
+
+
+def _flag(doc: dict, name: str, source: str) -> bool:
+    """An optional boolean member of the document (false when absent)."""
+    value = doc.get(name, False)
+    if type(value) is not bool:
+        raise FormatError(f"{source}: {name} must be true or false")
+    return value
+
+
+def _check_structure(structure: Any, tensors: Mapping[str, TensorEntry], source: str) -> None:
+    """The structure's plain values decode, and its tensor leaves are the tensors' keys."""
     leaves = set()
     for path, tag, node in nested.walk(structure):
         if tag == "t":
@@ -182,19 +215,6 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
     if leaves != set(tensors):
         extra = sorted(leaves ^ set(tensors))[:5]
         raise FormatError(f"{source}: structure and tensors disagree on keys {extra}")
-    return Metadata(
-        unique_id=unique_id,
-        world_size=world_size,
-        files=tuple(files),
-        tensors=tensors,
-        structure=structure,
-        block_bytes=block_bytes,
-        checksum_algorithm=algorithm,
-        created_by=created_by,
-        format_version=version,
-        subset=subset,
-        replicas=replicas,
-    )
 
 
 class _LazyTensors(Mapping):
