@@ -11,7 +11,7 @@ import base64
 import binascii
 import json
 import zlib
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -279,84 +279,30 @@ def _parse_many(
     columns are all plain JSON lists are taken; at the first doubt (anything the per-tensor
     parse could refuse) the rest is left out and parsed one by one, which words the error.
     Returns key -> entry for the entries taken."""
-    # ---- per tensor: plain fields, in Python (as _parse_tensor)
-    rows = []  # (key, dtype, shape, count, doc)
-    for key in keys:
-        t = docs.get(key)
-        try:
-            if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
-                continue
-            shape, count = _shape_and_count(key, t, size)
-            if not shape and count > 1:  # a scalar is one piece
-                continue
-            cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
-            if any(type(c) is not list for c in cols):
-                continue
-            n = count * len(shape)
-            if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
-                continue
-        except (KeyError, TypeError, ValueError, FormatError):
-            continue
-        rows.append((key, t["dtype"], shape, count, cols))
+    rows = _plain_rows(keys, docs, size)
     if not rows:
         return {}
     rows.sort(key=lambda r: len(r[2]))  # tensors of one rank are neighbours: their boxes stack
-    # ---- every column of every tensor in one array
-    offsets, shapes, limits, files, byte_offsets, sums = [], [], [], [], [], []
-    for _, _, shape, count, cols in rows:
-        offsets += cols[0]
-        shapes += cols[1]
-        limits += shape * count
-        files += cols[2]
-        byte_offsets += cols[3]
-        sums += cols[4]
-    ints = offsets + shapes + files + byte_offsets
-    if not set(map(type, ints)) <= {int} or not set(map(type, sums)) <= {str} or not set(map(len, sums)) <= {16}:
+    columns = _stacked_columns(rows, len(file_sizes))
+    if columns is None:
         return {}
-    hex_digits = "".join(sums)
-    if not _HEX_DIGITS.fullmatch(hex_digits):
-        return {}
-    try:
-        packed = np.array(ints, dtype=np.int64)
-    except OverflowError:
-        return {}
-    if len(packed) and ((packed < -_MAX_INT) | (packed > _MAX_INT)).any():
-        return {}
-    n_box = len(offsets)
-    off, shp = packed[:n_box], packed[n_box : 2 * n_box]
-    fil = packed[2 * n_box : 2 * n_box + len(files)]
-    byt = packed[2 * n_box + len(files) :]
-    lim = np.array(limits, dtype=np.int64)
-    # compared without forming offsets + shapes, which could wrap around (as check_inside)
-    if n_box and ((off < 0) | (shp <= 0) | (shp > lim) | (off > lim - shp)).any():
-        return {}
-    if len(fil) and ((fil < 0) | (fil >= len(file_sizes))).any():
-        return {}
-    # ---- bytes of every piece: the product of its shape row, tensors grouped by rank
+    off, shp, fil, byt, hex_digits = columns
     counts = np.array([r[3] for r in rows], dtype=np.int64)
-    ndims = np.array([len(r[2]) for r in rows], dtype=np.int64)
-    sizes = np.array([itemsize(r[1]) for r in rows], dtype=np.int64)
-    nbytes = np.repeat(sizes, counts)
-    at = 0
-    for d in sorted(set(ndims.tolist())):  # (np.unique imports numpy.ma on first use: 20 ms)
-        m = int(counts[ndims == d].sum())
-        if d and m:
-            nbytes[at : at + m] *= np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
-        at += m
+    nbytes = _piece_nbytes(rows, counts, shp)
     if len(byt) and ((byt < 0) | (byt > file_sizes[fil] - nbytes)).any():
         return {}
     nblocks = blocks_of(nbytes, block_bytes)
     piece_start = np.concatenate([[0], np.cumsum(counts)])
     block_start_all = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
     block_start = block_start_all[piece_start]
-    if int(block_start[-1]) != len(sums) or any(
+    if int(block_start[-1]) * 16 != len(hex_digits) or any(
         len(r[4][4]) != int(block_start[i + 1] - block_start[i]) for i, r in enumerate(rows)
     ):
         return {}
     checksums = np.frombuffer(bytes.fromhex(hex_digits), dtype=">u8").astype("<u8")
     for a in (off, shp, fil, byt, checksums):
         a.flags.writeable = False
-    # ---- one entry per tensor: views of the arrays above
+    # one entry per tensor: views of the arrays above
     out = {}
     box_at = 0
     for i, (key, dtype, shape, count, _) in enumerate(rows):
@@ -375,6 +321,88 @@ def _parse_many(
         starts = block_start_all[p0 : p1 + 1] - block_start_all[p0]
         object.__setattr__(entry, "_starts", _frozen(starts))
     return out
+
+
+# a tensor entry taken by _parse_many: (key, dtype, shape, count, its five columns)
+_Row = Tuple[str, str, Tuple[int, ...], int, List[list]]
+
+
+def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> list[_Row]:
+    """The entries of ``keys`` whose plain fields pass (checked in Python, as _parse_tensor
+    does) and whose columns are JSON lists of the right lengths."""
+    rows = []
+    for key in keys:
+        t = docs.get(key)
+        try:
+            if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
+                continue
+            shape, count = _shape_and_count(key, t, size)
+            if not shape and count > 1:  # a scalar is one piece
+                continue
+            cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
+            if any(type(c) is not list for c in cols):
+                continue
+            n = count * len(shape)
+            if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
+                continue
+        except (KeyError, TypeError, ValueError, FormatError):
+            continue
+        rows.append((key, t["dtype"], shape, count, cols))
+    return rows
+
+
+def _stacked_columns(
+    rows: Sequence[_Row], nfiles: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, str] | None:
+    """Every column of every row in one array each (offsets, shapes, files, byte offsets)
+    and the checksums' hex digits, checked: integers in range, boxes inside their tensors,
+    files in the list, checksums 16 lowercase hex digits. None at the first doubt."""
+    offsets, shapes, limits, files, byte_offsets, sums = [], [], [], [], [], []
+    for _, _, shape, count, cols in rows:
+        offsets += cols[0]
+        shapes += cols[1]
+        limits += shape * count
+        files += cols[2]
+        byte_offsets += cols[3]
+        sums += cols[4]
+    ints = offsets + shapes + files + byte_offsets
+    if not set(map(type, ints)) <= {int} or not set(map(type, sums)) <= {str} or not set(map(len, sums)) <= {16}:
+        return None
+    hex_digits = "".join(sums)
+    if not _HEX_DIGITS.fullmatch(hex_digits):
+        return None
+    try:
+        packed = np.array(ints, dtype=np.int64)
+    except OverflowError:
+        return None
+    if len(packed) and ((packed < -_MAX_INT) | (packed > _MAX_INT)).any():
+        return None
+    n_box = len(offsets)
+    off, shp = packed[:n_box], packed[n_box : 2 * n_box]
+    fil = packed[2 * n_box : 2 * n_box + len(files)]
+    byt = packed[2 * n_box + len(files) :]
+    lim = np.array(limits, dtype=np.int64)
+    # compared without forming offsets + shapes, which could wrap around (as check_inside)
+    if n_box and ((off < 0) | (shp <= 0) | (shp > lim) | (off > lim - shp)).any():
+        return None
+    if len(fil) and ((fil < 0) | (fil >= nfiles)).any():
+        return None
+    return off, shp, fil, byt, hex_digits
+
+
+def _piece_nbytes(rows: Sequence[_Row], counts: np.ndarray, shp: np.ndarray) -> np.ndarray:
+    """Bytes of every piece: the product of its shape row times the item size, the rows
+    sorted by rank so that each rank's shapes form one matrix."""
+    ndims = np.array([len(r[2]) for r in rows], dtype=np.int64)
+    sizes = np.array([itemsize(r[1]) for r in rows], dtype=np.int64)
+    nbytes = np.repeat(sizes, counts)
+    at = 0
+    for d in sorted(set(ndims.tolist())):  # (np.unique imports numpy.ma on first use: 20 ms)
+        m = int(counts[ndims == d].sum())
+        if d and m:
+            nbytes[at : at + m] *= np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
+        at += m
+    return nbytes
 
 
 def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
