@@ -23,13 +23,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import consolidate
+from .console import ProgressBar, _err, _ids, _one_line, _out, _progress_enabled, human
+from .import_paddle import import_paddle_checkpoint
 from ..format import safetensors
 from ..io import storage
-from ..core.boxes import Box, check_tiling, flat_range_boxes
-from ..core.dtypes import DTYPE_NAMES, storage_dtype
-from ..errors import DcpError, FormatError, PlanError, StorageError, UnsupportedError
-from ..core.metadata import ALIGNMENT, DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
-from ..core.naming import METADATA_RE, data_file_name, metadata_name
+from ..core.boxes import check_tiling
+from ..errors import ArgumentError, DcpError, FormatError, PlanError, StorageError, UnsupportedError
+from ..core.metadata import Metadata, TensorEntry
+from ..core.naming import metadata_name
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
@@ -42,93 +43,6 @@ class UsageError(Exception):
     """Bad usage: exit code 2."""
 
 
-# ====================================================================== output helpers
-def _out(line: str = "") -> None:
-    sys.stdout.write(line + "\n")
-
-
-def _err(line: str) -> None:
-    sys.stderr.write(line + "\n")
-
-
-def human(n: float) -> str:
-    """Bytes for people: ``12.3 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"  # pragma: no cover
-
-
-def _one_line(message: str) -> str:
-    return re.sub(r"\s*\n\s*", "; ", str(message).strip())
-
-
-class ProgressBar:
-    """Bytes done / total and rate on stderr: tqdm when installed, else one line redrawn at
-    most five times a second. Draws nothing unless ``enabled``."""
-
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.total, self.desc, self.done = int(total), desc, 0
-        self.enabled = bool(enabled) and self.total > 0
-        self._tqdm = None
-        self._start = self._drawn = time.monotonic()
-        if self.enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self._tqdm = tqdm(
-                    total=self.total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
-                )
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if not self.enabled:
-            return
-        if self._tqdm is not None:
-            self._tqdm.update(n)
-            return
-        now = time.monotonic()
-        if now - self._drawn >= 0.2:
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        self._drawn = now
-        rate = self.done / max(now - self._start, 1e-9)
-        pct = 100.0 * self.done / self.total
-        sys.stderr.write(f"\r{self.desc}: {human(self.done)} / {human(self.total)} ({pct:3.0f}%) {human(rate)}/s ")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        if self._tqdm is not None:
-            self._tqdm.close()
-            self._tqdm = None
-        else:
-            self._draw(time.monotonic())
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-        self.enabled = False
-
-
-def _progress_enabled(args) -> bool:
-    if args.progress is not None:
-        return args.progress
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
 # ====================================================================== choosing a checkpoint
 def _directory(path: str) -> str:
     path = os.fspath(path)
@@ -136,10 +50,6 @@ def _directory(path: str) -> str:
         what = "does not exist" if not os.path.exists(path) else "is not a directory"
         raise UsageError(f"{path} {what}")
     return path
-
-
-def _ids(ids) -> str:
-    return ", ".join(str(i) for i in sorted(ids)) or "none"
 
 
 def incomplete_ids(listing: storage.Listing) -> list[int]:
@@ -600,238 +510,6 @@ def _aoa_config_file(name: str) -> dict:
 
 
 # ====================================================================== import-paddle
-_PADDLE_DATA_RE = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
-
-
-def _import_paddle_module():
-    try:
-        import paddle
-    except ImportError as exc:
-        raise DcpError(f"import-paddle needs paddle to read paddle's pickled files ({exc})") from None
-    return paddle
-
-
-def _paddle_dtype(key: str, dtype: Any) -> str:
-    name = str(dtype).rsplit(".", 1)[-1]
-    if name not in DTYPE_NAMES:
-        raise FormatError(f"{key}: paddle dtype {dtype} has no paddle_dcp equivalent; supported: {', '.join(DTYPE_NAMES)}")
-    return name
-
-
-def _structure_of(keys: Sequence[str], mapping: Any) -> dict:
-    """The skeleton of the nested dict paddle flattened (``flat_mapping``: key -> path)."""
-    root: dict = {}
-    leaf = object()
-    for key in keys:
-        path = mapping.get(key) if isinstance(mapping, dict) else None
-        if not isinstance(path, tuple) or not path or ".".join(str(p) for p in path) != key:
-            path = (key,)
-        node = root
-        for part in path[:-1]:
-            node = node.setdefault(str(part), {})
-            if node is leaf:
-                raise FormatError(f"{key}: its path {path} runs through another tensor")
-        if path[-1] in node:
-            raise FormatError(f"{key}: its path {path} is used twice")
-        node[str(path[-1])] = leaf
-
-    def skeleton(node) -> dict:
-        if node is leaf:
-            return {"t": 0}
-        return {"d": [[k, skeleton(v)] for k, v in node.items()]}
-
-    return skeleton(root)
-
-
-def _paddle_file_arrays(paddle, full: str) -> dict:
-    if full.endswith(".safetensors"):
-        return safetensors.read_arrays(full)
-    try:
-        arrays = paddle.load(full, return_numpy=True)
-    except Exception as exc:  # noqa: BLE001 - anything unpickling raises
-        raise FormatError(f"{full}: paddle.load failed ({type(exc).__name__}: {_one_line(exc)})") from None
-    if not isinstance(arrays, dict):
-        raise FormatError(f"{full}: holds a {type(arrays).__name__}, not the dict of tensors paddle saves")
-    return arrays
-
-
-def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, progress: bool = False) -> Metadata:
-    """Convert a checkpoint of ``paddle.distributed.save_state_dict`` in ``src`` into ours in
-    ``out``, piece for piece: every rank file ``{rank}_{id}.distcp`` (or ``.safetensors``)
-    becomes our ``{rank}_{id}.distcp`` holding the same pieces (a flattened piece of sharding
-    stage 2 becomes the boxes its flat range makes), under the same id and keys; the metadata
-    is written last. Unpickles paddle's files (``paddle.load``): only for files you trust.
-    Holds one rank file's tensors in memory at a time.
-
-    Raises:
-        FormatError: not such a checkpoint, or pieces that do not tile their tensors.
-    """
-    try:
-        names = os.listdir(src)
-    except OSError as exc:
-        raise StorageError(f"cannot list {src}: {exc}", src) from exc
-    ids = sorted(int(m.group(1)) for m in map(METADATA_RE.match, names) if m)
-    if not ids:
-        raise FormatError(f"{src} has no *.metadata file: not a checkpoint of paddle.distributed.save_state_dict")
-    uid = max(ids) if unique_id is None else unique_id
-    if uid not in ids:
-        raise UsageError(f"{src} has no {metadata_name(uid)}; ids with metadata: {_ids(ids)}")
-    if os.path.realpath(src) == os.path.realpath(out):
-        raise UsageError("OUT must be another directory than PATH: paddle's files and ours have the same names")
-    out_listing = storage.list_checkpoints(out)
-    if uid in out_listing.complete or uid in out_listing.data:
-        raise UsageError(f"{out} already holds files of checkpoint {uid}; import into another directory")
-    paddle = _import_paddle_module()
-    meta_file = os.path.join(src, metadata_name(uid))
-    try:
-        pmeta = paddle.load(meta_file)
-    except Exception as exc:  # noqa: BLE001 - anything unpickling raises
-        raise FormatError(f"{meta_file}: paddle.load failed ({type(exc).__name__}: {_one_line(exc)})") from None
-    sdm = getattr(pmeta, "state_dict_metadata", None)
-    stm = getattr(pmeta, "storage_metadata", None)
-    if not isinstance(sdm, dict) or not isinstance(stm, dict):
-        raise FormatError(f"{meta_file}: not the metadata of paddle.distributed.save_state_dict ({type(pmeta).__name__})")
-
-    # -- tensors: dtype and global shape
-    info: dict[str, tuple[str, tuple[int, ...] | None]] = {}
-    local_shapes: dict[tuple, tuple[int, ...]] = {}
-    for key, metas in sdm.items():
-        metas = metas if isinstance(metas, list) else [metas]
-        dtype, shape = None, None
-        for lm in metas:
-            d = _paddle_dtype(key, lm.dtype)
-            s = tuple(int(x) for x in lm.global_shape) if getattr(lm, "global_shape", None) is not None else None
-            if (dtype is not None and d != dtype) or (shape is not None and s is not None and s != shape):
-                raise FormatError(f"{meta_file}: {key}: pieces disagree on dtype or global shape")
-            dtype, shape = d, shape or s
-            fr = getattr(lm, "flattened_range", None)
-            local_shapes[(key, tuple(lm.global_offset), tuple(fr) if fr is not None else None)] = tuple(lm.local_shape)
-        if dtype is None:
-            raise FormatError(f"{meta_file}: {key}: no pieces")
-        info[key] = (dtype, shape)
-
-    # -- pieces by file (one copy of each: replicas saved with save_replicas are skipped)
-    by_file: dict[str, list[tuple]] = {}
-    for idx, fname in stm.items():
-        replica = getattr(idx, "replica_id", None)
-        if replica not in (None, 0):
-            continue
-        key = idx.tensor_key
-        if key not in info:
-            raise FormatError(f"{meta_file}: {key}: stored but not described in state_dict_metadata")
-        offset = tuple(int(x) for x in idx.global_offset)
-        fr = getattr(idx, "flattened_range", None)
-        fr = (int(fr[0]), int(fr[1])) if fr is not None else None
-        local = getattr(idx, "local_shape", None)
-        local = tuple(int(x) for x in local) if local is not None else local_shapes.get((key, offset, fr))
-        if local is None:
-            raise FormatError(f"{meta_file}: {key}: piece at offset {offset} has no local shape")
-        by_file.setdefault(str(fname), []).append((key, offset, local, fr))
-    ranks = {}
-    for fname in by_file:
-        m = _PADDLE_DATA_RE.match(fname)
-        if m is None or int(m.group(2)) != uid:
-            raise FormatError(f"{meta_file}: data file name {fname!r} is not {{rank}}_{uid}.distcp")
-        ranks[fname] = int(m.group(1))
-    for key, (dtype, shape) in list(info.items()):
-        if shape is None:  # older metadata without global shapes: the pieces' extent
-            ends = [tuple(o + s for o, s in zip(off, loc)) for items in by_file.values() for k, off, loc, _ in items if k == key]
-            info[key] = (dtype, tuple(max(e) for e in zip(*ends)) if ends else ())
-    total = sum(
-        ((fr[1] - fr[0]) if fr is not None else math.prod(loc)) * storage_dtype(info[k][0]).itemsize
-        for items in by_file.values()
-        for k, _, loc, fr in items
-    )
-
-    # -- data files: the same pieces, rank by rank
-    key_order = {k: i for i, k in enumerate(info)}
-    pieces: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], int, int, list[int]]]] = {k: [] for k in info}
-    files: list[FileEntry] = []
-    written: list[str] = []
-    os.makedirs(out, exist_ok=True)
-    try:
-        with ProgressBar(total, f"import {uid}", progress) as bar:
-            for fname in sorted(by_file, key=lambda n: ranks[n]):
-                full = os.path.join(src, fname)
-                arrays = _paddle_file_arrays(paddle, full)
-                name = data_file_name(ranks[fname], uid)
-                writer = storage.DataWriter(out, name, DEFAULT_BLOCK_BYTES)
-                try:
-                    for key, offset, local, fr in sorted(by_file[fname], key=lambda it: (key_order[it[0]], it[1], it[3] or ())):
-                        dtype = storage_dtype(info[key][0])
-                        flat = _piece_array(full, key, arrays.get(key), dtype, local, fr)
-                        boxes = flat_range_boxes(local, *fr) if fr is not None else [Box((0,) * len(local), local)]
-                        at = 0
-                        for rel in boxes:
-                            n = rel.volume
-                            data = flat[at : at + n]
-                            at += n
-                            if n == 0:
-                                continue
-                            start = writer.offset + (-writer.offset % ALIGNMENT)
-                            box_offsets = tuple(o + r for o, r in zip(offset, rel.offsets))
-                            seed = storage.piece_seed(key, info[key][0], box_offsets, rel.shape)
-                            sums = writer.write(storage.as_bytes(np.ascontiguousarray(data)), seed=seed)
-                            pieces[key].append((box_offsets, rel.shape, len(files), start, sums))
-                        bar.update(flat.nbytes)
-                    size = writer.commit()
-                except BaseException:
-                    writer.abort()
-                    raise
-                written.append(os.path.join(out, name))
-                files.append(FileEntry(name, size))
-                del arrays
-        tensors = {}
-        for key, (dtype, shape) in info.items():
-            rows = sorted(pieces[key], key=lambda r: r[0])
-            nd = len(shape)
-            table = PieceTable(
-                offsets=np.array([r[0] for r in rows], dtype=np.int64).reshape(len(rows), nd),
-                shapes=np.array([r[1] for r in rows], dtype=np.int64).reshape(len(rows), nd),
-                files=np.array([r[2] for r in rows], dtype=np.int64),
-                byte_offsets=np.array([r[3] for r in rows], dtype=np.int64),
-                checksums=np.array([s for r in rows for s in r[4]], dtype=np.uint64),
-            )
-            tensors[key] = TensorEntry(key, dtype, shape, table, DEFAULT_BLOCK_BYTES)
-        world = max(ranks.values()) + 1 if ranks else 1
-        meta = Metadata(
-            unique_id=uid,
-            world_size=world,
-            files=tuple(files),
-            tensors=tensors,
-            structure=_structure_of(list(info), getattr(pmeta, "flat_mapping", None)),
-            block_bytes=DEFAULT_BLOCK_BYTES,
-            created_by=f"paddle_dcp {__version__} import-paddle",
-        )
-        blob = meta.to_json()
-        # validated as any reader will: pieces inside their tensors, tiling them exactly
-        Metadata.from_json(blob, source=f"the metadata imported from {meta_file}")
-        storage.write_atomic(out, metadata_name(uid), blob)
-    except BaseException:
-        for full in written:
-            try:
-                os.unlink(full)
-            except OSError:
-                pass
-        raise
-    return meta
-
-
-def _piece_array(full: str, key: str, value: Any, dtype: np.dtype, local: tuple, fr) -> np.ndarray:
-    """A stored piece as a flat array of the checkpoint's storage dtype, shape checked."""
-    if value is None:
-        raise FormatError(f"{full}: {key}: the metadata places a piece here, the file does not hold it")
-    array = np.asarray(value)
-    if array.dtype != dtype:
-        if array.dtype.itemsize != dtype.itemsize or array.dtype.kind not in (dtype.kind, "u"):
-            raise FormatError(f"{full}: {key}: stored as {array.dtype}, the metadata says {dtype}")
-        array = np.ascontiguousarray(array).view(dtype)
-    want = (fr[1] - fr[0]) if fr is not None else math.prod(local)
-    if array.size != want or (fr is None and tuple(array.shape) != tuple(local) and array.ndim):
-        raise FormatError(f"{full}: {key}: stored shape {tuple(array.shape)}, the metadata says {local}")
-    return np.ascontiguousarray(array).reshape(-1)
-
-
 def cmd_import_paddle(args) -> int:
     if not args.trust:
         raise UsageError(
@@ -839,7 +517,10 @@ def cmd_import_paddle(args) -> int:
             "their author put there; pass --trust if you trust the files in " + str(args.path)
         )
     src = _directory(args.path)
-    meta = import_paddle_checkpoint(src, args.out, args.unique_id, _progress_enabled(args))
+    try:
+        meta = import_paddle_checkpoint(src, args.out, args.unique_id, _progress_enabled(args))
+    except ArgumentError as exc:
+        raise UsageError(str(exc)) from None
     nbytes = sum(f.nbytes for f in meta.files)
     pieces = sum(t.pieces.count for t in meta.tensors.values())
     _out(
