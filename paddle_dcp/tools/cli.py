@@ -14,65 +14,36 @@ import json
 import logging
 import math
 import os
-import re
 import sys
-import time
 import traceback
 from typing import Any, Sequence
 
-import numpy as np
-
-from . import consolidate
-from .console import ProgressBar, _err, _ids, _one_line, _out, _progress_enabled, human
+from .console import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    UsageError,
+    _directory,
+    _err,
+    _ids,
+    _one_line,
+    _out,
+    _progress_enabled,
+    choose_id,
+    human,
+    incomplete_ids,
+)
+from .convert import FORMATS, cmd_convert
 from .import_paddle import import_paddle_checkpoint
+from .verify import verify_checkpoint
 from ..format import safetensors
 from ..io import storage
-from ..core.boxes import check_tiling
-from ..errors import ArgumentError, DcpError, FormatError, PlanError, StorageError, UnsupportedError
-from ..core.metadata import Metadata, TensorEntry
-from ..core.naming import metadata_name
+from ..errors import ArgumentError, DcpError, FormatError, StorageError
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
 
 PROG = "paddle-dcp"
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Bad usage: exit code 2."""
-
-
-# ====================================================================== choosing a checkpoint
-def _directory(path: str) -> str:
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        what = "does not exist" if not os.path.exists(path) else "is not a directory"
-        raise UsageError(f"{path} {what}")
-    return path
-
-
-def incomplete_ids(listing: storage.Listing) -> list[int]:
-    """Ids with data files but no metadata: crashed saves, saves in progress, or (node-local
-    disks) checkpoints whose metadata lives on another node."""
-    return sorted(set(listing.data) - set(listing.complete))
-
-
-def choose_id(path: str, listing: storage.Listing, unique_id: int | None) -> int:
-    """The checkpoint a command works on: ``unique_id``, or the highest complete one."""
-    if unique_id is None:
-        if listing.latest is None:
-            extra = f" (incomplete ids: {_ids(incomplete_ids(listing))})" if listing.data else ""
-            raise FormatError(f"no complete checkpoint in {path}: no *.metadata file{extra}")
-        return listing.latest
-    if unique_id in listing.complete:
-        return unique_id
-    if unique_id in listing.data:
-        raise FormatError(
-            f"checkpoint {unique_id} in {path} is incomplete: data files but no {metadata_name(unique_id)} "
-            f"(a save that crashed or is in progress, or the metadata is on another node)"
-        )
-    raise UsageError(f"no checkpoint {unique_id} in {path}; complete ids: {_ids(listing.complete)}")
 
 
 # ====================================================================== inspect
@@ -194,183 +165,6 @@ def cmd_inspect(args) -> int:
 
 
 # ====================================================================== verify
-def _pieces_by_file(meta: Metadata, entries: dict[str, TensorEntry]) -> dict[int, dict[str, np.ndarray]]:
-    """file index -> columns of the pieces it holds, sorted by byte offset: ``offset``,
-    ``nbytes``, ``key`` (index into ``list(entries)``), ``piece``, ``first_block``."""
-    cols: dict[int, list[np.ndarray]] = {}
-    for k, entry in enumerate(entries.values()):
-        p = entry.pieces
-        if not p.count:
-            continue
-        table = np.stack(
-            [
-                p.byte_offsets,
-                entry.piece_nbytes(),
-                np.full(p.count, k, dtype=np.int64),
-                np.arange(p.count, dtype=np.int64),
-                entry.block_starts()[:-1],
-                p.files,
-            ],
-            axis=1,
-        )
-        for f in np.unique(p.files).tolist():
-            cols.setdefault(int(f), []).append(table[p.files == f])
-    out = {}
-    for f, parts in cols.items():
-        t = np.concatenate(parts)
-        t = t[np.argsort(t[:, 0], kind="stable")]
-        out[f] = {"offset": t[:, 0], "nbytes": t[:, 1], "key": t[:, 2], "piece": t[:, 3], "first_block": t[:, 4]}
-    return out
-
-
-def _keys_list(keys: Sequence[str], limit: int = 5) -> str:
-    keys = sorted(set(keys))
-    shown = ", ".join(keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-class _FileChecker:
-    """Reads one data file in windows of the size of ``buf`` (reused for every file) and
-    serves the checksum blocks of the pieces it holds from them."""
-
-    def __init__(self, fd: int, name: str, size: int, buf: np.ndarray):
-        self.fd, self.name, self.size = fd, name, size
-        self.buf = buf
-        self.lo = self.hi = 0
-
-    def view(self, start: int, length: int) -> memoryview:
-        if not (self.lo <= start and start + length <= self.hi):
-            n = min(len(self.buf), self.size - start)
-            n = max(n, length)
-            if n > len(self.buf):  # a block larger than the window
-                self.buf = np.empty(n, dtype=np.uint8)
-            mv = memoryview(self.buf)[:n]
-            done = 0
-            while done < n:
-                got = os.preadv(self.fd, [mv[done:]], start + done)
-                if got == 0:
-                    raise StorageError(f"{self.name} ends at byte {start + done}, before {start + n}", self.name)
-                done += got
-            self.lo, self.hi = start, start + n
-        return memoryview(self.buf)[start - self.lo : start - self.lo + length]
-
-
-def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tuple[list[str], dict]:
-    """Check a checkpoint against its metadata: every tensor entry (types, bounds, pieces that
-    tile the tensor exactly), every data file's presence and size, and every checksum block of
-    every piece, reading with bounded memory.
-
-    Returns:
-        (problems, counts): one line per problem, naming the file and key; counts of tensors,
-        pieces, files and bytes checked.
-    """
-    meta_file = os.path.join(path, metadata_name(unique_id))
-    counts = {"tensors": 0, "pieces": 0, "files": 0, "bytes": 0}
-    try:
-        meta = storage.read_metadata(path, unique_id, lazy=True)
-    except (FormatError, StorageError) as exc:
-        return [_located(meta_file, exc)], counts
-    problems: list[str] = []
-    entries: dict[str, TensorEntry] = {}
-    for key in meta.tensors:
-        try:
-            entry = meta.tensors[key]
-            check_tiling(key, entry.shape, entry.pieces.offsets, entry.pieces.shapes)
-        except (FormatError, PlanError) as exc:
-            problems.append(_located(meta_file, exc))
-            continue
-        entries[key] = entry
-    keys = list(entries)
-    by_file = _pieces_by_file(meta, entries)
-    counts["tensors"] = len(entries)
-    counts["pieces"] = sum(e.pieces.count for e in entries.values())
-    # files first: presence and size, so the progress bar's total is what will be read
-    readable: dict[int, tuple[str, int]] = {}
-    for f, entry in enumerate(meta.files):
-        full = os.path.join(path, entry.name)
-        held = [keys[k] for k in np.unique(by_file[f]["key"]).tolist()] if f in by_file else []
-        holds = f" (holds pieces of {_keys_list(held)})" if held else ""
-        try:
-            full = storage.inside(path, entry.name)
-            size = os.stat(full).st_size
-        except FormatError as exc:
-            problems.append(f"{full}: {_one_line(exc)}{holds}")
-            continue
-        except FileNotFoundError:
-            problems.append(f"{full}: missing{holds}")
-            continue
-        except OSError as exc:
-            problems.append(f"{full}: cannot read: {exc}{holds}")
-            continue
-        if size != entry.nbytes:
-            problems.append(f"{full}: has {size} bytes, the metadata says {entry.nbytes}{holds}")
-            continue
-        readable[f] = (full, size)
-    total = sum(int(by_file[f]["nbytes"].sum()) for f in readable if f in by_file)
-    window = max(consolidate.SLAB_BYTES, meta.block_bytes)
-    largest = max((size for f, (_, size) in readable.items() if f in by_file), default=0)
-    buf = np.empty(min(window, max(largest, 1)), dtype=np.uint8)
-    with ProgressBar(total, f"verify {unique_id}", progress) as bar:
-        for f, (full, size) in readable.items():
-            counts["files"] += 1
-            if f not in by_file:
-                continue
-            try:
-                fd = os.open(full, os.O_RDONLY)
-            except OSError as exc:
-                problems.append(f"{full}: cannot open: {exc}")
-                continue
-            try:
-                checker = _FileChecker(fd, full, size, buf)
-                problems += _check_pieces(checker, meta, entries, keys, by_file[f], bar, counts)
-            except StorageError as exc:
-                problems.append(f"{full}: {_one_line(exc)}")
-            except OSError as exc:
-                problems.append(f"{full}: cannot read: {exc}")
-            finally:
-                os.close(fd)
-    return problems, counts
-
-
-def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
-    problems = []
-    block = meta.block_bytes
-    pending = 0
-    for off, nbytes, k, i, first in zip(
-        cols["offset"].tolist(), cols["nbytes"].tolist(), cols["key"].tolist(), cols["piece"].tolist(),
-        cols["first_block"].tolist(),
-    ):
-        entry = entries[keys[k]]
-        sums = entry.pieces.checksums
-        seed = storage.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
-        bad, first_bad = 0, None
-        nblocks = max(1, -(-nbytes // block))
-        for b in range(nblocks):
-            at = off + b * block
-            length = min(block, nbytes - b * block)
-            if storage.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
-                bad += 1
-                first_bad = first_bad or (at, at + length)
-        counts["bytes"] += nbytes
-        pending += nbytes
-        if pending >= (1 << 20):
-            bar.update(pending)
-            pending = 0
-        if bad:
-            box = tuple(int(x) for x in entry.pieces.offsets[i])
-            problems.append(
-                f"{checker.name}: {keys[k]}: piece {i} at offset {box} ({nbytes} bytes from byte {off}): "
-                f"{bad} of {nblocks} checksum blocks differ, the first at bytes [{first_bad[0]}, {first_bad[1]})"
-            )
-    bar.update(pending)
-    return problems
-
-
-def _located(where: str, exc: BaseException) -> str:
-    message = _one_line(exc)
-    return message if message.startswith(where) else f"{where}: {message}"
-
-
 def cmd_verify(args) -> int:
     path = _directory(args.path)
     listing = storage.list_checkpoints(path)
@@ -394,119 +188,6 @@ def cmd_verify(args) -> int:
         else:
             _out(f"checkpoint {uid}: OK, {what}")
     return EXIT_PROBLEMS if failed else EXIT_OK
-
-
-# ====================================================================== convert
-FORMATS = ("safetensors", "pdparams", "npz", "hf")
-
-
-def cmd_convert(args) -> int:
-    path = _directory(args.path)
-    to = args.to
-    if to is None:
-        ext = os.path.splitext(args.out)[1].lstrip(".").lower()
-        if ext not in FORMATS:
-            raise UsageError(f"cannot tell the format from {args.out!r}: pass --to {'|'.join(FORMATS)}")
-        to = ext
-    if to == "hf":
-        return _convert_hf(path, args)
-    if args.max_shard_size is not None or args.aoa_config is not None:
-        raise UsageError(f"{'--max-shard-size' if args.max_shard_size is not None else '--aoa-config'} applies to --to hf only")
-    if os.path.isdir(args.out):
-        raise UsageError(f"{args.out} is a directory; OUT is the file to write")
-    listing = storage.list_checkpoints(path)
-    uid = choose_id(path, listing, args.unique_id)
-    meta = storage.read_metadata(path, uid, lazy=True)
-    selection = consolidate.select(meta, args.keys)
-    if args.keys is not None and not selection.keys and not selection.values:
-        raise UsageError(f"--keys {args.keys!r} matches no key of checkpoint {uid}")
-    total = consolidate.selected_bytes(meta, selection, args.bf16_as_float32)
-    with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
-        size = consolidate.convert(path, meta, args.out, to, selection, args.bf16_as_float32, bar.update)
-    _out(
-        f"wrote {len(selection.keys)} tensors ({total} bytes) and {len(selection.values)} values of "
-        f"checkpoint {uid} to {args.out} ({to}, {size} bytes)"
-    )
-    bf16 = [k for k in selection.keys if meta.tensors[k].dtype == "bfloat16"]
-    if bf16 and not args.bf16_as_float32 and to == "npz":
-        _err(f"note: {len(bf16)} bfloat16 tensors are stored as uint16 bit patterns (--bf16-as-float32 for values)")
-    return EXIT_OK
-
-
-def _convert_hf(path: str, args) -> int:
-    """convert --to hf: a Hugging Face directory of shards and their index."""
-    from ..gather import parse_size
-    from .hf_export import DEFAULT_MAX_SHARD, export
-
-    try:
-        max_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD)
-    except DcpError:
-        raise UsageError(f"--max-shard-size must be a size like 5GB, 512MB, 64K; got {args.max_shard_size!r}") from None
-    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        raise UsageError(f"{args.out} exists and is not an empty directory; --to hf writes a new directory")
-    listing = storage.list_checkpoints(path)
-    uid = choose_id(path, listing, args.unique_id)
-    meta = storage.read_metadata(path, uid, lazy=True)
-    if args.aoa_config is not None:
-        return _convert_hf_remapped(path, uid, meta, args, max_bytes)
-    selection = consolidate.select(meta, args.keys)
-    if args.keys is not None and not selection.keys:
-        raise UsageError(f"--keys {args.keys!r} matches no tensor of checkpoint {uid}")
-    total = consolidate.selected_bytes(meta, selection, args.bf16_as_float32)
-    with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
-        names = export(path, meta, args.out, selection, max_bytes, args.bf16_as_float32, bar.update)
-    _out(f"wrote {len(selection.keys)} tensors ({total} bytes) of checkpoint {uid} to {args.out}: {', '.join(names)}")
-    if selection.values:
-        _err(f"note: {len(selection.values)} plain values are not exported (a Hugging Face directory holds tensors only)")
-    return EXIT_OK
-
-
-def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int:
-    """convert --to hf --aoa-config: the tensors under the names the config's load reads."""
-    from ..core import aoa
-    from .hf_export import export_remapped, remapped_outputs
-
-    config = _aoa_config_file(args.aoa_config)
-    try:
-        from ..dist.aoa_paddle import Reverse
-    except ImportError as exc:
-        raise DcpError(f"--aoa-config needs paddle, whose AOA engine interprets the config ({exc})") from None
-    try:
-        remap = Reverse(config, aoa.source_shards(meta))
-    except UnsupportedError as exc:
-        raise UsageError(f"--aoa-config {args.aoa_config}: {_one_line(exc)}") from None
-    outputs = remapped_outputs(meta, remap, args.keys, args.bf16_as_float32)
-    if not outputs:
-        raise UsageError(f"--keys {args.keys!r} matches no tensor of the export" if args.keys else "the export has no tensor")
-    total = sum(o.nbytes for o in outputs)
-    with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
-        names = export_remapped(path, meta, args.out, remap, outputs, max_bytes, bar.update)
-    _out(
-        f"wrote {len(outputs)} tensors ({total} bytes) of checkpoint {uid}, named by {args.aoa_config}, "
-        f"to {args.out}: {', '.join(names)}"
-    )
-    if remap.skipped:
-        _err(f"note: {len(remap.skipped)} optimizer states are not exported (with --aoa-config, model weights only)")
-    if meta.values():
-        _err(f"note: {len(meta.values())} plain values are not exported (a Hugging Face directory holds tensors only)")
-    return EXIT_OK
-
-
-def _aoa_config_file(name: str) -> dict:
-    """The JSON config of --aoa-config, checked as load_state_dict checks aoa_config."""
-    from ..core import aoa
-
-    try:
-        with open(name, "rb") as f:
-            config = json.loads(f.read())
-        aoa.check_config(config)
-    except OSError as exc:
-        raise UsageError(f"--aoa-config {name}: cannot read it: {exc.strerror or exc}") from None
-    except ValueError as exc:  # JSON errors and UnsupportedError
-        raise UsageError(f"--aoa-config {name}: not a config {{\"aoa_statements\": [...]}}: {_one_line(exc)}") from None
-    if "aoa_statements" not in config:
-        raise UsageError(f"--aoa-config {name}: no \"aoa_statements\" list")
-    return config
 
 
 # ====================================================================== import-paddle

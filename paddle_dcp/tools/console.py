@@ -1,10 +1,18 @@
-"""What the command line shows people: lines on stdout and stderr, byte counts, progress."""
+"""What every command shares: exit codes, usage errors, choosing a checkpoint in a directory,
+and what people see (lines on stdout and stderr, byte counts, progress)."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
 from typing import Iterable
+
+from ..core.naming import metadata_name
+from ..errors import FormatError
+from ..io import storage
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 
 def _out(line: str = "") -> None:
@@ -96,3 +104,38 @@ def _progress_enabled(args) -> bool:
 
 def _ids(ids: Iterable[int]) -> str:
     return ", ".join(str(i) for i in sorted(ids)) or "none"
+
+
+class UsageError(Exception):
+    """Bad usage: exit code 2."""
+
+
+def _directory(path: str) -> str:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
+        raise UsageError(f"{path} {what}")
+    return path
+
+
+def incomplete_ids(listing: storage.Listing) -> list[int]:
+    """Ids with data files but no metadata: crashed saves, saves in progress, or (node-local
+    disks) checkpoints whose metadata lives on another node."""
+    return sorted(set(listing.data) - set(listing.complete))
+
+
+def choose_id(path: str, listing: storage.Listing, unique_id: int | None) -> int:
+    """The checkpoint a command works on: ``unique_id``, or the highest complete one."""
+    if unique_id is None:
+        if listing.latest is None:
+            extra = f" (incomplete ids: {_ids(incomplete_ids(listing))})" if listing.data else ""
+            raise FormatError(f"no complete checkpoint in {path}: no *.metadata file{extra}")
+        return listing.latest
+    if unique_id in listing.complete:
+        return unique_id
+    if unique_id in listing.data:
+        raise FormatError(
+            f"checkpoint {unique_id} in {path} is incomplete: data files but no {metadata_name(unique_id)} "
+            f"(a save that crashed or is in progress, or the metadata is on another node)"
+        )
+    raise UsageError(f"no checkpoint {unique_id} in {path}; complete ids: {_ids(listing.complete)}")
