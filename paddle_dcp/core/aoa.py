@@ -83,7 +83,7 @@ def after_steps(shape: tuple[int, ...], dtype: str, steps: Sequence[Step]) -> tu
             if len(s.perm) != len(shape):
                 raise PlanError(f"permutation {list(s.perm)} applied to a box of shape {shape}")
             shape = tuple(shape[i] for i in s.perm)
-        else:
+        elif s.dtype is not None:
             dtype = s.dtype
     return shape, dtype
 
@@ -94,7 +94,7 @@ def postprocess(array: np.ndarray, dtype: str, steps: Sequence[Step]) -> np.ndar
     for s in steps:
         if s.perm is not None:
             array = np.transpose(array, s.perm)
-        else:
+        elif s.dtype is not None:
             array = cast(array, dtype, s.dtype)
             dtype = s.dtype
     return array

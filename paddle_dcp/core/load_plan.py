@@ -93,9 +93,9 @@ def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
             if meet(o, [a + n for a, n in zip(o, s)], lo, hi)
         ]
         return np.array(hits, dtype=np.int64)
-    lo = np.maximum(p.offsets, np.asarray(box.offsets, dtype=np.int64))
-    hi = np.minimum(p.offsets + p.shapes, np.asarray(box.end, dtype=np.int64))
-    return np.flatnonzero((hi > lo).all(axis=1))
+    low = np.maximum(p.offsets, np.asarray(box.offsets, dtype=np.int64))
+    high = np.minimum(p.offsets + p.shapes, np.asarray(box.end, dtype=np.int64))
+    return np.flatnonzero((high > low).all(axis=1))
 
 
 def pick_replicas(entry: TensorEntry, rows: np.ndarray, readable: np.ndarray | None = None) -> np.ndarray:

@@ -15,7 +15,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import xxhash
@@ -147,7 +147,7 @@ class TensorEntry:
         )
 
 
-def blocks_of(nbytes: np.ndarray | int, block_bytes: int):
+def blocks_of(nbytes: np.ndarray | int, block_bytes: int) -> np.ndarray:
     """Number of checksum blocks of pieces of ``nbytes`` (at least one, even when empty)."""
     return np.maximum(1, -(-np.asarray(nbytes, dtype=np.int64) // block_bytes))
 
@@ -199,10 +199,10 @@ class Metadata:
                 f"or damaged after it was written"
             )
 
-    def prefetch(self, keys) -> None:
+    def prefetch(self, keys: Iterable[str]) -> None:
         """Parse and validate the entries of ``keys`` now, in one vectorised pass (a load
         uses a few hundred entries at once); any entry that pass cannot take is parsed, and
-        any error worded, on first use as before."""
+        any error worded, on first use."""
         prefetch = getattr(self.tensors, "prefetch", None)
         if prefetch is not None:
             prefetch(keys)
@@ -287,7 +287,7 @@ def with_digest(body: bytes) -> bytes:
     return body[:-1] + _DIGEST_HEAD + digest + b'"}'
 
 
-def _digest_state(data: bytes, doc: Any):
+def _digest_state(data: bytes, doc: Any) -> bool | None:
     """True: the digest matches; False: it does not; None: the file has none."""
     if not isinstance(doc, dict) or "digest" not in doc:
         return None
@@ -299,7 +299,7 @@ def _digest_state(data: bytes, doc: Any):
 
 
 # -------------------------------------------------------------------- columns
-def _encode_column(a: np.ndarray, hex_digits: bool = False):
+def _encode_column(a: np.ndarray, hex_digits: bool = False) -> list | str:
     flat = np.ascontiguousarray(a).reshape(-1)
     if flat.size <= _PLAIN_COLUMN_MAX:
         if hex_digits:

@@ -11,7 +11,7 @@ import base64
 import binascii
 import json
 import zlib
-from typing import Any, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -222,11 +222,17 @@ class _LazyTensors(Mapping):
     hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
     allocated from an entry before it has been validated."""
 
-    def __init__(self, docs: dict, parse, parse_many=None):
-        self._docs, self._parse, self._done = docs, parse, {}
+    def __init__(
+        self,
+        docs: dict,
+        parse: Callable[[str, Any], TensorEntry],
+        parse_many: Callable[[list[str]], dict[str, TensorEntry]] | None = None,
+    ):
+        self._docs, self._parse = docs, parse
+        self._done: dict[str, TensorEntry] = {}
         self._parse_many = parse_many
 
-    def prefetch(self, keys) -> None:
+    def prefetch(self, keys: Iterable[str]) -> None:
         """Parse the entries ``keys`` now, together (see _parse_many); entries that cannot be
         taken together are parsed one by one on first use."""
         todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
@@ -239,10 +245,10 @@ class _LazyTensors(Mapping):
             entry = self._done[key] = self._parse(key, self._docs[key])
         return entry
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._docs
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._docs)
 
     def __len__(self) -> int:
@@ -357,7 +363,8 @@ def _stacked_columns(
     """Every column of every row in one array each (offsets, shapes, files, byte offsets)
     and the checksums' hex digits, checked: integers in range, boxes inside their tensors,
     files in the list, checksums 16 lowercase hex digits. None at the first doubt."""
-    offsets, shapes, limits, files, byte_offsets, sums = [], [], [], [], [], []
+    offsets, shapes, files, byte_offsets, sums = [], [], [], [], []
+    limits: list[int] = []
     for _, _, shape, count, cols in rows:
         offsets += cols[0]
         shapes += cols[1]
