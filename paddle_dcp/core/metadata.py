@@ -244,7 +244,7 @@ class Metadata:
             "structure": self.structure,
             "tensors": tensors,
         }
-        if self.replicas:  # absent otherwise: a save without replicas writes the same bytes as before
+        if self.replicas:  # absent otherwise: a save without replicas has no such member
             doc["replicas"] = True
         if self.subset:
             doc["subset"] = True
