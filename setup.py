@@ -22,8 +22,9 @@ setup(
         "cpu": ["paddlepaddle==3.3.1"],
         "gpu": ["paddlepaddle-gpu==3.3.1"],
         # paddleformers: the client the tests drive (tiny models from a config, no downloads);
-        # safetensors: an independent reader of the safetensors files we write
-        "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors"],
+        # safetensors: an independent reader of the safetensors files we write; mypy: core/ and
+        # format/ are type-checked by a unit test
+        "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors", "mypy>=1.8"],
     },
     entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.tools.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],

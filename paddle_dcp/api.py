@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .core import aoa, nested, planner
+from .core import aoa, load_plan, nested, save_plan
+from .core.keys import match_keys, missing_message, reconcile
 from .dist import exchange, protocol, wire
 from .format import hf_dir
 from .io import open_storage, storage
@@ -488,19 +489,19 @@ def _metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> M
     request = b""
     if my_helper is not None:
         pieces = [piece for h in held for piece, _ in h.pieces()]
-        request = wire.encode_summary(planner.SaveSummary.from_pieces(comm.rank, flat.skeleton, pieces))
+        request = wire.encode_summary(save_plan.SaveSummary.from_pieces(comm.rank, flat.skeleton, pieces))
 
     def answer(client: int, question: bytes) -> bytes:
         summary = wire.decode_summary(question, client)
         keys = nested.tensor_keys(summary.skeleton)
-        match = planner.match_keys(keys, list(meta.tensors), mw)
+        match = match_keys(keys, list(meta.tensors), mw)
         targets = []
         for row, i in enumerate(summary.leaves_of_rows().tolist()):
             key, box = keys[i], summary.piece_box(row)
             if box is not None and key in match.source:
-                targets.append(planner.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
-        plain = planner.reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
-        return planner.restrict(meta, targets, list(match.source.values()), [p for p, _ in plain]).to_json()
+                targets.append(load_plan.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
+        plain = reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
+        return load_plan.restrict(meta, targets, list(match.source.values()), [p for p, _ in plain]).to_json()
 
     reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
     if reply is not None:
@@ -582,9 +583,9 @@ class _LoadPlan:
         return digest, bool(self.verify and keys and shared and pieces <= 8 * own + 65536)
 
     def share_checks(self, index: int, count: int) -> None:
-        """Check only this rank's share of the blocks (see planner.plan_shared_checks); every
+        """Check only this rank's share of the blocks (see load_plan.plan_shared_checks); every
         rank reads the same files and tensors, and the verify step's agreement covers them all."""
-        self.checks = planner.plan_shared_checks(self.meta, self._read_keys(), index, count)
+        self.checks = load_plan.plan_shared_checks(self.meta, self._read_keys(), index, count)
 
     def verify_local(self) -> None:
         """Check the checksum of every block this rank will read from its own files (or its
@@ -654,11 +655,11 @@ def _plan_load(
     # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
     mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
     tensor_keys = [k for k in flat.tensors if k not in mapped]
-    keys = planner.reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
+    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
     match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
     where = f"checkpoint {meta.unique_id} in {path}"
     if keys.missing and strict:
-        raise MismatchError(planner.missing_message(keys.missing, where))
+        raise MismatchError(missing_message(keys.missing, where))
     if keys.missing:
         logger.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(keys.missing))
     if unexpected and not meta.subset:  # a part lists only what this rank asked for
@@ -685,12 +686,12 @@ def _plan_load(
                     remapped.append((local, remap.maps(p.key, p.dtype, p.global_shape, box)))
                     views.append(view)
             continue
-        whole = planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
+        whole = load_plan.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
         if fill is not None or not boxes:  # nothing to read, but the shape and dtype must still agree
-            planner.check_targets(meta, [whole])
+            load_plan.check_targets(meta, [whole])
             continue
         for box, view in boxes:
-            targets.append(planner.TargetPiece(source, h.piece.dtype, h.piece.global_shape, box))
+            targets.append(load_plan.TargetPiece(source, h.piece.dtype, h.piece.global_shape, box))
             slots.append(len(views))
             views.append(view)
     reads = aoa.plan(meta, remapped, first_slot=len(views))
@@ -698,7 +699,7 @@ def _plan_load(
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
     readable = np.array([f.name in visible for f in meta.files], dtype=bool)
     try:
-        ops = planner.plan_reads(meta, targets, slots=slots, readable=readable)
+        ops = load_plan.plan_reads(meta, targets, slots=slots, readable=readable)
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves

@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from .core import nested, planner
+from .core import nested
+from .core.keys import missing_message, reconcile
 from .core.boxes import Box, element_span, is_contiguous
 from .core.dtypes import storage_dtype
 from .errors import FormatError, MismatchError, StorageError
@@ -128,12 +129,12 @@ def load_file(
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
 
     structure = header.structure if header.structure is not None else {"d": []}
-    keys = planner.reconcile(
+    keys = reconcile(
         list(flat.tensors), flat.skeleton, list(header.entries), structure, mw_name_compatibility, "file"
     )
     match = keys.match
     if keys.missing and strict:
-        raise MismatchError(planner.missing_message(keys.missing, path))
+        raise MismatchError(missing_message(keys.missing, path))
     if keys.missing:
         logger.warning("keys of the state_dict not found in %s (left unchanged): %s", path, list(keys.missing))
     if keys.unexpected:

@@ -21,7 +21,7 @@ from .boxes import Box
 from .dtypes import cast, storage_dtype
 from ..errors import MismatchError, PlanError, UnsupportedError
 from .metadata import Metadata
-from .planner import TargetPiece
+from .load_plan import TargetPiece
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def after_steps(shape: tuple[int, ...], dtype: str, steps: Sequence[Step]) -> tu
             if len(s.perm) != len(shape):
                 raise PlanError(f"permutation {list(s.perm)} applied to a box of shape {shape}")
             shape = tuple(shape[i] for i in s.perm)
-        else:
+        elif s.dtype is not None:
             dtype = s.dtype
     return shape, dtype
 
@@ -94,7 +94,7 @@ def postprocess(array: np.ndarray, dtype: str, steps: Sequence[Step]) -> np.ndar
     for s in steps:
         if s.perm is not None:
             array = np.transpose(array, s.perm)
-        else:
+        elif s.dtype is not None:
             array = cast(array, dtype, s.dtype)
             dtype = s.dtype
     return array

@@ -28,7 +28,7 @@ class Box:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.offsets) != len(self.shape):
             raise PlanError(f"box offsets {self.offsets} and shape {self.shape} differ in rank")
 
@@ -291,7 +291,9 @@ def check_tiling(
         raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
 
 
-def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray):
+def check_inside(
+    key: str, global_shape: Sequence[int], offsets: np.ndarray, shapes: np.ndarray
+) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
     """Raise PlanError unless every box is non-empty and inside the tensor (a scalar: at most
     one piece); returns (global shape, offsets, shapes) as a tuple and int64 arrays."""
     global_shape = tuple(int(s) for s in global_shape)
@@ -316,7 +318,7 @@ def check_inside(key: str, global_shape: Sequence[int], offsets: np.ndarray, sha
     return global_shape, offsets, shapes
 
 
-def _grid_cells(offsets: np.ndarray, ends: np.ndarray, global_shape: tuple[int, ...]):
+def _grid_cells(offsets: np.ndarray, ends: np.ndarray, global_shape: Sequence[int]) -> tuple[int, int] | None:
     """When every box is one cell of the grid cut by all boxes' edges (the layouts placements
     produce), (number of cells, number of distinct cells hit); else None. Distinct cells mean
     no overlap; as many cells as boxes, with volumes adding up, mean exact tiling."""

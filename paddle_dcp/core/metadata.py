@@ -10,21 +10,20 @@ products, piece boxes (inside the tensor, tiling it exactly) and byte ranges (in
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import xxhash
 
 from . import nested
-from .boxes import Box, check_inside, check_tiling
-from .dtypes import DTYPE_NAMES, itemsize
-from ..errors import FormatError, PlanError
+from .boxes import Box
+from .dtypes import itemsize
+from ..errors import FormatError
 
 FORMAT_NAME = "paddle_dcp"
 FORMAT_VERSION = 1
@@ -148,13 +147,13 @@ class TensorEntry:
         )
 
 
-def aligned(offset, alignment: int = ALIGNMENT):
+def aligned(offset: Any, alignment: int = ALIGNMENT) -> Any:
     """The first multiple of ``alignment`` at or after ``offset`` (an int or an int array):
     where a piece written after ``offset`` bytes of its file starts."""
     return offset + (-offset % alignment)
 
 
-def blocks_of(nbytes: np.ndarray | int, block_bytes: int):
+def blocks_of(nbytes: np.ndarray | int, block_bytes: int) -> np.ndarray:
     """Number of checksum blocks of pieces of ``nbytes`` (at least one, even when empty)."""
     return np.maximum(1, -(-np.asarray(nbytes, dtype=np.int64) // block_bytes))
 
@@ -206,10 +205,10 @@ class Metadata:
                 f"or damaged after it was written"
             )
 
-    def prefetch(self, keys) -> None:
+    def prefetch(self, keys: Iterable[str]) -> None:
         """Parse and validate the entries of ``keys`` now, in one vectorised pass (a load
         uses a few hundred entries at once); any entry that pass cannot take is parsed, and
-        any error worded, on first use as before."""
+        any error worded, on first use."""
         prefetch = getattr(self.tensors, "prefetch", None)
         if prefetch is not None:
             prefetch(keys)
@@ -251,7 +250,7 @@ class Metadata:
             "structure": self.structure,
             "tensors": tensors,
         }
-        if self.replicas:  # absent otherwise: a save without replicas writes the same bytes as before
+        if self.replicas:  # absent otherwise: a save without replicas has no such member
             doc["replicas"] = True
         if self.subset:
             doc["subset"] = True
@@ -278,28 +277,9 @@ class Metadata:
             raise FormatError(
                 f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata"
             )
-        if isinstance(data, str):
-            data = data.encode()
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-            raise FormatError(f"{source}: not valid JSON ({exc})") from None
-        try:
-            meta = _parse(doc, source, allow_subset, full=not lazy, size=len(data))
-            object.__setattr__(meta, "_digest", (_digest_state(data, doc), source))
-            if lazy:
-                return meta
-            meta.validate()
-            meta.check_digest()
-            return meta
-        except FormatError as exc:
-            if source in str(exc):
-                raise
-            raise FormatError(f"{source}: {exc}") from None
-        except PlanError as exc:
-            raise FormatError(f"{source}: {exc}") from None
-        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
-            raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
+        from .metadata_parse import parse_json  # the parser builds these classes
+
+        return parse_json(data, source, allow_subset, lazy)
 
 
 _DIGEST_HEAD = b',"digest":"'
@@ -313,7 +293,7 @@ def with_digest(body: bytes) -> bytes:
     return body[:-1] + _DIGEST_HEAD + digest + b'"}'
 
 
-def _digest_state(data: bytes, doc: Any):
+def _digest_state(data: bytes, doc: Any) -> bool | None:
     """True: the digest matches; False: it does not; None: the file has none."""
     if not isinstance(doc, dict) or "digest" not in doc:
         return None
@@ -325,7 +305,7 @@ def _digest_state(data: bytes, doc: Any):
 
 
 # -------------------------------------------------------------------- columns
-def _encode_column(a: np.ndarray, hex_digits: bool = False):
+def _encode_column(a: np.ndarray, hex_digits: bool = False) -> list | str:
     flat = np.ascontiguousarray(a).reshape(-1)
     if flat.size <= _PLAIN_COLUMN_MAX:
         if hex_digits:
@@ -336,48 +316,7 @@ def _encode_column(a: np.ndarray, hex_digits: bool = False):
     return "z:" + base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
-def _decode_column(value: Any, count: int, what: str, hex_digits: bool = False) -> np.ndarray:
-    dtype = np.dtype("<u8") if hex_digits else np.dtype("<i8")
-    if count < 0 or count > _MAX_INT // 8:
-        raise FormatError(f"{what}: impossible length {count}")
-    if isinstance(value, list):
-        if len(value) != count:
-            raise FormatError(f"{what}: {len(value)} entries, expected {count}")
-        if hex_digits:
-            if not all(isinstance(x, str) and _CHECKSUM.fullmatch(x) for x in value):
-                raise FormatError(f"{what}: checksums must be 16 lowercase hex digits")
-            return np.array([int(x, 16) for x in value], dtype=dtype)
-        if not all(type(x) is int and -_MAX_INT <= x <= _MAX_INT for x in value):
-            raise FormatError(f"{what}: entries must be integers")
-        return np.array(value, dtype=dtype)
-    if isinstance(value, str) and value.startswith("z:"):
-        expected = count * 8
-        try:
-            packed = base64.b64decode(value[2:], validate=True)
-        except (binascii.Error, ValueError):
-            raise FormatError(f"{what}: packed column is not base64") from None
-        if expected > len(packed) * 1100 + 64:  # more than zlib can expand to: a lie
-            raise FormatError(f"{what}: {count} entries cannot come from {len(packed)} packed bytes")
-        try:
-            d = zlib.decompressobj()
-            raw = d.decompress(packed, expected)
-            if d.unconsumed_tail or not d.eof:
-                raise FormatError(f"{what}: packed column is longer than {count} entries")
-        except zlib.error as exc:
-            raise FormatError(f"{what}: packed column does not decompress ({exc})") from None
-        if len(raw) != expected:
-            raise FormatError(f"{what}: packed column holds {len(raw) // 8} entries, expected {count}")
-        return np.frombuffer(raw, dtype=dtype).copy()
-    raise FormatError(f"{what}: a column must be a list or a 'z:' packed string")
-
-
 # -------------------------------------------------------------------- parsing
-def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise FormatError(f"{what} must be an integer in [{lo}, {hi}], found {str(value)[:40]!r}")
-    return value
-
-
 def check_file_name(name: Any, what: str = "file name") -> str:
     """A data file's name: a plain name that stays inside the checkpoint directory."""
     if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", "..") or name.startswith(".."):
@@ -385,327 +324,3 @@ def check_file_name(name: Any, what: str = "file name") -> str:
             f"{what} {str(name)[:80]!r} is not a plain file name inside the checkpoint directory"
         )
     return name
-
-
-def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: int = MAX_METADATA_BYTES) -> Metadata:
-    if not isinstance(doc, dict):
-        raise FormatError(f"{source}: metadata must be a JSON object")
-    if doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{source}: not a paddle_dcp metadata file (format={str(doc.get('format'))[:40]!r})")
-    version = doc.get("format_version")
-    if type(version) is not int or version not in SUPPORTED_VERSIONS:
-        raise FormatError(
-            f"{source}: format_version {str(version)[:20]!r} is not supported; this paddle_dcp "
-            f"reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}"
-        )
-    unique_id = _int(doc["unique_id"], "unique_id")
-    world_size = _int(doc["world_size"], "world_size", 1, 1 << 24)
-    checksum = doc["checksum"]
-    algorithm = checksum["algorithm"]
-    if algorithm not in CHECKSUM_ALGORITHMS:
-        raise FormatError(f"{source}: unknown checksum algorithm {str(algorithm)[:40]!r}")
-    block_bytes = _int(checksum["block_bytes"], "checksum.block_bytes", 64, 1 << 30)
-    created_by = doc.get("created_by", "")
-    if not isinstance(created_by, str):
-        raise FormatError(f"{source}: created_by must be a string")
-
-    files_doc = doc["files"]
-    if not isinstance(files_doc, list):
-        raise FormatError(f"{source}: files must be a list")
-    files = []
-    seen_names = set()
-    for i, f in enumerate(files_doc):
-        name = check_file_name(f["name"], f"{source}: files[{i}]")
-        if name in seen_names:
-            raise FormatError(f"{source}: file {name!r} is listed twice")
-        seen_names.add(name)
-        files.append(FileEntry(name, _int(f["bytes"], f"files[{i}].bytes")))
-    file_sizes = np.array([f.nbytes for f in files], dtype=np.int64)
-
-    tensors_doc = doc["tensors"]
-    if not isinstance(tensors_doc, dict):
-        raise FormatError(f"{source}: tensors must be an object")
-    subset = doc.get("subset", False)
-    if type(subset) is not bool:
-        raise FormatError(f"{source}: subset must be true or false")
-    if subset and not allow_subset:
-        raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
-    replicas = doc.get("replicas", False)
-    if type(replicas) is not bool:
-        raise FormatError(f"{source}: replicas must be true or false")
-    def parse_tensor(key: str, t: Any) -> TensorEntry:
-        try:
-            return _parse_tensor(
-                key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas
-            )
-        except FormatError as exc:
-            raise FormatError(f"{source}: {exc}") from None
-        except PlanError as exc:
-            raise FormatError(f"{source}: {exc}") from None
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise FormatError(f"{source}: tensor {key!r}: malformed entry ({type(exc).__name__}: {exc})") from None
-
-    def parse_many(keys: list[str]) -> dict[str, TensorEntry]:
-        if full:  # a full parse checks the tiling, tensor by tensor
-            return {}
-        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size)
-
-    tensors = _LazyTensors(tensors_doc, parse_tensor, parse_many)
-
-    structure = doc["structure"]
-    leaves = set()
-    for path, tag, node in nested.walk(structure):
-        if tag == "t":
-            leaves.add(nested.flat_key(path))
-        elif tag in ("v", "f"):
-            nested.decode_value(node, nested.flat_key(path))
-        elif tag == "x":
-            raise FormatError(f"{source}: value {nested.flat_key(path)!r} has no value")
-    if leaves != set(tensors):
-        extra = sorted(leaves ^ set(tensors))[:5]
-        raise FormatError(f"{source}: structure and tensors disagree on keys {extra}")
-    return Metadata(
-        unique_id=unique_id,
-        world_size=world_size,
-        files=tuple(files),
-        tensors=tensors,
-        structure=structure,
-        block_bytes=block_bytes,
-        checksum_algorithm=algorithm,
-        created_by=created_by,
-        format_version=version,
-        subset=subset,
-        replicas=replicas,
-    )
-
-
-class _LazyTensors(Mapping):
-    """Tensor entries parsed and validated the first time each is used: a rank that loads a few
-    hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
-    allocated from an entry before it has been validated."""
-
-    def __init__(self, docs: dict, parse, parse_many=None):
-        self._docs, self._parse, self._done = docs, parse, {}
-        self._parse_many = parse_many
-
-    def prefetch(self, keys) -> None:
-        """Parse the entries ``keys`` now, together (see _parse_many); entries that cannot be
-        taken together are parsed one by one on first use."""
-        todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
-        if todo and self._parse_many is not None:
-            self._done.update(self._parse_many(todo))
-
-    def __getitem__(self, key: str) -> TensorEntry:
-        entry = self._done.get(key)
-        if entry is None:
-            entry = self._done[key] = self._parse(key, self._docs[key])
-        return entry
-
-    def __contains__(self, key) -> bool:
-        return key in self._docs
-
-    def __iter__(self):
-        return iter(self._docs)
-
-    def __len__(self) -> int:
-        return len(self._docs)
-
-
-def _shape_and_count(key: str, t: dict, size: int) -> tuple[tuple[int, ...], int]:
-    """A tensor entry's global shape and piece count, validated (FormatError otherwise)."""
-    shape_doc = t["shape"]
-    if not isinstance(shape_doc, list) or len(shape_doc) > 64:
-        raise FormatError(f"tensor {key!r}: shape must be a list of at most 64 integers")
-    shape = tuple(_int(s, f"tensor {key!r}: shape entry") for s in shape_doc)
-    volume = 1
-    for s in shape:
-        volume *= s
-        if volume * 16 > _MAX_INT:
-            raise FormatError(f"tensor {key!r}: shape {shape} has too many elements")
-    count = _int(t["count"], f"tensor {key!r}: count", 0, 1 << 40)
-    # every piece costs the file at least a byte: a larger count is a lie, refused before
-    # anything is decompressed or allocated for it
-    if count > size or count > max(volume, 1):
-        raise FormatError(
-            f"tensor {key!r}: {count} pieces cannot be described by a {size}-byte metadata file or "
-            f"fit a tensor of {volume} elements"
-        )
-    return shape, count
-
-
-def _parse_many(
-    keys: list[str], docs: dict, file_sizes: np.ndarray, block_bytes: int, size: int = MAX_METADATA_BYTES
-) -> dict[str, TensorEntry]:
-    """Many tensor entries at once, validated as :func:`_parse_tensor` does without tiling,
-    with numpy over the pieces of all of them rather than per tensor. Only entries whose
-    columns are all plain JSON lists are taken; at the first doubt (anything the per-tensor
-    parse could refuse) the rest is left out and parsed one by one, which words the error.
-    Returns key -> entry for the entries taken."""
-    # ---- per tensor: plain fields, in Python (as _parse_tensor)
-    rows = []  # (key, dtype, shape, count, doc)
-    for key in keys:
-        t = docs.get(key)
-        try:
-            if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
-                continue
-            shape, count = _shape_and_count(key, t, size)
-            if not shape and count > 1:  # a scalar is one piece
-                continue
-            cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
-            if any(type(c) is not list for c in cols):
-                continue
-            n = count * len(shape)
-            if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
-                continue
-        except (KeyError, TypeError, ValueError, FormatError):
-            continue
-        rows.append((key, t["dtype"], shape, count, cols))
-    if not rows:
-        return {}
-    rows.sort(key=lambda r: len(r[2]))  # tensors of one rank are neighbours: their boxes stack
-    # ---- every column of every tensor in one array
-    offsets, shapes, limits, files, byte_offsets, sums = [], [], [], [], [], []
-    for _, _, shape, count, cols in rows:
-        offsets += cols[0]
-        shapes += cols[1]
-        limits += shape * count
-        files += cols[2]
-        byte_offsets += cols[3]
-        sums += cols[4]
-    ints = offsets + shapes + files + byte_offsets
-    if not set(map(type, ints)) <= {int} or not set(map(type, sums)) <= {str} or not set(map(len, sums)) <= {16}:
-        return {}
-    hex_digits = "".join(sums)
-    if not _HEX_DIGITS.fullmatch(hex_digits):
-        return {}
-    try:
-        packed = np.array(ints, dtype=np.int64)
-    except OverflowError:
-        return {}
-    if len(packed) and ((packed < -_MAX_INT) | (packed > _MAX_INT)).any():
-        return {}
-    n_box = len(offsets)
-    off, shp = packed[:n_box], packed[n_box : 2 * n_box]
-    fil = packed[2 * n_box : 2 * n_box + len(files)]
-    byt = packed[2 * n_box + len(files) :]
-    lim = np.array(limits, dtype=np.int64)
-    # compared without forming offsets + shapes, which could wrap around (as check_inside)
-    if n_box and ((off < 0) | (shp <= 0) | (shp > lim) | (off > lim - shp)).any():
-        return {}
-    if len(fil) and ((fil < 0) | (fil >= len(file_sizes))).any():
-        return {}
-    # ---- bytes of every piece: the product of its shape row, tensors grouped by rank
-    counts = np.array([r[3] for r in rows], dtype=np.int64)
-    ndims = np.array([len(r[2]) for r in rows], dtype=np.int64)
-    sizes = np.array([itemsize(r[1]) for r in rows], dtype=np.int64)
-    nbytes = np.repeat(sizes, counts)
-    at = 0
-    for d in sorted(set(ndims.tolist())):  # (np.unique imports numpy.ma on first use: 20 ms)
-        m = int(counts[ndims == d].sum())
-        if d and m:
-            nbytes[at : at + m] *= np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
-        at += m
-    if len(byt) and ((byt < 0) | (byt > file_sizes[fil] - nbytes)).any():
-        return {}
-    nblocks = blocks_of(nbytes, block_bytes)
-    piece_start = np.concatenate([[0], np.cumsum(counts)])
-    block_start_all = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
-    block_start = block_start_all[piece_start]
-    if int(block_start[-1]) != len(sums) or any(
-        len(r[4][4]) != int(block_start[i + 1] - block_start[i]) for i, r in enumerate(rows)
-    ):
-        return {}
-    checksums = np.frombuffer(bytes.fromhex(hex_digits), dtype=">u8").astype("<u8")
-    for a in (off, shp, fil, byt, checksums):
-        a.flags.writeable = False
-    # ---- one entry per tensor: views of the arrays above
-    out = {}
-    box_at = 0
-    for i, (key, dtype, shape, count, _) in enumerate(rows):
-        p0, p1 = int(piece_start[i]), int(piece_start[i + 1])
-        d = len(shape)
-        box_end = box_at + count * d
-        pieces = PieceTable(
-            offsets=off[box_at:box_end].reshape(count, d),
-            shapes=shp[box_at:box_end].reshape(count, d),
-            files=fil[p0:p1],
-            byte_offsets=byt[p0:p1],
-            checksums=checksums[int(block_start[i]) : int(block_start[i + 1])],
-        )
-        box_at = box_end
-        entry = out[key] = TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)
-        starts = block_start_all[p0 : p1 + 1] - block_start_all[p0]
-        object.__setattr__(entry, "_starts", _frozen(starts))
-    return out
-
-
-def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
-    """Rows of the first copy of every distinct box (ascending); raises FormatError when two
-    copies of one box lie in the same file (a replica is a holder's own copy)."""
-    if not len(files):
-        return np.zeros(0, np.int64)
-    boxes = np.concatenate([offsets, shapes], axis=1)
-    _, first, group = np.unique(boxes, axis=0, return_index=True, return_inverse=True)
-    pairs = np.unique(np.stack([group.reshape(-1), files], axis=1), axis=0)
-    if len(pairs) != len(files):
-        raise FormatError(f"tensor {key!r}: two copies of one piece in the same file")
-    return np.sort(first)
-
-
-def _parse_tensor(
-    key: str,
-    t: Any,
-    file_sizes: np.ndarray,
-    block_bytes: int,
-    tiling: bool = True,
-    require_cover: bool = True,
-    size: int = MAX_METADATA_BYTES,
-    replicas: bool = False,
-) -> TensorEntry:
-    """One tensor entry, validated. With ``tiling`` off (a load's lazy parse) the pieces are
-    checked to lie inside the tensor but not to tile it: a load then checks that the pieces it
-    uses cover each of its boxes exactly, which is all it relies on. With ``replicas``, rows
-    with exactly equal boxes are copies of one piece (each in another file); the distinct
-    boxes must tile the tensor."""
-    if not isinstance(t, dict):
-        raise FormatError(f"tensor {key!r}: entry must be an object")
-    dtype = t["dtype"]
-    if dtype not in DTYPE_NAMES:
-        raise FormatError(f"tensor {key!r}: unknown dtype {str(dtype)[:40]!r}; supported: {', '.join(DTYPE_NAMES)}")
-    shape, count = _shape_and_count(key, t, size)
-    ndim = len(shape)
-    what = f"tensor {key!r}"
-    offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
-    shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
-    files = _decode_column(t["file"], count, f"{what}: file")
-    byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
-    if tiling and replicas:
-        first = distinct_boxes(key, offsets, shapes, files)
-        check_tiling(key, shape, offsets[first], shapes[first], require_cover=require_cover)
-    elif tiling:
-        check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
-    else:
-        check_inside(key, shape, offsets, shapes)
-    if count and ((files < 0) | (files >= len(file_sizes))).any():
-        raise FormatError(f"{what}: a piece names a file index outside the file list")
-    isz = itemsize(dtype)
-    nbytes = np.prod(shapes, axis=1, dtype=np.int64) * isz
-    if count:
-        # compared without forming byte_offsets + nbytes, which could wrap around
-        bad = (byte_offsets < 0) | (byte_offsets > file_sizes[files] - nbytes)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise FormatError(
-                f"{what}: piece {i} reads {int(nbytes[i])} bytes from offset {int(byte_offsets[i])}, "
-                f"past the end of its file ({int(file_sizes[files[i]])} bytes)"
-            )
-    nblocks = int(blocks_of(nbytes, block_bytes).sum()) if count else 0
-    checksums = _decode_column(t["checksums"], nblocks, f"{what}: checksums", hex_digits=True)
-    pieces = PieceTable(
-        offsets=_frozen(offsets),
-        shapes=_frozen(shapes),
-        files=_frozen(files),
-        byte_offsets=_frozen(byte_offsets),
-        checksums=_frozen(checksums),
-    )
-    return TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)

@@ -196,7 +196,7 @@ def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]
     skeleton and the keys of placeholders that had no value (they are dropped)."""
     dropped: list[str] = []
 
-    def visit(node: dict, path: Path):
+    def visit(node: dict, path: Path) -> Any:
         tag = kind(node, flat_key(path))
         if tag == "d":
             items = []
@@ -274,7 +274,7 @@ def restrict(skeleton: dict, keys: set[str], whole: frozenset = frozenset()) -> 
     path is in ``whole`` (and the containers on their paths); list and tuple positions are kept
     by turning dropped items into None."""
 
-    def visit(node: dict, path: Path):
+    def visit(node: dict, path: Path) -> Any:
         if path in whole:
             return node
         tag = kind(node, flat_key(path))

@@ -27,7 +27,7 @@ import numpy as np
 
 from .comm import Comm, describe_error
 from ..errors import DcpError, StorageError
-from ..core.planner import ReadOp
+from ..core.load_plan import ReadOp
 from ..io.storage import RangeSource, Staging, Storage
 
 logger = logging.getLogger(__name__)

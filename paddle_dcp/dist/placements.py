@@ -17,7 +17,7 @@ from ..core.boxes import Box, flat_range_boxes, shard_box
 from .device import dtype_name
 from ..core.dtypes import name_of_numpy
 from ..errors import PlanError, UnsupportedError
-from ..core.planner import LocalPiece
+from ..core.save_plan import LocalPiece
 
 
 def is_tensor(value: Any) -> bool:

@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from . import wire
-from ..core import nested, planner
+from ..core import nested, save_plan
 from ..errors import FormatError, StorageError
 from ..core.metadata import Metadata
 
@@ -159,7 +159,7 @@ class SaveRank:
     coordinator: int
     prepare: Callable[[], None]
     reduce: Callable[[], None]
-    describe: Callable[[], tuple[dict, list[planner.LocalPiece]]]
+    describe: Callable[[], tuple[dict, list[save_plan.LocalPiece]]]
     choose_id: Callable[[], int]
     prepare_id: Callable[[int], int]
     write: Callable[[int, int, np.ndarray], tuple[int, list[int]]]
@@ -171,7 +171,7 @@ class SaveRank:
     cache: dict = field(default_factory=dict)
     stage: Callable[[np.ndarray], None] | None = None
     replicas: bool = False
-    layout: Callable[[planner.SavePlan], planner.SavePlan] | None = None
+    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None
 
 
 @dataclass
@@ -189,7 +189,7 @@ def save(ctx: SaveRank) -> Protocol:
 
     def summarize():
         skeleton, pieces = ctx.describe()
-        return wire.encode_summary(planner.SaveSummary.from_pieces(ctx.rank, skeleton, pieces))
+        return wire.encode_summary(save_plan.SaveSummary.from_pieces(ctx.rank, skeleton, pieces))
 
     summary = yield from local("describe", summarize)
     # a plan is reused when no rank's layout changed since the last save of this group
@@ -233,14 +233,14 @@ def plan_from_summaries(
     ranks: Sequence[int],
     blobs: Sequence[bytes],
     replicas: bool = False,
-    layout: Callable[[planner.SavePlan], planner.SavePlan] | None = None,
-) -> tuple[planner.SavePlan, list[bytes]]:
+    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None,
+) -> tuple[save_plan.SavePlan, list[bytes]]:
     """The coordinator's half of planning a save: decode every summary (each distinct layout
     once), plan (then ``layout`` places the pieces in their files), and encode every rank's
     assignment."""
     cache: dict = {}
     summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
-    plan = planner.plan_save(summaries, replicas)
+    plan = save_plan.plan_save(summaries, replicas)
     if layout is not None:
         plan = layout(plan)
     parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.boxes)) for s in summaries]
@@ -248,7 +248,7 @@ def plan_from_summaries(
 
 
 def metadata_from_reports(
-    plan: planner.SavePlan,
+    plan: save_plan.SavePlan,
     ranks: Sequence[int],
     reports: Sequence[bytes],
     values: dict,
@@ -268,7 +268,7 @@ def metadata_from_reports(
     structure, dropped = nested.fill_values(plan.skeleton, values)
     if dropped:
         logger.warning("not saved: plain values held only by ranks other than the coordinator: %s", dropped)
-    return planner.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by, generation)
+    return save_plan.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by, generation)
 
 
 # ====================================================================== load

@@ -15,7 +15,7 @@ import numpy as np
 import xxhash
 
 from ..errors import FormatError
-from ..core.planner import SaveSummary
+from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
 _SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf column leads the boxes

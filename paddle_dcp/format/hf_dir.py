@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ..core.dtypes import itemsize
 from ..errors import DcpError, FormatError, StorageError
 from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
 from ..core.naming import data_file_name, parse_data_name
-from ..core.planner import SavePlan
+from ..core.save_plan import SavePlan
 from .safetensors import MAX_HEADER_BYTES, Header, code_of, encode_header, read_header
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ RANK_FILE_METADATA = {"format": "np", "paddle_dcp": "a rank's data file: the che
 
 
 # ---------------------------------------------------------------------- load
-def _no_duplicates(pairs):
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for k, v in pairs:
         if k in out:
@@ -230,6 +230,9 @@ def rename_files(meta: Metadata) -> Metadata:
     """The metadata of a save with ``safetensors=True``: its data files are ``.safetensors``."""
     files = []
     for f in meta.files:
-        rank, uid, generation = parse_data_name(f.name)
+        parsed = parse_data_name(f.name)
+        if parsed is None:  # a save names its files with data_file_name
+            raise FormatError(f"{f.name!r} is not the name of a data file of a save")
+        rank, uid, generation = parsed
         files.append(FileEntry(data_file_name(rank, uid, generation, "safetensors"), f.nbytes))
     return dataclasses.replace(meta, files=tuple(files))

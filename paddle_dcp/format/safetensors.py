@@ -19,7 +19,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -81,7 +81,7 @@ class Header:
     structure: dict | None = None
 
 
-def _structure(metadata: dict[str, str], keys, source: str) -> dict | None:
+def _structure(metadata: dict[str, str], keys: Iterable[str], source: str) -> dict | None:
     """The skeleton in ``__metadata__["structure"]``, checked: it parses, and its tensor leaves
     are the file's tensors."""
     text = metadata.get("structure")
@@ -101,7 +101,7 @@ def _structure(metadata: dict[str, str], keys, source: str) -> dict | None:
     return skeleton
 
 
-def _no_duplicates(pairs):
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for k, v in pairs:
         if k in out:
@@ -110,7 +110,7 @@ def _no_duplicates(pairs):
     return out
 
 
-def _int(value, what: str) -> int:
+def _int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0:
         raise FormatError(f"{what} must be a non-negative integer, got {value!r}")
     return value

@@ -21,7 +21,7 @@ from ..core.dtypes import storage_dtype
 from ..errors import IntegrityError
 from ..core.metadata import ALIGNMENT, Metadata, SavedPiece
 from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
-from ..core.planner import ReadOp, Segment
+from ..core.load_plan import ReadOp, Segment
 
 logger = logging.getLogger(__name__)
 

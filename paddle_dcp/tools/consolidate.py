@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..core import nested, planner
+from ..core import load_plan, nested
 from ..io import open_storage, storage
 from ..io.local import atomic_path
 from ..core.boxes import Box, split_region
@@ -111,11 +111,11 @@ class TensorReader:
     def read_into(self, key: str, box: Box, out: np.ndarray) -> None:
         """Fill ``out`` (shape ``box.shape``, the storage dtype) with ``box`` of tensor ``key``."""
         entry = self.meta.tensors[key]
-        self.read_pieces([planner.TargetPiece(key, entry.dtype, tuple(entry.shape), box)], [0], [out])
+        self.read_pieces([load_plan.TargetPiece(key, entry.dtype, tuple(entry.shape), box)], [0], [out])
 
-    def read_pieces(self, pieces: Sequence[planner.TargetPiece], slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
+    def read_pieces(self, pieces: Sequence[load_plan.TargetPiece], slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
         """Fill ``arrays[slots[i]]`` (shaped as the box, storage dtype) with each piece."""
-        ops = planner.plan_reads(self.meta, pieces, max_read_bytes=self.slab_bytes, slots=slots)
+        ops = load_plan.plan_reads(self.meta, pieces, max_read_bytes=self.slab_bytes, slots=slots)
         storage.execute_reads(ops, self.files, arrays)
 
     def slabs(self, key: str, slab_bytes: int | None = None) -> Iterator[np.ndarray]:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core import planner
+from ..core import load_plan, save_plan
 from ..dist import protocol
 from ..io import storage
 from ..core.boxes import Box
@@ -31,14 +31,14 @@ class RankLayout:
     its pieces in skeleton order."""
 
     skeleton: dict
-    pieces: list[planner.LocalPiece]
+    pieces: list[save_plan.LocalPiece]
 
     @classmethod
     def flat(cls, pieces: Sequence[tuple]) -> "RankLayout":
         """From (key, global_shape, dtype, global_offset, local_shape) tuples: a state dict
         with one tensor leaf per key."""
         local = [
-            planner.LocalPiece(key, dtype, tuple(shape), Box(tuple(off), tuple(ls)))
+            save_plan.LocalPiece(key, dtype, tuple(shape), Box(tuple(off), tuple(ls)))
             for key, shape, dtype, off, ls in pieces
         ]
         return cls({"d": [[p.key, {"t": 0}] for p in local]}, local)
@@ -83,7 +83,7 @@ def simulate_save(
         def write(uid, generation, leaves):  # what a real write returns: the file's size and checksums
             pieces = [layout.pieces[i] for i in leaves.tolist()]
             nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in pieces], dtype=np.int64)
-            _, size = planner.layout_offsets(nbytes)
+            _, size = save_plan.layout_offsets(nbytes)
             count = int(blocks_of(nbytes, block_bytes).sum()) if len(nbytes) else 0
             # checksums are incompressible: random ones keep the metadata's size honest
             return size, np.random.default_rng(r).integers(0, 2**63, count, dtype=np.int64).tolist()
@@ -152,15 +152,15 @@ class _PlannedWork(_NoWork):
         self.remote = {}
 
 
-def plan_rank(meta: Metadata, targets: Sequence[planner.TargetPiece]) -> list:
+def plan_rank(meta: Metadata, targets: Sequence[load_plan.TargetPiece]) -> list:
     """One rank's load planning as a real rank does it: the entries of its tensors parsed
     together, then its reads."""
     meta.prefetch(t.key for t in targets)
-    return planner.plan_reads(meta, targets)
+    return load_plan.plan_reads(meta, targets)
 
 
-def targets_of(layout: RankLayout) -> list[planner.TargetPiece]:
-    return [planner.TargetPiece(p.key, p.dtype, p.global_shape, p.box) for p in layout.pieces if p.box is not None]
+def targets_of(layout: RankLayout) -> list[load_plan.TargetPiece]:
+    return [load_plan.TargetPiece(p.key, p.dtype, p.global_shape, p.box) for p in layout.pieces if p.box is not None]
 
 
 def simulate_load(

@@ -39,7 +39,7 @@ def _box(shape, ids, spec, rank):
 
 
 def test_simulation_predicts_the_traffic_of_a_real_4_rank_job(tmp_path):
-    from paddle_dcp.core.planner import LocalPiece
+    from paddle_dcp.core.save_plan import LocalPiece
     from paddle_dcp.core.boxes import Box
     from paddle_dcp.tools.simulate import RankLayout, simulate_load, simulate_save
     from traffic_layout import LAYOUT

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from paddle_dcp.core import nested, planner
+from paddle_dcp.core import load_plan, nested, save_plan
 from paddle_dcp.dist import wire
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
@@ -162,8 +162,8 @@ def rank_states(arrays, dtypes, mesh, placements, values=None, via_wire=False):
         pieces = []
         for key in flat.tensors:
             name = key.split(".", 1)[1]
-            pieces.append(planner.LocalPiece(key, dtypes[name], arrays[name].shape, boxes[name]))
-        s = planner.SaveSummary.from_pieces(r, flat.skeleton, pieces)
+            pieces.append(save_plan.LocalPiece(key, dtypes[name], arrays[name].shape, boxes[name]))
+        s = save_plan.SaveSummary.from_pieces(r, flat.skeleton, pieces)
         if via_wire:
             s = wire.decode_summary(wire.encode_summary(s), r, cache)
         out.append((flat, pieces, s))
@@ -185,7 +185,7 @@ def save_checkpoint(
     ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own."""
     ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire)
     summaries = [s for _, _, s in ranks]
-    plan = planner.plan_save(summaries)
+    plan = save_plan.plan_save(summaries)
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]
@@ -198,21 +198,21 @@ def save_checkpoint(
         assert w.commit() == plan.file_bytes[r]
         sums[r] = np.array(cs, dtype=np.uint64)
     structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)
-    meta = planner.build_metadata(plan, sums, structure, unique_id, len(ranks), block_bytes)
+    meta = save_plan.build_metadata(plan, sums, structure, unique_id, len(ranks), block_bytes)
     local.write_atomic(path, storage.metadata_name(unique_id), meta.to_json())
     return Saved(path, unique_id, len(ranks), summaries, plan, meta)
 
 
-def load_rank(path: str, unique_id: int, targets: Sequence[planner.TargetPiece], restrict: bool = False, **plan_kw):
+def load_rank(path: str, unique_id: int, targets: Sequence[load_plan.TargetPiece], restrict: bool = False, **plan_kw):
     """Read a rank's target pieces (into arrays prefilled with garbage); returns (arrays, ops).
     With ``restrict``, plan from the part of the metadata these targets need, sent as JSON (as a
     rank that cannot read the metadata file gets it)."""
     meta = local.read_metadata(path, unique_id)
     if restrict:
-        part = planner.restrict(meta, targets)
+        part = load_plan.restrict(meta, targets)
         meta = Metadata.from_json(part.to_json(), source="part", allow_subset=True)
         assert meta.subset and len(meta.files) <= len(part.files)
-    ops = planner.plan_reads(meta, targets, **plan_kw)
+    ops = load_plan.plan_reads(meta, targets, **plan_kw)
     out = [garbage_like(t.box.shape, t.dtype) for t in targets]
     files = local.FileSet(path, meta)
     try:

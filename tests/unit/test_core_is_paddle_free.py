@@ -29,7 +29,7 @@ CORE = pure_modules() + OTHERS
 
 def test_the_walk_finds_the_core_modules():
     # guards the walk: an empty or wrong list would make the import test below pass vacuously
-    for name in ("core.boxes", "core.metadata", "core.planner", "core.aoa", "format.safetensors", "format.hf_dir"):
+    for name in ("core.boxes", "core.metadata", "core.save_plan", "core.load_plan", "core.keys", "core.aoa", "format.safetensors", "format.hf_dir"):
         assert name in CORE, CORE
 
 
@@ -70,11 +70,11 @@ def test_core_pipeline_runs_with_paddle_blocked(tmp_path):
         f"""
         import numpy as np
         from tests.unit.helpers import save_checkpoint, load_rank
-        from paddle_dcp.core import planner
+        from paddle_dcp.core import load_plan
         from paddle_dcp.core.boxes import Box
         a = np.arange(30, dtype=np.float32).reshape(5, 6)
         save_checkpoint({str(tmp_path)!r}, {{"w": a}}, {{"w": "float32"}}, (2,), {{"w": (0,)}})
-        t = planner.TargetPiece("model.w", "float32", (5, 6), Box((1, 2), (3, 3)))
+        t = load_plan.TargetPiece("model.w", "float32", (5, 6), Box((1, 2), (3, 3)))
         (out,), _ = load_rank({str(tmp_path)!r}, 0, [t])
         assert np.array_equal(out, a[1:4, 2:5])
         assert sys.modules["paddle"] is None

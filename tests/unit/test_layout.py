@@ -137,7 +137,7 @@ def test_the_checker_refuses_imports_against_the_flow(module, source):
     "module, source",
     [
         ("paddle_dcp.core.planner", "from ..errors import PlanError\nfrom . import nested\nimport numpy as np\n"),
-        ("paddle_dcp.format.hf_dir", "from ..core.planner import SavePlan\nfrom .safetensors import code_of\n"),
+        ("paddle_dcp.format.hf_dir", "from ..core.save_plan import SavePlan\nfrom .safetensors import code_of\n"),
         ("paddle_dcp.dist.exchange", "from ..io.storage import RangeReader\n"),
         ("paddle_dcp.api", "from .dist import protocol\nfrom .format import hf_dir\n"),
         ("paddle_dcp.tools.cli", "from ..gather import parse_size\nfrom . import consolidate\n"),

@@ -3,7 +3,7 @@ reads, staging and numpy postprocess; dtypes.cast against rounding oracles. No p
 import numpy as np
 import pytest
 
-from paddle_dcp.core import aoa, planner
+from paddle_dcp.core import aoa, load_plan
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import cast
@@ -33,7 +33,7 @@ def run(saved, targets):
     the read plan and the ops."""
     meta = local.read_metadata(saved.path, saved.unique_id)
     read_plan = aoa.plan(meta, targets, first_slot=len(targets))
-    ops = planner.plan_reads(meta, read_plan.pieces, slots=read_plan.slots, direct_min_bytes=1 << 40)
+    ops = load_plan.plan_reads(meta, read_plan.pieces, slots=read_plan.slots, direct_min_bytes=1 << 40)
     buffers = [np.full(t.box.shape, -1, dtype=np.float32 if t.dtype == "float32" else np.uint16) for t, _ in targets]
     arrays = buffers + aoa.staging_arrays(read_plan.staged)
     files = local.FileSet(saved.path, meta)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp.core import nested, planner
+from paddle_dcp.core import keys, load_plan, nested, save_plan
 from paddle_dcp.dist import wire
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
@@ -38,11 +38,11 @@ DTYPES = ["float32", "int64", "bool", "float16", "uint8"]
 ITEMSIZE = {"float32": 4, "int64": 8, "bool": 1, "float16": 2, "uint8": 1, "float64": 8}
 
 
-def summary(rank: int, pieces) -> planner.SaveSummary:
+def summary(rank: int, pieces) -> save_plan.SaveSummary:
     """A summary of (key, dtype, global_shape, box or None) pieces; keys are top-level."""
     skeleton = {"d": [[key, {"t": 0}] for key, *_ in pieces]}
-    local = [planner.LocalPiece(k, d, tuple(g), b) for k, d, g, b in pieces]
-    return planner.SaveSummary.from_pieces(rank, skeleton, local)
+    local = [save_plan.LocalPiece(k, d, tuple(g), b) for k, d, g, b in pieces]
+    return save_plan.SaveSummary.from_pieces(rank, skeleton, local)
 
 
 def through_wire(summaries):
@@ -97,7 +97,7 @@ def test_plan_save_writes_each_distinct_piece_once_by_a_holder_in_any_order(layo
     arrays = arrays_for(shape, dtypes, 0)
     ranks = rank_states(arrays, dtypes, mesh, placements, {"step": 1}, via_wire=via_wire)
     summaries = [s for _, _, s in ranks]
-    plan = planner.plan_save(summaries)
+    plan = save_plan.plan_save(summaries)
 
     holders: dict[tuple, set[int]] = {}
     for r, (_, pieces, _) in enumerate(ranks):
@@ -129,15 +129,15 @@ def test_plan_save_writes_each_distinct_piece_once_by_a_holder_in_any_order(layo
 
     shuffled = list(summaries)
     rnd.shuffle(shuffled)
-    assert_same_plan(plan, planner.plan_save(shuffled))
-    assert_same_plan(plan, planner.plan_save(through_wire(shuffled)))
+    assert_same_plan(plan, save_plan.plan_save(shuffled))
+    assert_same_plan(plan, save_plan.plan_save(through_wire(shuffled)))
 
 
 @fast(200)
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 9))
 def test_plan_save_balances_fully_replicated_pieces_within_the_largest_piece(sizes, world):
     pieces = [(f"k{i}", "uint8", (n,), Box.whole((n,))) for i, n in enumerate(sizes)]
-    plan = planner.plan_save([summary(r, pieces) for r in range(world)])
+    plan = save_plan.plan_save([summary(r, pieces) for r in range(world)])
     per_rank = np.zeros(world, dtype=np.int64)
     np.add.at(per_rank, plan.piece_writer, plan.piece_nbytes)
     assert per_rank.sum() == sum(sizes)  # each piece written once
@@ -146,7 +146,7 @@ def test_plan_save_balances_fully_replicated_pieces_within_the_largest_piece(siz
 
 def test_plan_save_ties_go_to_the_lowest_rank_and_single_holders_write_their_own():
     shared = ("w", "float32", (4,), Box.whole((4,)))
-    plan = planner.plan_save([summary(2, [shared, ("a", "uint8", (3,), Box.whole((3,)))]), summary(1, [shared])])
+    plan = save_plan.plan_save([summary(2, [shared, ("a", "uint8", (3,), Box.whole((3,)))]), summary(1, [shared])])
     rows = plan_rows(plan)
     assert plan.piece_writer[rows[("w", (0,), (4,))]] == 1
     assert plan.piece_writer[rows[("a", (0,), (3,))]] == 2
@@ -155,7 +155,7 @@ def test_plan_save_ties_go_to_the_lowest_rank_and_single_holders_write_their_own
 def test_plan_save_of_ranks_holding_different_keys_merges_their_structure():
     s0 = summary(0, [("a", "float32", (2,), Box.whole((2,)))])
     s1 = summary(1, [("b", "int64", (3,), Box.whole((3,)))])
-    plan = planner.plan_save([s1, s0])
+    plan = save_plan.plan_save([s1, s0])
     assert plan.keys == ("a", "b")
     assert nested.tensor_keys(plan.skeleton) == ["a", "b"]
     assert plan.writes[0].tolist() == [0] and plan.writes[1].tolist() == [0]
@@ -178,7 +178,7 @@ def test_plan_save_refuses_ranks_that_disagree_on_dtype_or_shape(other, words, v
     if via_wire:
         summaries = through_wire(summaries)
     with pytest.raises(MismatchError) as info:
-        planner.plan_save(summaries)
+        save_plan.plan_save(summaries)
     message = str(info.value)
     for w in ["w", "rank 0", "rank 1", *words]:
         assert w in message, (w, message)
@@ -196,16 +196,16 @@ def test_plan_save_refuses_ranks_that_disagree_on_dtype_or_shape(other, words, v
 def test_plan_save_refuses_pieces_that_do_not_tile(boxes, words):
     summaries = [summary(r, [("layer.w", "float32", (6,), b)]) for r, b in enumerate(boxes)]
     with pytest.raises(PlanError) as info:
-        planner.plan_save(summaries)
+        save_plan.plan_save(summaries)
     assert "layer.w" in str(info.value)
     for w in words:
         assert w in str(info.value)
 
 
 def test_build_metadata_refuses_a_wrong_number_of_checksums():
-    plan = planner.plan_save([summary(0, [("w", "uint8", (200,), Box.whole((200,)))])])
+    plan = save_plan.plan_save([summary(0, [("w", "uint8", (200,), Box.whole((200,)))])])
     with pytest.raises(PlanError, match="rank 0 reported 1 checksums, expected 4"):
-        planner.build_metadata(plan, {0: np.zeros(1, np.uint64)}, plan.skeleton, 0, 1, 64)
+        save_plan.build_metadata(plan, {0: np.zeros(1, np.uint64)}, plan.skeleton, 0, 1, 64)
 
 
 # ------------------------------------------------------------------ save then load, through files
@@ -213,7 +213,7 @@ def load_everything(path, shape, dtypes, mesh, placements, arrays, block_bytes, 
     max_read = max(plan_kw.get("max_read_bytes", 64 << 20), 2 * block_bytes + 64)
     for coord in coords(mesh):
         targets = [
-            planner.TargetPiece(f"model.{k}", dtypes[k], shape[k], ref_box(shape[k], mesh, placements[k], coord))
+            load_plan.TargetPiece(f"model.{k}", dtypes[k], shape[k], ref_box(shape[k], mesh, placements[k], coord))
             for k in shape
         ]
         out, ops = load_rank(path, 0, targets, **plan_kw)
@@ -292,7 +292,7 @@ def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
         files = local.FileSet(d, meta)
         try:
             for index in range(count):
-                ops = planner.plan_shared_checks(meta, keys, index, count, max_read_bytes)
+                ops = load_plan.plan_shared_checks(meta, keys, index, count, max_read_bytes)
                 assert [(op.file, op.start) for op in ops] == sorted((op.file, op.start) for op in ops)
                 mine = 0
                 for op in ops:
@@ -327,7 +327,7 @@ def test_shared_checks_find_a_flipped_byte_in_exactly_one_share(tmp_path):
     for index in range(3):
         files = local.FileSet(str(tmp_path), meta)
         try:
-            for op in planner.plan_shared_checks(meta, ["model.w", "model.b"], index, 3):
+            for op in load_plan.plan_shared_checks(meta, ["model.w", "model.b"], index, 3):
                 storage.execute_op(op, files, [], storage.Staging(), check_only=True)
         except IntegrityError as exc:
             assert "1_0.distcp" in str(exc) and "checksum" in str(exc)
@@ -369,10 +369,10 @@ def test_plan_reads_refuses_a_target_of_another_shape_or_dtype(tmp_path):
     save_checkpoint(str(tmp_path), arrays, {"w": "float32"}, (1,), {"w": (None,)})
     meta = local.read_metadata(str(tmp_path), 0)
     with pytest.raises(MismatchError) as info:
-        planner.plan_reads(meta, [planner.TargetPiece("model.w", "float32", (4, 5), Box.whole((4, 5)))])
+        load_plan.plan_reads(meta, [load_plan.TargetPiece("model.w", "float32", (4, 5), Box.whole((4, 5)))])
     assert all(w in str(info.value) for w in ["model.w", "(4, 4)", "(4, 5)"])
     with pytest.raises(MismatchError) as info:
-        planner.plan_reads(meta, [planner.TargetPiece("model.w", "float16", (4, 4), Box.whole((4, 4)))])
+        load_plan.plan_reads(meta, [load_plan.TargetPiece("model.w", "float16", (4, 4), Box.whole((4, 4)))])
     assert all(w in str(info.value) for w in ["model.w", "float32", "float16"])
 
 
@@ -384,11 +384,11 @@ def test_plan_reads_names_each_target_by_its_slot(tmp_path):
     save_checkpoint(str(tmp_path), arrays, dtypes, (2,), {"w": (0,), "s": (None,)})
     meta = local.read_metadata(str(tmp_path), 0)
     targets = [
-        planner.TargetPiece("model.w", "float32", (6, 4), Box((0, 1), (6, 2))),  # both saved pieces
-        planner.TargetPiece("model.s", "int64", (), Box((), ())),
+        load_plan.TargetPiece("model.w", "float32", (6, 4), Box((0, 1), (6, 2))),  # both saved pieces
+        load_plan.TargetPiece("model.s", "int64", (), Box((), ())),
     ]
-    plain = planner.plan_reads(meta, targets)
-    slotted = planner.plan_reads(meta, targets, slots=[7, 3])
+    plain = load_plan.plan_reads(meta, targets)
+    slotted = load_plan.plan_reads(meta, targets, slots=[7, 3])
     assert sorted(c.target for op in plain for seg in op.segments for c in seg.copies) == [0, 0, 1]
     named = [c.target for op in slotted for seg in op.segments for c in seg.copies]
     assert named == [{0: 7, 1: 3}[c.target] for op in plain for seg in op.segments for c in seg.copies]
@@ -401,7 +401,7 @@ def test_plan_reads_names_each_target_by_its_slot(tmp_path):
 
     assert without_targets(plain) == without_targets(slotted)
     with pytest.raises(ValueError, match="1 slots for 2 targets"):
-        planner.plan_reads(meta, targets, slots=[0])
+        load_plan.plan_reads(meta, targets, slots=[0])
 
 # ------------------------------------------------------------------ keys
 @pytest.mark.parametrize(
@@ -412,17 +412,17 @@ def test_plan_reads_names_each_target_by_its_slot(tmp_path):
     ],
 )
 def test_mw_compatible_name_maps_both_ways(a, b):
-    assert planner.mw_compatible_name(a) == b
-    assert planner.mw_compatible_name(b) == a
+    assert keys.mw_compatible_name(a) == b
+    assert keys.mw_compatible_name(b) == a
 
 
 @pytest.mark.parametrize("key", ["model.linear_0.w_0", "opt.linear_0.w_0_moment1_0", "step"])
 def test_mw_compatible_name_of_other_keys_is_none(key):
-    assert planner.mw_compatible_name(key) is None
+    assert keys.mw_compatible_name(key) is None
 
 
 def test_match_keys_reports_missing_and_unexpected():
-    m = planner.match_keys(["a", "b", "c"], ["b", "c", "d", "e"])
+    m = keys.match_keys(["a", "b", "c"], ["b", "c", "d", "e"])
     assert m.source == {"b": "b", "c": "c"}
     assert m.missing == ("a",)
     assert m.unexpected == ("d", "e")
@@ -431,29 +431,29 @@ def test_match_keys_reports_missing_and_unexpected():
 def test_match_keys_loads_master_weights_saved_under_the_other_spelling():
     wanted = ["opt.master_weights.linear_0.w_0", "opt.linear_1.w_0_fp32_master_0", "model.w"]
     available = ["opt.linear_0.w_0_fp32_master_0", "opt.master_weights.linear_1.w_0", "model.w"]
-    m = planner.match_keys(wanted, available)
+    m = keys.match_keys(wanted, available)
     assert m.source == {
         "opt.master_weights.linear_0.w_0": "opt.linear_0.w_0_fp32_master_0",
         "opt.linear_1.w_0_fp32_master_0": "opt.master_weights.linear_1.w_0",
         "model.w": "model.w",
     }
     assert m.missing == () and m.unexpected == ()
-    off = planner.match_keys(wanted, available, mw_name_compatibility=False)
+    off = keys.match_keys(wanted, available, mw_name_compatibility=False)
     assert off.source == {"model.w": "model.w"}
     assert off.missing == tuple(wanted[:2])
     assert off.unexpected == tuple(available[:2])
 
 
 def test_match_keys_prefers_the_exact_key():
-    m = planner.match_keys(["opt.master_weights.w"], ["opt.master_weights.w", "opt.w_fp32_master_0"])
+    m = keys.match_keys(["opt.master_weights.w"], ["opt.master_weights.w", "opt.w_fp32_master_0"])
     assert m.source == {"opt.master_weights.w": "opt.master_weights.w"}
     assert m.unexpected == ("opt.w_fp32_master_0",)
 
 
 def test_layout_offsets_align_every_piece():
-    starts, total = planner.layout_offsets([1, 64, 65, 0, 3])
+    starts, total = save_plan.layout_offsets([1, 64, 65, 0, 3])
     assert starts.tolist() == [0, 64, 128, 256, 256] and total == 259
-    starts, total = planner.layout_offsets([])
+    starts, total = save_plan.layout_offsets([])
     assert len(starts) == 0 and total == 0
 
 
@@ -482,7 +482,7 @@ def test_lazy_metadata_with_overlapping_pieces_is_refused_where_a_target_uses_th
     # rows 0-4 and rows 3-7 overlap on rows 3-4; total volume equals the tensor's
     meta = _lazy_meta_with_boxes([((0, 0), (5, 4)), ((3, 0), (5, 4))])
     with pytest.raises(PlanError, match="overlap"):
-        planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((0, 0), (8, 4)))])
+        load_plan.plan_reads(meta, [load_plan.TargetPiece("w", "float32", (8, 4), Box((0, 0), (8, 4)))])
     # an eager parse refuses the file outright
     with pytest.raises(FormatError):
         Metadata.from_json(_lazy_meta_with_boxes([((0, 0), (5, 4)), ((3, 0), (5, 4))]).to_json())
@@ -491,20 +491,20 @@ def test_lazy_metadata_with_overlapping_pieces_is_refused_where_a_target_uses_th
 def test_lazy_metadata_with_a_gap_is_refused_where_a_target_needs_it():
     meta = _lazy_meta_with_boxes([((0, 0), (3, 4)), ((4, 0), (4, 4))])  # row 3 missing
     with pytest.raises(PlanError, match="cover"):
-        planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((2, 0), (4, 4)))])
+        load_plan.plan_reads(meta, [load_plan.TargetPiece("w", "float32", (8, 4), Box((2, 0), (4, 4)))])
     # a target that avoids the gap loads
-    ops = planner.plan_reads(meta, [planner.TargetPiece("w", "float32", (8, 4), Box((4, 0), (4, 4)))])
+    ops = load_plan.plan_reads(meta, [load_plan.TargetPiece("w", "float32", (8, 4), Box((4, 0), (4, 4)))])
     assert sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies) == 16
 
 
 def test_a_scalar_loads_from_its_one_piece_and_is_refused_without_one():
-    target = planner.TargetPiece("w", "float32", (), Box((), ()))
-    one = planner.plan_reads(_lazy_meta_with_boxes([((), ())], shape=()), [target])
+    target = load_plan.TargetPiece("w", "float32", (), Box((), ()))
+    one = load_plan.plan_reads(_lazy_meta_with_boxes([((), ())], shape=()), [target])
     assert [(op.start, op.stop, op.direct) for op in one] == [(0, 4, True)]
     with pytest.raises(PlanError, match="w: the checkpoint's pieces cover 0 of the 1 elements"):
-        planner.plan_reads(_lazy_meta_with_boxes([], shape=()), [target])
+        load_plan.plan_reads(_lazy_meta_with_boxes([], shape=()), [target])
     with pytest.raises(FormatError, match="2 pieces"):  # two pieces of a scalar: refused when parsed
-        planner.plan_reads(_lazy_meta_with_boxes([((), ())] * 2, shape=()), [target])
+        load_plan.plan_reads(_lazy_meta_with_boxes([((), ())] * 2, shape=()), [target])
 
 
 @pytest.mark.parametrize("count", [3, 16, 17, 40])  # plain Python up to 16 pieces, numpy above
@@ -518,15 +518,15 @@ def test_overlapping_pieces_and_overlap_checks_agree_with_brute_force(count):
         lo = [int(rng.integers(0, s)) for s in shape]
         box = Box(tuple(lo), tuple(int(rng.integers(1, s - a + 1)) for a, s in zip(lo, shape)))
         want = [i for i, (o, s) in enumerate(boxes) if Box(o, s).intersect(box) is not None]
-        assert planner.overlapping_pieces(entry, box).tolist() == want
+        assert load_plan.overlapping_pieces(entry, box).tolist() == want
     # the last piece moved one row up overlaps its neighbour: refused wherever a target meets both
     moved = boxes[:-1] + [((2 * count - 3, 0), (2, 6))]
     meta = _lazy_meta_with_boxes(moved, shape)
-    whole = planner.TargetPiece("w", "float32", shape, Box((0, 0), shape))
+    whole = load_plan.TargetPiece("w", "float32", shape, Box((0, 0), shape))
     with pytest.raises(PlanError, match="overlap"):
-        planner.plan_reads(meta, [whole])
-    top = planner.TargetPiece("w", "float32", shape, Box((0, 0), (2 * count - 4, 6)))
-    assert planner.plan_reads(meta, [top])  # a target away from the overlap plans
+        load_plan.plan_reads(meta, [whole])
+    top = load_plan.TargetPiece("w", "float32", shape, Box((0, 0), (2 * count - 4, 6)))
+    assert load_plan.plan_reads(meta, [top])  # a target away from the overlap plans
 
 
 # ------------------------------------------------------------------ reconcile
@@ -538,7 +538,7 @@ def test_reconcile_restores_plain_subtrees_whole_and_names_what_is_missing():
     t = np.zeros(1)
     saved = _sk({"w": t, "sched": {"milestones": [3, 1, 4, 1.5]}, "opt": [t, 5], "only_saved": 1})
     target = {"w": t, "sched": {"milestones": []}, "opt": [t, 0, 7], "extra": [1], "x": t}
-    r = planner.reconcile(["w", "opt.0", "x"], _sk(target), ["w", "opt.0"], saved)
+    r = keys.reconcile(["w", "opt.0", "x"], _sk(target), ["w", "opt.0"], saved)
     assert dict(r.plain) == {("sched",): saved["d"][1][1], ("opt", 1): {"v": 5}}
     assert sorted(r.missing) == ["extra.0", "opt.2", "x"]
     assert r.unexpected == ("only_saved",)
@@ -547,18 +547,18 @@ def test_reconcile_restores_plain_subtrees_whole_and_names_what_is_missing():
 
 def test_reconcile_leaves_a_target_subtree_holding_tensors_to_the_tensors():
     saved = _sk({"m": {}})
-    r = planner.reconcile(["m.w"], _sk({"m": {"w": np.zeros(1)}}), [], saved)
+    r = keys.reconcile(["m.w"], _sk({"m": {"w": np.zeros(1)}}), [], saved)
     assert r.plain == () and r.missing == ("m.w",)
 
 
 def test_reconcile_refuses_a_tensor_against_a_plain_value_either_way():
     with pytest.raises(MismatchError, match="step: the checkpoint holds a plain value here"):
-        planner.reconcile(["step"], _sk({"step": np.zeros(1)}), [], _sk({"step": 3}))
+        keys.reconcile(["step"], _sk({"step": np.zeros(1)}), [], _sk({"step": 3}))
     with pytest.raises(MismatchError, match="step: the checkpoint holds a tensor here"):
-        planner.reconcile([], _sk({"step": 3}), ["step"], _sk({"step": np.zeros(1)}))
+        keys.reconcile([], _sk({"step": 3}), ["step"], _sk({"step": np.zeros(1)}))
 
 
 def test_missing_message_names_twenty_keys_and_counts_all():
-    text = planner.missing_message([f"k{i}" for i in range(23)], "checkpoint 4 in /ck")
+    text = keys.missing_message([f"k{i}" for i in range(23)], "checkpoint 4 in /ck")
     assert text.startswith("23 key(s) of the state_dict are not in checkpoint 4 in /ck: k0, ")
     assert "k19 and 3 more" in text and "k20" not in text and "strict=False" in text

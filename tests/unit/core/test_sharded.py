@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp.core import planner
+from paddle_dcp.core import load_plan, save_plan
 from paddle_dcp.dist import wire
 from paddle_dcp.core.boxes import Box, flat_range_boxes
 from paddle_dcp.errors import FormatError, PlanError
@@ -20,22 +20,22 @@ SHAPE = (4, 5)
 
 
 def flat_pieces(key, start, stop, shape=SHAPE, dtype="float32"):
-    return [planner.LocalPiece(key, dtype, shape, b) for b in flat_range_boxes(shape, start, stop)] or [
-        planner.LocalPiece(key, dtype, shape, None)
+    return [save_plan.LocalPiece(key, dtype, shape, b) for b in flat_range_boxes(shape, start, stop)] or [
+        save_plan.LocalPiece(key, dtype, shape, None)
     ]
 
 
 def summary_of(rank, per_key):
     """per_key: key -> list of LocalPiece (one key may have several)."""
     skeleton = {"d": [[k, {"t": 0}] for k in per_key] + [["step", {"v": 1}]]}
-    return planner.SaveSummary.from_pieces(rank, skeleton, [p for ps in per_key.values() for p in ps])
+    return save_plan.SaveSummary.from_pieces(rank, skeleton, [p for ps in per_key.values() for p in ps])
 
 
 def plan_of(summaries, replicas=False, wired=True):
     if wired:
         cache: dict = {}
         summaries = [wire.decode_summary(wire.encode_summary(s), s.rank, cache) for s in summaries]
-    return planner.plan_save(summaries, replicas)
+    return save_plan.plan_save(summaries, replicas)
 
 
 def meta_of(plan, block_bytes=64):
@@ -44,7 +44,7 @@ def meta_of(plan, block_bytes=64):
         mine = np.flatnonzero(plan.piece_writer == r)
         n = int(blocks_of(plan.piece_nbytes[mine], block_bytes).sum())
         sums[r] = np.arange(n, dtype=np.uint64) + 1000 * r
-    return planner.build_metadata(plan, sums, plan.skeleton, 0, 2, block_bytes)
+    return save_plan.build_metadata(plan, sums, plan.skeleton, 0, 2, block_bytes)
 
 
 def covered(plan, key):
@@ -60,13 +60,13 @@ def covered(plan, key):
 
 # ------------------------------------------------------------------ several boxes per key
 def test_summary_with_several_rows_for_one_leaf_round_trips_the_wire():
-    s = summary_of(1, {"a": flat_pieces("a", 3, 17), "b": [planner.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
+    s = summary_of(1, {"a": flat_pieces("a", 3, 17), "b": [save_plan.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
     assert len(s.boxes) == 4 and s.row_leaf.tolist() == [0, 0, 0, 1]
     back = wire.decode_summary(wire.encode_summary(s), 1)
     assert back.row_leaf.tolist() == [0, 0, 0, 1] and np.array_equal(back.boxes, s.boxes)
     assert [back.piece_box(i) for i in range(4)] == [Box((0, 3), (1, 2)), Box((1, 0), (2, 5)), Box((3, 0), (1, 2)), Box((0,), (3,))]
     assert back.dtypes == ("float32", "int64")
-    one = summary_of(0, {"b": [planner.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
+    one = summary_of(0, {"b": [save_plan.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
     assert one.row_leaf is None and wire.encode_summary(one)[:4] == b"DCS1"  # unchanged message
 
 
@@ -74,7 +74,7 @@ def test_pieces_of_one_key_must_be_one_run_in_skeleton_order():
     skeleton = {"d": [["a", {"t": 0}], ["b", {"t": 0}]]}
     a, b = flat_pieces("a", 0, 7), flat_pieces("b", 0, 20)
     with pytest.raises(PlanError):
-        planner.SaveSummary.from_pieces(0, skeleton, [a[0], b[0], a[1]])
+        save_plan.SaveSummary.from_pieces(0, skeleton, [a[0], b[0], a[1]])
 
 
 @fast(150)
@@ -109,14 +109,14 @@ def test_overlapping_flat_ranges_are_refused():
 
 def test_a_summary_whose_rows_do_not_map_onto_its_leaves_is_refused():
     s = summary_of(0, {"w": flat_pieces("w", 0, 20)})
-    bad = planner.SaveSummary(0, s.skeleton, s.dtypes, s.global_shapes, np.zeros((2, 5), np.int64), row_leaf=np.array([1, 1]))
+    bad = save_plan.SaveSummary(0, s.skeleton, s.dtypes, s.global_shapes, np.zeros((2, 5), np.int64), row_leaf=np.array([1, 1]))
     with pytest.raises(PlanError, match="rows"):
-        planner.plan_save([bad])
+        save_plan.plan_save([bad])
 
 
 # ------------------------------------------------------------------ replicas
 def replicated(world=2):
-    whole = [planner.LocalPiece("w", "float32", SHAPE, Box.whole(SHAPE))]
+    whole = [save_plan.LocalPiece("w", "float32", SHAPE, Box.whole(SHAPE))]
     halves = [flat_pieces("h", 0, 10), flat_pieces("h", 10, 20)]
     return [summary_of(r, {"w": whole, "h": halves[r % 2]}) for r in range(world)]
 
@@ -176,9 +176,9 @@ def test_a_copy_that_only_overlaps_is_refused_even_with_replicas():
 
 def test_a_load_reads_one_copy_from_a_file_it_can_read():
     meta = Metadata.from_json(meta_of(plan_of(replicated(), replicas=True)).to_json())
-    target = planner.TargetPiece("w", "float32", SHAPE, Box((1, 0), (2, 5)))
+    target = load_plan.TargetPiece("w", "float32", SHAPE, Box((1, 0), (2, 5)))
     for readable, file in (([True, False], 0), ([False, True], 1), (None, 0), ([False, False], 0)):
-        ops = planner.plan_reads(meta, [target], readable=None if readable is None else np.array(readable))
+        ops = load_plan.plan_reads(meta, [target], readable=None if readable is None else np.array(readable))
         assert {op.file for op in ops} == {file}, (readable, ops)
         marks = np.zeros(SHAPE, np.int64)
         for op in ops:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp.core import planner
+from paddle_dcp.core import save_plan
 from paddle_dcp.dist import wire
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
@@ -15,8 +15,8 @@ from ..helpers import fast
 def make_summary(rank, boxes):
     keys = [f"k{i}" for i in range(len(boxes))]
     skeleton = {"d": [[k, {"t": 0}] for k in keys] + [["step", {"v": 3}], ["lr", {"f": "nan"}]]}
-    pieces = [planner.LocalPiece(k, "float32", (8,) * (b.ndim if b else 2), b) for k, b in zip(keys, boxes)]
-    return planner.SaveSummary.from_pieces(rank, skeleton, pieces)
+    pieces = [save_plan.LocalPiece(k, "float32", (8,) * (b.ndim if b else 2), b) for k, b in zip(keys, boxes)]
+    return save_plan.SaveSummary.from_pieces(rank, skeleton, pieces)
 
 
 def test_summary_round_trip_is_exact():
@@ -39,9 +39,9 @@ def test_equal_layouts_share_one_parsed_header():
 
 def test_from_pieces_refuses_pieces_out_of_skeleton_order():
     skeleton = {"d": [["a", {"t": 0}], ["b", {"t": 0}]]}
-    pieces = [planner.LocalPiece(k, "float32", (2,), Box.whole((2,))) for k in ("b", "a")]
-    with pytest.raises(planner.PlanError):
-        planner.SaveSummary.from_pieces(0, skeleton, pieces)
+    pieces = [save_plan.LocalPiece(k, "float32", (2,), Box.whole((2,))) for k in ("b", "a")]
+    with pytest.raises(save_plan.PlanError):
+        save_plan.SaveSummary.from_pieces(0, skeleton, pieces)
 
 
 @pytest.mark.parametrize("decode", [lambda d: wire.decode_summary(d, 0), wire.decode_assignment,

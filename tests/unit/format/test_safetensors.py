@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import paddle_dcp
-from paddle_dcp.core import planner
+from paddle_dcp.core import save_plan
 from paddle_dcp.format import hf_dir, safetensors
 from paddle_dcp.io import local, storage
 from paddle_dcp.tools import cli
@@ -181,10 +181,10 @@ def test_directory_errors_name_what_is_wrong(tmp_path):
 
 # ------------------------------------------------------------------ save with safetensors=True
 def test_rank_file_layout_counts_the_header():
-    plan = planner.plan_save([
-        planner.SaveSummary.from_pieces(r, {"d": [["w", {"t": 0}], ["b", {"t": 0}]]}, [
-            planner.LocalPiece("w", "float32", (4, 6), Box((2 * r, 0), (2, 6))),
-            planner.LocalPiece("b", "int64", (3,), Box((0,), (3,))),
+    plan = save_plan.plan_save([
+        save_plan.SaveSummary.from_pieces(r, {"d": [["w", {"t": 0}], ["b", {"t": 0}]]}, [
+            save_plan.LocalPiece("w", "float32", (4, 6), Box((2 * r, 0), (2, 6))),
+            save_plan.LocalPiece("b", "int64", (3,), Box((0,), (3,))),
         ])
         for r in range(2)
     ])

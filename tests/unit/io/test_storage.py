@@ -8,7 +8,7 @@ import numpy as np
 import xxhash
 import pytest
 
-from paddle_dcp.core import planner
+from paddle_dcp.core import load_plan
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
@@ -33,8 +33,8 @@ def ckpt(tmp_path):
 
 def whole_targets():
     return [
-        planner.TargetPiece("model.w", "float32", (7, 5), Box.whole((7, 5))),
-        planner.TargetPiece("model.b", "int64", (300,), Box.whole((300,))),
+        load_plan.TargetPiece("model.w", "float32", (7, 5), Box.whole((7, 5))),
+        load_plan.TargetPiece("model.b", "int64", (300,), Box.whole((300,))),
     ]
 
 
@@ -199,7 +199,7 @@ def test_a_flipped_byte_outside_the_target_is_not_read(ckpt):
     with open(name, "r+b") as f:
         f.seek(offset + 8 * 299)  # the last element of model.b
         f.write(b"\xff")
-    target = [planner.TargetPiece("model.b", "int64", (300,), Box((0,), (100,)))]
+    target = [load_plan.TargetPiece("model.b", "int64", (300,), Box((0,), (100,)))]
     (b,), _ = load_rank(ckpt, 0, target)
     assert np.array_equal(b, B[:100])
 
@@ -262,8 +262,8 @@ def test_the_load_path_never_unpickles(ckpt, monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
     meta = local.read_metadata(ckpt, 0)
-    targets = whole_targets() + [planner.TargetPiece("model.w", "float32", (7, 5), Box((2, 1), (4, 3)))]
-    ops = planner.plan_reads(meta, targets, max_read_bytes=1)
+    targets = whole_targets() + [load_plan.TargetPiece("model.w", "float32", (7, 5), Box((2, 1), (4, 3)))]
+    ops = load_plan.plan_reads(meta, targets, max_read_bytes=1)
     out = [np.zeros(t.box.shape, dtype={"float32": np.float32, "int64": np.int64}[t.dtype]) for t in targets]
     files = local.FileSet(ckpt, meta)
     try:

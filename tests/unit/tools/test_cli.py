@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp.io import local, storage
 from paddle_dcp.tools import cli, consolidate
-from paddle_dcp.core.boxes import element_span
+from paddle_dcp.core.boxes import element_span, flat_range_boxes
 from paddle_dcp.core.metadata import TensorEntry
 
 from ..helpers import coords, fast, random_array, ref_box, same_bits, save_checkpoint
@@ -603,7 +603,7 @@ def test_flat_range_boxes_are_the_range_in_order(shape, data):
     start = data.draw(st.integers(0, n))
     stop = data.draw(st.integers(start, n))
     got = []
-    for box in cli.flat_range_boxes(shape, start, stop):
+    for box in flat_range_boxes(shape, start, stop):
         first, end = element_span(shape, box) if shape else (0, 1)
         assert end - first == box.volume  # one contiguous run
         got.extend(range(first, end))

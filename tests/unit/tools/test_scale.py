@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from paddle_dcp.core import planner
+from paddle_dcp.core import load_plan, save_plan
 from paddle_dcp.core.metadata import Metadata
 from paddle_dcp.tools.simulate import RankLayout, simulate_load, simulate_save, targets_of
 
@@ -71,7 +71,7 @@ def test_a_save_at_4096_ranks_writes_each_piece_once_and_a_load_into_another_lay
     target = _job(2 * dp, tp // 2, TENSORS)
     for rank in (0, 1, 2049, 4095):
         lazy = Metadata.from_json(save.metadata_json, lazy=True)
-        ops = planner.plan_reads(lazy, targets_of(target[rank]))
+        ops = load_plan.plan_reads(lazy, targets_of(target[rank]))
         got = sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies)
         assert got == sum(t.box.volume for t in targets_of(target[rank]))
     load = simulate_load(layouts, save.metadata_json, plan_ranks=(7,))
@@ -95,7 +95,7 @@ def test_a_second_save_of_the_same_layout_reuses_the_plan_and_sends_no_summary()
     # a changed layout on one rank plans again
     changed = dict(layouts)
     pieces = list(changed[5].pieces)
-    pieces[1] = planner.LocalPiece("w.q", "bfloat16", (64, 64), None)  # its dp replicas still hold it
+    pieces[1] = save_plan.LocalPiece("w.q", "bfloat16", (64, 64), None)  # its dp replicas still hold it
     changed[5] = RankLayout(changed[5].skeleton, pieces)
     third = simulate_save(changed, cache=cache, unique_id=2)
     assert not third.plan_reused

@@ -1,0 +1,441 @@
+"""Save plans: a pure function from what every rank holds to who writes which piece where.
+
+Every rank summarises the pieces it holds (:class:`SaveSummary`); the coordinator alone sees
+all summaries, writes every distinct piece once (replicas deduplicated), picks the writers so
+that bytes written per rank are balanced (:func:`plan_save`), and once the ranks report their
+checksums, assembles the metadata (:func:`build_metadata`). Work is vectorised over pieces
+with numpy and grows as O(pieces log pieces).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+
+from . import nested
+from .boxes import Box, check_tiling
+from .dtypes import itemsize
+from ..errors import MismatchError, PlanError
+from .naming import data_file_name
+from .metadata import FileEntry, Metadata, PieceTable, TensorEntry, aligned, blocks_of
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """What one rank holds of one tensor.
+
+    Attributes:
+        key: flat state-dict key.
+        dtype: the format's dtype name.
+        global_shape: the whole tensor's shape, in elements.
+        box: the rank's piece in global coordinates, or None when it holds none of it.
+    """
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    box: Box | None
+
+
+@dataclass(frozen=True, eq=False)
+class SaveSummary:
+    """A rank's description of its state dict for the coordinator.
+
+    Attributes:
+        rank: the global rank that sent it.
+        skeleton: the nested structure; plain values only in the coordinator's own.
+        dtypes / global_shapes: per tensor leaf, in the skeleton's depth-first order.
+        boxes: (rows, 1 + 2 * max_ndim) int64 rows ``[present, offsets, shape]``, offsets
+            and shape each padded with zeros to the summary's largest rank; one row per leaf,
+            or several for a leaf held as several boxes (a flattened ShardedWeight).
+        row_leaf: (rows,) int64, the leaf of every row, ascending; None when row i is leaf i.
+        header_id: equal for summaries whose skeleton, dtypes and shapes are equal (lets the
+            coordinator parse and check each distinct layout once).
+    """
+
+    rank: int
+    skeleton: dict
+    dtypes: tuple[str, ...]
+    global_shapes: tuple[tuple[int, ...], ...]
+    boxes: np.ndarray
+    header_id: object = None
+    row_leaf: np.ndarray | None = None
+
+    @classmethod
+    def from_pieces(cls, rank: int, skeleton: dict, pieces: Sequence[LocalPiece]) -> "SaveSummary":
+        """From the pieces in the skeleton's tensor order: one per leaf, or a run of several of
+        one key (a leaf held as several boxes)."""
+        keys = nested.tensor_keys(skeleton)
+        starts = [i for i, p in enumerate(pieces) if i == 0 or p.key != pieces[i - 1].key]
+        if [pieces[i].key for i in starts] != keys:
+            raise PlanError("local pieces are not in the skeleton's tensor order")
+        firsts = [pieces[i] for i in starts]
+        max_nd = max((len(p.global_shape) for p in pieces), default=0)
+        boxes = np.zeros((len(pieces), 1 + 2 * max_nd), dtype=np.int64)
+        for i, p in enumerate(pieces):
+            if p.box is not None and p.box.volume > 0:
+                nd = p.box.ndim
+                boxes[i, 0] = 1
+                boxes[i, 1 : 1 + nd] = p.box.offsets
+                boxes[i, 1 + max_nd : 1 + max_nd + nd] = p.box.shape
+        row_leaf = None
+        if len(pieces) != len(keys):
+            flags = np.zeros(len(pieces), dtype=np.int64)
+            flags[starts] = 1
+            row_leaf = np.cumsum(flags) - 1
+        return cls(
+            rank=rank,
+            skeleton=skeleton,
+            dtypes=tuple(p.dtype for p in firsts),
+            global_shapes=tuple(tuple(p.global_shape) for p in firsts),
+            boxes=boxes,
+            row_leaf=row_leaf,
+        )
+
+    def leaves_of_rows(self) -> np.ndarray:
+        """(rows,) the leaf of every row."""
+        return np.arange(len(self.boxes), dtype=np.int64) if self.row_leaf is None else self.row_leaf
+
+    def piece_box(self, i: int) -> Box | None:
+        """The box of row ``i`` (None: the rank holds nothing there)."""
+        row = self.boxes[i]
+        if not row[0]:
+            return None
+        nd = len(self.global_shapes[int(self.leaves_of_rows()[i])])
+        max_nd = (self.boxes.shape[1] - 1) // 2
+        return Box(tuple(int(x) for x in row[1 : 1 + nd]), tuple(int(x) for x in row[1 + max_nd : 1 + max_nd + nd]))
+
+
+@dataclass(frozen=True, eq=False)
+class SavePlan:
+    """The coordinator's decision: who writes which piece, and where in its file.
+
+    Attributes:
+        keys: every tensor key, sorted; a piece's key is ``keys[key_id]``.
+        dtypes / shapes: per key.
+        piece_key / piece_offsets / piece_shapes: the distinct pieces (rows), sorted by key
+            then offsets.
+        piece_writer: global rank that writes each piece.
+        piece_leaf: the piece's row in the writer's summary (its leaf, unless the writer holds
+            that leaf as several boxes).
+        piece_byte_offset: where the piece starts in the writer's file, in bytes.
+        writes: global rank -> summary rows it writes, ascending (the order of its file).
+        file_bytes: global rank -> size of its data file, in bytes (ranks that write).
+        skeleton: the merged structure (placeholders where the coordinator has no value).
+        replicas: every holder of a piece writes its copy (``save_replicas``): the pieces of
+            a key may repeat a box, on several writers.
+    """
+
+    keys: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    piece_key: np.ndarray
+    piece_offsets: np.ndarray
+    piece_shapes: np.ndarray
+    piece_writer: np.ndarray
+    piece_leaf: np.ndarray
+    piece_nbytes: np.ndarray
+    piece_byte_offset: np.ndarray
+    writes: dict[int, np.ndarray]
+    file_bytes: dict[int, int]
+    skeleton: dict = field(default_factory=dict)
+    replicas: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.piece_nbytes.sum())
+
+
+def layout_offsets(nbytes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]:
+    """Byte offsets of pieces written back to back, each aligned to ALIGNMENT; and the
+    file's size. Writer and coordinator both use it, so offsets need not be sent."""
+    sizes = np.asarray(nbytes, dtype=np.int64)
+    padded = aligned(sizes)
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes) else sizes
+    total = int(starts[-1] + sizes[-1]) if len(sizes) else 0
+    return starts, total
+
+
+def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SavePlan:
+    """Deduplicate replicated pieces and balance the bytes each rank writes.
+
+    Every distinct (key, box) is written once, by one of the ranks that hold it: pieces held by
+    a single rank go to it; the others, largest first, to the holder with the fewest bytes so
+    far (ties to the lowest rank). With ``replicas``, every holder writes its own copy instead
+    (copies sorted by rank). The result does not depend on the order of ``summaries``.
+
+    Raises:
+        MismatchError: ranks disagree on a key's dtype, shape, or kind.
+        PlanError: the distinct pieces of a key do not tile it exactly.
+    """
+    summaries = sorted(summaries, key=lambda s: s.rank)
+    key_info, layouts, skeleton = _distinct_layouts(summaries)
+    keys_sorted = tuple(sorted(key_info))
+    key_id = {k: i for i, k in enumerate(keys_sorted)}
+    max_nd = max((len(info[1]) for info in key_info.values()), default=0)
+    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
+    table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
+    pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
+    p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
+    isz = np.array([itemsize(key_info[k][0]) for k in keys_sorted], dtype=np.int64)
+    nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
+    if len(p_key):
+        masked = np.where(np.arange(max_nd)[None, :] < nds[p_key][:, None], p_shape, 1)
+        p_nbytes = np.prod(masked, axis=1, dtype=np.int64) * isz[p_key]
+    else:
+        p_nbytes = np.zeros(0, np.int64)
+    _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas)
+    p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
+    p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
+    return SavePlan(
+        keys=keys_sorted,
+        dtypes=tuple(key_info[k][0] for k in keys_sorted),
+        shapes=tuple(key_info[k][1] for k in keys_sorted),
+        piece_key=p_key,
+        piece_offsets=pieces.uniq[:, 1 : 1 + max_nd],
+        piece_shapes=p_shape,
+        piece_writer=p_writer,
+        piece_leaf=p_leaf,
+        piece_nbytes=p_nbytes,
+        piece_byte_offset=p_byte_offset,
+        writes=writes,
+        file_bytes=file_bytes,
+        skeleton=skeleton if skeleton is not None else {"d": []},
+        replicas=replicas,
+    )
+
+
+_KeyInfo = Dict[str, Tuple[str, Tuple[int, ...], int]]  # key -> (dtype, shape, first rank)
+
+
+def _distinct_layouts(
+    summaries: Sequence[SaveSummary],
+) -> tuple[_KeyInfo, dict[object, tuple[list[str], SaveSummary]], dict | None]:
+    """Keys, dtypes and shapes checked once per distinct header: (key -> (dtype, shape, first
+    rank), header -> (its keys, a summary), the merged skeleton)."""
+    key_info: _KeyInfo = {}
+    layouts: dict[object, tuple[list[str], SaveSummary]] = {}
+    skeleton = None
+    for s in summaries:
+        hid = s.header_id if s.header_id is not None else id(s)
+        if hid in layouts:
+            continue
+        keys = nested.tensor_keys(s.skeleton)
+        if len(keys) != len(s.dtypes) or len(keys) != len(s.global_shapes):
+            raise PlanError(f"rank {s.rank}: summary lists {len(s.dtypes)} tensors for {len(keys)} leaves")
+        layouts[hid] = (keys, s)
+        skeleton = s.skeleton if skeleton is None else nested.merge(skeleton, s.skeleton)
+        for key, dtype, shape in zip(keys, s.dtypes, s.global_shapes):
+            seen = key_info.get(key)
+            if seen is None:
+                key_info[key] = (dtype, shape, s.rank)
+            elif seen[0] != dtype or seen[1] != shape:
+                raise MismatchError(
+                    f"{key}: rank {seen[2]} holds dtype {seen[0]} shape {seen[1]}, "
+                    f"rank {s.rank} holds dtype {dtype} shape {shape}"
+                )
+    return key_info, layouts, skeleton
+
+
+def _held_rows(
+    summaries: Sequence[SaveSummary], layout_ids: dict[object, np.ndarray], max_nd: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row per held piece, ``[key_id, offsets(max_nd), shape(max_nd)]``, with the rank
+    holding it and its row in that rank's summary."""
+    width = 1 + 2 * max_nd
+    rows, ranks, leaves = [], [], []
+    for s in summaries:
+        hid = s.header_id if s.header_id is not None else id(s)
+        b = s.boxes
+        leaf_of_row = _checked_rows(s, len(layout_ids[hid]))
+        present = np.flatnonzero(b[:, 0]) if len(b) else np.zeros(0, np.int64)
+        if not len(present):
+            continue
+        block = np.zeros((len(present), width), dtype=np.int64)
+        block[:, 0] = layout_ids[hid][leaf_of_row[present]]
+        nd = (b.shape[1] - 1) // 2  # the summary's own padding
+        block[:, 1 : 1 + nd] = b[present, 1 : 1 + nd]
+        block[:, 1 + max_nd : 1 + max_nd + nd] = b[present, 1 + nd : 1 + 2 * nd]
+        rows.append(block)
+        ranks.append(np.full(len(present), s.rank, dtype=np.int64))
+        leaves.append(present.astype(np.int64))
+    if not rows:
+        return np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(ranks), np.concatenate(leaves)
+
+
+@dataclass(frozen=True, eq=False)
+class _Pieces:
+    """The distinct pieces, sorted by (key, offsets, shape), and their holders.
+
+    Attributes:
+        uniq: (pieces, 1 + 2 * max_nd) rows ``[key_id, offsets, shape]``.
+        group_start / counts: where each piece's holders start in the sorted rows, how many.
+        new_group: per sorted row, true where a distinct box starts.
+        holders_rank / holders_leaf: per sorted row, the holder and its summary row.
+    """
+
+    uniq: np.ndarray
+    group_start: np.ndarray
+    counts: np.ndarray
+    new_group: np.ndarray
+    holders_rank: np.ndarray
+    holders_leaf: np.ndarray
+
+
+def _distinct_pieces(
+    table: np.ndarray, row_rank: np.ndarray, row_leaf: np.ndarray, max_nd: int, replicas: bool
+) -> _Pieces:
+    """Group the held rows by piece, each group by rank; with ``replicas`` every held row is
+    a piece of its own, written by its holder."""
+    width = 1 + 2 * max_nd
+    order = np.lexsort((row_rank,) + tuple(table[:, c] for c in reversed(range(width))))
+    t_sorted = table[order]
+    new_group = np.ones(len(order), dtype=bool)
+    if len(order) > 1:
+        new_group[1:] = (t_sorted[1:] != t_sorted[:-1]).any(axis=1)
+    group_start = np.flatnonzero(new_group)
+    uniq = t_sorted[group_start]
+    counts = np.diff(np.concatenate([group_start, [len(order)]]))
+    if replicas:
+        uniq, group_start, counts = t_sorted, np.arange(len(order)), np.ones(len(order), dtype=np.int64)
+    return _Pieces(uniq, group_start, counts, new_group, row_rank[order], row_leaf[order])
+
+
+def _check_tilings(
+    keys_sorted: Sequence[str], key_info: _KeyInfo, nds: np.ndarray, pieces: _Pieces, max_nd: int, replicas: bool
+) -> None:
+    """Raise PlanError unless the distinct pieces of every key tile it exactly."""
+    p_key = pieces.uniq[:, 0]
+    p_off, p_shape = pieces.uniq[:, 1 : 1 + max_nd], pieces.uniq[:, 1 + max_nd :]
+    bounds = np.searchsorted(p_key, np.arange(len(keys_sorted) + 1))
+    for k, key in enumerate(keys_sorted):
+        nd = int(nds[k])
+        lo, hi = bounds[k], bounds[k + 1]
+        distinct = np.flatnonzero(pieces.new_group[lo:hi]) + lo if replicas else slice(lo, hi)  # copies: one box
+        check_tiling(key, key_info[key][1], p_off[distinct, :nd], p_shape[distinct, :nd])
+
+
+def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The writer of every piece and its row in the writer's summary: single holders first,
+    then the rest largest first to the least loaded holder."""
+    group_start, counts = pieces.group_start, pieces.counts
+    writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
+    all_ranks = np.unique(pieces.holders_rank)
+    dense_holders = np.searchsorted(all_ranks, pieces.holders_rank)
+    dense = np.zeros(len(all_ranks), dtype=np.int64)  # bytes each holder writes so far
+    single = counts == 1
+    np.add.at(dense, dense_holders[group_start[single]], p_nbytes[single])
+    multi = np.flatnonzero(~single)
+    # largest first; ties broken by (key, offsets), which the sort of uniq already orders
+    for u in multi[np.argsort(-p_nbytes[multi], kind="stable")].tolist():
+        lo = group_start[u]
+        hs = dense_holders[lo : lo + counts[u]]
+        j = int(np.argmin(dense[hs]))  # holders are sorted by rank: ties go to the lowest
+        dense[hs[j]] += p_nbytes[u]
+        writer_pos[u] = lo + j
+    return pieces.holders_rank[writer_pos], pieces.holders_leaf[writer_pos]
+
+
+def _file_layouts(
+    p_writer: np.ndarray, p_leaf: np.ndarray, p_nbytes: np.ndarray
+) -> tuple[np.ndarray, dict[int, np.ndarray], dict[int, int]]:
+    """Every writer's file: its pieces in leaf order, back to back (as layout_offsets). Returns
+    each piece's byte offset, writer -> its rows in file order, writer -> its file's size."""
+    n = len(p_writer)
+    p_byte_offset = np.zeros(n, dtype=np.int64)
+    writes: dict[int, np.ndarray] = {}
+    file_bytes: dict[int, int] = {}
+    if not n:
+        return p_byte_offset, writes, file_bytes
+    order = np.lexsort((p_leaf, p_writer))
+    w_sorted = p_writer[order]
+    first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
+    padded = aligned(p_nbytes[order])
+    starts = np.cumsum(padded) - padded
+    group = np.cumsum(np.isin(np.arange(n), first)) - 1  # which writer each row belongs to
+    p_byte_offset[order] = starts - starts[first][group]
+    last = np.concatenate([first[1:], [n]]) - 1
+    ends = p_byte_offset[order][last] + p_nbytes[order][last]
+    for r, lo, hi, end in zip(w_sorted[first].tolist(), first.tolist(), (last + 1).tolist(), ends.tolist()):
+        writes[r] = p_leaf[order[lo:hi]]
+        file_bytes[r] = end
+    return p_byte_offset, writes, file_bytes
+
+
+def _checked_rows(s: SaveSummary, leaves: int) -> np.ndarray:
+    """The leaf of every row of ``s``, checked: each leaf has a run of rows, in order."""
+    row_leaf = s.leaves_of_rows()
+    steps = np.diff(row_leaf)
+    if len(row_leaf) != len(s.boxes) or (
+        len(row_leaf) and (row_leaf[0] != 0 or row_leaf[-1] != leaves - 1 or ((steps != 0) & (steps != 1)).any())
+    ) or (not len(row_leaf) and leaves):
+        raise PlanError(f"rank {s.rank}: summary rows do not map onto its {leaves} leaves")
+    return row_leaf
+
+
+
+
+def build_metadata(
+    plan: SavePlan,
+    checksums: dict[int, np.ndarray],
+    structure: dict,
+    unique_id: int,
+    world_size: int,
+    block_bytes: int,
+    created_by: str = "",
+    generation: int = 0,
+) -> Metadata:
+    """Assemble the metadata once every writer reported its checksums.
+
+    Args:
+        plan: the save plan.
+        checksums: writer rank -> uint64 checksums of its pieces, in file order.
+        structure: the skeleton with plain values filled in.
+    """
+    writers = sorted(plan.file_bytes)
+    files = tuple(FileEntry(data_file_name(r, unique_id, generation), plan.file_bytes[r]) for r in writers)
+    n = len(plan.piece_key)
+    nblocks = blocks_of(plan.piece_nbytes, block_bytes) if n else np.zeros(0, np.int64)
+    # reports arrive writer by writer, each in leaf (= file) order: where each piece's
+    # checksums start in their concatenation
+    order = np.lexsort((plan.piece_leaf, plan.piece_writer))
+    start_in_report = np.zeros(n, dtype=np.int64)
+    start_in_report[order] = np.cumsum(nblocks[order]) - nblocks[order]
+    expected = np.zeros(len(writers), dtype=np.int64)
+    np.add.at(expected, np.searchsorted(writers, plan.piece_writer), nblocks)
+    for r, want in zip(writers, expected.tolist()):
+        got = len(checksums.get(r, ()))
+        if got != want:
+            raise PlanError(f"rank {r} reported {got} checksums, expected {want}")
+    all_sums = (
+        np.concatenate([np.asarray(checksums[r], dtype=np.uint64) for r in writers]) if writers else np.zeros(0, np.uint64)
+    )
+    piece_file = np.searchsorted(writers, plan.piece_writer).astype(np.int64)
+    bounds = np.searchsorted(plan.piece_key, np.arange(len(plan.keys) + 1))
+    tensors = {}
+    for k, key in enumerate(plan.keys):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        nd = len(plan.shapes[k])
+        nb = nblocks[lo:hi]
+        total = int(nb.sum())
+        idx = np.repeat(start_in_report[lo:hi] - np.concatenate([[0], np.cumsum(nb)[:-1]]), nb) + np.arange(total)
+        table = PieceTable(
+            offsets=np.ascontiguousarray(plan.piece_offsets[lo:hi, :nd]),
+            shapes=np.ascontiguousarray(plan.piece_shapes[lo:hi, :nd]),
+            files=piece_file[lo:hi],
+            byte_offsets=plan.piece_byte_offset[lo:hi].copy(),
+            checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
+        )
+        tensors[key] = TensorEntry(key, plan.dtypes[k], plan.shapes[k], table, block_bytes)
+    return Metadata(
+        unique_id=unique_id,
+        world_size=world_size,
+        files=files,
+        tensors=tensors,
+        structure=structure,
+        block_bytes=block_bytes,
+        created_by=created_by,
+        replicas=plan.replicas,
+    )
