@@ -16,6 +16,7 @@ from .errors import (
     IntegrityError,
     MismatchError,
     PlanError,
+    StateDictError,
     StorageError,
     UnsupportedError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "FormatError",
     "IntegrityError",
     "MismatchError",
+    "StateDictError",
     "StorageError",
     "CollectiveError",
     "CollectiveMismatchError",

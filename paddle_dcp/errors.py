@@ -6,6 +6,7 @@
       FormatError        unreadable, corrupt, or unsupported checkpoint (metadata or data)
         IntegrityError   bytes whose checksum or size disagrees with the metadata
       MismatchError      key missing or unexpected; shape or dtype differs (names key + both)
+        StateDictError   a state dict the library cannot take (also a FormatError)
       StorageError       I/O failure on a named path
       CollectiveError    a step failed on some ranks; .failures maps rank -> message
         CollectiveMismatchError  ... each of them with a MismatchError (also a MismatchError)
@@ -34,6 +35,13 @@ class IntegrityError(FormatError):
 
 class MismatchError(DcpError):
     """The state dict and the checkpoint disagree: a key, a shape, a dtype or a structure."""
+
+
+class StateDictError(MismatchError, FormatError):
+    """A state dict the library cannot take: an object leaf, a non-str key, two paths to one key.
+
+    It is a FormatError only for compatibility with earlier releases, which raised that.
+    """
 
 
 class StorageError(DcpError):
@@ -87,8 +95,24 @@ class CollectiveMismatchError(CollectiveError, MismatchError):
     catches it on every rank."""
 
 
+def failure_line(exc: BaseException) -> str:
+    """One rank's failure as "Type: message", the form of ``CollectiveError.failures``.
+
+    A StateDictError is written "StateDictError (FormatError): ...": it is also a FormatError,
+    the class earlier releases raised for it, and readers of the line may look for that name.
+    """
+    name = type(exc).__name__
+    if isinstance(exc, StateDictError):
+        name = f"{name} ({FormatError.__name__})"
+    return f"{name}: {exc}"
+
+
+_MISMATCH_NAMES = (MismatchError.__name__, StateDictError.__name__)
+
+
 def collective_error(step: str, failures: Mapping[int, str]) -> CollectiveError:
     """The CollectiveError every rank raises for ``failures`` (rank -> "Type: message")."""
-    if failures and all(m.startswith(f"{MismatchError.__name__}: ") for m in failures.values()):
+    names = [m.split(":", 1)[0].split(" ", 1)[0] for m in failures.values()]
+    if names and all(name in _MISMATCH_NAMES for name in names):
         return CollectiveMismatchError(step, failures)
     return CollectiveError(step, failures)

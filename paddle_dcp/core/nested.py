@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..errors import FormatError, MismatchError
+from ..errors import FormatError, MismatchError, StateDictError
 
 Path = tuple  # of str (dict key) or int (list / tuple index)
 
@@ -52,11 +52,11 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool], keep_values: boo
         keep_values: write plain values into the skeleton (else an ``{"x": 0}`` placeholder).
 
     Raises:
-        FormatError: a leaf that is neither a tensor nor a JSON-safe value, a non-str dict key,
+        StateDictError: a leaf that is neither a tensor nor a JSON-safe value, a non-str dict key,
             or two paths that flatten to the same key.
     """
     if not isinstance(state_dict, dict):
-        raise FormatError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        raise StateDictError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     flat = Flat()
 
     def visit(node: Any, path: Path) -> dict:
@@ -64,7 +64,7 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool], keep_values: boo
             items = []
             for k, v in node.items():
                 if not isinstance(k, str):
-                    raise FormatError(
+                    raise StateDictError(
                         f"state dict keys must be str; {flat_key(path) or '<root>'} has key {k!r} "
                         f"of type {type(k).__name__}"
                     )
@@ -75,7 +75,7 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool], keep_values: boo
             return {"u": children} if isinstance(node, tuple) else {"l": children}
         key = flat_key(path)
         if key in flat.paths:
-            raise FormatError(
+            raise StateDictError(
                 f"two entries of the state dict flatten to the same key {key!r}: "
                 f"{flat.paths[key]} and {path}"
             )
@@ -92,12 +92,12 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool], keep_values: boo
 
 
 def plain_value(value: Any, key: str) -> Any:
-    """``value`` as a JSON-safe Python scalar, or FormatError naming ``key``."""
+    """``value`` as a JSON-safe Python scalar, or StateDictError naming ``key``."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (np.bool_, np.integer, np.floating)):
         return value.item()
-    raise FormatError(
+    raise StateDictError(
         f"{key}: cannot save a value of type {type(value).__name__}; a state dict leaf must be a "
         f"tensor or None, bool, int, float or str (no pickle is used, so objects are refused)"
     )

@@ -25,6 +25,7 @@ EXPECTED = {
     "FormatError",
     "IntegrityError",
     "MismatchError",
+    "StateDictError",
     "StorageError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -107,3 +108,14 @@ def test_save_and_load_take_paddles_arguments_in_paddles_order():
         our_params = list(inspect.signature(ours).parameters.values())
         assert [(p.name, p.default) for p in their_params] == [(p.name, p.default) for p in our_params[: len(their_params)]]
         assert all(p.kind is p.KEYWORD_ONLY for p in our_params[len(their_params):])
+
+
+def test_a_bad_state_dict_is_a_mismatch_and_still_a_format_error():
+    assert issubclass(errors.StateDictError, errors.MismatchError)
+    assert issubclass(errors.StateDictError, errors.FormatError)
+    line = errors.failure_line(errors.StateDictError("bad: cannot save a value of type object"))
+    assert line == "StateDictError (FormatError): bad: cannot save a value of type object"
+    assert errors.failure_line(OSError("disk full")) == "OSError: disk full"
+    both = errors.collective_error("flatten", {0: line, 1: "MismatchError: 1 key(s) ..."})
+    assert isinstance(both, errors.CollectiveMismatchError) and "rank 0: StateDictError" in str(both)
+    assert type(errors.collective_error("flatten", {0: line, 1: "OSError: b"})) is errors.CollectiveError

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp.core import nested
-from paddle_dcp.errors import FormatError, MismatchError
+from paddle_dcp.errors import FormatError, MismatchError, StateDictError
 
 from ..helpers import fast, is_tensor
 
@@ -324,3 +324,13 @@ def test_assign_subtree_updates_dicts_and_lists_in_place_and_rebuilds_tuples():
 def test_decode_refuses_a_tensor_leaf():
     with pytest.raises(FormatError, match="plain value"):
         nested.decode({"l": [{"t": 0}]})
+
+
+@pytest.mark.parametrize(
+    "state_dict, needle",
+    [({"a": {"bad": object()}}, "a.bad"), ({"a": {3: 1}}, "key 3"), ({"a.b": 1, "a": {"b": 2}}, "same key")],
+)
+def test_a_state_dict_flatten_cannot_take_is_a_state_dict_error(state_dict, needle):
+    with pytest.raises(StateDictError, match=needle) as info:
+        nested.flatten(state_dict, lambda v: False)
+    assert isinstance(info.value, MismatchError) and isinstance(info.value, FormatError)
