@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DcpError, MismatchError
+from .errors import MismatchError, StateDictError
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _optim_entries(model, optimizer) -> tuple[dict[str, Any], dict[str, str], di
 
     def put(key: str, value) -> None:
         if key in out:
-            raise DcpError(f"two optimizer states map to the key {key!r}; rename the parameters")
+            raise StateDictError(f"two optimizer states map to the key {key!r}; rename the parameters")
         out[key] = value
 
     for kind, by_param in base._accumulators.items():
@@ -140,7 +140,7 @@ def get_state_dict(model, optimizer=None) -> dict:
         optimizer: its optimizer (``dist.shard_optimizer`` or not), or None for the model only.
 
     Raises:
-        DcpError: two states map to the same key.
+        StateDictError: two states map to the same key.
     """
     out = {"model": model.state_dict()}
     if optimizer is not None:

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..core.dtypes import itemsize
-from ..errors import DcpError, FormatError, StorageError
+from ..errors import FormatError, StorageError, UnsupportedError
 from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
 from ..core.naming import data_file_name, parse_data_name
 from ..core.save_plan import SavePlan
@@ -187,7 +187,7 @@ def rank_header(pieces: Sequence[tuple]) -> bytes:
     (key, dtype, offsets, shape, global shape); the data starts 64-byte aligned.
 
     Raises:
-        DcpError: a dtype safetensors cannot hold, two pieces of one name, or a header larger
+        UnsupportedError: a dtype safetensors cannot hold, two pieces of one name, or a header larger
             than safetensors reads.
     """
     tensors = []
@@ -196,7 +196,7 @@ def rank_header(pieces: Sequence[tuple]) -> bytes:
         tensors.append((piece_name(key, offsets, shape, global_shape), code_of(key, dtype), shape, nbytes))
     header = encode_header(tensors, RANK_FILE_METADATA, align=64)
     if len(header) - 8 > MAX_HEADER_BYTES:
-        raise DcpError(
+        raise UnsupportedError(
             f"the safetensors header of a rank's file would take {len(header) - 8} bytes, over the "
             f"{MAX_HEADER_BYTES} safetensors reads: save with safetensors=False"
         )

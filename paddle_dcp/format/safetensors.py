@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core import nested
 from ..core.dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
-from ..errors import DcpError, FormatError, StorageError
+from ..errors import FormatError, StorageError, UnsupportedError
 
 # safetensors' dtypes that paddle.load reads: all of the format's but complex
 SAFETENSORS_DTYPES = {name: code for name, code in SAFETENSORS_CODES.items() if not name.startswith("complex")}
@@ -268,7 +268,7 @@ def encode_header(tensors: Iterable[Tensor], metadata: Mapping[str, str] | None 
     padded with spaces so that the data starts at a multiple of ``align`` bytes.
 
     Raises:
-        DcpError: a tensor named ``__metadata__`` or two tensors of one name.
+        UnsupportedError: a tensor named ``__metadata__`` or two tensors of one name.
     """
     doc: dict = {}
     if metadata is not None:
@@ -276,9 +276,9 @@ def encode_header(tensors: Iterable[Tensor], metadata: Mapping[str, str] | None 
     at = 0
     for name, code, shape, nbytes in tensors:
         if name == "__metadata__":
-            raise DcpError("a tensor named '__metadata__' cannot be stored in safetensors")
+            raise UnsupportedError("a tensor named '__metadata__' cannot be stored in safetensors")
         if name in doc:
-            raise DcpError(f"two tensors named {name!r} in one safetensors file")
+            raise UnsupportedError(f"two tensors named {name!r} in one safetensors file")
         doc[name] = {"dtype": code, "shape": list(shape), "data_offsets": [at, at + nbytes]}
         at += nbytes
     raw = json.dumps(doc, separators=(",", ":")).encode()
@@ -290,9 +290,9 @@ def code_of(key: str, dtype: str) -> str:
     """The safetensors dtype code of the format's dtype ``dtype``.
 
     Raises:
-        DcpError: safetensors has no code for it (complex128), naming ``key``.
+        UnsupportedError: safetensors has no code for it (complex128), naming ``key``.
     """
     code = SAFETENSORS_CODES.get(dtype)
     if code is None:
-        raise DcpError(f"{key}: safetensors cannot hold dtype {dtype} (supported: {', '.join(SAFETENSORS_CODES)})")
+        raise UnsupportedError(f"{key}: safetensors cannot hold dtype {dtype} (supported: {', '.join(SAFETENSORS_CODES)})")
     return code

@@ -27,10 +27,10 @@ from ..core import load_plan, nested
 from ..io import open_storage, storage
 from ..io.local import atomic_path
 from ..core.boxes import Box, split_region
-from ..core.dtypes import SAFETENSORS_CODES, bf16_to_float32, storage_dtype
-from ..errors import DcpError, FormatError, StorageError
+from ..core.dtypes import bf16_to_float32, storage_dtype
+from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from ..core.metadata import Metadata, TensorEntry
-from ..format.safetensors import encode_header, read_arrays
+from ..format.safetensors import code_of, encode_header, read_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def select(meta: Metadata, pattern: str | None = None) -> Selection:
     """Keys and values whose flat key matches ``pattern`` (``re.search``; all when None).
 
     Raises:
-        DcpError: the pattern is not a valid regular expression.
+        ArgumentError: the pattern is not a valid regular expression.
     """
     keep = key_filter(pattern)
     keys = tuple(k for k in meta.tensors if keep(k))
@@ -65,12 +65,12 @@ def key_filter(pattern: str | None) -> Callable[[str], bool]:
     """Whether a key matches ``pattern`` (``re.search``; every key when None).
 
     Raises:
-        DcpError: the pattern is not a valid regular expression.
+        ArgumentError: the pattern is not a valid regular expression.
     """
     try:
         rx = re.compile(pattern) if pattern is not None else None
     except re.error as exc:
-        raise DcpError(f"--keys {pattern!r} is not a regular expression: {exc}") from None
+        raise ArgumentError(f"{pattern!r} is not a regular expression: {exc}") from None
     return (lambda k: True) if rx is None else (lambda k: rx.search(k) is not None)
 
 
@@ -194,7 +194,7 @@ def safetensors_header(
     tensors in selection order, back to back; plain values in ``__metadata__`` as JSON text.
 
     Raises:
-        DcpError: a dtype safetensors cannot hold (complex128), naming the key.
+        UnsupportedError: a dtype safetensors cannot hold (complex128), naming the key.
     """
     # each plain value as JSON text, and the nesting of what the file holds (the skeleton of
     # docs/format.md), so that paddle_dcp.load_state_dict reads the file back whole
@@ -205,12 +205,7 @@ def safetensors_header(
     for key in selection.keys:
         entry = meta.tensors[key]
         dtype = output_dtype(entry.dtype, bf16_as_float32)
-        if dtype not in SAFETENSORS_CODES:
-            raise DcpError(
-                f"{key}: safetensors cannot hold dtype {dtype}; leave it out with --keys or "
-                f"convert --to npz"
-            )
-        tensors.append((key, SAFETENSORS_CODES[dtype], entry.shape, output_nbytes(entry, bf16_as_float32)))
+        tensors.append((key, code_of(key, dtype), entry.shape, output_nbytes(entry, bf16_as_float32)))
     return encode_header(tensors, metadata)
 
 
@@ -272,7 +267,7 @@ def write_npz(
         The output file's size, in bytes.
     """
     if NPZ_METADATA in selection.keys:
-        raise DcpError(f"a tensor named {NPZ_METADATA!r} collides with the npz metadata member")
+        raise UnsupportedError(f"a tensor named {NPZ_METADATA!r} collides with the npz metadata member")
     info = {
         "format": "paddle_dcp npz",
         "dtypes": {k: meta.tensors[k].dtype for k in selection.keys},
@@ -319,7 +314,7 @@ def write_pdparams(
     try:
         import paddle
     except ImportError as exc:
-        raise DcpError(f"--to pdparams needs paddle ({exc}); --to safetensors or npz do not") from None
+        raise UnsupportedError(f"writing pdparams needs paddle ({exc}); safetensors and npz do not") from None
     state: dict[str, Any] = {}
     with TensorReader(path, meta) as reader:
         for key in selection.keys:
@@ -368,12 +363,13 @@ def convert(
         The output file's size, in bytes.
 
     Raises:
-        DcpError: an unknown format or a dtype the format cannot hold.
+        ArgumentError: an unknown format.
+        UnsupportedError: a dtype or a name the format cannot hold.
         FormatError / IntegrityError / StorageError: a damaged checkpoint or an I/O failure.
     """
     writer = WRITERS.get(to)
     if writer is None:
-        raise DcpError(f"unknown output format {to!r}; choose one of {', '.join(WRITERS)}")
+        raise ArgumentError(f"unknown output format {to!r}; choose one of {', '.join(WRITERS)}")
     for key in selection.keys:  # every entry validated before the output is created
         meta.tensors[key]
     return writer(path, meta, out, selection, bf16_as_float32, progress)

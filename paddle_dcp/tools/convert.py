@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 from . import consolidate
-from ..errors import DcpError, UnsupportedError
+from ..errors import ArgumentError, DcpError, UnsupportedError
 from ..io import open_storage, storage
 from .console import EXIT_OK, ProgressBar, UsageError, _directory, _err, _one_line, _out, _progress_enabled, choose_id
 
 
 FORMATS = ("safetensors", "pdparams", "npz", "hf")
+
+
+@contextmanager
+def _keys_option() -> Iterator[None]:
+    """A bad key pattern, named by its option: the library says only what is wrong with it."""
+    try:
+        yield
+    except ArgumentError as exc:
+        raise ArgumentError(f"--keys {exc}") from None
+
+
+def _convert_file(path: str, meta, out: str, to: str, selection, bf16_as_float32: bool, progress) -> int:
+    """consolidate.convert; a tensor the format refuses gets the options that avoid it."""
+    try:
+        return consolidate.convert(path, meta, out, to, selection, bf16_as_float32, progress)
+    except UnsupportedError as exc:
+        if to != "safetensors":
+            raise
+        raise UnsupportedError(f"{exc}; leave it out with --keys or convert --to npz") from None
 
 
 def cmd_convert(args) -> int:
@@ -31,12 +52,13 @@ def cmd_convert(args) -> int:
     listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)
     meta = open_storage(path).read_metadata(uid, lazy=True)
-    selection = consolidate.select(meta, args.keys)
+    with _keys_option():
+        selection = consolidate.select(meta, args.keys)
     if args.keys is not None and not selection.keys and not selection.values:
         raise UsageError(f"--keys {args.keys!r} matches no key of checkpoint {uid}")
     total = consolidate.selected_bytes(meta, selection, args.bf16_as_float32)
     with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
-        size = consolidate.convert(path, meta, args.out, to, selection, args.bf16_as_float32, bar.update)
+        size = _convert_file(path, meta, args.out, to, selection, args.bf16_as_float32, bar.update)
     _out(
         f"wrote {len(selection.keys)} tensors ({total} bytes) and {len(selection.values)} values of "
         f"checkpoint {uid} to {args.out} ({to}, {size} bytes)"
@@ -63,7 +85,8 @@ def _convert_hf(path: str, args) -> int:
     meta = open_storage(path).read_metadata(uid, lazy=True)
     if args.aoa_config is not None:
         return _convert_hf_remapped(path, uid, meta, args, max_bytes)
-    selection = consolidate.select(meta, args.keys)
+    with _keys_option():
+        selection = consolidate.select(meta, args.keys)
     if args.keys is not None and not selection.keys:
         raise UsageError(f"--keys {args.keys!r} matches no tensor of checkpoint {uid}")
     total = consolidate.selected_bytes(meta, selection, args.bf16_as_float32)
@@ -84,12 +107,13 @@ def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int
     try:
         from ..dist.aoa_paddle import Reverse
     except ImportError as exc:
-        raise DcpError(f"--aoa-config needs paddle, whose AOA engine interprets the config ({exc})") from None
+        raise UnsupportedError(f"--aoa-config needs paddle, whose AOA engine interprets the config ({exc})") from None
     try:
         remap = Reverse(config, aoa.source_shards(meta))
     except UnsupportedError as exc:
         raise UsageError(f"--aoa-config {args.aoa_config}: {_one_line(exc)}") from None
-    outputs = remapped_outputs(meta, remap, args.keys, args.bf16_as_float32)
+    with _keys_option():
+        outputs = remapped_outputs(meta, remap, args.keys, args.bf16_as_float32)
     if not outputs:
         raise UsageError(f"--keys {args.keys!r} matches no tensor of the export" if args.keys else "the export has no tensor")
     total = sum(o.nbytes for o in outputs)

@@ -31,7 +31,7 @@ from ..io import open_storage
 from ..core.boxes import Box, split_region
 from .consolidate import Progress, Selection, TensorReader, counted_bytes, key_filter, output_bytes, output_dtype
 from ..core.dtypes import bf16_to_float32, storage_dtype
-from ..errors import DcpError, MismatchError, StorageError
+from ..errors import ArgumentError, MismatchError, StorageError
 from ..core.metadata import Metadata
 from ..format.hf_dir import INDEX_SUFFIX, SINGLE_FILE
 from ..format.safetensors import code_of, encode_header
@@ -95,7 +95,8 @@ def export(
     (created; it must hold no file yet). Returns the names written, the index last.
 
     Raises:
-        DcpError: ``out`` is not empty; a dtype safetensors cannot hold, naming the key.
+        ArgumentError: ``out`` is not empty.
+        UnsupportedError: a dtype safetensors cannot hold, naming the key.
         FormatError / IntegrityError / StorageError: a damaged checkpoint or an I/O failure.
     """
     outputs = [
@@ -172,11 +173,11 @@ def _write(
     """The directory: every shard through a DataWriter (``produce`` gives a tensor's bytes),
     then the index."""
     if max_shard_bytes <= 0:
-        raise DcpError(f"the shard size must be positive, got {max_shard_bytes}")
+        raise ArgumentError(f"the shard size must be positive, got {max_shard_bytes}")
     try:
         os.makedirs(out, exist_ok=True)
         if os.listdir(out):
-            raise DcpError(f"{out} is not empty: export to a new directory")
+            raise ArgumentError(f"{out} is not empty: export to a new directory")
     except OSError as exc:
         raise StorageError(f"cannot create {out}: {exc}", out) from exc
     codes = {o.name: code_of(o.name, o.dtype) for o in outputs}

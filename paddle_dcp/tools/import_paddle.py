@@ -15,7 +15,7 @@ from ..core.boxes import Box, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
 from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned
 from ..core.naming import METADATA_RE, data_file_name, metadata_name
-from ..errors import ArgumentError, DcpError, FormatError, StorageError
+from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from ..format import safetensors
 from ..io import open_storage, storage
 from ..version import __version__
@@ -28,7 +28,7 @@ def _import_paddle_module():
     try:
         import paddle
     except ImportError as exc:
-        raise DcpError(f"import-paddle needs paddle to read paddle's pickled files ({exc})") from None
+        raise UnsupportedError(f"importing a paddle checkpoint needs paddle to read its pickled files ({exc})") from None
     return paddle
 
 
