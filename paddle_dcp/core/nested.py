@@ -103,10 +103,16 @@ def plain_value(value: Any, key: str) -> Any:
     )
 
 
-def encode_value(value: Any) -> dict:
+def json_plain(value: Any) -> Any:
+    """``value`` for strict JSON: a non-finite float as its name "nan", "inf" or "-inf"."""
     if isinstance(value, float) and not math.isfinite(value):
-        return {"f": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    return {"v": value}
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def encode_value(value: Any) -> dict:
+    plain = json_plain(value)
+    return {"f": plain} if plain is not value else {"v": value}
 
 
 def decode_value(node: dict, key: str) -> Any:

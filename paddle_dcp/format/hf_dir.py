@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from ..errors import FormatError, StorageError, UnsupportedError
 from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
 from ..core.naming import data_file_name, parse_data_name
 from ..core.save_plan import SavePlan
-from .safetensors import MAX_HEADER_BYTES, Header, code_of, encode_header, read_header
+from .safetensors import MAX_HEADER_BYTES, Header, code_of, encode_header, no_duplicates, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +41,6 @@ RANK_FILE_METADATA = {"format": "np", "paddle_dcp": "a rank's data file: the che
 
 
 # ---------------------------------------------------------------------- load
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise FormatError(f"names {k!r} twice")
-        out[k] = v
-    return out
-
-
 def read_index(path: str, name: str) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file name) of the index ``path/name``, checked:
     JSON object, no duplicate names, plain shard file names.
@@ -66,9 +57,9 @@ def read_index(path: str, name: str) -> dict[str, str]:
     if len(raw) > MAX_INDEX_BYTES:
         raise FormatError(f"{full}: more than the {MAX_INDEX_BYTES} bytes allowed for an index")
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates("the index"))
     except FormatError as exc:
-        raise FormatError(f"{full}: the index {exc}") from None
+        raise FormatError(f"{full}: {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"{full}: not UTF-8 JSON ({exc})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -19,7 +19,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -101,13 +101,19 @@ def _structure(metadata: dict[str, str], keys: Iterable[str], source: str) -> di
     return skeleton
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise FormatError(f"the header names {k!r} twice")
-        out[k] = v
-    return out
+def no_duplicates(what: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json.loads`` object_pairs_hook that refuses a name given twice in one object:
+    FormatError "{what} names 'k' twice"."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = {}
+        for k, v in pairs:
+            if k in out:
+                raise FormatError(f"{what} names {k!r} twice")
+            out[k] = v
+        return out
+
+    return hook
 
 
 def _int(value: Any, what: str) -> int:
@@ -124,7 +130,7 @@ def parse_header(raw: bytes, file_bytes: int, source: str) -> Header:
     """
     data_start = 8 + len(raw)
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates("the header"))
     except FormatError as exc:
         raise FormatError(f"{source}: {exc}") from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -189,7 +195,7 @@ def _empty_tensors(metadata: dict[str, str], source: str) -> dict[str, tuple[str
     if text is None:
         return {}
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates)
+        doc = json.loads(text, object_pairs_hook=no_duplicates("the header"))
     except (ValueError, FormatError) as exc:
         raise FormatError(f"{source}: empty_tensors in __metadata__: {exc}") from None
     if not isinstance(doc, dict):

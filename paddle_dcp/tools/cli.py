@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import traceback
@@ -36,6 +35,7 @@ from .console import (
 from .convert import FORMATS, cmd_convert
 from .import_paddle import import_paddle_checkpoint
 from .verify import verify_checkpoint
+from ..core import nested
 from ..format import safetensors
 from ..io import open_storage, storage
 from ..errors import ArgumentError, DcpError, FormatError, StorageError
@@ -47,13 +47,6 @@ PROG = "paddle-dcp"
 
 
 # ====================================================================== inspect
-def _plain(value: Any) -> Any:
-    """A plain value for strict JSON: non-finite floats as "nan", "inf", "-inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
 def describe(path: str, unique_id: int | None = None) -> dict:
     """What ``inspect`` reports, as one JSON-ready dict: the ids in ``path`` and, for the chosen
     checkpoint, every tensor, data file and plain value. Entries of the metadata that fail
@@ -154,7 +147,7 @@ def cmd_inspect(args) -> int:
     doc = describe(path, args.unique_id)
     if args.json:
         if doc["checkpoint"] is not None:
-            doc["checkpoint"]["values"] = {k: _plain(v) for k, v in doc["checkpoint"]["values"].items()}
+            doc["checkpoint"]["values"] = {k: nested.json_plain(v) for k, v in doc["checkpoint"]["values"].items()}
         _out(json.dumps(doc, indent=1, allow_nan=False))
     else:
         for line in render_inspect(doc):

@@ -165,13 +165,6 @@ def counted_bytes(slabs: Iterator[np.ndarray], progress: Progress | None) -> Ite
             progress(slab.nbytes)
 
 
-def _json_value(value: Any) -> Any:
-    """A plain value for a strict JSON document: non-finite floats become "nan", "inf", "-inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
-
-
 def _open_output(path: str):
     try:
         return open(path, "wb")
@@ -272,7 +265,7 @@ def write_npz(
         "format": "paddle_dcp npz",
         "dtypes": {k: meta.tensors[k].dtype for k in selection.keys},
         "bfloat16": "float32 values" if bf16_as_float32 else "uint16 bit patterns",
-        "values": {k: _json_value(v) for k, v in selection.values.items()},
+        "values": {k: nested.json_plain(v) for k, v in selection.values.items()},
     }
     with TensorReader(path, meta) as reader, atomic_path(out) as tmp:
         try:

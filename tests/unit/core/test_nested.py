@@ -334,3 +334,10 @@ def test_a_state_dict_flatten_cannot_take_is_a_state_dict_error(state_dict, need
     with pytest.raises(StateDictError, match=needle) as info:
         nested.flatten(state_dict, lambda v: False)
     assert isinstance(info.value, MismatchError) and isinstance(info.value, FormatError)
+
+
+def test_json_plain_names_non_finite_floats_and_keeps_every_other_value():
+    assert [nested.json_plain(v) for v in (math.nan, math.inf, -math.inf)] == ["nan", "inf", "-inf"]
+    for v in (1.5, 0, None, "nan", True):
+        assert nested.json_plain(v) is v
+    assert nested.encode_value(-math.inf) == {"f": "-inf"} and nested.encode_value("inf") == {"v": "inf"}
