@@ -54,11 +54,9 @@ def parse_json(data: bytes | str, source: str, allow_subset: bool, lazy: bool) -
         meta.validate()
         meta.check_digest()
         return meta
-    except FormatError as exc:
-        if source in str(exc):
+    except (FormatError, PlanError) as exc:  # pieces that do not tile: a bad checkpoint
+        if isinstance(exc, FormatError) and source in str(exc):
             raise
-        raise FormatError(f"{source}: {exc}") from None
-    except PlanError as exc:
         raise FormatError(f"{source}: {exc}") from None
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
@@ -134,9 +132,7 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
             return _parse_tensor(
                 key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas
             )
-        except FormatError as exc:
-            raise FormatError(f"{source}: {exc}") from None
-        except PlanError as exc:
+        except (FormatError, PlanError) as exc:  # pieces that do not tile: a bad checkpoint
             raise FormatError(f"{source}: {exc}") from None
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise FormatError(f"{source}: tensor {key!r}: malformed entry ({type(exc).__name__}: {exc})") from None
