@@ -22,13 +22,13 @@ from typing import Iterator, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CollectiveError, DcpError, collective_error
+from ..errors import CollectiveError, DcpError, collective_error, failure_line
 
 logger = logging.getLogger(__name__)
 
 
 def describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return failure_line(exc)
 
 
 @dataclass
