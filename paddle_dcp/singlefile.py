@@ -18,9 +18,9 @@ import time
 import numpy as np
 
 from .core import nested
-from .core.keys import missing_message, reconcile
+from .core.keys import Reconciled, missing_message, reconcile
 from .core.boxes import Box, element_span, is_contiguous
-from .core.dtypes import storage_dtype
+from .dist.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
 from .errors import FormatError, MismatchError, StorageError
 from .format.safetensors import (  # noqa: F401 - re-exported: the reader this module used to hold
     DTYPE_OF_CODE,
@@ -34,8 +34,6 @@ from .format.safetensors import (  # noqa: F401 - re-exported: the reader this m
 
 logger = logging.getLogger(__name__)
 
-METADATA_FORMAT = "paddle_dcp.gathered"
-METADATA_VERSION = "1"
 _BAND_BYTES = 64 << 20  # at most this many bytes staged per read of a strided box
 _MAX_READ = 1 << 30  # one pread at most (Linux caps a read near 2 GiB)
 
@@ -118,8 +116,7 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .dist.device import TargetBuffer
-    from .dist.placements import describe, is_tensor, rewrap
+    from .dist.placements import describe, is_tensor
 
     path = os.fspath(path)
     started = time.perf_counter()
@@ -127,20 +124,31 @@ def load_file(
     flat = nested.flatten(state_dict, is_tensor)
     rank = _rank(flat)
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
+    keys = _reconcile(flat, header, path, mw_name_compatibility, strict)
+    work = _checked(held, header, keys.match)  # every check before any byte moves
+    nbytes = _read(path, work, flat, state_dict, offload)
+    for value_path, node in keys.plain:
+        nested.assign_subtree(state_dict, value_path, node)
+    logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
 
+
+def _reconcile(flat: nested.Flat, header: Header, path: str, mw: bool, strict: bool) -> Reconciled:
+    """The state dict's keys against the file's: raise on (or warn of) missing ones."""
     structure = header.structure if header.structure is not None else {"d": []}
-    keys = reconcile(
-        list(flat.tensors), flat.skeleton, list(header.entries), structure, mw_name_compatibility, "file"
-    )
-    match = keys.match
+    keys = reconcile(list(flat.tensors), flat.skeleton, list(header.entries), structure, mw, "file")
     if keys.missing and strict:
         raise MismatchError(missing_message(keys.missing, path))
     if keys.missing:
         logger.warning("keys of the state_dict not found in %s (left unchanged): %s", path, list(keys.missing))
     if keys.unexpected:
         logger.warning("keys of %s not in the state_dict (not loaded): %s", path, list(keys.unexpected))
+    return keys
 
-    work = []  # every check before any byte moves
+
+def _checked(held, header: Header, match) -> list[tuple[object, Entry]]:
+    """(held piece, its entry in the file) of every tensor this process loads, after checking
+    every matched key's dtype and shape."""
+    work = []
     for h in held:
         source = match.source.get(h.piece.key)
         if source is None:
@@ -155,6 +163,14 @@ def load_file(
             )
         if h.local is not None and h.piece.box is not None:
             work.append((h, entry))
+    return work
+
+
+def _read(path: str, work, flat: nested.Flat, state_dict: dict, offload: bool) -> int:
+    """Read every box of ``work`` into its target's buffer (the load's own buffers: see
+    dist.loadwork.target_buffer); returns the bytes read."""
+    from .dist.loadwork import target_buffer
+    from .dist.placements import partial_fill
 
     nbytes = 0
     try:
@@ -164,29 +180,19 @@ def load_file(
     try:
         reader = _Reader(fd, path)
         for h, entry in work:
-            value = flat.tensors[h.piece.key]
-            if isinstance(h.local, np.ndarray):
-                if not h.local.flags.c_contiguous or not h.local.flags.writeable:
-                    raise MismatchError(f"{h.piece.key}: numpy arrays loaded in place must be C-contiguous and writable")
-                buffer, array = None, h.local.view(storage_dtype(h.piece.dtype))
-            else:
-                buffer = TargetBuffer(h.local, offload, rewrap(value))
-                array = buffer.array
-            fill = _partial_fill(h)
+            buffer = target_buffer(h, flat.tensors[h.piece.key], offload)
+            fill = partial_fill(h)
             if fill is None:
-                reader.read_box(entry.begin, entry.shape, h.piece.box, array)
-                nbytes += array.nbytes
-            elif buffer is not None:
+                reader.read_box(entry.begin, entry.shape, h.piece.box, buffer.array)
+                nbytes += buffer.array.nbytes
+            else:
                 buffer.fill(fill)
-            if buffer is not None:
-                buffer.finish()
-                if buffer.replacement is not None:
-                    nested.set_tensor(state_dict, flat.paths[h.piece.key], buffer.replacement)
+            buffer.finish()
+            if buffer.replacement is not None:
+                nested.set_tensor(state_dict, flat.paths[h.piece.key], buffer.replacement)
     finally:
         os.close(fd)
-    for value_path, node in keys.plain:
-        nested.assign_subtree(state_dict, value_path, node)
-    logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
+    return nbytes
 
 
 def _rank(flat: nested.Flat) -> int:
@@ -196,12 +202,3 @@ def _rank(flat: nested.Flat) -> int:
     import paddle.distributed as dist
 
     return dist.get_rank()
-
-
-def _partial_fill(h) -> int | None:
-    """For a Partial target off coordinate 0 of a partial mesh dim: 0 (SUM) or 1 (PROD) instead
-    of the value (the rule of docs/loading.md); None to load the value."""
-    for mesh_dim, reduce_type in h.partial:
-        if h.mesh_coord[mesh_dim] != 0 and reduce_type in ("sum", "prod"):
-            return 0 if reduce_type == "sum" else 1
-    return None

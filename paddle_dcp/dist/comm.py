@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -22,7 +21,9 @@ from typing import Iterator, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CollectiveError, DcpError, collective_error, failure_line
+from . import requests as p
+from .wire import pad as _pad, unpad as _unpad
+from ..errors import ArgumentError, CollectiveError, DcpError, collective_error, failure_line
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,6 @@ class Comm:
 
     def execute(self, request):
         """Carry out one request of a protocol (see :mod:`paddle_dcp.dist.protocol`)."""
-        from . import protocol as p
-
         if isinstance(request, p.Agree):
             return self.agree(request.step, request.error, request.values)
         if isinstance(request, p.Pairwise):
@@ -229,21 +228,6 @@ class SoloComm(Comm):
         return [buf]
 
 
-def _pad(data: bytes, width: int) -> np.ndarray:
-    out = np.zeros(width + 8, dtype=np.uint8)
-    out[:8] = np.frombuffer(struct.pack("<Q", len(data)), dtype=np.uint8)
-    out[8 : 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return out
-
-
-def _unpad(buf: np.ndarray) -> bytes:
-    buf = np.asarray(buf, dtype=np.uint8)
-    (n,) = struct.unpack("<Q", buf[:8].tobytes())
-    if n > len(buf) - 8:
-        raise CollectiveError("message", {-1: "a message is longer than its buffer"})
-    return buf[8 : 8 + n].tobytes()
-
-
 class SimWorld:
     """Every rank of a job in one process, for measuring the protocols at scale.
 
@@ -263,8 +247,6 @@ class SimWorld:
         """Drive ``protocols`` (rank -> generator) to the end; returns rank -> value. Ranks in
         ``timed`` have the time spent in their own steps added up in ``seconds``."""
         import time
-
-        from . import protocol as p
 
         results = {r: None for r in self.ranks}
         done: dict[int, object] = {}
@@ -287,7 +269,7 @@ class SimWorld:
             kinds = {type(q) for q in requests.values()}
             if len(kinds) != 1:
                 raise RuntimeError(f"ranks disagree on the next collective: {sorted(k.__name__ for k in kinds)}")
-            results = self._execute(requests, kinds.pop(), p)
+            results = self._execute(requests, kinds.pop())
         return done
 
     def _add(self, rank: int, cost: tuple[int, int]) -> None:
@@ -298,7 +280,7 @@ class SimWorld:
             self._add(r, cost_all_max(1, len(self.ranks)))
         return max(lengths.values())
 
-    def _execute(self, requests: dict, kind, p) -> dict:
+    def _execute(self, requests: dict, kind) -> dict:
         size = len(self.ranks)
         first = next(iter(requests.values()))
         if kind is p.Agree:
@@ -357,9 +339,9 @@ class PaddleComm(Comm):
         else:
             self.ranks = tuple(int(r) for r in group.ranks)
         if self.rank not in self.ranks:
-            raise DcpError(f"rank {self.rank} is not a member of the process group {self.ranks}")
+            raise ArgumentError(f"rank {self.rank} is not a member of the process group {self.ranks}")
         if coordinator not in self.ranks:
-            raise DcpError(f"coordinator_rank {coordinator} is not a member of the process group {self.ranks}")
+            raise ArgumentError(f"coordinator_rank {coordinator} is not a member of the process group {self.ranks}")
         self.coordinator = coordinator
         self.traffic = Traffic()
 
@@ -468,9 +450,7 @@ def _group(rank: int, members: tuple[int, ...], purpose: str = ""):
         host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
         store = core.TCPStore(host, int(port), False, len(members), timeout)
     index = members.index(rank)
-    # paddle keeps one communication context per group id in a process: every group of ours
-    # needs its own id, and its members must agree on it without talking: derive it from them
-    gid = _GROUP_GID_BASE + xxhash.xxh3_64_intdigest(name.encode()) % _GROUP_GID_SPAN
+    gid = _group_id(members, name, purpose)
     if collective._default_backend == "nccl":
         from paddle.distributed.parallel import _get_global_env
 
@@ -483,6 +463,19 @@ def _group(rank: int, members: tuple[int, ...], purpose: str = ""):
 
 _GROUPS: dict[str, object] = {}
 _GROUP_GID_BASE, _GROUP_GID_SPAN = 1 << 30, 1 << 29
+
+
+def _group_id(members: tuple[int, ...], name: str, purpose: str) -> int:
+    """paddle keeps one communication context per group id in a process: every group of ours
+    needs its own id, and its members must agree on it without talking: derive it from them.
+    A pair (a < b) gets an id of its own, b(b-1)/2 + a (a gathering rank talks to every other
+    rank); any other group a hash of its name, in a range of its own."""
+    if len(members) == 2 and not purpose:
+        a, b = members
+        pair = b * (b - 1) // 2 + a
+        if pair < _GROUP_GID_SPAN:
+            return _GROUP_GID_BASE + pair
+    return _GROUP_GID_BASE + _GROUP_GID_SPAN + xxhash.xxh3_64_intdigest(name.encode()) % (_GROUP_GID_SPAN - 1)
 
 
 def make_comm(process_group=None, coordinator_rank: int = 0) -> Comm:

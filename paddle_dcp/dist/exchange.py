@@ -25,47 +25,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import wire
 from .comm import Comm, describe_error
 from ..errors import DcpError, StorageError
 from ..core.load_plan import ReadOp
 from ..io.storage import RangeSource, Staging, Storage
 
 logger = logging.getLogger(__name__)
-
-_OK, _FAILED = 0, 1
-MAX_MESSAGE = 1 << 30
-
-
-def _send_header(comm: Comm, peer: int, status: int, length: int) -> None:
-    comm.send(peer, np.array([status, length], dtype="<i8").view(np.uint8))
-
-
-def _recv_header(comm: Comm, peer: int) -> tuple[int, int]:
-    buf = np.zeros(16, dtype=np.uint8)
-    comm.recv_into(peer, buf)
-    status, length = (int(x) for x in buf.view("<i8"))
-    if status not in (_OK, _FAILED) or not 0 <= length <= MAX_MESSAGE:
-        raise DcpError(f"rank {peer} sent a malformed message header ({status}, {length})")
-    return status, length
-
-
-def send_message(comm: Comm, peer: int, data: bytes | np.ndarray, status: int = _OK) -> None:
-    arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else data
-    _send_header(comm, peer, status, len(arr))
-    if len(arr):
-        comm.send(peer, arr)
-
-
-def recv_message(comm: Comm, peer: int) -> bytes:
-    """The next message from ``peer``; a failure it reported is raised as DcpError."""
-    status, length = _recv_header(comm, peer)
-    buf = np.zeros(length, dtype=np.uint8)
-    if length:
-        comm.recv_into(peer, buf)
-    if status == _FAILED:
-        raise DcpError(f"rank {peer}: {buf.tobytes().decode(errors='replace')}")
-    return buf.tobytes()
-
 
 def pair_order(me: int, peers) -> list[int]:
     """``peers`` in the global order of pairs (min, max) as seen from rank ``me``."""
@@ -93,17 +59,17 @@ def ask_for_metadata(
     for peer in pair_order(me, asking | set(my_clients)):
         for client, server in directions(me, peer):
             if client == me and server == my_helper:
-                send_message(comm, peer, request)
+                wire.send_message(comm, peer, request)
                 try:
-                    reply = recv_message(comm, peer)
+                    reply = wire.recv_message(comm, peer)
                 except DcpError as exc:
                     error = error or exc
             elif server == me and client in my_clients:
-                question = recv_message(comm, peer)
+                question = wire.recv_message(comm, peer)
                 try:
-                    send_message(comm, peer, answer(peer, question))
+                    wire.send_message(comm, peer, answer(peer, question))
                 except Exception as exc:  # noqa: BLE001 - sent back, not left hanging
-                    send_message(comm, peer, describe_error(exc).encode(), _FAILED)
+                    wire.send_message(comm, peer, describe_error(exc).encode(), wire.FAILED)
                     error = error or exc
     if error is not None:
         raise error
@@ -137,14 +103,14 @@ def fetch_remote(
                 if client == me and server in my_servers:
                     ops = my_servers[server]
                     request = json.dumps([[file_name(op.file), op.start, op.stop] for op in ops]).encode()
-                    send_message(comm, peer, request)
+                    wire.send_message(comm, peer, request)
                     for op in ops:
                         taken = [False]
 
                         def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
-                            status, length = _recv_header(comm, peer)
+                            status, length = wire.recv_header(comm, peer)
                             taken[0] = True
-                            if status == _FAILED or length != len(out):
+                            if status == wire.FAILED or length != len(out):
                                 msg = np.zeros(length, np.uint8)
                                 if length:
                                     comm.recv_into(peer, msg)
@@ -161,7 +127,7 @@ def fetch_remote(
                         except DcpError as exc:
                             error = error or exc
                         if not taken[0]:  # keep the pair in step after an error
-                            status, length = _recv_header(comm, peer)
+                            status, length = wire.recv_header(comm, peer)
                             if length:
                                 comm.recv_into(peer, np.zeros(length, np.uint8))
                 elif server == me and client in my_clients:
@@ -174,19 +140,19 @@ def fetch_remote(
 
 
 def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
-    request = json.loads(recv_message(comm, client))
+    request = json.loads(wire.recv_message(comm, client))
     error = None
     for name, start, stop in request:
         try:
-            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > MAX_MESSAGE:
+            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > wire.MAX_MESSAGE:
                 raise StorageError(f"rank {client} asked for a malformed range [{start}, {stop}) of {name!r}")
             buf = staging.get(stop - start)
             reader.read_into(str(name), start, memoryview(buf))
         except DcpError as exc:
-            send_message(comm, client, describe_error(exc).encode(), _FAILED)
+            wire.send_message(comm, client, describe_error(exc).encode(), wire.FAILED)
             error = error or exc
             continue
-        send_message(comm, client, buf)
+        wire.send_message(comm, client, buf)
     return error
 
 
@@ -214,9 +180,9 @@ def check_remote(
                 if client == me and server in my_servers:
                     wanted = [(file_name(op.file), blocks(op)) for op in my_servers[server]]
                     request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
-                    send_message(comm, peer, json.dumps(request).encode())
+                    wire.send_message(comm, peer, json.dumps(request).encode())
                     try:
-                        got = np.frombuffer(recv_message(comm, peer), dtype="<u8")
+                        got = np.frombuffer(wire.recv_message(comm, peer), dtype="<u8")
                         expected = [(name, at, n, want) for name, bl in wanted for at, n, _, want in bl]
                         if len(got) != len(expected):
                             raise DcpError(f"rank {peer} sent {len(got)} checksums for {len(expected)} blocks")
@@ -229,22 +195,22 @@ def check_remote(
                     except DcpError as exc:
                         error = error or exc
                 elif server == me and client in my_clients:
-                    request = json.loads(recv_message(comm, peer))
+                    request = json.loads(wire.recv_message(comm, peer))
                     try:
                         sums = []
                         for name, ranges in request:
                             for at, n, seed in ranges:
                                 if (
                                     type(at) is not int or type(n) is not int or type(seed) is not int
-                                    or at < 0 or not 0 <= n <= MAX_MESSAGE or not 0 <= seed < 1 << 64
+                                    or at < 0 or not 0 <= n <= wire.MAX_MESSAGE or not 0 <= seed < 1 << 64
                                 ):  # fmt: skip
                                     raise StorageError(f"rank {peer} asked for a malformed range of {name!r}")
                                 buf = staging.get(n)
                                 reader.read_into(str(name), at, memoryview(buf))
                                 sums.append(checksum(memoryview(buf), seed))
-                        send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
+                        wire.send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
                     except DcpError as exc:
-                        send_message(comm, peer, describe_error(exc).encode(), _FAILED)
+                        wire.send_message(comm, peer, describe_error(exc).encode(), wire.FAILED)
                         error = error or exc
     finally:
         reader.close()

@@ -228,6 +228,16 @@ def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
     return work.astype(local.dtype) if wide else work
 
 
+def partial_fill(held: Held) -> int | None:
+    """For a target with Partial placements, off coordinate 0 of one of its partial mesh dims:
+    the constant this rank holds instead of the value (0 for SUM, 1 for PROD; the rule of
+    docs/loading.md), or None to load the value."""
+    for mesh_dim, reduce_type in held.partial:
+        if held.mesh_coord[mesh_dim] != 0 and reduce_type in ("sum", "prod"):
+            return 0 if reduce_type == "sum" else 1
+    return None
+
+
 def has_partial(value: Any) -> bool:
     """A dist tensor with a Partial placement whose mesh holds this rank (even with an empty
     local piece: the reduction is a collective of the whole mesh)."""

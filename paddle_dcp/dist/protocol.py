@@ -1,8 +1,10 @@
 """The save and load protocols: every rank's sequence of local steps and collectives.
 
 A protocol is a generator run by one rank. It yields requests (a collective, an agreement
-after a local step, or a pairwise exchange) and receives their results; it never touches paddle,
-files or other ranks itself: the rank's ``SaveRank`` / ``LoadRank`` supplies the local work.
+after a local step, or a pairwise exchange, see :mod:`paddle_dcp.dist.requests`) and receives
+their results; it never touches paddle, files or other ranks itself: the rank, an object
+implementing :class:`SaveRankProtocol` / :class:`LoadRankProtocol`, does the local work
+(:mod:`paddle_dcp.dist.ranks` holds a real rank's).
 
 Two drivers run these same generators:
   * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.dist.comm.Comm`;
@@ -17,72 +19,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Protocol as _Protocol, Sequence
 
 import numpy as np
 import xxhash
 
 from . import wire
-from ..core import nested, save_plan
+from .requests import Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, Scatter  # noqa: F401 - protocol.Gather...
+from ..core import load_plan, nested, save_plan
 from ..errors import FormatError, StorageError
 from ..core.metadata import Metadata
 
 logger = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------ requests
-@dataclass(frozen=True)
-class AllMax:
-    values: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Gather:
-    data: bytes
-    root: int
-
-
-@dataclass(frozen=True)
-class Scatter:
-    parts: Sequence[bytes] | None
-    root: int
-
-
-@dataclass(frozen=True)
-class Broadcast:
-    data: bytes
-    root: int
-
-
-@dataclass(frozen=True)
-class AllGather:
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Agree:
-    """The end of a local step: did it fail on any rank? With ``values``, the same all-reduce
-    also returns their maximum over the ranks (one collective instead of two)."""
-
-    step: str
-    error: BaseException | None
-    values: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Pairwise:
-    """Point-to-point work between some ranks (node-local loading): ``fn(comm)`` runs on the
-    rank, its result or error is returned and then agreed on."""
-
-    step: str
-    fn: Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class Detach:
-    """The rest of the protocol may go on in the background (async save): every rank's state
-    is staged to host memory and nothing below reads the caller's tensors."""
 
 
 Protocol = Generator[Any, Any, Any]
@@ -110,7 +59,7 @@ def local_max(step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence
     return value, maxima
 
 
-def run(comm, protocol: Protocol, until_detach: bool = False):
+def run(comm: Any, protocol: Protocol, until_detach: bool = False) -> Any:
     """Drive one rank's protocol on a real comm; returns the protocol's value. With
     ``until_detach``, stop at a Detach request and return it: the caller continues the same
     generator later (``run(other_comm, protocol)``), e.g. in a background thread."""
@@ -129,27 +78,16 @@ def run(comm, protocol: Protocol, until_detach: bool = False):
 
 
 # ====================================================================== save
-@dataclass
-class SaveRank:
-    """One rank's side of a save.
+class SaveRankProtocol(_Protocol):
+    """One rank's side of a save: what :func:`save` asks of it, step by step.
 
     Attributes:
         rank / ranks / coordinator: global ranks.
-        prepare: flattens the state dict; raises on what cannot be saved.
-        reduce: reduces Partial tensors (a collective of paddle's; entered by all together).
-        describe: -> (skeleton without plain values, local pieces in skeleton order).
-        choose_id: the coordinator's choice of id (called on the coordinator only).
-        prepare_id: (unique id) -> the highest generation of that id's data files this rank
-            sees (-1: none), after removing its own temporary files of crashed saves of it.
-        write: (unique id, generation, leaf indices to write) -> (file size, block checksums).
-        values: the coordinator's plain values, flat key -> value.
-        publish: the coordinator writes the metadata; called last.
-        tidy: (unique id, generation) -> removes this rank's data files of older generations
-            of that id, once the new metadata is in place.
+        block_bytes / created_by: recorded in the metadata.
         cache: where the rank keeps its last save plan (module-level dict in a real job).
-        stage: for an async save, copies the pieces of the given leaves to host memory; the
-            protocol then yields Detach and may finish in the background.
         replicas: every holder writes its copy of a replicated piece (``save_replicas``).
+        staged: an async save: ``stage`` copies the pieces of the given leaves to host
+            memory; the protocol then yields Detach and may finish in the background.
         layout: the coordinator's last word on where pieces go in their files (safetensors
             rank files put a header first); None: the plan's own layout.
     """
@@ -157,21 +95,44 @@ class SaveRank:
     rank: int
     ranks: tuple[int, ...]
     coordinator: int
-    prepare: Callable[[], None]
-    reduce: Callable[[], None]
-    describe: Callable[[], tuple[dict, list[save_plan.LocalPiece]]]
-    choose_id: Callable[[], int]
-    prepare_id: Callable[[int], int]
-    write: Callable[[int, int, np.ndarray], tuple[int, list[int]]]
-    values: Callable[[], dict]
-    publish: Callable[[Metadata], None]
-    tidy: Callable[[int, int], None]
     block_bytes: int
-    created_by: str = ""
-    cache: dict = field(default_factory=dict)
-    stage: Callable[[np.ndarray], None] | None = None
-    replicas: bool = False
-    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None
+    created_by: str
+    cache: dict
+    replicas: bool
+    staged: bool
+    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None
+
+    def prepare(self) -> None:
+        """Flatten the state dict; raise on what cannot be saved."""
+
+    def reduce(self) -> None:
+        """Reduce Partial tensors (a collective of paddle's; entered by all together)."""
+
+    def describe(self) -> tuple[dict, list[save_plan.LocalPiece]]:
+        """(skeleton without plain values, local pieces in skeleton order)."""
+
+    def choose_id(self) -> int:
+        """The coordinator's choice of id (called on the coordinator only)."""
+
+    def prepare_id(self, uid: int) -> int:
+        """The highest generation of ``uid``'s data files this rank sees (-1: none), after
+        removing its own temporary files of crashed saves of it."""
+
+    def stage(self, leaves: np.ndarray) -> None:
+        """Copy the pieces of ``leaves`` to host memory (when ``staged``)."""
+
+    def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
+        """Write the pieces of ``leaves``: (file size, block checksums)."""
+
+    def values(self) -> dict:
+        """The coordinator's plain values, flat key -> value."""
+
+    def publish(self, meta: Metadata) -> None:
+        """The coordinator writes the metadata; called last."""
+
+    def tidy(self, uid: int, generation: int) -> None:
+        """Remove this rank's data files of older generations of ``uid``, once the new
+        metadata is in place."""
 
 
 @dataclass
@@ -181,7 +142,7 @@ class SaveResult:
     plan_reused: bool
 
 
-def save(ctx: SaveRank) -> Protocol:
+def save(ctx: SaveRankProtocol) -> Protocol:
     """The save protocol of one rank."""
     is_coord = ctx.rank == ctx.coordinator
     yield from local("prepare", ctx.prepare)
@@ -212,7 +173,7 @@ def save(ctx: SaveRank) -> Protocol:
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
         plan, leaves = cached["plan"], cached["leaves"]
-    if ctx.stage is not None:
+    if ctx.staged:
         yield from local("stage", lambda: ctx.stage(leaves))
         yield Detach()
     size, sums = (yield from local("write", lambda: ctx.write(uid, generation, leaves))) or (0, [])
@@ -272,26 +233,48 @@ def metadata_from_reports(
 
 
 # ====================================================================== load
-@dataclass
-class LoadRank:
-    """One rank's side of a load.
+class LoadWork(_Protocol):
+    """One rank's planned load, step by step (what :meth:`LoadRankProtocol.plan` returns).
+
+    Attributes:
+        remote: server rank -> the read ops this rank needs from files it cannot read.
+        share_key: (digest of the tensors it reads, whether it may share their checks).
+    """
+
+    remote: dict[int, list[load_plan.ReadOp]]
+
+    @property
+    def share_key(self) -> tuple[int, bool]: ...
+
+    def share_checks(self, index: int, count: int) -> None:
+        """Check only this rank's share (``index`` of ``count``) of the blocks."""
+
+    def verify_local(self) -> None:
+        """Check every block this rank reads from its own files, before any target changes."""
+
+    def verify_remote(self, comm: Any, clients: Sequence[int]) -> None:
+        """The same for the blocks its servers send (pairwise)."""
+
+    def read_local(self) -> None:
+        """Copy from this rank's own files."""
+
+    def exchange(self, comm: Any, clients: Sequence[int]) -> None:
+        """Receive the remote bytes and serve ``clients`` (pairwise)."""
+
+    def finish(self) -> None:
+        """Fill constants, finish the buffers, set the plain values."""
+
+
+class LoadRankProtocol(_Protocol):
+    """One rank's side of a load: what :func:`load` asks of it.
 
     Attributes:
         rank / ranks / coordinator: global ranks.
         unique_id: the id asked for, or None for the latest.
-        inspect: flattens the state dict, describes its pieces, lists the directory ->
-            storage.Listing.
-        read_metadata: id -> the parsed metadata (this rank sees the file).
-        metadata_from_helpers: (readers, meta or None) -> Pairwise work giving this rank the
-            part of the metadata it needs (node-local disks).
-        plan: (metadata, id, listing, statuses) -> the rank's load work: an object with
-            ``remote`` (server rank -> ops), ``share_key`` ((digest, can share) of the tensors
-            it reads), ``share_checks(index, count)``, ``verify_local()``,
-            ``verify_remote(comm, clients)``, ``read_local()``, ``exchange(comm, clients)`` and
-            ``finish()``.
-        targets: with an aoa_config, the rank's targets as bytes; every rank's are then
-            gathered after ``inspect`` and handed to ``all_targets`` (paddle's engine needs
-            them all: patterns on target names, shard counts of fused weights).
+        path: the checkpoint (named in errors).
+        shares_targets: with an aoa_config, every rank's targets (``targets``) are gathered
+            after ``inspect`` and handed to ``all_targets`` (paddle's engine needs them all:
+            patterns on target names, shard counts of fused weights).
     """
 
     rank: int
@@ -299,22 +282,35 @@ class LoadRank:
     coordinator: int
     unique_id: int | None
     path: str
-    inspect: Callable[[], Any]
-    read_metadata: Callable[[int], Metadata]
-    metadata_from_helpers: Callable[[list[int], Metadata | None], Pairwise]
-    plan: Callable[[Metadata, int, Any, list[dict]], Any]
-    targets: Callable[[], bytes] | None = None
-    all_targets: Callable[[Sequence[bytes]], None] | None = None
+    shares_targets: bool
+
+    def inspect(self) -> Any:
+        """Flatten the state dict, describe its pieces, list the directory: a storage.Listing."""
+
+    def read_metadata(self, uid: int) -> Metadata:
+        """The parsed metadata of ``uid`` (this rank sees the file)."""
+
+    def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> Pairwise:
+        """Pairwise work giving this rank the part of the metadata it needs (node-local disks)."""
+
+    def plan(self, meta: Metadata, uid: int, listing: Any, statuses: list[dict]) -> LoadWork:
+        """The rank's load work."""
+
+    def targets(self) -> bytes:
+        """This rank's targets, encoded (when ``shares_targets``)."""
+
+    def all_targets(self, blobs: Sequence[bytes]) -> None:
+        """Every rank's targets (when ``shares_targets``)."""
 
 
-def load(ctx: LoadRank) -> Protocol:
+def load(ctx: LoadRankProtocol) -> Protocol:
     """The load protocol of one rank."""
     # the agreement of each step carries the all-reduce that the next decision needs
     listing, (latest,) = yield from local_max(
         "inspect", ctx.inspect, lambda listing: (listing.latest if listing.latest is not None else -1,), 1
     )
     uid = ctx.unique_id if ctx.unique_id is not None else latest
-    if ctx.targets is not None:
+    if ctx.shares_targets:
         mine = yield from local("describe targets", ctx.targets)
         ctx.all_targets((yield AllGather(mine)))
 
@@ -392,7 +388,7 @@ def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
     return out
 
 
-def route(ctx, remote: dict, any_remote: int) -> Protocol:
+def route(ctx: LoadRankProtocol, remote: dict, any_remote: int) -> Protocol:
     """Tell every server which ranks will ask it for bytes; None when no rank needs any
     (``any_remote`` 0, agreed by all ranks). The coordinator alone sees every rank's servers;
     each rank receives its own clients."""

@@ -1,4 +1,12 @@
-"""Bytes that travel between ranks: compact, versioned encodings of the planning messages.
+"""Bytes that travel between ranks: the framing of every message, and compact, versioned
+encodings of the planning messages.
+
+Framing, the one way a message of any length crosses ranks:
+  * in a collective, every rank's message is padded to the longest one with an 8-byte length
+    in front (:func:`pad` / :func:`unpad`);
+  * between two ranks (:func:`send_message` / :func:`recv_message`), a 16-byte header (status,
+    length) comes first, then the bytes; a sender that failed sends its error as the bytes with
+    status FAILED, so the pair stays in step.
 
 Nothing here unpickles. Each message starts with a 4-byte tag; lengths are little-endian.
 The coordinator caches the parse of summary headers, which are equal across the ranks of a
@@ -14,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from ..errors import FormatError
+from ..errors import CollectiveError, DcpError, FormatError
 from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
@@ -111,3 +119,56 @@ def rle(values: Sequence[int]) -> list[list[int]]:
 def in_runs(runs, value: int) -> bool:
     """Whether ``value`` lies in one of the [first, last] ``runs``."""
     return any(int(first) <= value <= int(last) for first, last in runs)
+
+
+# ------------------------------------------------------------------ framing
+def pad(data: bytes, width: int) -> np.ndarray:
+    """``data`` as a collective's message of ``width`` bytes: its length, then its bytes."""
+    out = np.zeros(width + 8, dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(data)), dtype=np.uint8)
+    out[8 : 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return out
+
+
+def unpad(buf: np.ndarray) -> bytes:
+    buf = np.asarray(buf, dtype=np.uint8)
+    (n,) = struct.unpack("<Q", buf[:8].tobytes())
+    if n > len(buf) - 8:
+        raise CollectiveError("message", {-1: "a message is longer than its buffer"})
+    return buf[8 : 8 + n].tobytes()
+
+
+OK, FAILED = 0, 1
+MAX_MESSAGE = 1 << 30  # bytes of one message between two ranks
+
+
+def send_header(comm, peer: int, status: int, length: int) -> None:
+    comm.send(peer, np.array([status, length], dtype="<i8").view(np.uint8))
+
+
+def recv_header(comm, peer: int) -> tuple[int, int]:
+    buf = np.zeros(16, dtype=np.uint8)
+    comm.recv_into(peer, buf)
+    status, length = (int(x) for x in buf.view("<i8"))
+    if status not in (OK, FAILED) or not 0 <= length <= MAX_MESSAGE:
+        raise DcpError(f"rank {peer} sent a malformed message header ({status}, {length})")
+    return status, length
+
+
+def send_message(comm, peer: int, data: bytes | np.ndarray, status: int = OK) -> None:
+    """Send ``data`` to ``peer`` over ``comm``'s point to point (``send`` / ``recv_into``)."""
+    arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else data
+    send_header(comm, peer, status, len(arr))
+    if len(arr):
+        comm.send(peer, arr)
+
+
+def recv_message(comm, peer: int) -> bytes:
+    """The next message from ``peer``; a failure it reported is raised as DcpError."""
+    status, length = recv_header(comm, peer)
+    buf = np.zeros(length, dtype=np.uint8)
+    if length:
+        comm.recv_into(peer, buf)
+    if status == FAILED:
+        raise DcpError(f"rank {peer}: {buf.tobytes().decode(errors='replace')}")
+    return buf.tobytes()

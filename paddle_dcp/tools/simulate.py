@@ -58,6 +58,56 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+class _SimSaveRank:
+    """A rank of a simulated save (a protocol.SaveRankProtocol): it describes its layout and
+    reports what a real write would, without writing."""
+
+    created_by = ""
+    replicas = False
+    staged = False
+    layout = None
+
+    def __init__(self, rank, ranks, coordinator, layout: RankLayout, values, block_bytes, cache, unique_id, published):
+        self.rank, self.ranks, self.coordinator = rank, ranks, coordinator
+        self.pieces_of, self._values, self.block_bytes, self.cache = layout, values, block_bytes, cache
+        self.unique_id, self.published = unique_id, published
+
+    def prepare(self) -> None:
+        pass
+
+    def reduce(self) -> None:
+        pass
+
+    def describe(self):
+        return self.pieces_of.skeleton, self.pieces_of.pieces
+
+    def choose_id(self) -> int:
+        return self.unique_id
+
+    def prepare_id(self, uid: int) -> int:
+        return -1
+
+    def stage(self, leaves) -> None:
+        pass
+
+    def write(self, uid, generation, leaves):  # what a real write returns: the file's size and checksums
+        pieces = [self.pieces_of.pieces[i] for i in leaves.tolist()]
+        nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in pieces], dtype=np.int64)
+        _, size = save_plan.layout_offsets(nbytes)
+        count = int(blocks_of(nbytes, self.block_bytes).sum()) if len(nbytes) else 0
+        # checksums are incompressible: random ones keep the metadata's size honest
+        return size, np.random.default_rng(self.rank).integers(0, 2**63, count, dtype=np.int64).tolist()
+
+    def values(self) -> dict:
+        return self._values
+
+    def publish(self, meta: Metadata) -> None:
+        self.published.append(meta)
+
+    def tidy(self, uid, generation) -> None:
+        pass
+
+
 def simulate_save(
     layouts: dict[int, RankLayout],
     coordinator: int = 0,
@@ -77,33 +127,9 @@ def simulate_save(
         extra = [[k, {"x": 0}] for k in values]
         layouts = {r: RankLayout({"d": l.skeleton["d"] + extra}, l.pieces) for r, l in layouts.items()}
 
-    def rank_ctx(r: int) -> protocol.SaveRank:
-        layout = layouts[r]
-
-        def write(uid, generation, leaves):  # what a real write returns: the file's size and checksums
-            pieces = [layout.pieces[i] for i in leaves.tolist()]
-            nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in pieces], dtype=np.int64)
-            _, size = save_plan.layout_offsets(nbytes)
-            count = int(blocks_of(nbytes, block_bytes).sum()) if len(nbytes) else 0
-            # checksums are incompressible: random ones keep the metadata's size honest
-            return size, np.random.default_rng(r).integers(0, 2**63, count, dtype=np.int64).tolist()
-
-        return protocol.SaveRank(
-            rank=r,
-            ranks=ranks,
-            coordinator=coordinator,
-            prepare=lambda: None,
-            reduce=lambda: None,
-            describe=lambda: (layout.skeleton, layout.pieces),
-            choose_id=lambda: unique_id,
-            prepare_id=lambda uid: -1,
-            write=write,
-            values=lambda: values,
-            publish=published.append,
-            tidy=lambda uid, generation: None,
-            block_bytes=block_bytes,
-            cache=caches.setdefault(r, {}),
-        )
+    def rank_ctx(r: int) -> _SimSaveRank:
+        return _SimSaveRank(r, ranks, coordinator, layouts[r], values, block_bytes, caches.setdefault(r, {}),
+                            unique_id, published)
 
     before = _peak_rss_mib()
     results = world.run({r: protocol.save(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
@@ -163,6 +189,43 @@ def targets_of(layout: RankLayout) -> list[load_plan.TargetPiece]:
     return [load_plan.TargetPiece(p.key, p.dtype, p.global_shape, p.box) for p in layout.pieces if p.box is not None]
 
 
+class _SimLoadRank:
+    """A rank of a simulated load (a protocol.LoadRankProtocol) on a shared file system. With
+    a ``layout``, it parses the metadata and plans its reads for real; without, it reuses the
+    parsed ``shared`` metadata and plans nothing."""
+
+    unique_id = None
+    path = "<simulated>"
+    shares_targets = False
+
+    def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed):
+        self.rank, self.ranks, self.coordinator = rank, ranks, coordinator
+        self.listing, self.metadata_json, self.shared, self.layout, self.parsed = listing, metadata_json, shared, layout, parsed
+
+    def inspect(self):
+        return self.listing
+
+    def read_metadata(self, uid: int) -> Metadata:
+        if self.layout is None:
+            return self.shared
+        self.parsed[self.rank] = Metadata.from_json(self.metadata_json, lazy=True)
+        return self.parsed[self.rank]
+
+    def metadata_from_helpers(self, readers, meta):
+        return None
+
+    def plan(self, meta, uid, listing, statuses):
+        if self.layout is None:
+            return _NoWork()
+        return _PlannedWork(plan_rank(meta, targets_of(self.layout)))
+
+    def targets(self) -> bytes:
+        return b""
+
+    def all_targets(self, blobs) -> None:
+        pass
+
+
 def simulate_load(
     layouts: dict[int, RankLayout],
     metadata_json: bytes,
@@ -183,31 +246,9 @@ def simulate_load(
     writers = [storage.parse_data_name(f.name) for f in shared.files]
     listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset((r, g) for r, _, g in writers)})
 
-    def rank_ctx(r: int) -> protocol.LoadRank:
+    def rank_ctx(r: int) -> _SimLoadRank:
         real = r == coordinator or r in plan_ranks
-
-        def read_metadata(uid):
-            if real:
-                parsed[r] = Metadata.from_json(metadata_json, lazy=True)
-                return parsed[r]
-            return shared
-
-        def plan(meta, uid, listing_, statuses):
-            if not real:
-                return _NoWork()
-            return _PlannedWork(plan_rank(meta, targets_of(layouts[r])))
-
-        return protocol.LoadRank(
-            rank=r,
-            ranks=ranks,
-            coordinator=coordinator,
-            unique_id=None,
-            path="<simulated>",
-            inspect=lambda: listing,
-            read_metadata=read_metadata,
-            metadata_from_helpers=lambda readers, meta: None,
-            plan=plan,
-        )
+        return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed)
 
     world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
     return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds)

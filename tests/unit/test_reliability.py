@@ -28,7 +28,7 @@ import pytest
 
 import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
-from paddle_dcp import api
+from paddle_dcp.dist import loadwork
 from paddle_dcp.core import metadata
 from paddle_dcp.io import local, storage
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, PlanError, StorageError
@@ -708,13 +708,13 @@ def test_a_pickle_in_place_of_the_metadata_runs_no_code(ck, monkeypatch):
 
 # ================================================================== 5. files changing under a load
 def _before_verify(monkeypatch, fn):
-    real = api._LoadPlan.verify_local
+    real = loadwork.LocalLoadWork.verify_local
 
     def hooked(self, *args, **kwargs):
         fn()
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(api._LoadPlan, "verify_local", hooked)
+    monkeypatch.setattr(loadwork.LocalLoadWork, "verify_local", hooked)
 
 
 def test_a_file_deleted_after_planning_opened_it_still_loads_exactly(ck, monkeypatch):
@@ -753,7 +753,7 @@ def test_bytes_written_in_place_after_the_verify_step_are_an_integrity_error_nam
     modification time moved) is refused once the copy ends, rather than loaded silently."""
     name = os.path.join(ck, "1_0.distcp")
     os.utime(name, ns=(1_000_000_000, 1_000_000_000))  # an old checkpoint: any write moves its time
-    real = api._LoadPlan.verify_local
+    real = loadwork.LocalLoadWork.verify_local
 
     def verified_then_written(self, *args, **kwargs):
         real(self, *args, **kwargs)
@@ -761,7 +761,7 @@ def test_bytes_written_in_place_after_the_verify_step_are_an_integrity_error_nam
             f.seek(40)
             f.write(b"\xff" * 8)  # same size, other bytes
 
-    monkeypatch.setattr(api._LoadPlan, "verify_local", verified_then_written)
+    monkeypatch.setattr(loadwork.LocalLoadWork, "verify_local", verified_then_written)
     sd = target()
     with pytest.raises(IntegrityError, match="1_0.distcp was modified while it was being loaded"):
         paddle_dcp.load_state_dict(sd, ck)

@@ -126,18 +126,18 @@ def servers_with(**kwargs):
     every piece, half of them from the other node's files)."""
     leaves = TARGETS["into_plain"]
     seen = []
-    original = paddle_dcp.api._LoadPlan.split
+    original = paddle_dcp.dist.loadwork.LocalLoadWork.split
 
     def split(self, *args):
         original(self, *args)
         seen.append(sorted(self.remote))
 
-    paddle_dcp.api._LoadPlan.split = split
+    paddle_dcp.dist.loadwork.LocalLoadWork.split = split
     try:
         sd = c.build(leaves, 0, {"step": 0, "milestones": []}, target=True)
         paddle_dcp.load_state_dict(sd, "ck", **kwargs)
     finally:
-        paddle_dcp.api._LoadPlan.split = original
+        paddle_dcp.dist.loadwork.LocalLoadWork.split = original
     c.check_state(sd, leaves, 0, R)
     return seen[0]
 

@@ -15,7 +15,7 @@ import paddle
 from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
 
 import paddle_dcp
-from paddle_dcp import api
+from paddle_dcp.dist import loadwork
 
 import common as c
 
@@ -164,13 +164,13 @@ def node_local_replicas():
     os.makedirs(node, exist_ok=True)
     here = os.getcwd()
     remote = []
-    original = api._LoadPlan.split
+    original = loadwork.LocalLoadWork.split
 
     def split(self, *args, **kwargs):
         original(self, *args, **kwargs)
         remote.append({server: len(ops) for server, ops in self.remote.items()})
 
-    api._LoadPlan.split = split
+    loadwork.LocalLoadWork.split = split
     os.chdir(node)
     try:
         for replicas in (True, False):
@@ -189,7 +189,7 @@ def node_local_replicas():
                 assert remote[-1], f"rank {R} read everything locally without replicas: the check proves nothing"
     finally:
         os.chdir(here)
-        api._LoadPlan.split = original
+        loadwork.LocalLoadWork.split = original
 
 
 def replicas_written():
