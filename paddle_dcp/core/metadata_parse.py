@@ -408,6 +408,23 @@ def _piece_nbytes(rows: Sequence[_Row], counts: np.ndarray, shp: np.ndarray) -> 
     return nbytes
 
 
+def check_entry_tiling(
+    key: str,
+    shape: tuple[int, ...],
+    offsets: np.ndarray,
+    shapes: np.ndarray,
+    files: np.ndarray,
+    replicas: bool,
+    require_cover: bool = True,
+) -> None:
+    """The pieces of a tensor tile it; with ``replicas``, its distinct boxes do (the copies of
+    one box lying in different files). Raises PlanError or FormatError naming the key."""
+    if replicas:
+        first = distinct_boxes(key, offsets, shapes, files)
+        offsets, shapes = offsets[first], shapes[first]
+    check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
+
+
 def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
     """Rows of the first copy of every distinct box (ascending); raises FormatError when two
     copies of one box lie in the same file (a replica is a holder's own copy)."""
@@ -448,11 +465,8 @@ def _parse_tensor(
     shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
     files = _decode_column(t["file"], count, f"{what}: file")
     byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
-    if tiling and replicas:
-        first = distinct_boxes(key, offsets, shapes, files)
-        check_tiling(key, shape, offsets[first], shapes[first], require_cover=require_cover)
-    elif tiling:
-        check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
+    if tiling:
+        check_entry_tiling(key, shape, offsets, shapes, files, replicas, require_cover)
     else:
         check_inside(key, shape, offsets, shapes)
     if count and ((files < 0) | (files >= len(file_sizes))).any():

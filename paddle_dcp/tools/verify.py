@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from . import consolidate
-from ..core.boxes import check_tiling
+from ..core.metadata_parse import check_entry_tiling
 from ..core.metadata import Metadata, TensorEntry, blocks_of
 from ..core.naming import metadata_name
 from ..errors import FormatError, PlanError, StorageError
@@ -98,7 +98,8 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     for key in meta.tensors:
         try:
             entry = meta.tensors[key]
-            check_tiling(key, entry.shape, entry.pieces.offsets, entry.pieces.shapes)
+            pieces = entry.pieces
+            check_entry_tiling(key, entry.shape, pieces.offsets, pieces.shapes, pieces.files, meta.replicas)
         except (FormatError, PlanError) as exc:
             problems.append(_located(meta_file, exc))
             continue

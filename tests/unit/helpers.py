@@ -180,12 +180,13 @@ def save_checkpoint(
     values: dict | None = None,
     unique_id: int = 0,
     via_wire: bool = True,
+    replicas: bool = False,
 ) -> Saved:
     """Save the global ``arrays`` (state dict ``{"model": arrays, **values}``) as the ranks of
     ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own."""
     ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire)
     summaries = [s for _, _, s in ranks]
-    plan = save_plan.plan_save(summaries)
+    plan = save_plan.plan_save(summaries, replicas)
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]

@@ -681,3 +681,19 @@ def test_reading_a_malformed_safetensors_file_is_a_format_error(tmp_path, conten
     bad.write_bytes(content)
     with pytest.raises(FormatError, match="bad.safetensors"):
         consolidate.read_safetensors(str(bad))
+
+
+def test_verify_takes_the_copies_of_a_save_replicas_checkpoint(tmp_path):
+    """Every holder's copy of a replicated piece (save_replicas) is one box saved twice, in two
+    files: verify checks each copy's bytes and does not call the copies an overlap."""
+    from paddle_dcp.tools import verify
+
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    saved = save_checkpoint(str(tmp_path), {"w": w}, {"w": "float32"}, (2,), {"w": (None,)}, replicas=True)
+    assert saved.meta.replicas and saved.meta.tensors["model.w"].pieces.count == 2
+    problems, counts = verify.verify_checkpoint(str(tmp_path), 0)
+    assert problems == [] and counts["pieces"] == 2 and counts["files"] == 2
+    with open(tmp_path / "1_0.distcp", "r+b") as f:  # damage the second copy only
+        f.write(b"\xff")
+    problems, _ = verify.verify_checkpoint(str(tmp_path), 0)
+    assert len(problems) == 1 and "1_0.distcp" in problems[0] and "model.w" in problems[0], problems
