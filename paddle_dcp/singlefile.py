@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from .core import nested
-from .core.keys import Reconciled, missing_message, reconcile
+from .core.keys import Reconciled, reconcile, report
 from .core.boxes import Box, element_span, is_contiguous
 from .dist.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
 from .errors import FormatError, MismatchError, StorageError
@@ -136,12 +136,7 @@ def _reconcile(flat: nested.Flat, header: Header, path: str, mw: bool, strict: b
     """The state dict's keys against the file's: raise on (or warn of) missing ones."""
     structure = header.structure if header.structure is not None else {"d": []}
     keys = reconcile(list(flat.tensors), flat.skeleton, list(header.entries), structure, mw, "file")
-    if keys.missing and strict:
-        raise MismatchError(missing_message(keys.missing, path))
-    if keys.missing:
-        logger.warning("keys of the state_dict not found in %s (left unchanged): %s", path, list(keys.missing))
-    if keys.unexpected:
-        logger.warning("keys of %s not in the state_dict (not loaded): %s", path, list(keys.unexpected))
+    report(keys.missing, keys.unexpected, path, strict, logger)
     return keys
 
 

@@ -3,6 +3,8 @@ plain subtrees restored whole, and the message of a strict load's missing keys.
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -102,7 +104,7 @@ def reconcile(
     target_nodes = nested.node_paths(skeleton)
     tensors = set(saved_tensors)
     plain, unexpected, restored = [], [], set()
-    for path, node in nested.plain_subtrees(saved_structure):
+    for path, node in nested.plain_subtrees(saved_structure, saved_nodes):
         if path not in target_nodes:
             unexpected.append(nested.flat_key(path))
         elif not target_nodes[path]:
@@ -118,6 +120,20 @@ def reconcile(
         if not any(path[:i] in restored for i in range(1, len(path) + 1)):
             missing.append(key)
     return Reconciled(match, tuple(missing), tuple(match.unexpected) + tuple(unexpected), tuple(plain))
+
+
+def report(
+    missing: Sequence[str], unexpected: Sequence[str], where: str, strict: bool, log: logging.Logger
+) -> None:
+    """What a load says of keys on one side only: with ``strict`` a state-dict key the
+    checkpoint lacks is a MismatchError, else a warning; a checkpoint key the state dict lacks
+    is a warning (on ``log``, the calling module's logger)."""
+    if missing and strict:
+        raise MismatchError(missing_message(missing, where))
+    if missing:
+        log.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(missing))
+    if unexpected:
+        log.warning("keys of %s not in the state_dict (not loaded): %s", where, list(unexpected))
 
 
 def missing_message(missing: Sequence[str], where: str) -> str:

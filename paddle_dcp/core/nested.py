@@ -323,10 +323,11 @@ def node_paths(skeleton: dict) -> dict[Path, bool]:
     return out
 
 
-def plain_subtrees(skeleton: dict) -> list[tuple[Path, dict]]:
+def plain_subtrees(skeleton: dict, holds: dict[Path, bool] | None = None) -> list[tuple[Path, dict]]:
     """The largest subtrees below the root that hold no tensor, as (path, node): a load puts
-    each into the state dict whole, whatever the state dict holds there."""
-    holds = node_paths(skeleton)
+    each into the state dict whole, whatever the state dict holds there. ``holds``: the
+    skeleton's :func:`node_paths`, when the caller has it."""
+    holds = node_paths(skeleton) if holds is None else holds
     out = []
     stack: list[tuple[Path, dict]] = [((), skeleton)]
     while stack:

@@ -20,7 +20,7 @@ from .comm import Comm
 from .device import TargetBuffer
 from .placements import is_sharded_weight, partial_fill, rewrap
 from ..core import aoa, load_plan, nested
-from ..core.keys import missing_message, reconcile
+from ..core.keys import reconcile, report
 from ..core.boxes import Box
 from ..core.metadata import Metadata
 from ..errors import DcpError, FormatError, MismatchError, PlanError, StorageError
@@ -179,12 +179,8 @@ def plan_load(
     keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
     match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
     where = f"checkpoint {meta.unique_id} in {path}"
-    if keys.missing and strict:
-        raise MismatchError(missing_message(keys.missing, where))
-    if keys.missing:
-        logger.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(keys.missing))
-    if unexpected and not meta.subset:  # a part lists only what this rank asked for
-        logger.warning("keys of %s not in the state_dict (not loaded): %s", where, unexpected)
+    # a part of the metadata lists only what this rank asked for: nothing there is unexpected
+    report(keys.missing, () if meta.subset else unexpected, where, strict, logger)
     meta.prefetch(list(match.source.values()) + sorted(used))
     targets, slots, buffers, fills, views, remapped = [], [], [], [], [], []
     for h in held:
