@@ -192,7 +192,7 @@ class ObjectStorage:
             name = up["Key"][len(prefix):]
             if "/" in name:
                 continue
-            tmp = f"{name}{TMP_MARK}{xxhash.xxh3_64_hexdigest(up['UploadId'])}"
+            tmp = f"{name}{TMP_MARK}{xxhash.xxh3_64_hexdigest(up['UploadId'].encode())}"
             self._uploads[tmp] = (up["Key"], up["UploadId"])
             names.append(tmp)
         return names

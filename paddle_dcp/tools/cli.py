@@ -37,7 +37,7 @@ from .import_paddle import import_paddle_checkpoint
 from .verify import verify_checkpoint
 from ..core import nested
 from ..format import safetensors
-from ..io import open_storage, storage
+from ..io import is_url, open_storage, storage
 from ..errors import ArgumentError, DcpError, FormatError, StorageError
 from ..version import __version__
 
@@ -223,6 +223,20 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
     return names
 
 
+def _sizes(path: str, names: list[str]) -> dict[str, int]:
+    """name -> bytes of each of ``names`` present in ``path`` (one listing for a URL)."""
+    if is_url(path):
+        found = open_storage(path).sizes()
+        return {n: int(found[n].get("size") or 0) if n in found else 0 for n in names}
+    sizes = {}
+    for name in names:
+        try:
+            sizes[name] = os.lstat(os.path.join(path, name)).st_size
+        except OSError:
+            sizes[name] = 0
+    return sizes
+
+
 def cmd_clean(args) -> int:
     path = _directory(args.path)
     listing = open_storage(path).list_checkpoints()
@@ -230,12 +244,7 @@ def cmd_clean(args) -> int:
     if args.incomplete:
         planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
         planned += _superseded(path, listing)
-    sizes = {}
-    for name in planned:
-        try:
-            sizes[name] = os.lstat(os.path.join(path, name)).st_size
-        except OSError:
-            sizes[name] = 0
+    sizes = _sizes(path, planned)
     if args.dry_run:
         removed = planned
     else:
@@ -245,7 +254,7 @@ def cmd_clean(args) -> int:
             removed += open_storage(path).remove(_superseded(path, open_storage(path).list_checkpoints()))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
-        _out(f"{verb} {os.path.join(path, name)}")
+        _out(f"{verb} {open_storage(path).resolve(name) if is_url(path) else os.path.join(path, name)}")
     if not removed:
         _out(f"nothing to remove in {path}")
     else:
