@@ -110,11 +110,26 @@ class MultipartWriter(_Pieces):
         parts = [fut.result() for fut in self._parts]
         self._pending.clear()
         self._shutdown()
-        self.store.call(f"COMPLETE UPLOAD {self.url}", lambda: self.store.s3(
-            "complete_multipart_upload", Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
+        try:
+            self.store.call(f"COMPLETE UPLOAD {self.url}", lambda: self.store.s3(
+                "complete_multipart_upload", Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
+        except FileNotFoundError:  # NoSuchUpload: a retry after a completion whose reply was lost
+            self._check_completed()
         logger.debug("wrote %s: %d bytes in %d parts", self.url, self.offset, len(parts))
         self.upload_id = None
         return self.offset
+
+    def _check_completed(self) -> None:
+        """The object exists with this file's size (else the upload is lost: StorageError)."""
+        full = self.store.full(self.name)
+        try:
+            size = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True)).get("size")
+        except FileNotFoundError:
+            size = None
+        if size != self.offset:
+            raise StorageError(f"COMPLETE UPLOAD {self.url} failed: the upload is gone and the object has "
+                               f"{size} bytes, not {self.offset}", self.url)
+        self.upload_id = None  # completed: nothing to abort
 
     def _shutdown(self) -> None:
         if self._pool is not None:

@@ -15,8 +15,8 @@ with backoff, then become a StorageError naming the object and the HTTP status.
 """
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +45,8 @@ class ObjectOptions:
         part_size: bytes of each multipart upload part but the last (S3: at least 5 MiB).
         parts_in_flight: parts of one file being uploaded at once (each holds part_size bytes).
         read_concurrency: ranged GETs of one rank in flight at once.
+        read_cache_bytes: bytes of ranges a load keeps between checking their checksums and
+            copying them (beyond it, a range is read again for the copy).
         retries: attempts of each request in all, the first included.
         retry_deadline: seconds after a request's first attempt when no new attempt starts.
     """
@@ -52,6 +54,7 @@ class ObjectOptions:
     part_size: int = 32 << 20
     parts_in_flight: int = 4
     read_concurrency: int = 8
+    read_cache_bytes: int = 64 << 20
     retries: int = 6
     retry_deadline: float = 60.0
 
@@ -62,9 +65,9 @@ class ObjectOptions:
             raise ArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
         rest = dict(storage_options or {})
         ours = {k: rest.pop(k) for k in cls.__dataclass_fields__ if k in rest}
-        for key in ("part_size", "parts_in_flight", "read_concurrency"):
+        for key in ("part_size", "parts_in_flight", "read_concurrency", "read_cache_bytes"):
             value = ours.get(key, 1)
-            if type(value) is not int or value < 1:
+            if type(value) is not int or value < (0 if key == "read_cache_bytes" else 1):
                 raise ArgumentError(f"storage_options[{key!r}] must be a positive int, got {value!r}")
         opts = cls(**ours)
         opts.policy  # checks retries and retry_deadline
@@ -276,29 +279,41 @@ def get_range(store: ObjectStorage, name: str, start: int, stop: int) -> bytes:
 
 class ObjectFiles:
     """The data objects of one checkpoint opened for reading (a :class:`DataFiles`): sizes
-    checked against the metadata when first used, byte ranges read with ranged GETs, the
-    ranges announced by :meth:`advise` fetched ahead by a few threads."""
+    checked against the metadata when first used (one HEAD per object), byte ranges read with
+    ranged GETs, the ranges announced by :meth:`advise` fetched ahead by a few threads.
+
+    A load reads its ranges twice: once to check their checksums before any tensor changes,
+    once to copy them. The first ``read_cache_bytes`` of ranges read are kept for the copy,
+    so a rank's share up to that size costs one GET per range."""
 
     def __init__(self, store: ObjectStorage, meta: Metadata):
         self.store, self.meta = store, meta
         self._infos: dict[int, tuple] = {}
-        self._listed: dict[str, dict] | None = None
-        self._ahead: OrderedDict[tuple[int, int, int], Future] = OrderedDict()
+        self._ahead: dict[tuple[int, int, int], Future] = {}
+        self._kept: dict[int, list[tuple[int, int, bytes]]] = {}  # file -> (start, stop, bytes), sorted
+        self._kept_bytes = 0
         self._pool: ThreadPoolExecutor | None = None
 
     def name(self, index: int) -> str:
         return self.store.resolve(self.meta.files[index].name)
 
-    def _identity(self, info: dict) -> tuple:
-        return (info.get("size"), info.get("ETag") or info.get("etag") or info.get("LastModified"))
+    def _head(self, index: int) -> dict | None:
+        """The object's size and ETag (None when it is missing)."""
+        full = self.store.full(self.meta.files[index].name)
+        try:
+            return self.store.call(f"HEAD {self.name(index)}", lambda: self.store.fs.info(full, refresh=True))
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _identity(info: dict) -> tuple:
+        return (info.get("size"), info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("created"))
 
     def open(self, index: int) -> None:
         if index in self._infos:
             return
         entry = self.meta.files[index]
-        if self._listed is None:  # one LIST gives every file's size
-            self._listed = self.store.sizes()
-        info = self._listed.get(entry.name)
+        info = self._head(index)
         if info is None:
             raise IntegrityError(f"data file {self.name(index)} of checkpoint {self.meta.unique_id} is missing")
         if info.get("size") != entry.nbytes:
@@ -312,33 +327,52 @@ class ObjectFiles:
 
     def advise(self, index: int, start: int, length: int) -> None:
         """Start a ranged GET of these bytes now (at most ``read_concurrency`` ahead)."""
-        if length <= 0 or len(self._ahead) >= self.store.options.read_concurrency:
+        key = (index, start, start + length)
+        if length <= 0 or key in self._ahead or self._kept_range(index, start, start + length) is not None:
+            return
+        if len(self._ahead) >= self.store.options.read_concurrency:
             return
         self.open(index)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.store.options.read_concurrency, thread_name_prefix="paddle_dcp-get")
         name = self.meta.files[index].name
-        self._ahead[(index, start, start + length)] = self._pool.submit(get_range, self.store, name, start, start + length)
+        self._ahead[key] = self._pool.submit(get_range, self.store, name, start, start + length)
 
-    @contextmanager
-    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
-        self.open(index)
-        ahead = self._ahead.pop((index, start, stop), None)
+    def _kept_range(self, index: int, start: int, stop: int) -> memoryview | None:
+        """Bytes [start, stop) of file ``index`` from a range kept whole, or None."""
+        kept = self._kept.get(index, [])
+        at = bisect.bisect_right(kept, (start, float("inf"))) - 1
+        if at >= 0 and kept[at][0] <= start and stop <= kept[at][1]:
+            a = kept[at][0]
+            return memoryview(kept[at][2])[start - a : stop - a]
+        return None
+
+    def _get(self, index: int, start: int, stop: int):
+        key = (index, start, stop)
+        data = self._kept_range(index, start, stop)
+        if data is not None:
+            return data
+        ahead = self._ahead.pop(key, None)
         data = ahead.result() if ahead is not None else get_range(self.store, self.meta.files[index].name, start, stop)
         if len(data) != stop - start:
             raise IntegrityError(
                 f"data file {self.name(index)} ends at {start + len(data)} bytes, before the {stop} the metadata promises"
             )
-        yield np.frombuffer(data, dtype=np.uint8)
+        if self._kept_bytes + len(data) <= self.store.options.read_cache_bytes:
+            bisect.insort(self._kept.setdefault(index, []), (start, stop, data))
+            self._kept_bytes += len(data)
+        return data
+
+    @contextmanager
+    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
+        self.open(index)
+        yield np.frombuffer(self._get(index, start, stop), dtype=np.uint8)
 
     def check_unchanged(self) -> None:
         """Raise IntegrityError when an object read was replaced since it was opened (its size
         or ETag moved)."""
-        if not self._infos:
-            return
-        now = self.store.sizes()
         for index, before in self._infos.items():
-            info = now.get(self.meta.files[index].name)
+            info = self._head(index)
             if info is None or self._identity(info) != before:
                 raise IntegrityError(
                     f"data file {self.name(index)} was replaced while it was being loaded: the loaded "
@@ -349,11 +383,12 @@ class ObjectFiles:
         for fut in self._ahead.values():
             fut.cancel()
         self._ahead.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._infos.clear()
-        self._listed = None
 
 
 def _fill(out: memoryview, data: bytes, url: str, offset: int, whose: str) -> None:
