@@ -187,8 +187,8 @@ class ObjectStorage:
         prefix = self.key_prefix
         try:
             reply = self.call(f"LIST UPLOADS {self.path}/", lambda: self.s3("list_multipart_uploads", Prefix=prefix))
-        except StorageError as exc:  # a store without the call: no uploads to list
-            logger.debug("cannot list multipart uploads of %s: %s", self.path, exc)
+        except StorageError as exc:  # a store without the call: no uploads to list (only cleanup needs them)
+            logger.warning("cannot list the open multipart uploads of %s: %s", self.path, exc)
             return []
         names = []
         for up in reply.get("Uploads", []):

@@ -86,7 +86,8 @@ def describe_failure(exc: BaseException) -> tuple[bool, str]:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             code = response.get("Error", {}).get("Code", "")
             text = f"HTTP {status} {code}".strip() if status else f"error {code}"
-            transient = (isinstance(status, int) and (status >= 500 or status == 429)) or code in THROTTLE_CODES
+            # 501 Not Implemented: a call the store lacks, never fixed by asking again
+            transient = (isinstance(status, int) and (status >= 500 and status != 501 or status == 429)) or code in THROTTLE_CODES
             return transient, text
     for e in _causes(exc):
         if type(e).__name__ in TRANSIENT_NAMES or isinstance(e, (ConnectionError, TimeoutError)):

@@ -101,6 +101,7 @@ def test_fatal_errors_pass_through_unchanged():
 def test_classification():
     assert describe_failure(ClientError(429, "TooManyRequests")) == (True, "HTTP 429 TooManyRequests")
     assert describe_failure(ClientError(404, "NoSuchKey"))[0] is False
+    assert describe_failure(ClientError(501, "NotImplemented"))[0] is False
     assert describe_failure(type("EndpointConnectionError", (Exception,), {})("refused"))[0] is True
 
 
