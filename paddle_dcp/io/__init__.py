@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
 
 from .storage import Storage
+
+# storage_options for URLs opened without any (the command line's --storage-option)
+_DEFAULT_OPTIONS: ContextVar[dict | None] = ContextVar("paddle_dcp_storage_options", default=None)
+
+
+@contextmanager
+def default_storage_options(options: dict | None) -> Iterator[None]:
+    """Inside the block, a URL opened without ``storage_options`` gets ``options``."""
+    token = _DEFAULT_OPTIONS.set(options)
+    try:
+        yield
+    finally:
+        _DEFAULT_OPTIONS.reset(token)
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -22,7 +38,7 @@ def open_storage(path: str, storage_options: dict | None = None) -> Storage:
     if is_url(path):
         from .objects import open_url
 
-        return open_url(path, storage_options)
+        return open_url(path, _DEFAULT_OPTIONS.get() if storage_options is None else storage_options)
     if storage_options:
         from ..errors import UnsupportedError
 

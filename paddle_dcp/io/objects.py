@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,7 +103,8 @@ def _filesystem(protocol: str, fs_options: dict):
         config.setdefault("read_timeout", 60)
         options["config_kwargs"] = config
         options.setdefault("use_listings_cache", False)
-    key = (protocol, repr(sorted(options.items())))
+    # a changed environment (AWS_ENDPOINT_URL...) gets a new client
+    key = (protocol, repr(sorted(options.items())), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
     fs = _FILESYSTEMS.get(key)
     if fs is None:
         try:

@@ -37,7 +37,7 @@ from .import_paddle import import_paddle_checkpoint
 from .verify import verify_checkpoint
 from ..core import nested
 from ..format import safetensors
-from ..io import is_url, open_storage, storage
+from ..io import default_storage_options, is_url, open_storage, storage
 from ..errors import ArgumentError, DcpError, FormatError, StorageError
 from ..version import __version__
 
@@ -264,6 +264,25 @@ def cmd_clean(args) -> int:
 
 
 # ====================================================================== parser
+def _storage_options(args) -> dict | None:
+    """The --storage-option KEY=VALUE pairs as a dict (None when there are none)."""
+    pairs = getattr(args, "storage_option", None)
+    if not pairs:
+        return None
+    if not is_url(getattr(args, "path", "")):
+        raise UsageError(f"--storage-option applies to a URL (s3://bucket/prefix), not {args.path}")
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(text)
+        except ValueError:
+            out[key] = text
+    return out
+
+
 def _unique_id(text: str) -> int:
     try:
         value = int(text)
@@ -278,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what is done (INFO)")
+    common.add_argument(
+        "--storage-option", action="append", default=None, metavar="KEY=VALUE",
+        help="for an s3:// (fsspec) PATH: an option for fsspec or paddle_dcp (VALUE read as JSON when it "
+        "parses, else as a string), e.g. endpoint_url=http://127.0.0.1:8333; repeatable. The AWS_* "
+        "variables are read too",
+    )
     progress = argparse.ArgumentParser(add_help=False)
     progress.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -417,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if debug else (logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     with _Logging(level):
         try:
-            return args.func(args)
+            with default_storage_options(_storage_options(args)):
+                return args.func(args)
         except KeyboardInterrupt:
             _err(f"{PROG}: interrupted")
             return 130

@@ -121,3 +121,25 @@ def test_s3_save_streams_parts_without_building_the_file_and_async_save_works(s3
         sd = {"a": np.zeros_like(a)}
         paddle_dcp.load_state_dict(sd, url, unique_id=uid, storage_options=options)
         assert np.array_equal(sd["a"], a)
+
+
+def test_s3_cli_storage_options_instead_of_the_environment(s3_env, monkeypatch, capsys):
+    import paddle_dcp
+    from paddle_dcp.tools import cli
+
+    url = s3_env.url(uuid.uuid4().hex)
+    paddle_dcp.save_state_dict(_state(0), url)
+    endpoint, key, secret = (s3_env.env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"))
+    # the environment now points nowhere (a closed port of 127.0.0.1): only the options reach the server
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    capsys.readouterr()
+    opts = [f"--storage-option=endpoint_url={endpoint}", f"--storage-option=key={key}",
+            f"--storage-option=secret={secret}", "--storage-option=retries=2"]
+    assert cli.main(["inspect", url, *opts]) == 0
+    assert "complete ids: 0" in capsys.readouterr().out
+    assert cli.main(["inspect", url, "--storage-option", "nonsense"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert cli.main(["inspect", url, "--storage-option=retries=1"]) == 1  # the environment's endpoint: refused
+    assert "127.0.0.1:9" in capsys.readouterr().err
