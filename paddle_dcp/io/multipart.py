@@ -84,6 +84,7 @@ class MultipartWriter(_Pieces):
             self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="paddle_dcp-part")
         body, self._buf = self._buf, bytearray()
         number = len(self._parts) + 1
+        assert self._pool is not None  # made with the upload
         fut = self._pool.submit(self._upload_part, number, body)
         self._parts.append(fut)
         self._pending.append(fut)

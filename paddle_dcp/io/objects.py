@@ -202,6 +202,16 @@ class ObjectStorage:
             names.append(tmp)
         return names
 
+    def size(self, name: str) -> int | None:
+        """The size in bytes of object ``name`` (a HEAD), or None when there is none (a
+        prefix with objects under it is not one)."""
+        full = self.full(name)
+        try:
+            info = self.call(f"HEAD {self.resolve(name)}", lambda: self.fs.info(full, refresh=True))
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type", "file") == "file" else None
+
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         url = self.resolve(metadata_name(unique_id))
         full = self.full(metadata_name(unique_id))
@@ -349,11 +359,11 @@ class ObjectFiles:
             return memoryview(kept[at][2])[start - a : stop - a]
         return None
 
-    def _get(self, index: int, start: int, stop: int):
+    def _get(self, index: int, start: int, stop: int) -> memoryview | bytes:
         key = (index, start, stop)
-        data = self._kept_range(index, start, stop)
-        if data is not None:
-            return data
+        kept = self._kept_range(index, start, stop)
+        if kept is not None:
+            return kept
         ahead = self._ahead.pop(key, None)
         data = ahead.result() if ahead is not None else get_range(self.store, self.meta.files[index].name, start, stop)
         if len(data) != stop - start:

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from ..errors import ArgumentError, StorageError
 
@@ -68,12 +68,13 @@ class RetryPolicy:
         return rand() * min(self.cap, self.base * (2 ** (retry - 1)))
 
 
-def _causes(exc: BaseException):
+def _causes(exc: BaseException) -> Iterator[BaseException]:
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 def describe_failure(exc: BaseException) -> tuple[bool, str]:

@@ -239,6 +239,8 @@ def test_remove_and_resolve_on_memory(url):
     assert store.resolve("0_0.distcp") == f"{url}/0_0.distcp"
     with pytest.raises(FormatError):
         store.resolve("../other/0_0.distcp")
+    assert store.size("0_0.distcp") == paddle_dcp.read_metadata(url).files[0].nbytes
+    assert store.size("9_9.distcp") is None
     assert store.remove(["0_0.distcp", "9_9.distcp"]) == ["0_0.distcp"]
     assert sorted(store.sizes()) == ["0.metadata"]
 
