@@ -101,6 +101,10 @@ def _filesystem(protocol: str, fs_options: dict):
         config.setdefault("retries", {"total_max_attempts": 1})
         config.setdefault("connect_timeout", 10)
         config.setdefault("read_timeout", 60)
+        # every block of a checkpoint has a checksum of ours, checked on load: botocore's CRC of
+        # every part and GET would hash each byte once more (about half the speed)
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
         options["config_kwargs"] = config
         options.setdefault("use_listings_cache", False)
     # a changed environment (AWS_ENDPOINT_URL...) gets a new client
