@@ -21,7 +21,7 @@ from .dist.comm import make_comm
 from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
-from .io import open_storage
+from .io import is_url, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ def save_state_dict(
     save_replicas: bool = False,
     *,
     durable: bool = False,
+    storage_options: dict | None = None,
 ) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors, ShardedWeights and plain values.
 
@@ -94,6 +95,10 @@ def save_state_dict(
         durable: fsync every data file, the metadata and the directory before the save counts
             as done, so the checkpoint survives a power loss (the rename order alone already
             makes a crash of the process leave either the old or the new checkpoint).
+        storage_options: for a URL ``path`` (``s3://bucket/prefix``): options passed to
+            fsspec (e.g. ``endpoint_url``, ``key``, ``secret``), and paddle_dcp's own
+            ``part_size``, ``parts_in_flight``, ``read_concurrency``, ``retries``,
+            ``retry_deadline`` (see the guide's object storage section).
 
     Raises:
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
@@ -104,7 +109,7 @@ def save_state_dict(
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
     rank = LocalSaveRank(
-        comm, state_dict, open_storage(path), unique_id, _SAVE_PLANS,
+        comm, state_dict, open_storage(path, storage_options), unique_id, _SAVE_PLANS,
         safetensors=safetensors, replicas=save_replicas, durable=durable, staged=async_save,
     )
     if not async_save:
@@ -227,6 +232,7 @@ def load_state_dict(
     *,
     verify: bool = True,
     strict: bool = True,
+    storage_options: dict | None = None,
 ) -> None:
     """Fill a (nested) state dict in place from a checkpoint, on any layout.
 
@@ -272,6 +278,7 @@ def load_state_dict(
             damaged bytes would be loaded silently.
         strict: a state-dict key the checkpoint lacks raises MismatchError (the default);
             ``False`` warns and leaves it unchanged, as paddle.distributed does.
+        storage_options: for a URL ``path``, as in :func:`save_state_dict`.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both).
@@ -279,13 +286,14 @@ def load_state_dict(
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
     near = _check_load_arguments(path, aoa_config, worker_groups, comm_method)
-    if os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
+    if not is_url(path) and os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
         from .singlefile import load_file
 
         return load_file(state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility, strict=strict)
     path, started = os.fspath(path), time.perf_counter()
     rank = LocalLoadRank(
-        make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path), unique_id, offload=offload,
+        make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id,
+        offload=offload,
         mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors, near=near,
         verify=verify, strict=strict,
     )
@@ -306,17 +314,18 @@ def _check_load_arguments(path, aoa_config, worker_groups, comm_method: str) -> 
     wait_async_save()
     if aoa_config is not None:
         aoa.check_config(aoa_config)
-        if os.path.isfile(path):
+        if not is_url(path) and os.path.isfile(path):
             raise UnsupportedError(f"aoa_config applies to a checkpoint directory; {path} is a file")
     return near
 
 
-def read_metadata(path: str, unique_id: int | None = None) -> Metadata:
+def read_metadata(path: str, unique_id: int | None = None, *, storage_options: dict | None = None) -> Metadata:
     """The metadata of a checkpoint (default: the highest complete one), validated. Reads one
-    file, needs no process group."""
+    file, needs no process group; ``path`` may be a URL (``storage_options`` as in
+    :func:`save_state_dict`)."""
     path = os.fspath(path)
     check_id(unique_id)
-    store = open_storage(path)
+    store = open_storage(path, storage_options)
     listing = store.list_checkpoints()
     if unique_id is None:
         if listing.latest is None:

@@ -53,6 +53,7 @@ from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
 )
 from .errors import ArgumentError, CollectiveError, DcpError, FormatError, StorageError
 from .format.safetensors import MAX_HEADER_BYTES
+from .io import is_url, open_storage
 from .io.local import AtomicFile
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ def save_gathered(
     max_grouped_size: int | str = "3G",
     process_group=None,
     durable: bool = False,
+    *,
+    storage_options: dict | None = None,
 ) -> None:
     """Gather the full value of every tensor of a (nested, sharded) state dict to one rank and
     write it there as one safetensors file; every rank of the group calls it.
@@ -117,6 +120,9 @@ def save_gathered(
         max_grouped_size: bytes per group, an int or a str like ``"3G"``, ``"512M"``.
         process_group: the ranks that take part; default: all.
         durable: fsync the file and its directory before returning.
+        storage_options: for a URL ``path`` (``s3://bucket/prefix/model.safetensors``): as in
+            :func:`paddle_dcp.save_state_dict`; the file is then one multipart upload that
+            appears at its end.
 
     Raises:
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
@@ -134,6 +140,7 @@ def save_gathered(
         raise ArgumentError(f"gather_to={gather_to} is not a rank of the group {list(comm.ranks)}")
     started = time.perf_counter()
     rank = GatherRank(comm, state_dict, path, state_type, limit)
+    rank.storage_options = storage_options
     protocol.run(comm, plan_steps(rank))
     # from here on, only pairs of ranks: see the module docstring
     if rank.is_root:
@@ -167,6 +174,7 @@ class GatherRank:
         self.plan: GatherPlan | None = None
         self.writer: AtomicFile | None = None
         self.sends: list = []
+        self.storage_options: dict | None = None
 
     def prepare(self) -> None:
         from .dist.placements import is_tensor
@@ -205,7 +213,7 @@ class GatherRank:
     def open(self, assignment: bytes) -> None:
         """The gathering rank opens its file; every other rank reads what it must send."""
         if self.is_root:
-            self.writer = _open_output(self.path, self.plan.header)
+            self.writer = _open_output(self.path, self.plan.header, self.storage_options)
         else:
             self.sends = _parse_assignment(assignment, self.held)
 
@@ -383,9 +391,11 @@ def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: AtomicFile) -> Ba
     return error
 
 
-def _open_output(path: str, header: bytes) -> AtomicFile:
+def _open_output(path: str, header: bytes, storage_options: dict | None = None) -> AtomicFile:
     """``path`` (its directory created) written through ``path.tmp.<hex>`` beside it, the
-    header first; renamed into place by its commit."""
+    header first; renamed into place by its commit. A URL: the object storage's writer."""
+    if is_url(path):
+        return _ObjectOutput(path, header, storage_options)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     except OSError as exc:
@@ -399,3 +409,20 @@ def _open_output(path: str, header: bytes) -> AtomicFile:
         out.abort()
         raise
     return out
+
+
+class _ObjectOutput:
+    """The gathered file as an object (the AtomicFile calls _receive and the commit make)."""
+
+    def __init__(self, url: str, header: bytes, storage_options: dict | None):
+        parent, _, name = url.rstrip("/").rpartition("/")
+        self.writer = open_storage(parent, storage_options).data_writer(name, 0, header=header, alignment=1)
+
+    def write(self, data) -> None:
+        self.writer.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+
+    def commit(self, durable: bool = False) -> None:
+        self.writer.commit(durable)
+
+    def abort(self) -> None:
+        self.writer.abort()

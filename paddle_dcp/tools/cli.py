@@ -37,7 +37,7 @@ from .import_paddle import import_paddle_checkpoint
 from .verify import verify_checkpoint
 from ..core import nested
 from ..format import safetensors
-from ..io import open_storage, storage
+from ..io import default_storage_options, is_url, open_storage, storage
 from ..errors import ArgumentError, DcpError, FormatError, StorageError
 from ..version import __version__
 
@@ -223,6 +223,20 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
     return names
 
 
+def _sizes(path: str, names: list[str]) -> dict[str, int]:
+    """name -> bytes of each of ``names`` present in ``path`` (one listing for a URL)."""
+    if is_url(path):
+        found = open_storage(path).sizes()
+        return {n: int(found[n].get("size") or 0) if n in found else 0 for n in names}
+    sizes = {}
+    for name in names:
+        try:
+            sizes[name] = os.lstat(os.path.join(path, name)).st_size
+        except OSError:
+            sizes[name] = 0
+    return sizes
+
+
 def cmd_clean(args) -> int:
     path = _directory(args.path)
     listing = open_storage(path).list_checkpoints()
@@ -230,12 +244,7 @@ def cmd_clean(args) -> int:
     if args.incomplete:
         planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
         planned += _superseded(path, listing)
-    sizes = {}
-    for name in planned:
-        try:
-            sizes[name] = os.lstat(os.path.join(path, name)).st_size
-        except OSError:
-            sizes[name] = 0
+    sizes = _sizes(path, planned)
     if args.dry_run:
         removed = planned
     else:
@@ -245,7 +254,7 @@ def cmd_clean(args) -> int:
             removed += open_storage(path).remove(_superseded(path, open_storage(path).list_checkpoints()))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
-        _out(f"{verb} {os.path.join(path, name)}")
+        _out(f"{verb} {open_storage(path).resolve(name) if is_url(path) else os.path.join(path, name)}")
     if not removed:
         _out(f"nothing to remove in {path}")
     else:
@@ -255,6 +264,25 @@ def cmd_clean(args) -> int:
 
 
 # ====================================================================== parser
+def _storage_options(args) -> dict | None:
+    """The --storage-option KEY=VALUE pairs as a dict (None when there are none)."""
+    pairs = getattr(args, "storage_option", None)
+    if not pairs:
+        return None
+    if not is_url(getattr(args, "path", "")):
+        raise UsageError(f"--storage-option applies to a URL (s3://bucket/prefix), not {args.path}")
+    out = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(text)
+        except ValueError:
+            out[key] = text
+    return out
+
+
 def _unique_id(text: str) -> int:
     try:
         value = int(text)
@@ -269,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what is done (INFO)")
+    common.add_argument(
+        "--storage-option", action="append", default=None, metavar="KEY=VALUE",
+        help="for an s3:// (fsspec) PATH: an option for fsspec or paddle_dcp (VALUE read as JSON when it "
+        "parses, else as a string), e.g. endpoint_url=http://127.0.0.1:8333; repeatable. The AWS_* "
+        "variables are read too",
+    )
     progress = argparse.ArgumentParser(add_help=False)
     progress.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -408,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.DEBUG if debug else (logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     with _Logging(level):
         try:
-            return args.func(args)
+            with default_storage_options(_storage_options(args)):
+                return args.func(args)
         except KeyboardInterrupt:
             _err(f"{PROG}: interrupted")
             return 130

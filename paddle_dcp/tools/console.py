@@ -10,7 +10,7 @@ from typing import Iterable
 
 from ..core.naming import metadata_name
 from ..errors import FormatError
-from ..io import storage
+from ..io import is_url, storage
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
@@ -111,7 +111,10 @@ class UsageError(Exception):
 
 
 def _directory(path: str) -> str:
+    """``path``, a local directory that exists, or a URL (its objects are listed later)."""
     path = os.fspath(path)
+    if is_url(path):
+        return path.rstrip("/")
     if not os.path.isdir(path):
         what = "does not exist" if not os.path.exists(path) else "is not a directory"
         raise UsageError(f"{path} {what}")

@@ -123,7 +123,7 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
     disk = str(tmp_path / "disk")
     paddle_dcp.save_state_dict(state(), disk, safetensors=safetensors)
     blobs: dict[str, bytes] = {}
-    monkeypatch.setattr(api, "open_storage", lambda path: MemoryStorage(path, blobs))
+    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: MemoryStorage(path, blobs))
     mem = str(tmp_path / "mem")
     paddle_dcp.save_state_dict(state(), mem, safetensors=safetensors)
     assert not os.path.exists(mem)  # nothing reached the disk
@@ -144,7 +144,7 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
 
 def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path, monkeypatch):
     blobs: dict[str, bytes] = {}
-    monkeypatch.setattr(api, "open_storage", lambda path: MemoryStorage(path, blobs))
+    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: MemoryStorage(path, blobs))
     paddle_dcp.save_state_dict(state(), "mem")
     data = bytearray(blobs["0_0.distcp"])
     data[100] ^= 1

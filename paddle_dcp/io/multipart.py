@@ -1,0 +1,185 @@
+"""Writing one data file to object storage, streamed from the tensors' memory.
+
+:class:`MultipartWriter` (S3): the pieces' bytes are copied into a buffer of one part
+(``part_size``, 32 MiB by default); each full part is uploaded by a thread while the next one
+fills, at most ``parts_in_flight`` at once; :meth:`~MultipartWriter.commit` uploads the last
+(shorter) part and completes the upload, the moment the object appears under its final name,
+whole. A file smaller than one part is one PUT. :meth:`~MultipartWriter.abort` aborts the
+upload, so a failed save leaves no parts behind. Memory: one part being filled plus the parts
+in flight; the whole file is never built.
+
+:class:`StreamWriter` (other fsspec protocols): the file written through ``fs.open(..., "wb")``;
+whether it is invisible until closed depends on the filesystem.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..core.metadata import aligned
+from ..errors import StorageError
+from .storage import block_checksums
+
+logger = logging.getLogger(__name__)
+
+
+class _Pieces:
+    """What both writers share: aligned appends and block checksums."""
+
+    def __init__(self, block_bytes: int, alignment: int):
+        self.block_bytes, self.alignment = block_bytes, alignment
+        self.offset = 0
+
+    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
+        """Append one piece at the next ``alignment`` boundary (zeros in between); returns its
+        block checksums (none when ``block_bytes`` is 0). The bytes are copied before it
+        returns, so ``keep`` need not outlive the call."""
+        view = data.cast("B") if data.format != "B" else data
+        start = aligned(self.offset, self.alignment)
+        sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
+        if start > self.offset:
+            self._append(memoryview(bytes(start - self.offset)))
+        self._append(view)
+        self.offset = start + len(view)
+        return sums
+
+    def _append(self, view: memoryview) -> None:
+        raise NotImplementedError
+
+
+class MultipartWriter(_Pieces):
+    """One data file as an S3 multipart upload (a :class:`DataFileWriter`)."""
+
+    def __init__(self, store, name: str, block_bytes: int, header: bytes = b"", alignment: int = 1):
+        super().__init__(block_bytes, alignment)
+        self.store, self.name = store, name
+        self.url = store.resolve(name)
+        self.key = store.key_prefix + name
+        self.part_size = store.options.part_size
+        self.in_flight = store.options.parts_in_flight
+        self._buf = bytearray()
+        self._parts: list[Future] = []
+        self._pending: deque[Future] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self.upload_id: str | None = None
+        if header:
+            self._append(memoryview(header))
+            self.offset = len(header)
+
+    def _append(self, view: memoryview) -> None:
+        at = 0
+        while at < len(view):
+            take = min(self.part_size - len(self._buf), len(view) - at)
+            self._buf += view[at : at + take]
+            at += take
+            if len(self._buf) == self.part_size:
+                self._ship()
+
+    def _ship(self) -> None:
+        """Hand the filled buffer to an upload thread; wait while too many parts are in flight."""
+        if self.upload_id is None:
+            reply = self.store.call(f"CREATE UPLOAD {self.url}", lambda: self.store.s3("create_multipart_upload", Key=self.key))
+            self.upload_id = reply["UploadId"]
+            self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="paddle_dcp-part")
+        body, self._buf = self._buf, bytearray()
+        number = len(self._parts) + 1
+        assert self._pool is not None  # made with the upload
+        fut = self._pool.submit(self._upload_part, number, body)
+        self._parts.append(fut)
+        self._pending.append(fut)
+        while len(self._pending) >= self.in_flight:
+            self._pending.popleft().result()
+
+    def _upload_part(self, number: int, body: bytearray) -> dict:
+        what = f"PUT part {number} of {self.url}"
+        reply = self.store.call(what, lambda: self.store.s3(
+            "upload_part", Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body))
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def commit(self, durable: bool = False) -> int:
+        """Upload what is left and complete the upload: the object appears, whole; returns
+        its size."""
+        if self.upload_id is None:  # smaller than one part: one PUT
+            body = bytes(self._buf)
+            full = self.store.full(self.name)
+            self.store.call(f"PUT {self.url}", lambda: self.store.fs.pipe_file(full, body))
+            self._buf = bytearray()
+            return self.offset
+        if self._buf or not self._parts:
+            self._ship()
+        parts = [fut.result() for fut in self._parts]
+        self._pending.clear()
+        self._shutdown()
+        try:
+            self.store.call(f"COMPLETE UPLOAD {self.url}", lambda: self.store.s3(
+                "complete_multipart_upload", Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
+        except FileNotFoundError:  # NoSuchUpload: a retry after a completion whose reply was lost
+            self._check_completed()
+        logger.debug("wrote %s: %d bytes in %d parts", self.url, self.offset, len(parts))
+        self.upload_id = None
+        return self.offset
+
+    def _check_completed(self) -> None:
+        """The object exists with this file's size (else the upload is lost: StorageError)."""
+        full = self.store.full(self.name)
+        try:
+            size = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True)).get("size")
+        except FileNotFoundError:
+            size = None
+        if size != self.offset:
+            raise StorageError(f"COMPLETE UPLOAD {self.url} failed: the upload is gone and the object has "
+                               f"{size} bytes, not {self.offset}", self.url)
+        self.upload_id = None  # completed: nothing to abort
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def abort(self) -> None:
+        """Stop uploading and abort the upload (never raises)."""
+        self._buf = bytearray()
+        self._shutdown()
+        if self.upload_id is not None:
+            self.store.abort_upload(self.key, self.upload_id)
+            self.upload_id = None
+
+
+class StreamWriter(_Pieces):
+    """One data file written through fsspec's file interface (protocols other than S3)."""
+
+    def __init__(self, store, name: str, block_bytes: int, header: bytes = b"", alignment: int = 1):
+        super().__init__(block_bytes, alignment)
+        self.store, self.name, self.url = store, name, store.resolve(name)
+        try:
+            self.file = store.fs.open(store.full(name), "wb")
+        except Exception as exc:  # noqa: BLE001 - fsspec raises what its backend raises
+            raise StorageError(f"cannot create {self.url}: {exc}", self.url) from exc
+        if header:
+            self._append(memoryview(header))
+            self.offset = len(header)
+
+    def _append(self, view: memoryview) -> None:
+        try:
+            self.file.write(view)
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"cannot write {self.url}: {exc}", self.url) from exc
+
+    def commit(self, durable: bool = False) -> int:
+        try:
+            self.file.close()
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"cannot write {self.url}: {exc}", self.url) from exc
+        return self.offset
+
+    def abort(self) -> None:
+        try:
+            discard = getattr(self.file, "discard", None)
+            if discard is not None:
+                discard()
+            else:
+                self.file.close()
+                self.store.fs.rm_file(self.store.full(self.name))
+        except Exception:  # noqa: BLE001 - the save already failed
+            pass

@@ -1,0 +1,427 @@
+"""Object storage behind the storage interface: a checkpoint "directory" is a URL prefix
+(``s3://bucket/run1``, or any fsspec protocol with ranged reads), its files are the objects
+under it. Imported only for a URL, so a local path never imports fsspec or s3fs.
+
+Commit without rename: an object store has no rename, so every file is written under its final
+name and is invisible until its write completes: a data file is a multipart upload (the object
+appears at CompleteMultipartUpload, whole, or never; see :mod:`paddle_dcp.io.multipart`), the
+metadata one PUT, written last. No ``*.tmp.*`` object is ever created: the "temporary files" of
+an object store are the multipart uploads still open under the prefix (of saves in progress or
+killed), listed as ``{name}.tmp.{hash of the upload id}`` and aborted by removing that name
+(``clean``, and a save of the same id by the same rank).
+
+Every request goes through :func:`paddle_dcp.io.retry.retrying`: transient failures are retried
+with backoff, then become a StorageError naming the object and the HTTP status.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import xxhash
+
+from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, check_file_name
+from ..core.naming import TMP_MARK, metadata_name
+from ..errors import ArgumentError, FormatError, IntegrityError, StorageError, UnsupportedError
+from .retry import RetryPolicy, retrying
+from .storage import Listing, listing_of
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install paddle-dcp[s3]"
+S3_PROTOCOLS = ("s3", "s3a")
+
+
+@dataclass(frozen=True)
+class ObjectOptions:
+    """paddle_dcp's own keys of ``storage_options`` (the others go to fsspec).
+
+    Attributes:
+        part_size: bytes of each multipart upload part but the last (S3: at least 5 MiB).
+        parts_in_flight: parts of one file being uploaded at once (each holds part_size bytes).
+        read_concurrency: ranged GETs of one rank in flight at once.
+        read_cache_bytes: bytes of ranges a load keeps between checking their checksums and
+            copying them (beyond it, a range is read again for the copy).
+        retries: attempts of each request in all, the first included.
+        retry_deadline: seconds after a request's first attempt when no new attempt starts.
+    """
+
+    part_size: int = 32 << 20
+    parts_in_flight: int = 4
+    read_concurrency: int = 8
+    read_cache_bytes: int = 64 << 20
+    retries: int = 6
+    retry_deadline: float = 60.0
+
+    @classmethod
+    def split(cls, storage_options: dict | None) -> tuple["ObjectOptions", dict]:
+        """(our options, fsspec's) from a user's ``storage_options``."""
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
+        rest = dict(storage_options or {})
+        ours = {k: rest.pop(k) for k in cls.__dataclass_fields__ if k in rest}
+        for key in ("part_size", "parts_in_flight", "read_concurrency", "read_cache_bytes"):
+            value = ours.get(key, 1)
+            if type(value) is not int or value < (0 if key == "read_cache_bytes" else 1):
+                raise ArgumentError(f"storage_options[{key!r}] must be a positive int, got {value!r}")
+        opts = cls(**ours)
+        opts.policy  # checks retries and retry_deadline
+        return opts, rest
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(attempts=self.retries, deadline=float(self.retry_deadline))
+
+
+_FILESYSTEMS: dict = {}
+
+
+def _filesystem(protocol: str, fs_options: dict):
+    """The fsspec filesystem of ``protocol`` (one per set of options in this process); our
+    retry loop does the retrying, so fsspec's and botocore's are turned off."""
+    try:
+        import fsspec
+    except ImportError:
+        raise UnsupportedError(f"a {protocol}:// path needs fsspec: {INSTALL_HINT}") from None
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        raise UnsupportedError(f"a {protocol}:// path needs {exc.name or 'a missing package'}: {INSTALL_HINT}") from None
+    except ValueError:
+        raise UnsupportedError(f"fsspec knows no protocol {protocol!r} (for S3: s3://bucket/prefix, {INSTALL_HINT})") from None
+    options = dict(fs_options)
+    if protocol in S3_PROTOCOLS:
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", 60)
+        # every block of a checkpoint has a checksum of ours, checked on load: botocore's CRC of
+        # every part and GET would hash each byte once more (about half the speed)
+        config.setdefault("request_checksum_calculation", "when_required")
+        config.setdefault("response_checksum_validation", "when_required")
+        options["config_kwargs"] = config
+        options.setdefault("use_listings_cache", False)
+    # a changed environment (AWS_ENDPOINT_URL...) gets a new client
+    key = (protocol, repr(sorted(options.items())), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+        try:
+            fs = cls(skip_instance_cache=True, **options)
+        except TypeError as exc:
+            raise ArgumentError(f"storage_options not accepted by fsspec's {protocol} filesystem: {exc}") from None
+        if hasattr(fs, "retries"):
+            fs.retries = 1  # s3fs's own loop: one attempt; ours retries
+        _FILESYSTEMS[key] = fs
+    return fs
+
+
+def open_url(url: str, storage_options: dict | None = None) -> "ObjectStorage":
+    """The storage of the checkpoint at ``url`` ("protocol://bucket/prefix")."""
+    protocol, _, rest = url.partition("://")
+    root = rest.strip("/")
+    if not protocol or not root:
+        raise ArgumentError(f"{url!r} is not a URL of a checkpoint: expected protocol://bucket/prefix")
+    opts, fs_options = ObjectOptions.split(storage_options)
+    if protocol in S3_PROTOCOLS and opts.part_size < 5 << 20:
+        raise ArgumentError(f"storage_options['part_size'] is {opts.part_size} bytes; S3 needs at least 5 MiB (5242880)")
+    return ObjectStorage(f"{protocol}://{root}", _filesystem(protocol, fs_options), root, opts, protocol)
+
+
+class ObjectStorage:
+    """The :class:`paddle_dcp.io.storage.Storage` of the objects under a URL prefix."""
+
+    def __init__(self, url: str, fs: Any, root: str, options: ObjectOptions, protocol: str):
+        self.path, self.fs, self.root, self.options, self.protocol = url, fs, root, options, protocol
+        self.is_s3 = protocol in S3_PROTOCOLS
+        self._uploads: dict[str, tuple[str, str]] = {}  # temporary name -> (key, upload id)
+
+    # ------------------------------------------------------------------ names and requests
+    def full(self, name: str) -> str:
+        """The fsspec path of object ``name`` ("bucket/prefix/name")."""
+        return f"{self.root}/{check_file_name(name)}"
+
+    def resolve(self, name: str) -> str:
+        return f"{self.path}/{check_file_name(name)}"
+
+    def call(self, what: str, fn: Callable[[], Any], fatal: tuple = (FileNotFoundError,)) -> Any:
+        """``fn()`` with the retries of :mod:`paddle_dcp.io.retry` (``what``: the request and
+        its object's URL, for messages)."""
+        return retrying(fn, what, self.options.policy, fatal=fatal)
+
+    def s3(self, method: str, **kwargs) -> Any:
+        """One S3 API call (through s3fs's client) on this storage's bucket."""
+        bucket = self.root.split("/", 1)[0]
+        return self.fs.call_s3(method, Bucket=bucket, **kwargs)
+
+    @property
+    def key_prefix(self) -> str:
+        """The prefix of this checkpoint's object keys inside the bucket ("prefix/")."""
+        parts = self.root.split("/", 1)
+        return parts[1] + "/" if len(parts) > 1 else ""
+
+    # ------------------------------------------------------------------ the interface
+    def create(self) -> None:
+        if self.protocol in ("file", "local"):
+            self.call(f"MKDIR {self.path}", lambda: self.fs.makedirs(self.root, exist_ok=True))
+
+    def sizes(self) -> dict[str, dict]:
+        """name -> fsspec info of every object directly under the prefix (one LIST)."""
+        try:
+            entries = self.call(f"LIST {self.path}/", lambda: self.fs.ls(self.root, detail=True, refresh=True))
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for e in entries:
+            if e.get("type", "file") == "file":
+                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = e
+        return out
+
+    def list_checkpoints(self) -> Listing:
+        names = list(self.sizes())
+        if self.is_s3:
+            names += self._pending_uploads()
+        return listing_of(names)
+
+    def _pending_uploads(self) -> list[str]:
+        """The multipart uploads open under the prefix, as temporary names."""
+        prefix = self.key_prefix
+        try:
+            reply = self.call(f"LIST UPLOADS {self.path}/", lambda: self.s3("list_multipart_uploads", Prefix=prefix))
+        except StorageError as exc:  # a store without the call: no uploads to list (only cleanup needs them)
+            logger.warning("cannot list the open multipart uploads of %s: %s", self.path, exc)
+            return []
+        names = []
+        for up in reply.get("Uploads", []):
+            name = up["Key"][len(prefix):]
+            if "/" in name:
+                continue
+            tmp = f"{name}{TMP_MARK}{xxhash.xxh3_64_hexdigest(up['UploadId'].encode())}"
+            self._uploads[tmp] = (up["Key"], up["UploadId"])
+            names.append(tmp)
+        return names
+
+    def size(self, name: str) -> int | None:
+        """The size in bytes of object ``name`` (a HEAD), or None when there is none (a
+        prefix with objects under it is not one)."""
+        full = self.full(name)
+        try:
+            info = self.call(f"HEAD {self.resolve(name)}", lambda: self.fs.info(full, refresh=True))
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type", "file") == "file" else None
+
+    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
+        url = self.resolve(metadata_name(unique_id))
+        full = self.full(metadata_name(unique_id))
+        try:
+            data = self.call(f"GET {url}", lambda: self.fs.cat_file(full, start=0, end=MAX_METADATA_BYTES + 1))
+        except FileNotFoundError:
+            raise StorageError(f"checkpoint {unique_id} has no metadata object {url}", url) from None
+        if len(data) > MAX_METADATA_BYTES:
+            raise FormatError(f"{url}: over the {MAX_METADATA_BYTES}-byte limit for metadata")
+        meta = Metadata.from_json(data, source=url, lazy=lazy)
+        if meta.unique_id != unique_id:
+            raise FormatError(f"{url} describes checkpoint {meta.unique_id}, not {unique_id}")
+        return meta
+
+    def open_files(self, meta: Metadata) -> "ObjectFiles":
+        return ObjectFiles(self, meta)
+
+    def range_reader(self) -> "ObjectRangeReader":
+        return ObjectRangeReader(self)
+
+    def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
+        """One PUT: the object appears whole or not at all (``durable`` changes nothing: a
+        completed PUT is durable)."""
+        full = self.full(name)
+        self.call(f"PUT {self.resolve(name)}", lambda: self.fs.pipe_file(full, bytes(data)))
+
+    def data_writer(
+        self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
+    ):
+        from .multipart import MultipartWriter, StreamWriter
+
+        cls = MultipartWriter if self.is_s3 else StreamWriter
+        return cls(self, name, block_bytes, header, alignment)
+
+    def remove(self, names: Iterable[str]) -> list[str]:
+        names = list(names)
+        if not names:
+            return []
+        present = set(self.sizes())
+        if any(n not in present for n in names) and self.is_s3:
+            self._pending_uploads()
+        removed = []
+        for name in names:
+            if name in self._uploads:
+                key, upload_id = self._uploads.pop(name)
+                self.abort_upload(key, upload_id, raising=True)
+                removed.append(name)
+            elif name in present:
+                full = self.full(name)
+                self.call(f"DELETE {self.resolve(name)}", lambda: self.fs.rm_file(full))
+                removed.append(name)
+        return removed
+
+    def abort_upload(self, key: str, upload_id: str, raising: bool = False) -> None:
+        """Abort multipart upload ``upload_id`` of ``key`` (its parts are dropped)."""
+        url = f"{self.protocol}://{self.root.split('/', 1)[0]}/{key}"
+        try:
+            self.call(f"ABORT UPLOAD {url}", lambda: self.s3("abort_multipart_upload", Key=key, UploadId=upload_id))
+        except (StorageError, FileNotFoundError) as exc:
+            if raising and not isinstance(exc, FileNotFoundError):
+                raise
+            logger.warning("could not abort the multipart upload of %s: %s", url, exc)
+
+
+# ---------------------------------------------------------------------- reading
+def get_range(store: ObjectStorage, name: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of object ``name`` (fewer when it ends first): one ranged GET."""
+    if stop <= start:
+        return b""
+    full = store.full(name)
+    url = store.resolve(name)
+    try:
+        return store.call(f"GET {url} bytes {start}-{stop - 1}", lambda: store.fs.cat_file(full, start=start, end=stop))
+    except FileNotFoundError:
+        raise IntegrityError(f"data file {url} is missing") from None
+
+
+class ObjectFiles:
+    """The data objects of one checkpoint opened for reading (a :class:`DataFiles`): sizes
+    checked against the metadata when first used (one HEAD per object), byte ranges read with
+    ranged GETs, the ranges announced by :meth:`advise` fetched ahead by a few threads.
+
+    A load reads its ranges twice: once to check their checksums before any tensor changes,
+    once to copy them. The first ``read_cache_bytes`` of ranges read are kept for the copy,
+    so a rank's share up to that size costs one GET per range."""
+
+    def __init__(self, store: ObjectStorage, meta: Metadata):
+        self.store, self.meta = store, meta
+        self._infos: dict[int, tuple] = {}
+        self._ahead: dict[tuple[int, int, int], Future] = {}
+        self._kept: dict[int, list[tuple[int, int, bytes]]] = {}  # file -> (start, stop, bytes), sorted
+        self._kept_bytes = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def name(self, index: int) -> str:
+        return self.store.resolve(self.meta.files[index].name)
+
+    def _head(self, index: int) -> dict | None:
+        """The object's size and ETag (None when it is missing)."""
+        full = self.store.full(self.meta.files[index].name)
+        try:
+            return self.store.call(f"HEAD {self.name(index)}", lambda: self.store.fs.info(full, refresh=True))
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _identity(info: dict) -> tuple:
+        return (info.get("size"), info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("created"))
+
+    def open(self, index: int) -> None:
+        if index in self._infos:
+            return
+        entry = self.meta.files[index]
+        info = self._head(index)
+        if info is None:
+            raise IntegrityError(f"data file {self.name(index)} of checkpoint {self.meta.unique_id} is missing")
+        if info.get("size") != entry.nbytes:
+            raise IntegrityError(f"data file {self.name(index)} has {info.get('size')} bytes, the metadata says {entry.nbytes}")
+        self._infos[index] = self._identity(info)
+
+    def read_into(self, index: int, offset: int, out: memoryview) -> None:
+        self.open(index)
+        _fill(out, get_range(self.store, self.meta.files[index].name, offset, offset + len(out)),
+              self.name(index), offset, "the metadata promises")
+
+    def advise(self, index: int, start: int, length: int) -> None:
+        """Start a ranged GET of these bytes now (at most ``read_concurrency`` ahead)."""
+        key = (index, start, start + length)
+        if length <= 0 or key in self._ahead or self._kept_range(index, start, start + length) is not None:
+            return
+        if len(self._ahead) >= self.store.options.read_concurrency:
+            return
+        self.open(index)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.store.options.read_concurrency, thread_name_prefix="paddle_dcp-get")
+        name = self.meta.files[index].name
+        self._ahead[key] = self._pool.submit(get_range, self.store, name, start, start + length)
+
+    def _kept_range(self, index: int, start: int, stop: int) -> memoryview | None:
+        """Bytes [start, stop) of file ``index`` from a range kept whole, or None."""
+        kept = self._kept.get(index, [])
+        at = bisect.bisect_right(kept, (start, float("inf"))) - 1
+        if at >= 0 and kept[at][0] <= start and stop <= kept[at][1]:
+            a = kept[at][0]
+            return memoryview(kept[at][2])[start - a : stop - a]
+        return None
+
+    def _get(self, index: int, start: int, stop: int) -> memoryview | bytes:
+        key = (index, start, stop)
+        kept = self._kept_range(index, start, stop)
+        if kept is not None:
+            return kept
+        ahead = self._ahead.pop(key, None)
+        data = ahead.result() if ahead is not None else get_range(self.store, self.meta.files[index].name, start, stop)
+        if len(data) != stop - start:
+            raise IntegrityError(
+                f"data file {self.name(index)} ends at {start + len(data)} bytes, before the {stop} the metadata promises"
+            )
+        if self._kept_bytes + len(data) <= self.store.options.read_cache_bytes:
+            bisect.insort(self._kept.setdefault(index, []), (start, stop, data))
+            self._kept_bytes += len(data)
+        return data
+
+    @contextmanager
+    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
+        self.open(index)
+        yield np.frombuffer(self._get(index, start, stop), dtype=np.uint8)
+
+    def check_unchanged(self) -> None:
+        """Raise IntegrityError when an object read was replaced since it was opened (its size
+        or ETag moved)."""
+        for index, before in self._infos.items():
+            info = self._head(index)
+            if info is None or self._identity(info) != before:
+                raise IntegrityError(
+                    f"data file {self.name(index)} was replaced while it was being loaded: the loaded "
+                    f"values may mix old and new bytes"
+                )
+
+    def close(self) -> None:
+        for fut in self._ahead.values():
+            fut.cancel()
+        self._ahead.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._infos.clear()
+
+
+def _fill(out: memoryview, data: bytes, url: str, offset: int, whose: str) -> None:
+    if len(data) < len(out):
+        raise IntegrityError(f"data file {url} ends at {offset + len(data)} bytes, before the {offset + len(out)} {whose}")
+    out.cast("B")[:] = data
+
+
+class ObjectRangeReader:
+    """Byte ranges of named data objects, read for other ranks (a :class:`RangeSource`)."""
+
+    def __init__(self, store: ObjectStorage):
+        self.store = store
+
+    def read_into(self, name: str, start: int, out: memoryview) -> None:
+        data = get_range(self.store, name, start, start + len(out))
+        _fill(out, data, self.store.resolve(name), start, "a reader asked for")
+
+    def close(self) -> None:
+        pass
