@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,6 +38,16 @@ class LocalStorage:
 
     def list_checkpoints(self) -> Listing:
         return list_checkpoints(self.path)
+
+    def size(self, name: str) -> int | None:
+        full = os.path.join(self.path, name)
+        try:
+            st = os.stat(full)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot read {full}: {exc}", full) from exc
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         return read_metadata(self.path, unique_id, lazy)

@@ -36,12 +36,14 @@ class Listing:
         temporary: names of temporary files that saves in progress or crashed left behind.
         names: every data file's name (``.distcp`` or ``.safetensors``); for a directory of
             safetensors files loaded as a checkpoint, the files it holds.
+        files: the name of every file the directory holds, of any kind.
     """
 
     complete: frozenset[int]
     data: dict[int, frozenset[tuple[int, int]]]
     temporary: tuple[str, ...] = ()
     names: frozenset[str] = frozenset()
+    files: frozenset[str] = frozenset()
 
     def data_names(self, unique_id: int) -> list[str]:
         """The names of ``unique_id``'s data files present, sorted."""
@@ -61,8 +63,9 @@ class Listing:
 
 def listing_of(names: Iterable[str]) -> Listing:
     """The listing of a directory that holds the files ``names``."""
-    complete, data, temporary, found = set(), {}, [], []
+    complete, data, temporary, found, every = set(), {}, [], [], []
     for name in names:
+        every.append(name)
         m = METADATA_RE.match(name)
         if m:
             complete.add(int(m.group(1)))
@@ -74,7 +77,7 @@ def listing_of(names: Iterable[str]) -> Listing:
         elif TMP_RE.match(name):
             temporary.append(name)
     data_sets = {k: frozenset(v) for k, v in data.items()}
-    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found))
+    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found), frozenset(every))
 
 
 # ---------------------------------------------------------------------- the interface
@@ -142,6 +145,10 @@ class Storage(Protocol):
     def list_checkpoints(self) -> Listing:
         """What the directory holds (a missing directory is an empty listing)."""
 
+    def size(self, name: str) -> int | None:
+        """The size in bytes of file ``name``, or None when the directory holds no file of that
+        name (a subdirectory is not a file)."""
+
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         """Read and validate checkpoint ``unique_id``'s metadata."""
 
@@ -164,6 +171,17 @@ class Storage(Protocol):
 
     def resolve(self, name: str) -> str:
         """The full name of file ``name`` (FormatError when it would leave the directory)."""
+
+
+def read_range(store: Storage, name: str, start: int, length: int) -> bytes:
+    """Bytes [start, start + length) of file ``name`` (a small read: an index, a header)."""
+    out = bytearray(length)
+    reader = store.range_reader()
+    try:
+        reader.read_into(name, start, memoryview(out))
+    finally:
+        reader.close()
+    return bytes(out)
 
 
 # ---------------------------------------------------------------------- cleaning up
