@@ -425,6 +425,16 @@ def check_entry_tiling(
     check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
 
 
+def check_entry(entry: TensorEntry, replicas: bool) -> None:
+    """The pieces of a parsed entry tile its tensor (:func:`check_entry_tiling`); pieces that
+    do not are a FormatError, as everywhere the metadata is read."""
+    p = entry.pieces
+    try:
+        check_entry_tiling(entry.key, entry.shape, p.offsets, p.shapes, p.files, replicas)
+    except PlanError as exc:
+        raise FormatError(str(exc)) from None
+
+
 def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
     """Rows of the first copy of every distinct box (ascending); raises FormatError when two
     copies of one box lie in the same file (a replica is a holder's own copy)."""

@@ -34,7 +34,10 @@ class LocalStorage:
         self.path = path
 
     def create(self) -> None:
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the directory {self.path}: {exc}", self.path) from exc
 
     def list_checkpoints(self) -> Listing:
         return list_checkpoints(self.path)
