@@ -3,7 +3,8 @@
 Everything is validated before anything is allocated from it: the version, names of files,
 dtypes, shapes and their products, piece boxes (inside the tensor, tiling it exactly) and byte
 ranges (inside the files). Tensor entries are parsed one by one (:func:`_parse_tensor`, which
-words every error) or many at once with numpy (:func:`_parse_many`, a load's lazy parse).
+words every error) or many at once with numpy (:func:`_parse_many`, a load's lazy parse, the
+validator of many entries; it calls the per-entry parse only to word an error).
 """
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
     def parse_many(keys: list[str]) -> dict[str, TensorEntry]:
         if full:  # a full parse checks the tiling, tensor by tensor
             return {}
-        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size)
+        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size, lambda k: parse_tensor(k, tensors_doc[k]))
 
     tensors = _LazyTensors(tensors_doc, parse_tensor, parse_many)
     structure = doc["structure"]
@@ -229,8 +230,7 @@ class _LazyTensors(Mapping):
         self._parse_many = parse_many
 
     def prefetch(self, keys: Iterable[str]) -> None:
-        """Parse the entries ``keys`` now, together (see _parse_many); entries that cannot be
-        taken together are parsed one by one on first use."""
+        """Parse and validate the entries ``keys`` now, together (see _parse_many)."""
         todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
         if todo and self._parse_many is not None:
             self._done.update(self._parse_many(todo))
@@ -274,25 +274,55 @@ def _shape_and_count(key: str, t: dict, size: int) -> tuple[tuple[int, ...], int
 
 
 def _parse_many(
-    keys: list[str], docs: dict, file_sizes: np.ndarray, block_bytes: int, size: int = MAX_METADATA_BYTES
+    keys: list[str],
+    docs: dict,
+    file_sizes: np.ndarray,
+    block_bytes: int,
+    size: int,
+    word: Callable[[str], TensorEntry],
 ) -> dict[str, TensorEntry]:
     """Many tensor entries at once, validated as :func:`_parse_tensor` does without tiling,
-    with numpy over the pieces of all of them rather than per tensor. Only entries whose
-    columns are all plain JSON lists are taken; at the first doubt (anything the per-tensor
-    parse could refuse) the rest is left out and parsed one by one, which words the error.
-    Returns key -> entry for the entries taken."""
-    rows = _plain_rows(keys, docs, size)
+    with numpy over the pieces of all of them rather than per tensor: this pass is the
+    validator of the entries it returns. Entries whose columns are packed (``z:`` strings) are
+    left to the per-entry parse on first use, which decodes them. Returns key -> entry."""
+    rows, _, _ = _plain_rows(keys, docs, size)  # entries refused here: worded on first use
+    entries = _vectorised(rows, file_sizes, block_bytes)
+    if entries is not None:
+        return entries
+    # The vectorised pass refused some entry. The per-entry parse (``word``) runs only to find
+    # which: those it refuses are left out, their error worded by it on first use; the rest
+    # must pass the vectorised pass again. An entry refused together but accepted alone would
+    # mean the two disagree: that is an error, never a silent fallback.
+    good = [r for r in rows if _parses(word, r[0])]
+    entries = _vectorised(good, file_sizes, block_bytes) if len(good) < len(rows) else None
+    if entries is None:
+        raise FormatError(f"tensor entries {[r[0] for r in rows][:5]}: refused together, though each parses alone")
+    return entries
+
+
+def _parses(word: Callable[[str], TensorEntry], key: str) -> bool:
+    try:
+        word(key)
+    except FormatError:
+        return False
+    return True
+
+
+def _vectorised(rows: list["_Row"], file_sizes: np.ndarray, block_bytes: int) -> dict[str, TensorEntry] | None:
+    """The entries of ``rows`` (see :func:`_plain_rows`), their columns checked together with
+    numpy: integers in range, boxes inside their tensors, files in the list, byte ranges
+    inside their files, checksums of the right count; None when any entry fails a check."""
     if not rows:
         return {}
     rows.sort(key=lambda r: len(r[2]))  # tensors of one rank are neighbours: their boxes stack
     columns = _stacked_columns(rows, len(file_sizes))
     if columns is None:
-        return {}
+        return None
     off, shp, fil, byt, hex_digits = columns
     counts = np.array([r[3] for r in rows], dtype=np.int64)
     nbytes = _piece_nbytes(rows, counts, shp)
     if len(byt) and ((byt < 0) | (byt > file_sizes[fil] - nbytes)).any():
-        return {}
+        return None
     nblocks = blocks_of(nbytes, block_bytes)
     piece_start = np.concatenate([[0], np.cumsum(counts)])
     block_start_all = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
@@ -300,7 +330,7 @@ def _parse_many(
     if int(block_start[-1]) * 16 != len(hex_digits) or any(
         len(r[4][4]) != int(block_start[i + 1] - block_start[i]) for i, r in enumerate(rows)
     ):
-        return {}
+        return None
     checksums = np.frombuffer(bytes.fromhex(hex_digits), dtype=">u8").astype("<u8")
     for a in (off, shp, fil, byt, checksums):
         a.flags.writeable = False
@@ -329,28 +359,33 @@ def _parse_many(
 _Row = Tuple[str, str, Tuple[int, ...], int, List[list]]
 
 
-def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> list[_Row]:
-    """The entries of ``keys`` whose plain fields pass (checked in Python, as _parse_tensor
-    does) and whose columns are JSON lists of the right lengths."""
-    rows = []
+def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> tuple[list[_Row], list[str], list[str]]:
+    """(rows: the entries of ``keys`` whose columns are JSON lists, their plain fields checked
+    in Python as _parse_tensor checks them and their columns of the right lengths; the keys
+    whose columns are not all lists; the keys refused by these checks)."""
+    rows: list[_Row] = []
+    packed: list[str] = []
+    refused: list[str] = []
     for key in keys:
         t = docs.get(key)
         try:
             if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
+                refused.append(key)
                 continue
             shape, count = _shape_and_count(key, t, size)
-            if not shape and count > 1:  # a scalar is one piece
-                continue
             cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
-            if any(type(c) is not list for c in cols):
-                continue
-            n = count * len(shape)
-            if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
-                continue
         except (KeyError, TypeError, ValueError, FormatError):
+            refused.append(key)
+            continue
+        if any(type(c) is not list for c in cols):
+            packed.append(key)
+            continue
+        n = count * len(shape)
+        if (not shape and count > 1) or len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
+            refused.append(key)  # a scalar is one piece; columns of the count's lengths
             continue
         rows.append((key, t["dtype"], shape, count, cols))
-    return rows
+    return rows, packed, refused
 
 
 def _stacked_columns(
