@@ -12,7 +12,7 @@ import base64
 import binascii
 import json
 import zlib
-from typing import Any, Callable, Iterable, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from .metadata import (
     MAX_METADATA_BYTES,
     SUPPORTED_VERSIONS,
     FileEntry,
+    LazyTensors,
     Metadata,
     PieceTable,
     TensorEntry,
@@ -143,7 +144,7 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
             return {}
         return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size, lambda k: parse_tensor(k, tensors_doc[k]))
 
-    tensors = _LazyTensors(tensors_doc, parse_tensor, parse_many)
+    tensors = LazyTensors(tensors_doc, parse_tensor, parse_many)
     structure = doc["structure"]
     _check_structure(structure, tensors, source)
     return Metadata(
@@ -214,43 +215,6 @@ def _check_structure(structure: Any, tensors: Mapping[str, TensorEntry], source:
         raise FormatError(f"{source}: structure and tensors disagree on keys {extra}")
 
 
-class _LazyTensors(Mapping):
-    """Tensor entries parsed and validated the first time each is used: a rank that loads a few
-    hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
-    allocated from an entry before it has been validated."""
-
-    def __init__(
-        self,
-        docs: dict,
-        parse: Callable[[str, Any], TensorEntry],
-        parse_many: Callable[[list[str]], dict[str, TensorEntry]] | None = None,
-    ):
-        self._docs, self._parse = docs, parse
-        self._done: dict[str, TensorEntry] = {}
-        self._parse_many = parse_many
-
-    def prefetch(self, keys: Iterable[str]) -> None:
-        """Parse and validate the entries ``keys`` now, together (see _parse_many)."""
-        todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
-        if todo and self._parse_many is not None:
-            self._done.update(self._parse_many(todo))
-
-    def __getitem__(self, key: str) -> TensorEntry:
-        entry = self._done.get(key)
-        if entry is None:
-            entry = self._done[key] = self._parse(key, self._docs[key])
-        return entry
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._docs
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._docs)
-
-    def __len__(self) -> int:
-        return len(self._docs)
-
-
 def _shape_and_count(key: str, t: dict, size: int) -> tuple[tuple[int, ...], int]:
     """A tensor entry's global shape and piece count, validated (FormatError otherwise)."""
     shape_doc = t["shape"]
@@ -289,10 +253,9 @@ def _parse_many(
     entries = _vectorised(rows, file_sizes, block_bytes)
     if entries is not None:
         return entries
-    # The vectorised pass refused some entry. The per-entry parse (``word``) runs only to find
-    # which: those it refuses are left out, their error worded by it on first use; the rest
-    # must pass the vectorised pass again. An entry refused together but accepted alone would
-    # mean the two disagree: that is an error, never a silent fallback.
+    # Some entry was refused: the per-entry parse (``word``) runs only to find which (left out,
+    # their error worded by it on first use); the rest must pass again. Refused together but
+    # accepted alone would mean the two disagree: an error, never a silent fallback.
     good = [r for r in rows if _parses(word, r[0])]
     entries = _vectorised(good, file_sizes, block_bytes) if len(good) < len(rows) else None
     if entries is None:
@@ -360,12 +323,10 @@ _Row = Tuple[str, str, Tuple[int, ...], int, List[list]]
 
 
 def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> tuple[list[_Row], list[str], list[str]]:
-    """(rows: the entries of ``keys`` whose columns are JSON lists, their plain fields checked
-    in Python as _parse_tensor checks them and their columns of the right lengths; the keys
-    whose columns are not all lists; the keys refused by these checks)."""
+    """(the entries of ``keys`` whose columns are JSON lists, plain fields and column lengths
+    checked as _parse_tensor checks them; keys whose columns are not lists; keys refused)."""
     rows: list[_Row] = []
-    packed: list[str] = []
-    refused: list[str] = []
+    packed, refused = [], []
     for key in keys:
         t = docs.get(key)
         try:
