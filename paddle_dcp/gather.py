@@ -53,7 +53,7 @@ from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
     _summary,
     plan_gather,
 )
-from .errors import ArgumentError, CollectiveError, DcpError, FormatError
+from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
 from .io import open_file
 from .io.storage import DataFileWriter
@@ -71,7 +71,7 @@ def parse_size(value: int | str) -> int:
     ``"100"`` (powers of 1024, as paddle's helper reads them; ``"3GB"``/``"3GiB"`` too).
 
     Raises:
-        DcpError: anything else.
+        ArgumentError: anything else.
     """
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if value <= 0:
@@ -212,7 +212,7 @@ class GatherRank:
         if self.is_root:
             self.writer = _open_output(self.path, self.plan.header, self.storage_options)
         else:
-            self.sends = _parse_assignment(assignment, self.held)
+            self.sends = _parse_assignment(assignment, self.held, self.root)
 
 
     def transfer(self, comm: Comm) -> tuple[BaseException | None, dict[int, str]]:
@@ -222,7 +222,7 @@ class GatherRank:
             return _gather_and_commit(comm, self, self.durable)
         error = _send_all(comm, self.root, self.sends, self.held)
         wire.send_message(comm, self.root, describe_error(error).encode()[:_MAX_REPORT] if error is not None else b"")
-        return error, {int(r): m for r, m in json.loads(wire.recv_message(comm, self.root)).items()}
+        return error, {int(r): m for r, m in json.loads(wire.recv_message(comm, self.root, "gather save")).items()}
 
 
 def save_steps(rank: GatherRank) -> protocol.Protocol:
@@ -256,7 +256,7 @@ def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[Bas
         failures[comm.rank] = describe_error(error)
     for r in comm.ranks:
         if r != rank.root:
-            report = wire.recv_message(comm, r)
+            report = wire.recv_message(comm, r, "gather save")
             if report:
                 failures[r] = report.decode(errors="replace")
     if not failures:
@@ -275,7 +275,7 @@ def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[Bas
     return error, failures
 
 
-def _parse_assignment(data: bytes, held: dict) -> list[list[list[tuple[str, Box]]]]:
+def _parse_assignment(data: bytes, held: dict, root: int) -> list[list[list[tuple[str, Box]]]]:
     out = []
     for group in json.loads(data):
         msgs = []
@@ -283,7 +283,7 @@ def _parse_assignment(data: bytes, held: dict) -> list[list[list[tuple[str, Box]
             regions = []
             for key, offsets, shape in msg:
                 if key not in held or held[key].local is None:
-                    raise DcpError(f"{key}: asked to send a piece this rank does not hold")
+                    raise CollectiveError("open", {root: f"{key}: asked for a piece this rank does not hold"})
                 regions.append((key, Box(tuple(offsets), tuple(shape))))
             msgs.append(regions)
         out.append(msgs)
