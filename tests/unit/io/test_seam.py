@@ -137,6 +137,15 @@ def state() -> dict:
     return {"model": {"w": w, "b": np.arange(1001, dtype=np.int64)}, "step": 3}
 
 
+def loads_the_state(path: str) -> None:
+    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    paddle_dcp.load_state_dict(target, path)
+    want = state()
+    assert np.array_equal(target["model"]["w"], want["model"]["w"])
+    assert np.array_equal(target["model"]["b"], want["model"]["b"])
+    assert target["step"] == 3
+
+
 @pytest.mark.parametrize("safetensors", [False, True])
 def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_for_byte(
     tmp_path, monkeypatch, safetensors
@@ -155,12 +164,7 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
     # a second save of the same id replaces the data files by generation, then tidies
     paddle_dcp.save_state_dict(state(), mem, unique_id=0, safetensors=safetensors)
     assert len([n for n in blobs if not n.endswith(".metadata")]) == 1, sorted(blobs)
-    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
-    paddle_dcp.load_state_dict(target, mem)
-    want = state()
-    assert np.array_equal(target["model"]["w"], want["model"]["w"])
-    assert np.array_equal(target["model"]["b"], want["model"]["b"])
-    assert target["step"] == 3
+    loads_the_state(mem)
 
 
 def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path, monkeypatch):
@@ -195,12 +199,7 @@ def test_a_gathered_file_saves_and_loads_through_the_in_memory_storage_byte_for_
     assert not os.path.exists(mem) and sorted(blobs) == ["mem.safetensors"]
     with open(disk, "rb") as f:
         assert f.read() == blobs["mem.safetensors"]
-    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
-    paddle_dcp.load_state_dict(target, mem)
-    want = state()
-    assert np.array_equal(target["model"]["w"], want["model"]["w"])
-    assert np.array_equal(target["model"]["b"], want["model"]["b"])
-    assert target["step"] == 3
+    loads_the_state(mem)
 
 
 def test_a_hugging_face_directory_loads_through_the_in_memory_storage(monkeypatch):
