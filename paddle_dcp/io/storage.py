@@ -63,7 +63,8 @@ class Listing:
 
 def listing_of(names: Iterable[str]) -> Listing:
     """The listing of a directory that holds the files ``names``."""
-    complete, data, temporary, found, every = set(), {}, [], [], []
+    complete, temporary, found, every = set(), [], [], []
+    data: dict[int, set[tuple[int, int]]] = {}
     for name in names:
         every.append(name)
         m = METADATA_RE.match(name)
@@ -192,6 +193,8 @@ def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | N
     names = []
     for name in store.list_checkpoints().temporary:
         m = TMP_RE.match(name)
+        if m is None:  # a listing's temporary names all match
+            continue
         owner = int(m.group(1)) if m.group(1) is not None else -1
         if unique_id is not None and int(m.group(2)) != unique_id:
             continue
@@ -206,7 +209,7 @@ def remove_data(store: Storage, unique_id: int, rank: int, keep_generation: int 
     listing = store.list_checkpoints()
     names = []
     for name in listing.data_names(unique_id):
-        writer, _, generation = parse_data_name(name)
+        writer, _, generation = parse_data_name(name) or (-1, -1, -1)
         if writer == rank and generation != keep_generation:
             names.append(name)
     return store.remove(names)
@@ -260,7 +263,7 @@ def as_bytes(array: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy)."""
     if not array.flags.c_contiguous:
         raise ValueError("array must be C-contiguous")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 # ---------------------------------------------------------------------- reading
@@ -379,7 +382,7 @@ def execute_op(
             verify_segment(meta, files, op.file, seg, dest)
         return
     buf = staging.get(op.nbytes)
-    fetch(op, memoryview(buf))
+    fetch(op, buf.data)
     _verify_and_copy(op, files, targets, buf, verify, check_only)
 
 
@@ -387,7 +390,7 @@ def _verify_and_copy(op: ReadOp, files: DataFiles, targets, buf: np.ndarray, ver
     meta = files.meta
     if verify or check_only:
         for seg in op.segments:
-            verify_segment(meta, files, op.file, seg, memoryview(buf[seg.start - op.start : seg.stop - op.start]))
+            verify_segment(meta, files, op.file, seg, buf[seg.start - op.start : seg.stop - op.start].data)
     if check_only:
         return
     for seg in op.segments:
