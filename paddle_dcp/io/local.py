@@ -249,7 +249,11 @@ class DataWriter:
         self._pending: deque[Future] = deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
         if header:
-            self._write_at(memoryview(header), 0, None)
+            try:
+                self._write_at(memoryview(header), 0, None)
+            except StorageError:
+                self.abort()  # no temporary file left behind
+                raise
             self.offset = len(header)
 
     def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:

@@ -296,3 +296,13 @@ def test_aligned_is_the_next_multiple_for_ints_and_arrays():
     assert [aligned(n) for n in (0, 1, 63, 64, 65)] == [0, 64, 64, 64, 128]
     assert aligned(5, 1) == 5
     assert aligned(np.array([0, 1, 64, 65])).tolist() == [0, 64, 64, 128]
+
+
+def test_a_data_writer_whose_header_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full_disk(self, view, offset):
+        raise StorageError(f"cannot write {self.tmp}: no space left", self.tmp)
+
+    monkeypatch.setattr(local.AtomicFile, "pwrite", full_disk)
+    with pytest.raises(StorageError, match="no space left"):
+        local.DataWriter(str(tmp_path), "f", 64, header=b"head")
+    assert listdir(str(tmp_path)) == []
