@@ -214,7 +214,6 @@ class GatherRank:
         else:
             self.sends = _parse_assignment(assignment, self.held, self.root)
 
-
     def transfer(self, comm: Comm) -> tuple[BaseException | None, dict[int, str]]:
         """Steps 3 and 4: this rank's part of the transfer and of the final reports; returns
         (this rank's failure, every failing rank's message), the same failures on every rank."""

@@ -83,7 +83,7 @@ def load_file(
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
     keys = _reconcile(flat, header, path, mw_name_compatibility, strict)
     work = _checked(held, header, keys.match)  # every check before any byte moves
-    nbytes = _read(path, header, work, flat, state_dict, offload)
+    nbytes = _read(store, name, header, work, flat, state_dict, offload)
     for value_path, node in keys.plain:
         nested.assign_subtree(state_dict, value_path, node)
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
@@ -118,8 +118,10 @@ def _checked(held, header: Header, match) -> list[tuple[object, Entry]]:
     return work
 
 
-def _read(path: str, header: Header, work, flat: nested.Flat, state_dict: dict, offload: bool) -> int:
-    """Read every box of ``work`` into its target's buffer (the load's own buffers: see
+def _read(
+    store: storage.Storage, name: str, header: Header, work, flat: nested.Flat, state_dict: dict, offload: bool
+) -> int:
+    """Read every box of ``work`` from file ``name`` of ``store`` into its target's buffer (the load's own buffers: see
     dist.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's
     metadata, the read ops that fill a box (bounded reads) and the storage's data files. One
     tensor at a time, its buffer finished before the next is read (on a GPU, one host buffer
@@ -127,10 +129,7 @@ def _read(path: str, header: Header, work, flat: nested.Flat, state_dict: dict, 
     from .dist.loadwork import target_buffer
     from .dist.placements import partial_fill
 
-    store, name = open_file(path)
-    meta = hf_dir.files_metadata(
-        [(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work if e.dtype is not None}
-    )
+    meta = hf_dir.files_metadata([(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work})
     files = store.open_files(meta)
     staging = storage.Staging()
     nbytes = 0
