@@ -287,22 +287,22 @@ def load_state_dict(
     """
     near = _check_load_arguments(path, aoa_config, worker_groups, comm_method, storage_options)
     if is_file(path, storage_options):  # one safetensors file (save_gathered): each process reads its own part
-        from .singlefile import load_file
-
-        return load_file(
-            state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility, strict=strict,
-            storage_options=storage_options,
-        )
+        return _load_one_file(state_dict, path, offload, mw_name_compatibility, strict, storage_options)
     path, started = os.fspath(path), time.perf_counter()
     rank = LocalLoadRank(
         make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id,
-        offload=offload,
-        mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors, near=near,
-        verify=verify, strict=strict,
+        offload=offload, mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors,
+        near=near, verify=verify, strict=strict,
     )
     uid, work = protocol.run(rank.comm, protocol.load(rank))
     _LAST_TRAFFIC["load"] = rank.comm.traffic
     _log_loaded(uid, rank.path, sum(op.nbytes for op in work.ops), started)
+
+
+def _load_one_file(state_dict, path, offload: bool, mw: bool, strict: bool, storage_options) -> None:
+    from .singlefile import load_file
+
+    load_file(state_dict, path, offload=offload, mw_name_compatibility=mw, strict=strict, storage_options=storage_options)
 
 
 def _log_loaded(uid: int, path: str, nbytes: int, started: float) -> None:
