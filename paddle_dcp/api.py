@@ -21,7 +21,7 @@ from .dist.comm import make_comm
 from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
-from .io import is_url, open_storage
+from .io import is_file, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -285,28 +285,31 @@ def load_state_dict(
         FormatError / IntegrityError / StorageError: no or a damaged checkpoint.
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
-    near = _check_load_arguments(path, aoa_config, worker_groups, comm_method)
-    if not is_url(path) and os.path.isfile(path):  # one safetensors file (save_gathered): each process reads its own part
-        from .singlefile import load_file
-
-        return load_file(state_dict, path, offload=offload, mw_name_compatibility=mw_name_compatibility, strict=strict)
+    near = _check_load_arguments(path, aoa_config, worker_groups, comm_method, storage_options)
+    if is_file(path, storage_options):  # one safetensors file (save_gathered): each process reads its own part
+        return _load_one_file(state_dict, path, offload, mw_name_compatibility, strict, storage_options)
     path, started = os.fspath(path), time.perf_counter()
     rank = LocalLoadRank(
         make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id,
-        offload=offload,
-        mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors, near=near,
-        verify=verify, strict=strict,
+        offload=offload, mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors,
+        near=near, verify=verify, strict=strict,
     )
     uid, work = protocol.run(rank.comm, protocol.load(rank))
     _LAST_TRAFFIC["load"] = rank.comm.traffic
     _log_loaded(uid, rank.path, sum(op.nbytes for op in work.ops), started)
 
 
+def _load_one_file(state_dict, path, offload: bool, mw: bool, strict: bool, storage_options) -> None:
+    from .singlefile import load_file
+
+    load_file(state_dict, path, offload=offload, mw_name_compatibility=mw, strict=strict, storage_options=storage_options)
+
+
 def _log_loaded(uid: int, path: str, nbytes: int, started: float) -> None:
     logger.info("loaded checkpoint %d from %s: %d bytes by this rank in %.3f s", uid, path, nbytes, time.perf_counter() - started)
 
 
-def _check_load_arguments(path, aoa_config, worker_groups, comm_method: str) -> frozenset:
+def _check_load_arguments(path, aoa_config, worker_groups, comm_method: str, storage_options=None) -> frozenset:
     """Check load_state_dict's arguments, after any pending async save of this process (a load
     never reads an older checkpoint than one this process asked to save); returns the worker
     groups' peers of this rank."""
@@ -314,7 +317,7 @@ def _check_load_arguments(path, aoa_config, worker_groups, comm_method: str) -> 
     wait_async_save()
     if aoa_config is not None:
         aoa.check_config(aoa_config)
-        if not is_url(path) and os.path.isfile(path):
+        if is_file(path, storage_options):
             raise UnsupportedError(f"aoa_config applies to a checkpoint directory; {path} is a file")
     return near
 

@@ -14,17 +14,19 @@ and for semi-auto-parallel dist tensors:
 3. The gathering rank writes the safetensors header (sizes follow from shapes and dtypes),
    then, group by group, assembles the group's bytes in one host buffer (its own pieces
    copied, the others received over a process group of two ranks straight into place, or
-   through a staging buffer when the place is strided) and appends them to the file.
-4. Every rank reports to the gathering rank, which renames the file into place when no rank
-   failed and tells every rank the outcome; all raise the same error otherwise.
+   through a staging buffer when the place is strided) and appends them to the file, a
+   data file writer of its directory's storage.
+4. Every rank reports to the gathering rank, which commits the file (it appears whole) when
+   no rank failed and tells every rank the outcome; all raise the same error otherwise.
 
-Steps 1 and 2 run as a protocol (:func:`plan_steps`, on :mod:`paddle_dcp.dist.protocol`'s
-machinery): collectives of the group, each local step ending with an agreement. The plan is
+The four steps run as a protocol (:func:`save_steps`, on :mod:`paddle_dcp.dist.protocol`'s
+machinery): steps 1 and 2 are collectives of the group, each local step ending with an
+agreement; steps 3 and 4 are one pairwise step. The plan is
 :mod:`paddle_dcp.dist.gather_plan`'s. The transfer and the final reports travel point to point
 (``comm.send`` / ``comm.recv_into``, over a process group of the two ranks, framed by
 :mod:`paddle_dcp.dist.wire`), never the job's group: gloo's collectives on the job's group give
 up after 30 s, and ranks whose pieces are sent early may wait far longer while the gathering
-rank writes.
+rank writes. Only once every rank knows the outcome does the pairwise step's agreement run.
 """
 from __future__ import annotations
 
@@ -51,10 +53,10 @@ from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
     _summary,
     plan_gather,
 )
-from .errors import ArgumentError, CollectiveError, DcpError, FormatError, StorageError
+from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
-from .io import is_url, open_storage
-from .io.local import AtomicFile
+from .io import open_file
+from .io.storage import DataFileWriter
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def parse_size(value: int | str) -> int:
     ``"100"`` (powers of 1024, as paddle's helper reads them; ``"3GB"``/``"3GiB"`` too).
 
     Raises:
-        DcpError: anything else.
+        ArgumentError: anything else.
     """
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         if value <= 0:
@@ -139,16 +141,8 @@ def save_gathered(
     if gather_to not in comm.ranks:
         raise ArgumentError(f"gather_to={gather_to} is not a rank of the group {list(comm.ranks)}")
     started = time.perf_counter()
-    rank = GatherRank(comm, state_dict, path, state_type, limit)
-    rank.storage_options = storage_options
-    protocol.run(comm, plan_steps(rank))
-    # from here on, only pairs of ranks: see the module docstring
-    if rank.is_root:
-        error, failures = _gather_and_commit(comm, rank, durable)
-    else:
-        error = _send_all(comm, rank.root, rank.sends, rank.held)
-        wire.send_message(comm, rank.root, describe_error(error).encode()[:_MAX_REPORT] if error is not None else b"")
-        failures = {int(r): m for r, m in json.loads(wire.recv_message(comm, rank.root)).items()}
+    rank = GatherRank(comm, state_dict, path, state_type, limit, durable, storage_options)
+    error, failures = protocol.run(comm, save_steps(rank))
     if failures:
         if comm.size == 1 and error is not None:
             raise error
@@ -162,19 +156,22 @@ def save_gathered(
 
 
 class GatherRank:
-    """One rank's side of steps 1 and 2 of a gathered save (see :func:`plan_steps`)."""
+    """One rank's side of a gathered save (see :func:`save_steps`)."""
 
-    def __init__(self, comm: Comm, state_dict: dict, path: str, state_type: str, limit: int):
+    def __init__(
+        self, comm: Comm, state_dict: dict, path: str, state_type: str, limit: int, durable: bool = False,
+        storage_options: dict | None = None,
+    ):
         self.comm, self.state_dict, self.path, self.state_type, self.limit = comm, state_dict, path, state_type, limit
+        self.durable, self.storage_options = durable, storage_options
         self.root = comm.coordinator
         self.is_root = comm.rank == self.root
         self.flat: nested.Flat | None = None
         self.reduced: dict[str, Any] = {}
         self.held: dict[str, Any] = {}
         self.plan: GatherPlan | None = None
-        self.writer: AtomicFile | None = None
+        self.writer: DataFileWriter | None = None
         self.sends: list = []
-        self.storage_options: dict | None = None
 
     def prepare(self) -> None:
         from .dist.placements import is_tensor
@@ -215,12 +212,22 @@ class GatherRank:
         if self.is_root:
             self.writer = _open_output(self.path, self.plan.header, self.storage_options)
         else:
-            self.sends = _parse_assignment(assignment, self.held)
+            self.sends = _parse_assignment(assignment, self.held, self.root)
+
+    def transfer(self, comm: Comm) -> tuple[BaseException | None, dict[int, str]]:
+        """Steps 3 and 4: this rank's part of the transfer and of the final reports; returns
+        (this rank's failure, every failing rank's message), the same failures on every rank."""
+        if self.is_root:
+            return _gather_and_commit(comm, self, self.durable)
+        error = _send_all(comm, self.root, self.sends, self.held)
+        wire.send_message(comm, self.root, describe_error(error).encode()[:_MAX_REPORT] if error is not None else b"")
+        return error, {int(r): m for r, m in json.loads(wire.recv_message(comm, self.root, "gather save")).items()}
 
 
-def plan_steps(rank: GatherRank) -> protocol.Protocol:
-    """Steps 1 and 2 of a gathered save (see the module docstring) as a protocol: each local
-    step ends with an agreement, and the collectives are the save's and load's."""
+def save_steps(rank: GatherRank) -> protocol.Protocol:
+    """A gathered save (see the module docstring) as a protocol: steps 1 and 2 are local steps
+    each ending with an agreement and the save's collectives; steps 3 and 4 one pairwise step
+    whose outcome (failure, failures) the ranks agree on point to point and return."""
     yield from protocol.local("prepare", rank.prepare)
     yield from protocol.local("reduce", rank.reduce)
     summary = yield from protocol.local("describe", rank.describe)
@@ -228,6 +235,8 @@ def plan_steps(rank: GatherRank) -> protocol.Protocol:
     parts = yield from protocol.local("plan", lambda: rank.plan_all(summaries))
     mine = yield protocol.Scatter(parts, rank.root)
     yield from protocol.local("open", lambda: rank.open(mine))
+    # from here on, only pairs of ranks: see the module docstring
+    return (yield protocol.Pairwise("gather save", rank.transfer))
 
 
 def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[BaseException | None, dict]:
@@ -246,7 +255,7 @@ def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[Bas
         failures[comm.rank] = describe_error(error)
     for r in comm.ranks:
         if r != rank.root:
-            report = wire.recv_message(comm, r)
+            report = wire.recv_message(comm, r, "gather save")
             if report:
                 failures[r] = report.decode(errors="replace")
     if not failures:
@@ -265,7 +274,7 @@ def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[Bas
     return error, failures
 
 
-def _parse_assignment(data: bytes, held: dict) -> list[list[list[tuple[str, Box]]]]:
+def _parse_assignment(data: bytes, held: dict, root: int) -> list[list[list[tuple[str, Box]]]]:
     out = []
     for group in json.loads(data):
         msgs = []
@@ -273,7 +282,7 @@ def _parse_assignment(data: bytes, held: dict) -> list[list[list[tuple[str, Box]
             regions = []
             for key, offsets, shape in msg:
                 if key not in held or held[key].local is None:
-                    raise DcpError(f"{key}: asked to send a piece this rank does not hold")
+                    raise CollectiveError("open", {root: f"{key}: asked for a piece this rank does not hold"})
                 regions.append((key, Box(tuple(offsets), tuple(shape))))
             msgs.append(regions)
         out.append(msgs)
@@ -343,7 +352,7 @@ def _message(msg, pieces: _HostPieces, nbytes: int) -> np.ndarray:
     return out
 
 
-def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: AtomicFile) -> BaseException | None:
+def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: DataFileWriter) -> BaseException | None:
     """Assemble and write every group; returns the first error (after which bytes are still
     received, so that the senders stay in step, but nothing more is written)."""
     error = None
@@ -385,44 +394,17 @@ def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: AtomicFile) -> Ba
                     at += r.nbytes
         if error is None:
             try:
-                writer.write(gbuf)
+                writer.write(memoryview(gbuf))
             except Exception as exc:  # noqa: BLE001 - reported at the end
                 error = exc
     return error
 
 
-def _open_output(path: str, header: bytes, storage_options: dict | None = None) -> AtomicFile:
-    """``path`` (its directory created) written through ``path.tmp.<hex>`` beside it, the
-    header first; renamed into place by its commit. A URL: the object storage's writer."""
-    if is_url(path):
-        return _ObjectOutput(path, header, storage_options)
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    except OSError as exc:
-        raise StorageError(f"cannot write {path}: {exc}", path) from exc
-    if os.path.isdir(path):
-        raise StorageError(f"cannot write {path}: it is a directory", path)
-    out = AtomicFile(path)
-    try:
-        out.write(header)
-    except StorageError:
-        out.abort()
-        raise
-    return out
-
-
-class _ObjectOutput:
-    """The gathered file as an object (the AtomicFile calls _receive and the commit make)."""
-
-    def __init__(self, url: str, header: bytes, storage_options: dict | None):
-        parent, _, name = url.rstrip("/").rpartition("/")
-        self.writer = open_storage(parent, storage_options).data_writer(name, 0, header=header, alignment=1)
-
-    def write(self, data) -> None:
-        self.writer.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-
-    def commit(self, durable: bool = False) -> None:
-        self.writer.commit(durable)
-
-    def abort(self) -> None:
-        self.writer.abort()
+def _open_output(path: str, header: bytes, storage_options: dict | None = None) -> DataFileWriter:
+    """A writer of ``path`` (its directory created) through its directory's storage (a URL:
+    the object storage's): the header first, then the groups back to back, each written
+    before the next is assembled (one group buffer); the file appears, whole, at the writer's
+    commit."""
+    store, name = open_file(path, follow=False, storage_options=storage_options)
+    store.create()
+    return store.data_writer(name, block_bytes=0, depth=0, header=header, alignment=1)

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .core.naming import METADATA_RE
-from .errors import ArgumentError
+from .errors import ArgumentError, DcpError
+from .io import is_file, open_file
+from .io.storage import read_range
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ def read_state_dict_metadata(path: str, unique_id: int | None = None) -> StateDi
 
     path = os.fspath(path)
     match = METADATA_RE.match(os.path.basename(path))
-    if match and os.path.isfile(path):
+    if match and is_file(path):
         if unique_id is not None and unique_id != int(match.group(1)):
             raise ArgumentError(f"{path} is checkpoint {match.group(1)}, not unique_id={unique_id}")
         path, unique_id = os.path.dirname(path) or ".", int(match.group(1))
@@ -132,11 +134,12 @@ def is_dcp_metadata_file(path: Any) -> bool:
     if not isinstance(path, str) or not METADATA_RE.match(os.path.basename(path)):
         return False
     try:
-        with open(path, "rb") as f:
-            head = f.read(64).lstrip()
-    except OSError:
+        store, name = open_file(path)
+        size = store.size(name)
+        head = read_range(store, name, 0, min(size, 64)) if size is not None else b""
+    except DcpError:
         return False
-    return head.startswith(b"{")
+    return head.lstrip().startswith(b"{")
 
 
 # ============================================================ the patch

@@ -6,23 +6,26 @@ and plain values in its ``__metadata__`` (``structure``: the skeleton of
 :mod:`paddle_dcp.core.nested`, as JSON). No pickle anywhere.
 
 Each process reads only what it holds: the box of every dist tensor its rank holds, the whole
-of plain tensors and numpy arrays, in bounded reads straight into the tensors' host memory.
+of plain tensors and numpy arrays, in bounded reads straight into the tensors' host memory. The
+file is reached through its directory's storage (:func:`paddle_dcp.io.open_file`) and read
+as a load from a checkpoint directory reads: the file's tensors become a checkpoint's metadata
+(one piece each, as for a Hugging Face directory), :func:`~paddle_dcp.core.load_plan.plan_reads`
+plans the reads, :func:`~paddle_dcp.io.storage.execute_op` carries them out.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 
 import numpy as np
 
-from .core import nested
+from .core import load_plan, nested
 from .core.keys import Reconciled, reconcile, report
-from .core.boxes import Box, element_span, is_contiguous
 from .dist.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
-from .errors import FormatError, MismatchError, StorageError
-from .format.safetensors import (  # noqa: F401 - re-exported: the reader this module used to hold
+from .errors import MismatchError
+from .format import hf_dir
+from .format.safetensors import (  # noqa: F401 - re-exported: the file format's reader, for callers of this module
     DTYPE_OF_CODE,
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
@@ -31,67 +34,19 @@ from .format.safetensors import (  # noqa: F401 - re-exported: the reader this m
     parse_header,
     read_header,
 )
+from .io import open_file, safetensors_files, storage
 
 logger = logging.getLogger(__name__)
 
-_BAND_BYTES = 64 << 20  # at most this many bytes staged per read of a strided box
-_MAX_READ = 1 << 30  # one pread at most (Linux caps a read near 2 GiB)
-
-
-def _pread_into(fd: int, offset: int, out: np.ndarray, path: str) -> None:
-    """Fill the uint8 array ``out`` from ``offset`` of the file ``fd``."""
-    view = memoryview(out).cast("B")
-    done = 0
-    while done < len(view):
-        try:
-            n = os.preadv(fd, [view[done : done + _MAX_READ]], offset + done)
-        except OSError as exc:
-            raise StorageError(f"cannot read {path}: {exc}", path) from exc
-        if n == 0:
-            raise FormatError(f"{path}: the file ends at byte {offset + done}, its header says more: truncated?")
-        done += n
-
-
-class _Reader:
-    """Reads boxes of a file's tensors into C-contiguous arrays, staging at most one band."""
-
-    def __init__(self, fd: int, path: str):
-        self.fd, self.path = fd, path
-        self._stage = np.empty(0, dtype=np.uint8)
-
-    def stage(self, nbytes: int) -> np.ndarray:
-        if len(self._stage) < nbytes:
-            self._stage = np.empty(nbytes, dtype=np.uint8)
-        return self._stage[:nbytes]
-
-    def read_box(self, base: int, shape: tuple[int, ...], box: Box, out: np.ndarray) -> None:
-        """``out`` (shape ``box.shape``, C order) <- ``box`` of the C-order tensor of ``shape``
-        whose bytes start at ``base``."""
-        if box.volume == 0:
-            return
-        itemsize = out.dtype.itemsize
-        if is_contiguous(shape, box):
-            first, _ = element_span(shape, box)
-            _pread_into(self.fd, base + first * itemsize, out.reshape(-1).view(np.uint8), self.path)
-            return
-        row = math.prod(shape[1:]) * itemsize  # bytes of one index of dim 0
-        lo, hi = box.offsets[0], box.end[0]
-        if row > _BAND_BYTES:  # one row is too big to stage: go down a dimension
-            inner = Box(box.offsets[1:], box.shape[1:])
-            for i in range(lo, hi):
-                self.read_box(base + i * row, shape[1:], inner, out[i - lo])
-            return
-        rows = max(1, _BAND_BYTES // row)
-        rest = (slice(None),) + box.slices()[1:]
-        for a in range(lo, hi, rows):
-            b = min(a + rows, hi)
-            band = self.stage((b - a) * row)
-            _pread_into(self.fd, base + a * row, band, self.path)
-            out[a - lo : b - lo] = band.view(out.dtype).reshape((b - a,) + tuple(shape[1:]))[rest]
-
 
 def load_file(
-    state_dict: dict, path: str, offload: bool = False, mw_name_compatibility: bool = True, strict: bool = True
+    state_dict: dict,
+    path: str,
+    offload: bool = False,
+    mw_name_compatibility: bool = True,
+    strict: bool = True,
+    *,
+    storage_options: dict | None = None,
 ) -> None:
     """Fill a (nested) state dict in place from one safetensors file.
 
@@ -109,6 +64,7 @@ def load_file(
         offload: put every loaded tensor in CPU memory (see :func:`paddle_dcp.load_state_dict`).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back.
         strict: a state-dict key the file lacks raises MismatchError; ``False`` warns.
+        storage_options: for a URL ``path``, as in :func:`paddle_dcp.save_state_dict`.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both), or a
@@ -120,13 +76,14 @@ def load_file(
 
     path = os.fspath(path)
     started = time.perf_counter()
-    header = read_header(path)
+    store, name = open_file(path, storage_options=storage_options)
+    header = safetensors_files.read_header(store, name, path)
     flat = nested.flatten(state_dict, is_tensor)
     rank = _rank(flat)
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
     keys = _reconcile(flat, header, path, mw_name_compatibility, strict)
     work = _checked(held, header, keys.match)  # every check before any byte moves
-    nbytes = _read(path, work, flat, state_dict, offload)
+    nbytes = _read(store, name, header, work, flat, state_dict, offload)
     for value_path, node in keys.plain:
         nested.assign_subtree(state_dict, value_path, node)
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
@@ -161,32 +118,40 @@ def _checked(held, header: Header, match) -> list[tuple[object, Entry]]:
     return work
 
 
-def _read(path: str, work, flat: nested.Flat, state_dict: dict, offload: bool) -> int:
-    """Read every box of ``work`` into its target's buffer (the load's own buffers: see
-    dist.loadwork.target_buffer); returns the bytes read."""
+def _read(
+    store: storage.Storage, name: str, header: Header, work, flat: nested.Flat, state_dict: dict, offload: bool
+) -> int:
+    """Read every box of ``work`` from file ``name`` of ``store`` into its target's buffer (the load's own buffers: see
+    dist.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's
+    metadata, the read ops that fill a box (bounded reads) and the storage's data files. One
+    tensor at a time, its buffer finished before the next is read (on a GPU, one host buffer
+    at a time); returns the bytes read."""
     from .dist.loadwork import target_buffer
     from .dist.placements import partial_fill
 
+    meta = hf_dir.files_metadata([(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work})
+    files = store.open_files(meta)
+    staging = storage.Staging()
     nbytes = 0
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise StorageError(f"cannot open {path}: {exc}", path) from exc
-    try:
-        reader = _Reader(fd, path)
         for h, entry in work:
             buffer = target_buffer(h, flat.tensors[h.piece.key], offload)
             fill = partial_fill(h)
             if fill is None:
-                reader.read_box(entry.begin, entry.shape, h.piece.box, buffer.array)
-                nbytes += buffer.array.nbytes
+                target = load_plan.TargetPiece(entry.key, entry.dtype, entry.shape, h.piece.box)
+                view = buffer.array.reshape(h.piece.box.shape)
+                ops = load_plan.plan_reads(meta, [target])
+                for op in storage.read_ahead(files, ops):
+                    storage.execute_op(op, files, [view], staging, verify=False)
+                nbytes += view.nbytes
             else:
                 buffer.fill(fill)
             buffer.finish()
             if buffer.replacement is not None:
                 nested.set_tensor(state_dict, flat.paths[h.piece.key], buffer.replacement)
+        files.check_unchanged()
     finally:
-        os.close(fd)
+        files.close()
     return nbytes
 
 

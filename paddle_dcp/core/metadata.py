@@ -15,7 +15,7 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import xxhash
@@ -324,3 +324,40 @@ def check_file_name(name: Any, what: str = "file name") -> str:
             f"{what} {str(name)[:80]!r} is not a plain file name inside the checkpoint directory"
         )
     return name
+
+
+class LazyTensors(Mapping):
+    """Tensor entries parsed and validated the first time each is used: a rank that loads a few
+    hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
+    allocated from an entry before it has been validated."""
+
+    def __init__(
+        self,
+        docs: dict,
+        parse: Callable[[str, Any], TensorEntry],
+        parse_many: Callable[[list[str]], dict[str, TensorEntry]] | None = None,
+    ):
+        self._docs, self._parse = docs, parse
+        self._done: dict[str, TensorEntry] = {}
+        self._parse_many = parse_many
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Parse and validate the entries ``keys`` now, together (see metadata_parse._parse_many)."""
+        todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
+        if todo and self._parse_many is not None:
+            self._done.update(self._parse_many(todo))
+
+    def __getitem__(self, key: str) -> TensorEntry:
+        entry = self._done.get(key)
+        if entry is None:
+            entry = self._done[key] = self._parse(key, self._docs[key])
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._docs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._docs)
+
+    def __len__(self) -> int:
+        return len(self._docs)

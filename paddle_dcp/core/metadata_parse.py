@@ -3,7 +3,8 @@
 Everything is validated before anything is allocated from it: the version, names of files,
 dtypes, shapes and their products, piece boxes (inside the tensor, tiling it exactly) and byte
 ranges (inside the files). Tensor entries are parsed one by one (:func:`_parse_tensor`, which
-words every error) or many at once with numpy (:func:`_parse_many`, a load's lazy parse).
+words every error) or many at once with numpy (:func:`_parse_many`, a load's lazy parse, the
+validator of many entries; it calls the per-entry parse only to word an error).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import base64
 import binascii
 import json
 import zlib
-from typing import Any, Callable, Iterable, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from .metadata import (
     MAX_METADATA_BYTES,
     SUPPORTED_VERSIONS,
     FileEntry,
+    LazyTensors,
     Metadata,
     PieceTable,
     TensorEntry,
@@ -140,9 +142,9 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
     def parse_many(keys: list[str]) -> dict[str, TensorEntry]:
         if full:  # a full parse checks the tiling, tensor by tensor
             return {}
-        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size)
+        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size, lambda k: parse_tensor(k, tensors_doc[k]))
 
-    tensors = _LazyTensors(tensors_doc, parse_tensor, parse_many)
+    tensors = LazyTensors(tensors_doc, parse_tensor, parse_many)
     structure = doc["structure"]
     _check_structure(structure, tensors, source)
     return Metadata(
@@ -213,44 +215,6 @@ def _check_structure(structure: Any, tensors: Mapping[str, TensorEntry], source:
         raise FormatError(f"{source}: structure and tensors disagree on keys {extra}")
 
 
-class _LazyTensors(Mapping):
-    """Tensor entries parsed and validated the first time each is used: a rank that loads a few
-    hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or
-    allocated from an entry before it has been validated."""
-
-    def __init__(
-        self,
-        docs: dict,
-        parse: Callable[[str, Any], TensorEntry],
-        parse_many: Callable[[list[str]], dict[str, TensorEntry]] | None = None,
-    ):
-        self._docs, self._parse = docs, parse
-        self._done: dict[str, TensorEntry] = {}
-        self._parse_many = parse_many
-
-    def prefetch(self, keys: Iterable[str]) -> None:
-        """Parse the entries ``keys`` now, together (see _parse_many); entries that cannot be
-        taken together are parsed one by one on first use."""
-        todo = [k for k in dict.fromkeys(keys) if k in self._docs and k not in self._done]
-        if todo and self._parse_many is not None:
-            self._done.update(self._parse_many(todo))
-
-    def __getitem__(self, key: str) -> TensorEntry:
-        entry = self._done.get(key)
-        if entry is None:
-            entry = self._done[key] = self._parse(key, self._docs[key])
-        return entry
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._docs
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._docs)
-
-    def __len__(self) -> int:
-        return len(self._docs)
-
-
 def _shape_and_count(key: str, t: dict, size: int) -> tuple[tuple[int, ...], int]:
     """A tensor entry's global shape and piece count, validated (FormatError otherwise)."""
     shape_doc = t["shape"]
@@ -274,25 +238,54 @@ def _shape_and_count(key: str, t: dict, size: int) -> tuple[tuple[int, ...], int
 
 
 def _parse_many(
-    keys: list[str], docs: dict, file_sizes: np.ndarray, block_bytes: int, size: int = MAX_METADATA_BYTES
+    keys: list[str],
+    docs: dict,
+    file_sizes: np.ndarray,
+    block_bytes: int,
+    size: int,
+    word: Callable[[str], TensorEntry],
 ) -> dict[str, TensorEntry]:
     """Many tensor entries at once, validated as :func:`_parse_tensor` does without tiling,
-    with numpy over the pieces of all of them rather than per tensor. Only entries whose
-    columns are all plain JSON lists are taken; at the first doubt (anything the per-tensor
-    parse could refuse) the rest is left out and parsed one by one, which words the error.
-    Returns key -> entry for the entries taken."""
-    rows = _plain_rows(keys, docs, size)
+    with numpy over the pieces of all of them rather than per tensor: this pass is the
+    validator of the entries it returns. Entries whose columns are packed (``z:`` strings) are
+    left to the per-entry parse on first use, which decodes them. Returns key -> entry."""
+    rows, _, _ = _plain_rows(keys, docs, size)  # entries refused here: worded on first use
+    entries = _vectorised(rows, file_sizes, block_bytes)
+    if entries is not None:
+        return entries
+    # Some entry was refused: the per-entry parse (``word``) runs only to find which (left out,
+    # their error worded by it on first use); the rest must pass again. Refused together but
+    # accepted alone would mean the two disagree: an error, never a silent fallback.
+    good = [r for r in rows if _parses(word, r[0])]
+    entries = _vectorised(good, file_sizes, block_bytes) if len(good) < len(rows) else None
+    if entries is None:
+        raise FormatError(f"tensor entries {[r[0] for r in rows][:5]}: refused together, though each parses alone")
+    return entries
+
+
+def _parses(word: Callable[[str], TensorEntry], key: str) -> bool:
+    try:
+        word(key)
+    except FormatError:
+        return False
+    return True
+
+
+def _vectorised(rows: list["_Row"], file_sizes: np.ndarray, block_bytes: int) -> dict[str, TensorEntry] | None:
+    """The entries of ``rows`` (see :func:`_plain_rows`), their columns checked together with
+    numpy: integers in range, boxes inside their tensors, files in the list, byte ranges
+    inside their files, checksums of the right count; None when any entry fails a check."""
     if not rows:
         return {}
     rows.sort(key=lambda r: len(r[2]))  # tensors of one rank are neighbours: their boxes stack
     columns = _stacked_columns(rows, len(file_sizes))
     if columns is None:
-        return {}
+        return None
     off, shp, fil, byt, hex_digits = columns
     counts = np.array([r[3] for r in rows], dtype=np.int64)
     nbytes = _piece_nbytes(rows, counts, shp)
     if len(byt) and ((byt < 0) | (byt > file_sizes[fil] - nbytes)).any():
-        return {}
+        return None
     nblocks = blocks_of(nbytes, block_bytes)
     piece_start = np.concatenate([[0], np.cumsum(counts)])
     block_start_all = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
@@ -300,7 +293,7 @@ def _parse_many(
     if int(block_start[-1]) * 16 != len(hex_digits) or any(
         len(r[4][4]) != int(block_start[i + 1] - block_start[i]) for i, r in enumerate(rows)
     ):
-        return {}
+        return None
     checksums = np.frombuffer(bytes.fromhex(hex_digits), dtype=">u8").astype("<u8")
     for a in (off, shp, fil, byt, checksums):
         a.flags.writeable = False
@@ -329,28 +322,31 @@ def _parse_many(
 _Row = Tuple[str, str, Tuple[int, ...], int, List[list]]
 
 
-def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> list[_Row]:
-    """The entries of ``keys`` whose plain fields pass (checked in Python, as _parse_tensor
-    does) and whose columns are JSON lists of the right lengths."""
-    rows = []
+def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> tuple[list[_Row], list[str], list[str]]:
+    """(the entries of ``keys`` whose columns are JSON lists, plain fields and column lengths
+    checked as _parse_tensor checks them; keys whose columns are not lists; keys refused)."""
+    rows: list[_Row] = []
+    packed, refused = [], []
     for key in keys:
         t = docs.get(key)
         try:
             if not isinstance(t, dict) or t["dtype"] not in DTYPE_NAMES:
+                refused.append(key)
                 continue
             shape, count = _shape_and_count(key, t, size)
-            if not shape and count > 1:  # a scalar is one piece
-                continue
             cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
-            if any(type(c) is not list for c in cols):
-                continue
-            n = count * len(shape)
-            if len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
-                continue
         except (KeyError, TypeError, ValueError, FormatError):
+            refused.append(key)
+            continue
+        if any(type(c) is not list for c in cols):
+            packed.append(key)
+            continue
+        n = count * len(shape)
+        if (not shape and count > 1) or len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
+            refused.append(key)  # a scalar is one piece; columns of the count's lengths
             continue
         rows.append((key, t["dtype"], shape, count, cols))
-    return rows
+    return rows, packed, refused
 
 
 def _stacked_columns(
@@ -423,6 +419,16 @@ def check_entry_tiling(
         first = distinct_boxes(key, offsets, shapes, files)
         offsets, shapes = offsets[first], shapes[first]
     check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
+
+
+def check_entry(entry: TensorEntry, replicas: bool) -> None:
+    """The pieces of a parsed entry tile its tensor (:func:`check_entry_tiling`); pieces that
+    do not are a FormatError, as everywhere the metadata is read."""
+    p = entry.pieces
+    try:
+        check_entry_tiling(entry.key, entry.shape, p.offsets, p.shapes, p.files, replicas)
+    except PlanError as exc:
+        raise FormatError(str(exc)) from None
 
 
 def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:

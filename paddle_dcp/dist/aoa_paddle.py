@@ -5,8 +5,8 @@ their macros (``$LAYER_ID``, ``$EXPERT_ID``, ``*``, ``^T``, ``fused_qkv``, ``fus
 ``permute``, ``dtype``), propagates shapes from the checkpoint's tensors, and answers, for a
 box of a state-dict tensor, which boxes of which checkpoint tensors fill it. We never parse
 the language ourselves; :mod:`paddle_dcp.core.aoa` turns the answers into reads. :class:`Remap`
-runs it for a load; :class:`Reverse` runs the same config backwards for an export to Hugging
-Face names (``convert --to hf --aoa-config``).
+runs it for a load; :class:`Reverse` runs the same config backwards for an export of a
+checkpoint under Hugging Face names (:mod:`paddle_dcp.tools.hf_export`).
 """
 from __future__ import annotations
 

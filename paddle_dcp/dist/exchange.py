@@ -27,7 +27,7 @@ import numpy as np
 
 from . import wire
 from .comm import Comm, describe_error
-from ..errors import DcpError, StorageError
+from ..errors import CollectiveError, DcpError, StorageError
 from ..core.load_plan import ReadOp
 from ..io.storage import RangeSource, Staging, Storage
 
@@ -61,11 +61,11 @@ def ask_for_metadata(
             if client == me and server == my_helper:
                 wire.send_message(comm, peer, request)
                 try:
-                    reply = wire.recv_message(comm, peer)
+                    reply = wire.recv_message(comm, peer, "metadata from helpers")
                 except DcpError as exc:
                     error = error or exc
             elif server == me and client in my_clients:
-                question = wire.recv_message(comm, peer)
+                question = wire.recv_message(comm, peer, "metadata from helpers")
                 try:
                     wire.send_message(comm, peer, answer(peer, question))
                 except Exception as exc:  # noqa: BLE001 - sent back, not left hanging
@@ -140,7 +140,7 @@ def fetch_remote(
 
 
 def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
-    request = json.loads(wire.recv_message(comm, client))
+    request = json.loads(wire.recv_message(comm, client, "exchange"))
     error = None
     for name, start, stop in request:
         try:
@@ -182,10 +182,10 @@ def check_remote(
                     request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
                     wire.send_message(comm, peer, json.dumps(request).encode())
                     try:
-                        got = np.frombuffer(wire.recv_message(comm, peer), dtype="<u8")
+                        got = np.frombuffer(wire.recv_message(comm, peer, "verify remote"), dtype="<u8")
                         expected = [(name, at, n, want) for name, bl in wanted for at, n, _, want in bl]
                         if len(got) != len(expected):
-                            raise DcpError(f"rank {peer} sent {len(got)} checksums for {len(expected)} blocks")
+                            raise CollectiveError("verify remote", {peer: f"sent {len(got)} checksums for {len(expected)} blocks"})
                         for (name, at, n, want), have in zip(expected, got.tolist()):
                             if have != want:
                                 raise IntegrityError(
@@ -195,7 +195,7 @@ def check_remote(
                     except DcpError as exc:
                         error = error or exc
                 elif server == me and client in my_clients:
-                    request = json.loads(wire.recv_message(comm, peer))
+                    request = json.loads(wire.recv_message(comm, peer, "verify remote"))
                     try:
                         sums = []
                         for name, ranges in request:

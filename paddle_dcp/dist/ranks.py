@@ -20,7 +20,7 @@ from ..core.keys import match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
 from ..errors import ArgumentError, DcpError, UnsupportedError
 from ..format import hf_dir
-from ..io import storage
+from ..io import safetensors_files, storage
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class LocalLoadRank:
         listing = self.store.list_checkpoints()
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             self.directory = True
-            names, _ = hf_dir.shard_names(self.path)
+            names, _ = safetensors_files.shard_names(self.store)
             uid = self.unique_id if self.unique_id is not None else 0
             return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
         return listing
@@ -202,7 +202,7 @@ class LocalLoadRank:
 
     def read_metadata(self, uid: int) -> Metadata:
         if self.directory:
-            return hf_dir.directory_metadata(self.path, uid)
+            return safetensors_files.directory_metadata(self.store, uid)
         return self.store.read_metadata(uid, lazy=True)
 
     def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:

@@ -49,8 +49,8 @@ class Agree:
 
 @dataclass(frozen=True)
 class Pairwise:
-    """Point-to-point work between some ranks (node-local loading): ``fn(comm)`` runs on the
-    rank, its result or error is returned and then agreed on."""
+    """Point-to-point work between some ranks (node-local loading, a gathered save's transfer):
+    ``fn(comm)`` runs on the rank, its result or error is returned and then agreed on."""
 
     step: str
     fn: Callable[[Any], Any]

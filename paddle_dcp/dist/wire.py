@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CollectiveError, DcpError, FormatError
+from ..errors import CollectiveError, FormatError, collective_error
 from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
@@ -151,7 +151,7 @@ def recv_header(comm, peer: int) -> tuple[int, int]:
     comm.recv_into(peer, buf)
     status, length = (int(x) for x in buf.view("<i8"))
     if status not in (OK, FAILED) or not 0 <= length <= MAX_MESSAGE:
-        raise DcpError(f"rank {peer} sent a malformed message header ({status}, {length})")
+        raise CollectiveError("message", {peer: f"sent a malformed message header ({status}, {length})"})
     return status, length
 
 
@@ -163,12 +163,13 @@ def send_message(comm, peer: int, data: bytes | np.ndarray, status: int = OK) ->
         comm.send(peer, arr)
 
 
-def recv_message(comm, peer: int) -> bytes:
-    """The next message from ``peer``; a failure it reported is raised as DcpError."""
+def recv_message(comm, peer: int, step: str = "message") -> bytes:
+    """The next message from ``peer``; a failure it reported is raised as the CollectiveError
+    of ``step`` naming it (a CollectiveMismatchError for a MismatchError)."""
     status, length = recv_header(comm, peer)
     buf = np.zeros(length, dtype=np.uint8)
     if length:
         comm.recv_into(peer, buf)
     if status == FAILED:
-        raise DcpError(f"rank {peer}: {buf.tobytes().decode(errors='replace')}")
+        raise collective_error(step, {peer: buf.tobytes().decode(errors="replace")})
     return buf.tobytes()

@@ -3,7 +3,7 @@ and each rank's data file written as a safetensors file.
 
 A Hugging Face directory holds ``model.safetensors``, or shards and an index
 ``model.safetensors.index.json`` whose ``weight_map`` names the shard of every tensor. Its
-headers become a :class:`~paddle_dcp.core.metadata.Metadata` (each tensor one piece at its byte
+headers (read through the storage by :mod:`paddle_dcp.io.safetensors_files`) become a :class:`~paddle_dcp.core.metadata.Metadata` (each tensor one piece at its byte
 range in its shard), so a load plans, reads only its byte ranges, exchanges and reshards
 exactly as for a checkpoint of ours. Those files carry no checksums: the metadata says so
 (``checksum_algorithm`` ``"none"``) and the load checks none.
@@ -19,17 +19,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from ..core.dtypes import itemsize
-from ..errors import FormatError, StorageError, UnsupportedError
+from ..errors import FormatError, UnsupportedError
 from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_file_name
 from ..core.naming import data_file_name, parse_data_name
 from ..core.save_plan import SavePlan
-from .safetensors import MAX_HEADER_BYTES, Header, code_of, encode_header, no_duplicates, read_header
+from .safetensors import MAX_HEADER_BYTES, Entry, Header, code_of, encode_header, no_duplicates
 
 logger = logging.getLogger(__name__)
 
@@ -41,82 +40,70 @@ RANK_FILE_METADATA = {"format": "np", "paddle_dcp": "a rank's data file: the che
 
 
 # ---------------------------------------------------------------------- load
-def read_index(path: str, name: str) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file name) of the index ``path/name``, checked:
-    JSON object, no duplicate names, plain shard file names.
+def parse_index(raw: bytes, source: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> shard file name) of the index ``source`` whose bytes
+    are ``raw``, checked: JSON object, no duplicate names, plain shard file names.
 
     Raises:
-        FormatError: a malformed index. StorageError: it cannot be read.
+        FormatError: a malformed index.
     """
-    full = os.path.join(path, name)
-    try:
-        with open(full, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise StorageError(f"cannot read {full}: {exc}", full) from exc
     if len(raw) > MAX_INDEX_BYTES:
-        raise FormatError(f"{full}: more than the {MAX_INDEX_BYTES} bytes allowed for an index")
+        raise FormatError(f"{source}: more than the {MAX_INDEX_BYTES} bytes allowed for an index")
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates("the index"))
     except FormatError as exc:
-        raise FormatError(f"{full}: {exc}") from None
+        raise FormatError(f"{source}: {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{full}: not UTF-8 JSON ({exc})") from None
+        raise FormatError(f"{source}: not UTF-8 JSON ({exc})") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise FormatError(f"{full}: an index must be a JSON object with a weight_map object")
+        raise FormatError(f"{source}: an index must be a JSON object with a weight_map object")
     for key, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise FormatError(f"{full}: weight_map[{key!r}] must be a file name")
-        check_file_name(shard, f"{full}: weight_map[{key!r}]")
+            raise FormatError(f"{source}: weight_map[{key!r}] must be a file name")
+        check_file_name(shard, f"{source}: weight_map[{key!r}]")
     return weight_map
 
 
-def shard_names(path: str) -> tuple[list[str], dict[str, str] | None]:
-    """The safetensors files of the directory ``path`` that hold tensors, and the index's
-    weight_map (None without an index): the files the one ``*.safetensors.index.json`` names,
-    else every ``*.safetensors`` but rank data files of ours.
+def index_name(names: Iterable[str], path: str) -> str | None:
+    """The one ``*.safetensors.index.json`` among the files ``names`` of directory ``path``.
 
     Raises:
-        FormatError: no safetensors file, or more than one index.
+        FormatError: more than one index.
     """
-    try:
-        names = sorted(os.listdir(path))
-    except OSError as exc:
-        raise StorageError(f"cannot list {path}: {exc}", path) from exc
-    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    indexes = sorted(n for n in names if n.endswith(INDEX_SUFFIX))
     if len(indexes) > 1:
         raise FormatError(f"{path}: more than one safetensors index ({', '.join(indexes)}): which one is meant?")
-    if indexes:
-        weight_map = read_index(path, indexes[0])
-        return sorted(set(weight_map.values())), weight_map
-    files = [n for n in names if n.endswith(".safetensors") and parse_data_name(n) is None]
+    return indexes[0] if indexes else None
+
+
+def shard_files(names: Iterable[str], path: str) -> list[str]:
+    """The files of a directory without an index that hold tensors: every ``*.safetensors``
+    but rank data files of ours, sorted.
+
+    Raises:
+        FormatError: none.
+    """
+    files = sorted(n for n in names if n.endswith(".safetensors") and parse_data_name(n) is None)
     if not files:
         raise FormatError(
             f"no checkpoint in {path}: no *.metadata, no {SINGLE_FILE} or other *.safetensors file, no *{INDEX_SUFFIX}"
         )
-    return files, None
+    return files
 
 
-def directory_metadata(path: str, unique_id: int = 0) -> Metadata:
-    """The metadata of a directory of safetensors files (see :func:`shard_names`): every
-    tensor one piece, at its byte range in its file; no checksums. Tensors of a dtype
-    paddle_dcp does not load (FP8, unsigned wider than 8 bits) are left out, with a warning.
+def headers_metadata(
+    path: str, names: Sequence[str], headers: Sequence[Header], weight_map: dict[str, str] | None, unique_id: int = 0
+) -> Metadata:
+    """The metadata of a directory of safetensors files ``names`` whose headers are
+    ``headers``: every tensor one piece, at its byte range in its file; no checksums. Tensors
+    of a dtype paddle_dcp does not load (FP8, unsigned wider than 8 bits) are left out, with
+    a warning.
 
     Raises:
-        FormatError: a malformed header or index; an index naming a missing file or a tensor
-            its file does not hold, or a file holding a tensor the index does not list; one
-            name in two files.
-        StorageError: a file cannot be read.
+        FormatError: an index naming a tensor its file does not hold, or a file holding a
+            tensor the index does not list; one name in two files.
     """
-    path = os.fspath(path)
-    names, weight_map = shard_names(path)
-    headers: list[Header] = []
-    for name in names:
-        full = os.path.join(path, name)
-        if weight_map is not None and not os.path.isfile(full):
-            raise FormatError(f"{path}: the index names {name}, which is missing")
-        headers.append(read_header(full))
     found: dict[str, int] = {}
     for i, header in enumerate(headers):
         for key in header.entries:
@@ -135,22 +122,40 @@ def directory_metadata(path: str, unique_id: int = 0) -> Metadata:
         if entry.dtype is None:
             skipped.append(f"{key} ({entry.code})")
             continue
-        nd = len(entry.shape)
-        pieces = PieceTable(
-            offsets=_frozen(np.zeros((1, nd), dtype=np.int64)),
-            shapes=_frozen(np.array([entry.shape], dtype=np.int64).reshape(1, nd)),
-            files=_frozen(np.array([i], dtype=np.int64)),
-            byte_offsets=_frozen(np.array([entry.begin], dtype=np.int64)),
-            checksums=_frozen(np.zeros(0, dtype=np.uint64)),
-        )
-        # one-byte "blocks": the load's reads round to blocks, and there is nothing to check
-        tensors[key] = TensorEntry(key, entry.dtype, entry.shape, pieces, block_bytes=1)
+        tensors[key] = tensor_entry(entry, i)
     if skipped:
         logger.warning("%s: tensors of a dtype paddle_dcp does not load, left out: %s", path, skipped)
+    return files_metadata([(n, h.file_bytes) for n, h in zip(names, headers)], tensors, unique_id)
+
+
+def tensor_entry(entry: Entry, file: int) -> TensorEntry:
+    """The metadata entry of tensor ``entry`` of a safetensors file (index ``file`` of the
+    metadata's files): one piece, the whole tensor, no checksums.
+
+    Raises:
+        UnsupportedError: a dtype paddle_dcp does not load.
+    """
+    if entry.dtype is None:
+        raise UnsupportedError(f"{entry.key}: the file holds dtype {entry.code}, which paddle_dcp does not load")
+    nd = len(entry.shape)
+    pieces = PieceTable(
+        offsets=_frozen(np.zeros((1, nd), dtype=np.int64)),
+        shapes=_frozen(np.array([entry.shape], dtype=np.int64).reshape(1, nd)),
+        files=_frozen(np.array([file], dtype=np.int64)),
+        byte_offsets=_frozen(np.array([entry.begin], dtype=np.int64)),
+        checksums=_frozen(np.zeros(0, dtype=np.uint64)),
+    )
+    # one-byte "blocks": the load's reads round to blocks, and there is nothing to check
+    return TensorEntry(entry.key, entry.dtype, entry.shape, pieces, block_bytes=1)
+
+
+def files_metadata(files: Sequence[tuple[str, int]], tensors: dict[str, TensorEntry], unique_id: int = 0) -> Metadata:
+    """The metadata of safetensors files ``files`` ((name, bytes) each) holding ``tensors``
+    (:func:`tensor_entry`): no checksums, every tensor at the root of the structure."""
     return Metadata(
         unique_id=unique_id,
         world_size=1,
-        files=tuple(FileEntry(n, h.file_bytes) for n, h in zip(names, headers)),
+        files=tuple(FileEntry(n, size) for n, size in files),
         tensors=tensors,
         structure={"d": [[k, {"t": 0}] for k in tensors]},
         block_bytes=1,

@@ -215,7 +215,8 @@ def _empty_tensors(metadata: dict[str, str], source: str) -> dict[str, tuple[str
 
 
 def read_header(path: str) -> Header:
-    """Read and validate the header of the safetensors file ``path``.
+    """Read and validate the header of the local safetensors file ``path`` (the command
+    line's tools; a load reads headers through its storage, with :func:`header_from`).
 
     Raises:
         FormatError: a malformed or truncated file.
@@ -225,22 +226,30 @@ def read_header(path: str) -> Header:
     try:
         with open(path, "rb") as f:
             file_bytes = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise FormatError(f"{path}: {len(head)} bytes, too short for a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES:
-                raise FormatError(f"{path}: header of {n} bytes, more than the {MAX_HEADER_BYTES} allowed")
-            if 8 + n > file_bytes:
-                raise FormatError(f"{path}: header of {n} bytes in a file of {file_bytes} bytes: truncated file?")
-            raw = f.read(n)
+            return header_from(lambda start, n: os.pread(f.fileno(), n, start), file_bytes, path)
     except OSError as exc:
         raise StorageError(f"cannot read {path}: {exc}", path) from exc
+
+
+def header_from(read: Callable[[int, int], bytes], file_bytes: int, source: str) -> Header:
+    """Read and validate the header of a safetensors file of ``file_bytes`` bytes whose bytes
+    ``read(start, length)`` returns (fewer at its end), named ``source`` in messages.
+
+    Raises:
+        FormatError: a malformed or truncated file.
+    """
+    head = read(0, 8)
+    if len(head) < 8:
+        raise FormatError(f"{source}: {len(head)} bytes, too short for a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES:
+        raise FormatError(f"{source}: header of {n} bytes, more than the {MAX_HEADER_BYTES} allowed")
+    if 8 + n > file_bytes:
+        raise FormatError(f"{source}: header of {n} bytes in a file of {file_bytes} bytes: truncated file?")
+    raw = read(8, n)
     if len(raw) != n:
-        raise FormatError(f"{path}: the header ends early: truncated file?")
-    return parse_header(raw, file_bytes, path)
-
-
+        raise FormatError(f"{source}: the header ends early: truncated file?")
+    return parse_header(raw, file_bytes, source)
 
 
 def read_arrays(path: str) -> dict[str, np.ndarray]:

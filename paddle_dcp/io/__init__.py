@@ -2,6 +2,7 @@
 ``core`` and ``errors``."""
 from __future__ import annotations
 
+import os
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -21,6 +22,7 @@ def default_storage_options(options: dict | None) -> Iterator[None]:
         yield
     finally:
         _DEFAULT_OPTIONS.reset(token)
+
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -46,3 +48,32 @@ def open_storage(path: str, storage_options: dict | None = None) -> Storage:
     from .local import LocalStorage
 
     return LocalStorage(path)
+
+
+def open_file(path: str, follow: bool = True, storage_options: dict | None = None) -> tuple[Storage, str]:
+    """The storage of the directory that holds the file ``path`` (a URL: the prefix above the
+    object), and the file's name in it. With ``follow``, a local path is resolved first: a
+    symlink the caller names is read through (only names read from a checkpoint must stay
+    inside its directory); a file to be written is not (its symlink is replaced, as a rename
+    replaces it)."""
+    path = os.fspath(path)
+    if is_url(path):
+        scheme, _, rest = path.partition("://")
+        parent, _, name = rest.rstrip("/").rpartition("/")
+        if not parent:
+            from ..errors import ArgumentError
+
+            raise ArgumentError(f"{path} names no object under a bucket")
+        return open_storage(f"{scheme}://{parent}", storage_options), name
+    if follow:
+        path = os.path.realpath(path)
+    parent, name = os.path.split(path)
+    return open_storage(parent or ".", storage_options), name
+
+
+def is_file(path: str, storage_options: dict | None = None) -> bool:
+    """Whether ``path`` names a file, or an object under a URL (not a directory, not nothing)."""
+    if is_url(path) and "/" not in os.fspath(path).partition("://")[2].rstrip("/"):
+        return False  # a bucket
+    store, name = open_file(path, storage_options=storage_options)
+    return bool(name) and store.size(name) is not None

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -33,10 +34,23 @@ class LocalStorage:
         self.path = path
 
     def create(self) -> None:
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create the directory {self.path}: {exc}", self.path) from exc
 
     def list_checkpoints(self) -> Listing:
         return list_checkpoints(self.path)
+
+    def size(self, name: str) -> int | None:
+        full = os.path.join(self.path, name)
+        try:
+            st = os.stat(full)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot read {full}: {exc}", full) from exc
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         return read_metadata(self.path, unique_id, lazy)
@@ -235,7 +249,11 @@ class DataWriter:
         self._pending: deque[Future] = deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
         if header:
-            self._write_at(memoryview(header), 0, None)
+            try:
+                self._write_at(memoryview(header), 0, None)
+            except StorageError:
+                self.abort()  # no temporary file left behind
+                raise
             self.offset = len(header)
 
     def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:

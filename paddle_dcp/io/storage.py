@@ -36,12 +36,14 @@ class Listing:
         temporary: names of temporary files that saves in progress or crashed left behind.
         names: every data file's name (``.distcp`` or ``.safetensors``); for a directory of
             safetensors files loaded as a checkpoint, the files it holds.
+        files: the name of every file the directory holds, of any kind.
     """
 
     complete: frozenset[int]
     data: dict[int, frozenset[tuple[int, int]]]
     temporary: tuple[str, ...] = ()
     names: frozenset[str] = frozenset()
+    files: frozenset[str] = frozenset()
 
     def data_names(self, unique_id: int) -> list[str]:
         """The names of ``unique_id``'s data files present, sorted."""
@@ -61,8 +63,10 @@ class Listing:
 
 def listing_of(names: Iterable[str]) -> Listing:
     """The listing of a directory that holds the files ``names``."""
-    complete, data, temporary, found = set(), {}, [], []
+    complete, temporary, found, every = set(), [], [], []
+    data: dict[int, set[tuple[int, int]]] = {}
     for name in names:
+        every.append(name)
         m = METADATA_RE.match(name)
         if m:
             complete.add(int(m.group(1)))
@@ -74,7 +78,7 @@ def listing_of(names: Iterable[str]) -> Listing:
         elif TMP_RE.match(name):
             temporary.append(name)
     data_sets = {k: frozenset(v) for k, v in data.items()}
-    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found))
+    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found), frozenset(every))
 
 
 # ---------------------------------------------------------------------- the interface
@@ -142,6 +146,10 @@ class Storage(Protocol):
     def list_checkpoints(self) -> Listing:
         """What the directory holds (a missing directory is an empty listing)."""
 
+    def size(self, name: str) -> int | None:
+        """The size in bytes of file ``name``, or None when the directory holds no file of that
+        name (a subdirectory is not a file)."""
+
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         """Read and validate checkpoint ``unique_id``'s metadata."""
 
@@ -166,6 +174,17 @@ class Storage(Protocol):
         """The full name of file ``name`` (FormatError when it would leave the directory)."""
 
 
+def read_range(store: Storage, name: str, start: int, length: int) -> bytes:
+    """Bytes [start, start + length) of file ``name`` (a small read: an index, a header)."""
+    out = bytearray(length)
+    reader = store.range_reader()
+    try:
+        reader.read_into(name, start, memoryview(out))
+    finally:
+        reader.close()
+    return bytes(out)
+
+
 # ---------------------------------------------------------------------- cleaning up
 def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | None = None) -> list[str]:
     """Remove temporary files of crashed saves: all of them, or those of one id (and, with
@@ -174,6 +193,8 @@ def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | N
     names = []
     for name in store.list_checkpoints().temporary:
         m = TMP_RE.match(name)
+        if m is None:  # a listing's temporary names all match
+            continue
         owner = int(m.group(1)) if m.group(1) is not None else -1
         if unique_id is not None and int(m.group(2)) != unique_id:
             continue
@@ -188,7 +209,7 @@ def remove_data(store: Storage, unique_id: int, rank: int, keep_generation: int 
     listing = store.list_checkpoints()
     names = []
     for name in listing.data_names(unique_id):
-        writer, _, generation = parse_data_name(name)
+        writer, _, generation = parse_data_name(name) or (-1, -1, -1)
         if writer == rank and generation != keep_generation:
             names.append(name)
     return store.remove(names)
@@ -242,7 +263,7 @@ def as_bytes(array: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy)."""
     if not array.flags.c_contiguous:
         raise ValueError("array must be C-contiguous")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 # ---------------------------------------------------------------------- reading
@@ -361,7 +382,7 @@ def execute_op(
             verify_segment(meta, files, op.file, seg, dest)
         return
     buf = staging.get(op.nbytes)
-    fetch(op, memoryview(buf))
+    fetch(op, buf.data)
     _verify_and_copy(op, files, targets, buf, verify, check_only)
 
 
@@ -369,7 +390,7 @@ def _verify_and_copy(op: ReadOp, files: DataFiles, targets, buf: np.ndarray, ver
     meta = files.meta
     if verify or check_only:
         for seg in op.segments:
-            verify_segment(meta, files, op.file, seg, memoryview(buf[seg.start - op.start : seg.stop - op.start]))
+            verify_segment(meta, files, op.file, seg, buf[seg.start - op.start : seg.stop - op.start].data)
     if check_only:
         return
     for seg in op.segments:

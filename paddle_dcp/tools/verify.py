@@ -9,10 +9,10 @@ from typing import Sequence
 import numpy as np
 
 from . import consolidate
-from ..core.metadata_parse import check_entry_tiling
+from ..core.metadata_parse import check_entry
 from ..core.metadata import Metadata, TensorEntry, blocks_of
 from ..core.naming import metadata_name
-from ..errors import FormatError, PlanError, StorageError
+from ..errors import FormatError, StorageError
 from ..io import open_storage, storage
 from .console import ProgressBar, _one_line
 
@@ -53,11 +53,11 @@ def _keys_list(keys: Sequence[str], limit: int = 5) -> str:
 
 
 class _FileChecker:
-    """Reads one data file in windows of the size of ``buf`` (reused for every file) and
-    serves the checksum blocks of the pieces it holds from them."""
+    """Reads data file ``index`` of ``files`` in windows of the size of ``buf`` (reused for
+    every file) and serves the checksum blocks of the pieces it holds from them."""
 
-    def __init__(self, fd: int, name: str, size: int, buf: np.ndarray):
-        self.fd, self.name, self.size = fd, name, size
+    def __init__(self, files: storage.DataFiles, index: int, name: str, size: int, buf: np.ndarray):
+        self.files, self.index, self.name, self.size = files, index, name, size
         self.buf = buf
         self.lo = self.hi = 0
 
@@ -67,13 +67,7 @@ class _FileChecker:
             n = max(n, length)
             if n > len(self.buf):  # a block larger than the window
                 self.buf = np.empty(n, dtype=np.uint8)
-            mv = memoryview(self.buf)[:n]
-            done = 0
-            while done < n:
-                got = os.preadv(self.fd, [mv[done:]], start + done)
-                if got == 0:
-                    raise StorageError(f"{self.name} ends at byte {start + done}, before {start + n}", self.name)
-                done += got
+            self.files.read_into(self.index, start, memoryview(self.buf)[:n])
             self.lo, self.hi = start, start + n
         return memoryview(self.buf)[start - self.lo : start - self.lo + length]
 
@@ -89,8 +83,9 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     """
     meta_file = os.path.join(path, metadata_name(unique_id))
     counts = {"tensors": 0, "pieces": 0, "files": 0, "bytes": 0}
+    store = open_storage(path)
     try:
-        meta = open_storage(path).read_metadata(unique_id, lazy=True)
+        meta = store.read_metadata(unique_id, lazy=True)
     except (FormatError, StorageError) as exc:
         return [_located(meta_file, exc)], counts
     problems: list[str] = []
@@ -98,9 +93,8 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     for key in meta.tensors:
         try:
             entry = meta.tensors[key]
-            pieces = entry.pieces
-            check_entry_tiling(key, entry.shape, pieces.offsets, pieces.shapes, pieces.files, meta.replicas)
-        except (FormatError, PlanError) as exc:
+            check_entry(entry, meta.replicas)
+        except FormatError as exc:
             problems.append(_located(meta_file, exc))
             continue
         entries[key] = entry
@@ -111,49 +105,46 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     # files first: presence and size, so the progress bar's total is what will be read
     readable: dict[int, tuple[str, int]] = {}
     for f, entry in enumerate(meta.files):
-        full = os.path.join(path, entry.name)
         held = [keys[k] for k in np.unique(by_file[f]["key"]).tolist()] if f in by_file else []
-        holds = f" (holds pieces of {_keys_list(held)})" if held else ""
-        try:
-            full = open_storage(path).resolve(entry.name)
-            size = os.stat(full).st_size
-        except FormatError as exc:
-            problems.append(f"{full}: {_one_line(exc)}{holds}")
-            continue
-        except FileNotFoundError:
-            problems.append(f"{full}: missing{holds}")
-            continue
-        except OSError as exc:
-            problems.append(f"{full}: cannot read: {exc}{holds}")
-            continue
-        if size != entry.nbytes:
-            problems.append(f"{full}: has {size} bytes, the metadata says {entry.nbytes}{holds}")
-            continue
-        readable[f] = (full, size)
+        problem, full, size = _file_problem(store, path, entry, f" (holds pieces of {_keys_list(held)})" if held else "")
+        if problem:
+            problems.append(problem)
+        else:
+            readable[f] = (full, size)
     total = sum(int(by_file[f]["nbytes"].sum()) for f in readable if f in by_file)
     window = max(consolidate.SLAB_BYTES, meta.block_bytes)
     largest = max((size for f, (_, size) in readable.items() if f in by_file), default=0)
     buf = np.empty(min(window, max(largest, 1)), dtype=np.uint8)
-    with ProgressBar(total, f"verify {unique_id}", progress) as bar:
-        for f, (full, size) in readable.items():
-            counts["files"] += 1
-            if f not in by_file:
-                continue
-            try:
-                fd = os.open(full, os.O_RDONLY)
-            except OSError as exc:
-                problems.append(f"{full}: cannot open: {exc}")
-                continue
-            try:
-                checker = _FileChecker(fd, full, size, buf)
-                problems += _check_pieces(checker, meta, entries, keys, by_file[f], bar, counts)
-            except StorageError as exc:
-                problems.append(f"{full}: {_one_line(exc)}")
-            except OSError as exc:
-                problems.append(f"{full}: cannot read: {exc}")
-            finally:
-                os.close(fd)
+    files = store.open_files(meta)
+    try:
+        with ProgressBar(total, f"verify {unique_id}", progress) as bar:
+            for f, (full, size) in readable.items():
+                counts["files"] += 1
+                if f not in by_file:
+                    continue
+                try:
+                    checker = _FileChecker(files, f, full, size, buf)
+                    problems += _check_pieces(checker, meta, entries, keys, by_file[f], bar, counts)
+                except (FormatError, StorageError) as exc:  # an IntegrityError too: a file cut short
+                    problems.append(f"{full}: {_one_line(exc)}")
+    finally:
+        files.close()
     return problems, counts
+
+
+def _file_problem(store: storage.Storage, path: str, entry, holds: str) -> tuple[str, str, int]:
+    """(what is wrong with data file ``entry``, or "", its full name, its size)."""
+    full = os.path.join(path, entry.name)
+    try:
+        full = store.resolve(entry.name)
+        size = store.size(entry.name)
+    except (FormatError, StorageError) as exc:
+        return f"{full}: {_one_line(exc)}{holds}", full, 0
+    if size is None:
+        return f"{full}: missing{holds}", full, 0
+    if size != entry.nbytes:
+        return f"{full}: has {size} bytes, the metadata says {entry.nbytes}{holds}", full, 0
+    return "", full, size
 
 
 def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:

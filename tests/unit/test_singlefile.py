@@ -17,6 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp import singlefile
+from paddle_dcp.core import load_plan
+from paddle_dcp.format import hf_dir
+from paddle_dcp.io import open_storage, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, MismatchError
 
@@ -167,16 +170,15 @@ def test_read_box_reads_exactly_the_box(tmp_path_factory, shape, data, band):
     path = write(tmp_path_factory.mktemp("rb") / "t", {"t": ("I32", array)}, pad=3)
     header = singlefile.read_header(str(path))
     out = np.full(sizes, -1, np.int32)
-    old = singlefile._BAND_BYTES
-    singlefile._BAND_BYTES = band  # small bands force the staged and the row-by-row paths
+    # the single-file load's machinery: the file as a checkpoint's metadata, planned reads of
+    # at most ``band`` bytes (small ones force the cut paths), executed on the storage's files
+    meta = hf_dir.files_metadata([(path.name, header.file_bytes)], {"t": hf_dir.tensor_entry(header.entries["t"], 0)})
+    ops = load_plan.plan_reads(meta, [load_plan.TargetPiece("t", "int32", shape, box)], max_read_bytes=band)
+    files = open_storage(str(path.parent)).open_files(meta)
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            singlefile._Reader(fd, str(path)).read_box(header.entries["t"].begin, shape, box, out)
-        finally:
-            os.close(fd)
+        storage.execute_reads(ops, files, [out], verify=False)
     finally:
-        singlefile._BAND_BYTES = old
+        files.close()
     assert np.array_equal(out, array[box.slices() + (Ellipsis,)])
 
 

@@ -1,5 +1,5 @@
-"""mypy runs clean on the pure layers (core/, format/) with the repository's mypy.ini, which
-requires every function there to be annotated."""
+"""mypy runs clean on the pure layers (core/, format/) and on the storage layer (io/) with the
+repository's mypy.ini, which requires every function of the pure layers to be annotated."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install mypy)")
-def test_mypy_is_clean_on_core_and_format():
+def test_mypy_is_clean_on_core_format_and_io():
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "paddle_dcp/core", "paddle_dcp/format"],
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "paddle_dcp/core", "paddle_dcp/format", "paddle_dcp/io"],
         cwd=REPO,
         capture_output=True,
         text=True,

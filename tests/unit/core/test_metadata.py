@@ -530,3 +530,39 @@ def test_an_entry_refused_one_by_one_is_never_taken_together_and_keeps_its_error
         together.tensors["m.b"]
     assert str(got.value) == str(expected.value)
     assert (together.tensors["m.w"].pieces.offsets == alone.tensors["m.w"].pieces.offsets).all()
+
+
+def _many_pass_refuses(doc: dict, key: str) -> bool:
+    """Whether the many-entry pass, by itself, refuses entry ``key`` of ``doc``."""
+    from paddle_dcp.core import metadata_parse
+
+    sizes = np.array([f["bytes"] for f in doc["files"]], dtype=np.int64)
+    rows, packed, refused = metadata_parse._plain_rows([key], doc["tensors"], 1 << 30)
+    assert packed == []
+    return refused == [key] or metadata_parse._vectorised(rows, sizes, doc["checksum"]["block_bytes"]) is None
+
+
+@pytest.mark.parametrize("edit", range(len(BAD_EDITS) - 1))  # the last edit packs a column
+def test_every_check_of_the_per_entry_parse_is_made_by_the_many_entry_pass(edit):
+    doc = doc_of(hand_meta(2))
+    BAD_EDITS[edit](doc["tensors"]["m.b"])
+    with pytest.raises(FormatError, match=r"\bm\.b\b") as alone:
+        lazy(doc).tensors["m.b"]
+    assert _many_pass_refuses(doc, "m.b"), alone.value
+    together = lazy(doc)
+    together.prefetch(list(doc["tensors"]))  # the one refused is worded by the per-entry parse
+    with pytest.raises(FormatError) as got:
+        together.tensors["m.b"]
+    assert type(got.value) is type(alone.value) and str(got.value) == str(alone.value)
+    assert not _many_pass_refuses(doc, "m.w")
+
+
+def test_an_entry_refused_together_but_accepted_alone_is_an_error_not_a_fallback():
+    from paddle_dcp.core import metadata_parse
+
+    doc = doc_of(hand_meta(2))
+    doc["tensors"]["m.b"]["byte_offset"] = [0, 10**9]
+    sizes = np.array([f["bytes"] for f in doc["files"]], dtype=np.int64)
+    accepts_all = lambda key: None  # noqa: E731 - a per-entry parse that would disagree
+    with pytest.raises(FormatError, match="refused together"):
+        metadata_parse._parse_many(list(doc["tensors"]), doc["tensors"], sizes, doc["checksum"]["block_bytes"], 1 << 30, accepts_all)

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import paddle_dcp
 from paddle_dcp.core import save_plan
 from paddle_dcp.format import hf_dir, safetensors
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local, open_storage, safetensors_files, storage
 from paddle_dcp.tools import cli
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
@@ -116,7 +116,7 @@ ARRAYS = {
 @pytest.mark.parametrize("shards", [None, [["embed.w"], ["head.b", "norm"]]])
 def test_directory_metadata_places_each_tensor_at_its_bytes(tmp_path, shards):
     d = hf_directory(tmp_path / "hf", ARRAYS, shards)
-    meta = hf_dir.directory_metadata(str(d))
+    meta = safetensors_files.directory_metadata(open_storage(str(d)))
     assert sorted(meta.tensors) == sorted(ARRAYS) and meta.checksum_algorithm == "none"
     for key, array in ARRAYS.items():
         t = meta.tensors[key]
@@ -152,31 +152,31 @@ def test_directory_errors_name_what_is_wrong(tmp_path):
     doc["weight_map"]["ghost"] = doc["weight_map"]["norm"]
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="ghost"):
-        hf_dir.directory_metadata(str(d))
+        safetensors_files.directory_metadata(open_storage(str(d)))
     doc["weight_map"].pop("ghost")
     doc["weight_map"]["norm"] = "model-00001-of-00002.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="norm"):
-        hf_dir.directory_metadata(str(d))
+        safetensors_files.directory_metadata(open_storage(str(d)))
     doc["weight_map"]["norm"] = "../evil.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="plain file name"):
-        hf_dir.directory_metadata(str(d))
+        safetensors_files.directory_metadata(open_storage(str(d)))
     doc["weight_map"]["norm"] = "gone.safetensors"
     index.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match="missing"):
-        hf_dir.directory_metadata(str(d))
+        safetensors_files.directory_metadata(open_storage(str(d)))
     index.write_text('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}')
     with pytest.raises(FormatError, match="twice"):
-        hf_dir.directory_metadata(str(d))
+        safetensors_files.directory_metadata(open_storage(str(d)))
     index.unlink()  # without the index: every shard, and a name in two of them is refused
     save_file({"norm": ARRAYS["norm"]}, str(d / "extra.safetensors"))
     with pytest.raises(FormatError, match="'norm' is in both"):
-        hf_dir.directory_metadata(str(d))
+        safetensors_files.directory_metadata(open_storage(str(d)))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FormatError, match="no checkpoint"):
-        hf_dir.directory_metadata(str(empty))
+        safetensors_files.directory_metadata(open_storage(str(empty)))
 
 
 # ------------------------------------------------------------------ save with safetensors=True

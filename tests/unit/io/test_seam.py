@@ -12,10 +12,12 @@ import pytest
 
 import paddle_dcp
 from paddle_dcp import api
+from paddle_dcp import io as io_package
 from paddle_dcp.core.metadata import Metadata, aligned
 from paddle_dcp.core.naming import metadata_name
 from paddle_dcp.errors import IntegrityError, StorageError
 from paddle_dcp.io import local, open_storage, storage
+from paddle_dcp.tools import verify
 
 from ..helpers import listdir
 from ..test_reliability import _fsync_log
@@ -74,6 +76,22 @@ class MemoryWriter:
         pass
 
 
+class MemoryRanges:
+    def __init__(self, blobs: dict):
+        self.blobs = blobs
+
+    def read_into(self, name: str, start: int, out: memoryview) -> None:
+        if name not in self.blobs:
+            raise IntegrityError(f"data file {name} is missing")
+        data = self.blobs[name][start : start + len(out)]
+        if len(data) != len(out):
+            raise IntegrityError(f"data file {name} ends before {start + len(out)}")
+        out[:] = data
+
+    def close(self) -> None:
+        pass
+
+
 class MemoryStorage:
     """Every file a bytes value in a dict: a second implementation of ``storage.Storage``."""
 
@@ -86,6 +104,9 @@ class MemoryStorage:
     def list_checkpoints(self) -> storage.Listing:
         return storage.listing_of(self.blobs)
 
+    def size(self, name: str) -> int | None:
+        return len(self.blobs[name]) if name in self.blobs else None
+
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         name = metadata_name(unique_id)
         if name not in self.blobs:
@@ -95,8 +116,8 @@ class MemoryStorage:
     def open_files(self, meta: Metadata) -> MemoryFiles:
         return MemoryFiles(self.blobs, meta)
 
-    def range_reader(self):
-        raise AssertionError("one process reads every file itself")
+    def range_reader(self) -> MemoryRanges:
+        return MemoryRanges(self.blobs)
 
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         self.blobs[name] = bytes(data)
@@ -114,6 +135,15 @@ class MemoryStorage:
 def state() -> dict:
     w = np.arange(33 * 17, dtype=np.float32).reshape(33, 17) / 7
     return {"model": {"w": w, "b": np.arange(1001, dtype=np.int64)}, "step": 3}
+
+
+def loads_the_state(path: str) -> None:
+    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    paddle_dcp.load_state_dict(target, path)
+    want = state()
+    assert np.array_equal(target["model"]["w"], want["model"]["w"])
+    assert np.array_equal(target["model"]["b"], want["model"]["b"])
+    assert target["step"] == 3
 
 
 @pytest.mark.parametrize("safetensors", [False, True])
@@ -134,12 +164,7 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
     # a second save of the same id replaces the data files by generation, then tidies
     paddle_dcp.save_state_dict(state(), mem, unique_id=0, safetensors=safetensors)
     assert len([n for n in blobs if not n.endswith(".metadata")]) == 1, sorted(blobs)
-    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
-    paddle_dcp.load_state_dict(target, mem)
-    want = state()
-    assert np.array_equal(target["model"]["w"], want["model"]["w"])
-    assert np.array_equal(target["model"]["b"], want["model"]["b"])
-    assert target["step"] == 3
+    loads_the_state(mem)
 
 
 def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path, monkeypatch):
@@ -153,6 +178,59 @@ def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path,
     with pytest.raises(IntegrityError, match="0_0.distcp"):
         paddle_dcp.load_state_dict(target, "mem")
     assert not target["model"]["w"].any()
+
+
+def on_the_fake(monkeypatch, blobs: dict) -> None:
+    """Every entry point's storage is the in-memory one: the directory load and save (api),
+    single files (io.open_file), verify."""
+    fake = lambda path, storage_options=None: MemoryStorage(path, blobs)  # noqa: E731
+    monkeypatch.setattr(api, "open_storage", fake)
+    monkeypatch.setattr(io_package, "open_storage", fake)
+    monkeypatch.setattr(verify, "open_storage", fake)
+
+
+def test_a_gathered_file_saves_and_loads_through_the_in_memory_storage_byte_for_byte(tmp_path, monkeypatch):
+    disk = str(tmp_path / "disk.safetensors")
+    paddle_dcp.save_gathered(state(), disk)
+    blobs: dict[str, bytes] = {}
+    on_the_fake(monkeypatch, blobs)
+    mem = str(tmp_path / "mem.safetensors")
+    paddle_dcp.save_gathered(state(), mem)
+    assert not os.path.exists(mem) and sorted(blobs) == ["mem.safetensors"]
+    with open(disk, "rb") as f:
+        assert f.read() == blobs["mem.safetensors"]
+    loads_the_state(mem)
+
+
+def test_a_hugging_face_directory_loads_through_the_in_memory_storage(monkeypatch):
+    from safetensors.numpy import save
+
+    w, b = np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5, dtype=np.int64)
+    blobs = {
+        "model-1.safetensors": save({"w": w}),
+        "model-2.safetensors": save({"b": b}),
+        "model.safetensors.index.json": b'{"weight_map": {"w": "model-1.safetensors", "b": "model-2.safetensors"}}',
+    }
+    on_the_fake(monkeypatch, blobs)
+    target = {"w": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.int64)}
+    paddle_dcp.load_state_dict(target, "hf", safetensors=True)
+    assert np.array_equal(target["w"], w) and np.array_equal(target["b"], b)
+
+
+def test_verify_reads_through_the_in_memory_storage(monkeypatch):
+    blobs: dict[str, bytes] = {}
+    on_the_fake(monkeypatch, blobs)
+    paddle_dcp.save_state_dict(state(), "mem")
+    problems, counts = verify.verify_checkpoint("mem", 0)
+    assert problems == [] and counts["files"] == 1 and counts["bytes"] > 0
+    data = bytearray(blobs["0_0.distcp"])
+    data[100] ^= 1
+    blobs["0_0.distcp"] = bytes(data)
+    problems, _ = verify.verify_checkpoint("mem", 0)
+    assert len(problems) == 1 and "0_0.distcp" in problems[0] and "checksum" in problems[0], problems
+    del blobs["0_0.distcp"]
+    problems, _ = verify.verify_checkpoint("mem", 0)
+    assert len(problems) == 1 and "missing" in problems[0], problems
 
 
 def test_open_storage_of_a_local_path_is_the_local_disk(tmp_path):
@@ -218,3 +296,13 @@ def test_aligned_is_the_next_multiple_for_ints_and_arrays():
     assert [aligned(n) for n in (0, 1, 63, 64, 65)] == [0, 64, 64, 64, 128]
     assert aligned(5, 1) == 5
     assert aligned(np.array([0, 1, 64, 65])).tolist() == [0, 64, 64, 128]
+
+
+def test_a_data_writer_whose_header_fails_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full_disk(self, view, offset):
+        raise StorageError(f"cannot write {self.tmp}: no space left", self.tmp)
+
+    monkeypatch.setattr(local.AtomicFile, "pwrite", full_disk)
+    with pytest.raises(StorageError, match="no space left"):
+        local.DataWriter(str(tmp_path), "f", 64, header=b"head")
+    assert listdir(str(tmp_path)) == []
