@@ -72,7 +72,9 @@ class HostBytes:
 
 def host_bytes(tensor) -> HostBytes:
     """The bytes of a (local, dense) tensor in host memory: the tensor's own memory on the
-    CPU, else one copy (to pinned memory when the build has it)."""
+    CPU, else one copy (to pinned memory when the build has it); staged bytes as they are."""
+    if isinstance(tensor, HostBytes):
+        return tensor
     if isinstance(tensor, np.ndarray):
         from ..core.dtypes import name_of_numpy
 
@@ -90,12 +92,89 @@ def host_bytes(tensor) -> HostBytes:
 def staged_copy(tensor):
     """A host copy of a local tensor's bytes that outlives later changes to the tensor (an
     async save writes it in the background): one device-to-host copy on a GPU (to pinned
-    memory where paddle has it), one memcpy on the CPU."""
+    memory where paddle has it), one memcpy on the CPU. (An async save stages through a
+    :class:`StagingArena` instead, which reuses its memory.)"""
     if isinstance(tensor, np.ndarray):
         return np.array(tensor, copy=True, order="C")
     if is_host(tensor):
         return tensor.clone()
     return tensor.pin_memory() if _has_pinned() else tensor.cpu()
+
+
+class StagingArena:
+    """Host memory an async save copies its pieces into, kept from one save to the next.
+
+    Host tensors are copied into views of one large numpy buffer: memory allocated once,
+    already touched by the previous save (a copy into it runs at memcpy speed, not at the
+    speed of page faults), and large enough for the kernel to back it with huge pages.
+    Tensors on a GPU are copied into pinned host tensors kept by (shape, dtype) where paddle
+    has pinned memory. The arena holds the bytes of the last save this process staged (its
+    share of the checkpoint) until :meth:`release`; a save that finds it in use (another
+    save still writing) stages into fresh memory instead.
+    """
+
+    ALIGN = 64  # bytes: every staged piece starts on a cache line
+
+    def __init__(self):
+        self.buf = np.empty(0, dtype=np.uint8)
+        self.pinned: dict[tuple, list] = {}
+        self.busy = False
+
+    def stage(self, tensors: list) -> list:
+        """Host copies of ``tensors`` (:class:`HostBytes` views of the arena, or pinned
+        tensors), valid until :meth:`done`."""
+        if self.busy:  # never overwrite bytes a save still writes
+            return [staged_copy(t) for t in tensors]
+        self.busy = True
+        try:
+            sources = [None if _on_device(t) else host_bytes(t).array for t in tensors]
+            total = sum(_aligned(a.nbytes, self.ALIGN) for a in sources if a is not None)
+            if len(self.buf) < total:
+                self.buf = np.empty(total, dtype=np.uint8)  # the old one goes once unreferenced
+            out, at, pinned = [], 0, {}
+            for tensor, src in zip(tensors, sources):
+                if src is None:
+                    out.append(self._device_copy(tensor, pinned))
+                    continue
+                view = self.buf[at : at + src.nbytes].view(src.dtype).reshape(src.shape)
+                np.copyto(view, src, casting="no")
+                out.append(HostBytes(view, self.buf))
+                at += _aligned(src.nbytes, self.ALIGN)
+            self.pinned = pinned
+            return out
+        except BaseException:
+            self.busy = False
+            raise
+
+    def _device_copy(self, tensor, used: dict):
+        """A pinned host copy of a device tensor, into a buffer of the last save when one of
+        its shape and dtype is free."""
+        key = (tuple(int(s) for s in tensor.shape), str(tensor.dtype))
+        free = self.pinned.get(key) or []
+        if free:
+            host = free.pop()
+            host.copy_(tensor, True)
+        else:
+            host = tensor.pin_memory() if _has_pinned() else tensor.cpu()
+        used.setdefault(key, []).append(host)
+        return host
+
+    def done(self) -> None:
+        """The save that staged into the arena has finished writing: it may be reused."""
+        self.busy = False
+
+    def release(self) -> None:
+        """Give the memory back (the next async save allocates it again)."""
+        if not self.busy:
+            self.buf, self.pinned = np.empty(0, dtype=np.uint8), {}
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _on_device(tensor) -> bool:
+    return not isinstance(tensor, np.ndarray) and not is_host(tensor)
 
 
 class TargetBuffer:

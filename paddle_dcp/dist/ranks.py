@@ -12,7 +12,7 @@ import numpy as np
 
 from . import exchange, protocol, wire
 from .comm import Comm
-from .device import host_bytes, staged_copy
+from .device import StagingArena, host_bytes, staged_copy
 from .loadwork import LocalLoadWork, plan_load, visible_files
 from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
@@ -56,10 +56,11 @@ class LocalSaveRank:
         replicas: bool = False,
         durable: bool = False,
         staged: bool = False,
+        staging: StagingArena | None = None,
     ):
         self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
-        self.cache, self.replicas, self.staged = cache, bool(replicas), staged
+        self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
         self.safetensors, self.durable = safetensors, durable
         self.layout = hf_dir.layout_plan if safetensors else None
         self.flat: nested.Flat | None = None
@@ -100,8 +101,13 @@ class LocalSaveRank:
         return max(gens) if gens else -1
 
     def stage(self, leaves: np.ndarray) -> None:
-        for i in sorted({self.rows[row][0] for row in leaves.tolist()}):
-            self.held[i].local = staged_copy(self.held[i].local)
+        chosen = sorted({self.rows[row][0] for row in leaves.tolist()})
+        if self.staging is None:
+            copies = [staged_copy(self.held[i].local) for i in chosen]
+        else:
+            copies = self.staging.stage([self.held[i].local for i in chosen])
+        for i, copy in zip(chosen, copies):
+            self.held[i].local = copy
 
     def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
         name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")
