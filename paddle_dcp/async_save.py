@@ -11,6 +11,7 @@ group the background collectives use is made once, by the writer thread.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
 import queue
 import threading
@@ -119,10 +120,19 @@ def release_staging() -> None:
     STAGING.release()
 
 
-@atexit.register
 def _finish_pending_saves() -> None:  # an interpreter exiting must not abandon a save
     for handle in list(_PENDING):
         try:
             handle.wait()
         except BaseException as exc:  # noqa: BLE001 - nobody is left to raise it to
             logger.error("an async save failed: %s", exc)
+
+
+# An exiting interpreter first runs threading's exit hooks, newest first: concurrent.futures'
+# stops every thread pool from taking work (a data file's writer uses one), so the pending
+# saves must be finished by a hook registered after it, not by atexit, which runs later.
+atexit.register(_finish_pending_saves)
+try:
+    threading._register_atexit(_finish_pending_saves)
+except (AttributeError, RuntimeError):  # another Python, or already exiting: atexit only
+    pass
