@@ -130,6 +130,7 @@ def save_state_dict(
         try:  # the background group is made once per group of ranks, here, off the caller's path
             background = comm.private() if comm.size > 1 else comm
             result = protocol.run(background, run)
+            rank.warm_staging()  # after a first save that wrote without staging: for the next one
         finally:
             background_saves.STAGING.done()
         _log_saved(result, path, started)

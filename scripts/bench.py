@@ -17,7 +17,9 @@ Three more phases measure options of paddle_dcp alone, against its own plain sav
 
 - save-async: save_state_dict(async_save=True); the time the caller is blocked (until the call
   returns) and the time until the handle's wait() returns, against the full save's time, and
-  the peak RSS growth (the host copies: about the rank's share);
+  the peak RSS growth (the host copies: about the rank's share); the first save of a process
+  and a later one (the same process's next save) are reported separately, and torch DCP's
+  async_save (when torch runs) is timed the same way, for comparison;
 - save-durable: save_state_dict(durable=True), which fsyncs data files, metadata and
   directory: its GB/s against the default save (the cost of fsync), and against torch DCP's
   default save, which fsyncs every data file (sync_files=True): the like-for-like comparison;
@@ -947,7 +949,8 @@ def _format_variant(entry: dict) -> list:
     share = entry["share_bytes"]
     title = {"save-async": "save, async_save=True", "save-durable": "save, durable=True (fsync of data files, "
              "metadata and directory)", "load-noverify": "load, same layout, verify=False (no checksum checks)"}[phase]
-    out = ["", f"== {title}: paddle_dcp only, {ranks} ranks, share per rank {workload.human(share)}"]
+    peers = " (torch DCP's async_save below)" if phase == "save-async" and entry.get("async", {}).get("torch") else " only"
+    out = ["", f"== {title}: paddle_dcp{peers}, {ranks} ranks, share per rank {workload.human(share)}"]
     ok = f"{ours.get('ok_runs', 0)}/{len(ours.get('runs', []))} ok"
     if "best_gbps" not in ours:
         err = next((r["error"] for r in ours.get("runs", []) if r["error"]), "no run")

@@ -8,10 +8,11 @@ ranks)::
     bench_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
 
 PHASE is "save" (the workload in its save layout), "load" (into the same layout) or "reshard"
-(into the reshard layout: Shard(0) -> Shard(1)); for "ours" only, also "save-async"
-(save_state_dict(async_save=True): the call's return and the handle's ``wait()`` are timed
-separately; then, in the same process, a second async save and a plain save, as a training
-loop's later saves), "save-durable" (save_state_dict(durable=True): data files, metadata and directory
+(into the reshard layout: Shard(0) -> Shard(1)); "save-async" for "ours" and "torch"
+(save_state_dict(async_save=True) / DCP's async_save: the call's return and the handle's
+``wait()`` are timed separately; then, in the same process, a second async save and a plain
+save, as a training loop's later saves; torch's go to sub-directories 0, 1, 2), for "ours"
+only also "save-durable" (save_state_dict(durable=True): data files, metadata and directory
 fsynced) and "load-noverify" (load_state_dict(verify=False): no checksum checks). Each rank
 waits at a barrier, then times its own call with time.perf_counter (whatever barriers the
 library does inside included) and records its peak resident memory growth during the call.

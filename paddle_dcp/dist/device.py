@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..core.dtypes import storage_dtype
+from ..core.dtypes import name_of_numpy, storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class StagingArena:
     Tensors on a GPU are copied into pinned host tensors kept by (shape, dtype) where paddle
     has pinned memory. The arena holds the bytes of the last save this process staged (its
     share of the checkpoint) until :meth:`release`; a save that finds it in use (another
-    save still writing) stages into fresh memory instead.
+    save still writing) stages into fresh memory instead. :meth:`reserve` makes (and touches)
+    the memory for given tensors ahead of the save that needs it.
     """
 
     ALIGN = 64  # bytes: every staged piece starts on a cache line
@@ -146,10 +147,37 @@ class StagingArena:
             self.busy = False
             raise
 
+    def fits(self, tensors: list) -> bool:
+        """True when :meth:`stage` would copy ``tensors`` into memory it already has."""
+        if self.busy:
+            return False
+        host, device = _split_sizes(tensors, self.ALIGN)
+        free = {key: len(bufs) for key, bufs in self.pinned.items()}
+        for key in device:
+            free[key] = free.get(key, 0) - 1
+        return host <= len(self.buf) and all(n >= 0 for n in free.values())
+
+    def reserve(self, tensors: list) -> None:
+        """Allocate and touch the memory :meth:`stage` needs for ``tensors`` (the same shapes
+        and dtypes), so that it copies at memory speed; a no-op when it fits already."""
+        if self.busy or self.fits(tensors):
+            return
+        host, device = _split_sizes(tensors, self.ALIGN)
+        if host > len(self.buf):
+            self.buf = np.empty(0, dtype=np.uint8)  # the old one first: never both at once
+            self.buf = np.empty(host, dtype=np.uint8)
+            self.buf[::4096] = 0  # every page touched now, not during the save that needs it
+        pinned: dict[tuple, list] = {}
+        for key in device:
+            free = self.pinned.get(key) or []
+            pinned.setdefault(key, []).append(free.pop() if free else _pinned_empty(*key))
+        if device:
+            self.pinned = pinned
+
     def _device_copy(self, tensor, used: dict):
         """A pinned host copy of a device tensor, into a buffer of the last save when one of
         its shape and dtype is free."""
-        key = (tuple(int(s) for s in tensor.shape), str(tensor.dtype))
+        key = _device_key(tensor)
         free = self.pinned.get(key) or []
         if free:
             host = free.pop()
@@ -167,6 +195,28 @@ class StagingArena:
         """Give the memory back (the next async save allocates it again)."""
         if not self.busy:
             self.buf, self.pinned = np.empty(0, dtype=np.uint8), {}
+
+
+def _device_key(tensor) -> tuple:
+    return tuple(int(s) for s in tensor.shape), tensor.dtype
+
+
+def _split_sizes(tensors: list, align: int) -> tuple[int, list[tuple]]:
+    """(arena bytes the host tensors take, the (shape, dtype) of every device tensor)."""
+    host, device = 0, []
+    for t in tensors:
+        if _on_device(t):
+            device.append(_device_key(t))
+        else:
+            name = name_of_numpy(t.dtype) if isinstance(t, np.ndarray) else dtype_name(t)
+            host += _aligned(math.prod(int(s) for s in t.shape) * storage_dtype(name).itemsize, align)
+    return host, device
+
+
+def _pinned_empty(shape: tuple, dtype):
+    import paddle
+
+    return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace(), pin_memory=_has_pinned())
 
 
 def _aligned(n: int, align: int) -> int:

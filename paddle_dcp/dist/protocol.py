@@ -87,7 +87,8 @@ class SaveRankProtocol(_Protocol):
         cache: where the rank keeps its last save plan (module-level dict in a real job).
         replicas: every holder writes its copy of a replicated piece (``save_replicas``).
         staged: an async save: ``stage`` copies the pieces of the given leaves to host
-            memory; the protocol then yields Detach and may finish in the background.
+            memory (or, while some rank ``can_stage`` them not, each writes its file first);
+            the protocol then yields Detach and may finish in the background.
         layout: the coordinator's last word on where pieces go in their files (safetensors
             rank files put a header first); None: the plan's own layout.
     """
@@ -117,6 +118,10 @@ class SaveRankProtocol(_Protocol):
     def prepare_id(self, uid: int) -> int:
         """The highest generation of ``uid``'s data files this rank sees (-1: none), after
         removing its own temporary files of crashed saves of it."""
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        """True when this rank has staging memory for the pieces of ``leaves`` already (asked
+        when ``staged``)."""
 
     def stage(self, leaves: np.ndarray) -> None:
         """Copy the pieces of ``leaves`` to host memory (when ``staged``)."""
@@ -173,10 +178,17 @@ def save(ctx: SaveRankProtocol) -> Protocol:
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
         plan, leaves = cached["plan"], cached["leaves"]
-    if ctx.staged:
+    # an async save copies the pieces to host memory, then detaches (finishes in the
+    # background); while some rank has no staging memory for its pieces yet (the first async
+    # save of a process), every rank writes its file first: a copy into fresh memory costs
+    # what writing into the page cache costs, so the copy would only add to the call
+    direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(leaves) else 1,)))[0]
+    if ctx.staged and not direct:
         yield from local("stage", lambda: ctx.stage(leaves))
         yield Detach()
     size, sums = (yield from local("write", lambda: ctx.write(uid, generation, leaves))) or (0, [])
+    if direct:
+        yield Detach()
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
 
     def commit():

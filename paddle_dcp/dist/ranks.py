@@ -67,6 +67,8 @@ class LocalSaveRank:
         self.reduced: dict[str, Any] = {}
         self.held: list[Held] = []
         self.rows: list[tuple[int, save_plan.LocalPiece, int | None]] = []
+        self.leaves: np.ndarray | None = None  # what this rank writes (known once planned)
+        self.did_stage = False
 
     def prepare(self) -> None:
         check_id(self.unique_id)
@@ -100,8 +102,22 @@ class LocalSaveRank:
         gens = self.store.list_checkpoints().generations(uid)
         return max(gens) if gens else -1
 
+    def _chosen(self, leaves: np.ndarray) -> list[int]:
+        return sorted({self.rows[row][0] for row in leaves.tolist()})
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        self.leaves = leaves
+        return self.staging is None or self.staging.fits([self.held[i].local for i in self._chosen(leaves)])
+
+    def warm_staging(self) -> None:
+        """Make the staging memory the next async save of the same pieces needs (after a save
+        that wrote without staging), off the caller's path."""
+        if self.staging is not None and self.leaves is not None and not self.did_stage:
+            self.staging.reserve([self.held[i].local for i in self._chosen(self.leaves)])
+
     def stage(self, leaves: np.ndarray) -> None:
-        chosen = sorted({self.rows[row][0] for row in leaves.tolist()})
+        chosen = self._chosen(leaves)
+        self.did_stage = True
         if self.staging is None:
             copies = [staged_copy(self.held[i].local) for i in chosen]
         else:
