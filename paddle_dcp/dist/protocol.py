@@ -37,13 +37,17 @@ logger = logging.getLogger(__name__)
 Protocol = Generator[Any, Any, Any]
 
 
-def local(step: str, fn: Callable[[], Any]) -> Protocol:
-    """A local step followed by its agreement; returns ``fn()``'s value."""
-    value, _ = yield from local_max(step, fn, lambda value: (), 0)
+def local(step: str, fn: Callable[[], Any], detach: bool = False) -> Protocol:
+    """A local step followed by its agreement; returns ``fn()``'s value. With ``detach``, a
+    Detach comes between the step and its agreement: the caller of an async save returns as
+    soon as its own step is done, and a failure anywhere is agreed on in the background."""
+    value, _ = yield from local_max(step, fn, lambda value: (), 0, detach)
     return value
 
 
-def local_max(step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int) -> Protocol:
+def local_max(
+    step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int, detach: bool = False
+) -> Protocol:
     """A local step whose agreement also takes the maximum over the ranks of ``width``
     integers, ``reduce(fn())``; returns (``fn()``'s value, the maxima)."""
     started = time.perf_counter()
@@ -55,6 +59,8 @@ def local_max(step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence
     except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the driver
         value, error, values = None, exc, (0,) * width
     logger.debug("step %s: %.4f s", step, time.perf_counter() - started)
+    if detach:
+        yield Detach()
     maxima = yield Agree(step, error, values)
     return value, maxima
 
@@ -181,14 +187,13 @@ def save(ctx: SaveRankProtocol) -> Protocol:
     # an async save copies the pieces to host memory, then detaches (finishes in the
     # background); while some rank has no staging memory for its pieces yet (the first async
     # save of a process), every rank writes its file first: a copy into fresh memory costs
-    # what writing into the page cache costs, so the copy would only add to the call
+    # what writing into the page cache costs, so the copy would only add to the call. Each
+    # rank detaches once its own step is done; the agreement on it follows in the background.
     direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(leaves) else 1,)))[0]
     if ctx.staged and not direct:
-        yield from local("stage", lambda: ctx.stage(leaves))
-        yield Detach()
-    size, sums = (yield from local("write", lambda: ctx.write(uid, generation, leaves))) or (0, [])
-    if direct:
-        yield Detach()
+        yield from local("stage", lambda: ctx.stage(leaves), detach=True)
+    written = yield from local("write", lambda: ctx.write(uid, generation, leaves), detach=bool(direct))
+    size, sums = written or (0, [])
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
 
     def commit():
