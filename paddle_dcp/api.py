@@ -83,8 +83,10 @@ def save_state_dict(
         coordinator_rank: global rank that plans and writes the metadata.
         unique_id: the checkpoint's id; default: one more than the highest complete id in
             ``path`` (0 for the first).
-        async_save: return as soon as every rank's pieces are copied to host memory and
-            finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
+        async_save: return as soon as this rank's pieces are copied to host memory (the
+            first async save of a process: written to its data file) and finish in the
+            background; returns an :class:`AsyncSave` handle (``wait()``), which raises any
+            rank's failure after the planning.
         safetensors: write each rank's data file as a safetensors file,
             ``{rank}_{unique_id}.safetensors``, that other tools open (its header names every
             piece: the key, and the box in ``key[begin:end,...]`` when it is a part); the

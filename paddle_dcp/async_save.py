@@ -6,7 +6,10 @@ process's :class:`~paddle_dcp.dist.device.StagingArena` in the caller's thread, 
 the rest of the save (writing, the commit, and whatever the caller chains after it, e.g. a
 CheckpointManager's retention) to the writer thread. The thread and the arena live as long
 as the process, so later saves pay neither a thread start nor fresh memory; the process
-group the background collectives use is made once, by the writer thread.
+group the background collectives use is made once, by the writer thread. The first async save
+of a process, which has no staging memory yet, writes its data file in the caller's thread
+instead (as fast as copying into fresh memory would be), and the writer thread then makes
+the memory for the next one.
 """
 from __future__ import annotations
 
@@ -25,8 +28,9 @@ logger = logging.getLogger(__name__)
 class AsyncSave:
     """A save finishing in the background (``save_state_dict(..., async_save=True)``).
 
-    The call that made it returned once every rank's pieces were copied to host memory; the
-    tensors may change from then on. Its data files and metadata are written by the
+    The call that made it returned once this rank's pieces were copied to host memory (or,
+    for the first async save of a process, written to its data file); the tensors may change
+    from then on. Its data files and metadata are written by the
     process's writer thread, over a process group of its own. :meth:`wait` (or the next
     save, or :func:`wait_async_save`) waits for it and raises its error, if it failed.
     """
