@@ -27,7 +27,7 @@ from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
 from .dist.comm import Comm, make_comm
 from .errors import ArgumentError, FormatError
-from .io import open_storage, storage
+from .io import is_url, open_storage, storage
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class CheckpointManager:
         process_group / coordinator_rank: as for ``save_state_dict``; every rank of the group
             makes the manager and calls :meth:`save`, :meth:`restore`, :meth:`wait` and
             :meth:`close` together.
+        storage_options: for a URL ``directory`` (``s3://bucket/prefix``), as for
+            ``save_state_dict``.
 
     Raises:
         ArgumentError: a bad argument, or another manager already uses ``directory`` (a lock
@@ -69,6 +71,8 @@ class CheckpointManager:
         best_mode: str = "max",
         process_group=None,
         coordinator_rank: int = 0,
+        *,
+        storage_options: dict | None = None,
     ):
         _check_count("max_to_keep", max_to_keep, allow_none=True)
         _check_count("keep_every_n_steps", keep_every_n_steps, allow_none=True)
@@ -82,7 +86,8 @@ class CheckpointManager:
         self.save_interval_steps, self.async_save = save_interval_steps, bool(async_save)
         self.best_fn, self.best_mode = best_fn, best_mode
         self.process_group, self.coordinator_rank = process_group, coordinator_rank
-        self.store = open_storage(self.directory)
+        self.storage_options = storage_options
+        self.store = open_storage(self.directory, storage_options)
         self.comm = make_comm(process_group, coordinator_rank)
         self._manifest = Manifest()
         self._pending: list[background_saves.AsyncSave] = []
@@ -118,7 +123,7 @@ class CheckpointManager:
         self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
         handle = save_state_dict(
             state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
-            async_save=self.async_save,
+            async_save=self.async_save, storage_options=self.storage_options,
         )
         if handle is None:
             self._committed(self.comm, step)
@@ -140,7 +145,10 @@ class CheckpointManager:
                 raise FormatError(f"no complete checkpoint of a CheckpointManager in {self.directory}")
         elif type(step) is not int or step < 0:
             raise ArgumentError(f"step must be a non-negative int or None, got {step!r}")
-        load_state_dict(state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step)
+        load_state_dict(
+            state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
+            storage_options=self.storage_options,
+        )
         return step
 
     def latest_step(self) -> int | None:
@@ -292,7 +300,7 @@ def _take_lock(directory: str):
     """Hold an exclusive lock on the directory's lock file while the manager is open (the OS
     releases it when the process ends); ArgumentError naming the holder when another manager
     has it. Object storage has no such lock: there, one manager per prefix is the user's job."""
-    if "://" in directory:
+    if is_url(directory):
         logger.warning("CheckpointManager: %s cannot be locked; a second manager on it is not detected", directory)
         return None
     import fcntl
