@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedError,
 )
 from .gather import save_gathered
+from .manager import CheckpointManager
 from .core.metadata import FORMAT_VERSION
 from .patching import PaddlePatch, StateDictMetadata, patch_paddle, read_state_dict_metadata
 from .training import get_state_dict, set_state_dict
@@ -32,6 +33,7 @@ __all__ = [
     "read_metadata",
     "wait_async_save",
     "AsyncSave",
+    "CheckpointManager",
     "save_gathered",
     "get_state_dict",
     "set_state_dict",

@@ -9,12 +9,12 @@ an agreement, so a failure anywhere raises on every rank instead of leaving one 
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import threading
 import time
 
+from . import async_save as background_saves
+from .async_save import AsyncSave, wait_async_save
 from .core import aoa
 from .dist import protocol
 from .dist.comm import make_comm
@@ -83,8 +83,10 @@ def save_state_dict(
         coordinator_rank: global rank that plans and writes the metadata.
         unique_id: the checkpoint's id; default: one more than the highest complete id in
             ``path`` (0 for the first).
-        async_save: return as soon as every rank's pieces are copied to host memory and
-            finish writing in the background; returns an :class:`AsyncSave` handle (``wait()``).
+        async_save: return as soon as this rank's pieces are copied to host memory (the
+            first async save of a process: written to its data file) and finish in the
+            background; returns an :class:`AsyncSave` handle (``wait()``), which raises any
+            rank's failure after the planning.
         safetensors: write each rank's data file as a safetensors file,
             ``{rank}_{unique_id}.safetensors``, that other tools open (its header names every
             piece: the key, and the box in ``key[begin:end,...]`` when it is a part); the
@@ -111,6 +113,7 @@ def save_state_dict(
     rank = LocalSaveRank(
         comm, state_dict, open_storage(path, storage_options), unique_id, _SAVE_PLANS,
         safetensors=safetensors, replicas=save_replicas, durable=durable, staged=async_save,
+        staging=background_saves.STAGING if async_save else None,
     )
     if not async_save:
         result = protocol.run(comm, protocol.save(rank))
@@ -118,18 +121,24 @@ def save_state_dict(
         _log_saved(result, path, started)
         return None
     run = protocol.save(rank)
-    protocol.run(comm, run, until_detach=True)
-    background = comm.private() if comm.size > 1 else comm
+    try:
+        protocol.run(comm, run, until_detach=True)
+    except BaseException:
+        background_saves.STAGING.done()
+        raise
     logger.info("async save to %s: state staged in %.3f s, writing in the background", path, time.perf_counter() - started)
 
     def finish():
-        result = protocol.run(background, run)
+        try:  # the background group is made once per group of ranks, here, off the caller's path
+            background = comm.private() if comm.size > 1 else comm
+            result = protocol.run(background, run)
+            rank.warm_staging()  # after a first save that wrote without staging: for the next one
+        finally:
+            background_saves.STAGING.done()
         _log_saved(result, path, started)
         return result.unique_id
 
-    handle = AsyncSave(finish)
-    _PENDING.append(handle)
-    return handle
+    return background_saves.submit(finish)
 
 
 def _log_saved(result, path: str, started: float) -> None:
@@ -138,76 +147,6 @@ def _log_saved(result, path: str, started: float) -> None:
         result.unique_id, path, result.bytes_written, time.perf_counter() - started,
         " (plan reused)" if result.plan_reused else "",
     )
-
-
-class AsyncSave:
-    """A save finishing in the background (``save_state_dict(..., async_save=True)``).
-
-    The call that made it returned once every rank's pieces were copied to host memory; the
-    tensors may change from then on. Its data files and metadata are written by a thread, over
-    a process group of its own. :meth:`wait` (or the next save, or :func:`wait_async_save`)
-    waits for it and raises its error, if it failed.
-    """
-
-    def __init__(self, fn):
-        self._done = threading.Event()
-        self._result: int | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="paddle_dcp-async-save", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        """True once the save finished, successfully or not."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Wait for the save; returns its unique id.
-
-        Raises:
-            TimeoutError: not finished within ``timeout`` seconds.
-            DcpError: the background save's own error.
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the async save did not finish within {timeout} s")
-        if self in _PENDING:
-            _PENDING.remove(self)
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-_PENDING: list[AsyncSave] = []
-
-
-def wait_async_save(timeout: float | None = None) -> None:
-    """Wait for every async save of this process to finish; raise the first error."""
-    errors = []
-    for handle in list(_PENDING):
-        try:
-            handle.wait(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-
-
-@atexit.register
-def _finish_pending_saves() -> None:  # an interpreter exiting must not abandon a save
-    for handle in list(_PENDING):
-        try:
-            handle.wait()
-        except BaseException as exc:  # noqa: BLE001 - nobody is left to raise it to
-            logger.error("an async save failed: %s", exc)
 
 
 # A group's last save plan, reused while no rank's layout changes (see protocol.save).

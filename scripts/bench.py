@@ -17,7 +17,9 @@ Three more phases measure options of paddle_dcp alone, against its own plain sav
 
 - save-async: save_state_dict(async_save=True); the time the caller is blocked (until the call
   returns) and the time until the handle's wait() returns, against the full save's time, and
-  the peak RSS growth (the host copies: about the rank's share);
+  the peak RSS growth (the host copies: about the rank's share); the first save of a process
+  and a later one (the same process's next save) are reported separately, and torch DCP's
+  async_save (when torch runs) is timed the same way, for comparison;
 - save-durable: save_state_dict(durable=True), which fsyncs data files, metadata and
   directory: its GB/s against the default save (the cost of fsync), and against torch DCP's
   default save, which fsyncs every data file (sync_files=True): the like-for-like comparison;
@@ -80,6 +82,8 @@ LIBS = ("ours", "paddle", "torch")
 PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
 # paddle_dcp's own options, measured against its plain save and load (no peer has them)
 OURS_ONLY = ("save-async", "save-durable", "load-noverify")
+# ...except that torch DCP's async_save runs in the save-async phase too, for comparison
+ASYNC_PEERS = ("torch",)
 SAVES = ("save", "save-async", "save-durable")
 LIB_TITLE = {
     "ours": "paddle_dcp",
@@ -544,7 +548,7 @@ def run_benchmark(args) -> dict:
             order = rotated(libs, rep)
             for ranks, phase in plan:
                 for lib in order:
-                    if phase in OURS_ONLY and lib != "ours":
+                    if phase in OURS_ONLY and lib != "ours" and not (phase == "save-async" and lib in ASYNC_PEERS):
                         continue
                     # save-async and save-durable write a checkpoint of their own (checked by the
                     # worker itself, then deleted); the loads read the plain save's
@@ -618,6 +622,8 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
         share = logical / ranks
         entry = {"ranks": ranks, "phase": phase, "logical_bytes": logical, "share_bytes": share, "libs": {}}
         entry_libs = ["ours"] if phase in OURS_ONLY else libs
+        if phase == "save-async":
+            entry_libs = ["ours"] + [lib for lib in libs if lib in ASYNC_PEERS]
         for lib in entry_libs:
             mine = [r for r in runs if r.lib == lib and r.phase == phase and r.ranks == ranks]
             good = [r for r in mine if r.ok]
@@ -726,8 +732,8 @@ def _compare_variants(phases: list) -> None:
         plain_best = min((max(r["seconds_per_rank"]) for r in plain_runs), default=None)
         plain_median = statistics.median([max(r["seconds_per_rank"]) for r in plain_runs]) if plain_runs else None
         if e["phase"] == "save-async":
-            def slowest(key):  # the slowest rank of each good run
-                return [max(r[key]) for r in good if key in r]
+            def slowest(key, runs=good):  # the slowest rank of each good run
+                return [max(r[key]) for r in runs if key in r]
 
             def best_median(values):
                 return (min(values), statistics.median(values)) if values else (None, None)
@@ -763,6 +769,15 @@ def _compare_variants(phases: list) -> None:
                                                             if "next_full_rss_growth_per_rank" in r), default=None),
                 "expected_rss_growth_bytes": e["share_bytes"],
             }
+            for peer in ASYNC_PEERS:  # the peer's first and next async saves, blocked
+                peer_good = [r for r in e["libs"].get(peer, {}).get("runs", []) if r["ok"]]
+                if peer_good:
+                    pb = best_median(slowest("blocked_seconds_per_rank", peer_good))
+                    pn = best_median(slowest("next_async_blocked_seconds_per_rank", peer_good))
+                    e["async"][peer] = {"first_blocked_best_s": pb[0], "first_blocked_median_s": pb[1],
+                                        "next_blocked_best_s": pn[0], "next_blocked_median_s": pn[1],
+                                        "ours_next_blocked_over_peer_next_best": _ratio(best_median(nb)[0], pn[0]),
+                                        "ours_next_blocked_over_peer_next_median": _ratio(best_median(nb)[1], pn[1])}
         elif e["phase"] == "save-durable":
             e["durable"] = {
                 "default_save_best_gbps": plain.get("best_gbps"), "default_save_median_gbps": plain.get("median_gbps"),
@@ -934,7 +949,8 @@ def _format_variant(entry: dict) -> list:
     share = entry["share_bytes"]
     title = {"save-async": "save, async_save=True", "save-durable": "save, durable=True (fsync of data files, "
              "metadata and directory)", "load-noverify": "load, same layout, verify=False (no checksum checks)"}[phase]
-    out = ["", f"== {title}: paddle_dcp only, {ranks} ranks, share per rank {workload.human(share)}"]
+    peers = " (torch DCP's async_save below)" if phase == "save-async" and entry.get("async", {}).get("torch") else " only"
+    out = ["", f"== {title}: paddle_dcp{peers}, {ranks} ranks, share per rank {workload.human(share)}"]
     ok = f"{ours.get('ok_runs', 0)}/{len(ours.get('runs', []))} ok"
     if "best_gbps" not in ours:
         err = next((r["error"] for r in ours.get("runs", []) if r["error"]), "no run")
@@ -975,6 +991,16 @@ def _format_variant(entry: dict) -> list:
                    f"a process: {_s(a['first_blocked_best_s'])} vs {_s(a['full_save_best_s'])} "
                    f"({_x(a['first_blocked_over_full_save_best'])}; medians {_x(a['first_blocked_over_full_save_median'])}),"
                    f" its background process group created in the call")
+        for peer in ASYNC_PEERS:
+            p = a.get(peer)
+            if p:
+                row(f"first in its process: {LIB_TITLE[peer]} async_save", p["first_blocked_best_s"],
+                    p["first_blocked_median_s"], None, None, None, None)
+                row(f"next in the same process: {LIB_TITLE[peer]} async_save", p["next_blocked_best_s"],
+                    p["next_blocked_median_s"], None, None, None, None)
+                out.append(f"later async saves, blocked: paddle_dcp / {LIB_TITLE[peer]} "
+                           f"{_x(p['ours_next_blocked_over_peer_next_best'])} (medians "
+                           f"{_x(p['ours_next_blocked_over_peer_next_median'])})")
         out.append(f"RSS: the host copies are expected to take ~ the share, {workload.human(share)} per rank; "
                    f"the memory limit of the plain save does not apply")
         out.append(f"runs: {ok}; each of the three checkpoints loaded back and every value checked")

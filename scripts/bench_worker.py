@@ -8,10 +8,11 @@ ranks)::
     bench_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
 
 PHASE is "save" (the workload in its save layout), "load" (into the same layout) or "reshard"
-(into the reshard layout: Shard(0) -> Shard(1)); for "ours" only, also "save-async"
-(save_state_dict(async_save=True): the call's return and the handle's ``wait()`` are timed
-separately; then, in the same process, a second async save and a plain save, as a training
-loop's later saves), "save-durable" (save_state_dict(durable=True): data files, metadata and directory
+(into the reshard layout: Shard(0) -> Shard(1)); "save-async" for "ours" and "torch"
+(save_state_dict(async_save=True) / DCP's async_save: the call's return and the handle's
+``wait()`` are timed separately; then, in the same process, a second async save and a plain
+save, as a training loop's later saves; torch's go to sub-directories 0, 1, 2), for "ours"
+only also "save-durable" (save_state_dict(durable=True): data files, metadata and directory
 fsynced) and "load-noverify" (load_state_dict(verify=False): no checksum checks). Each rank
 waits at a barrier, then times its own call with time.perf_counter (whatever barriers the
 library does inside included) and records its peak resident memory growth during the call.
@@ -155,6 +156,11 @@ class PaddleLib:
     def load(self, sd, path, **options):
         self.load_fn(sd, path, **options)
 
+    @staticmethod
+    def checkpoint(path: str, uid: int) -> tuple[str, dict]:
+        """Where the save-async phase's ``uid``-th checkpoint goes, and the load options that read it."""
+        return path, {"unique_id": uid}
+
     def close(self):
         pass
 
@@ -219,7 +225,11 @@ class TorchLib:
     def barrier(self):
         self.dist.barrier()
 
-    def save(self, sd, path):
+    def save(self, sd, path, async_save=False):
+        """A save; with ``async_save``, DCP's async_save (its default: staging in the caller,
+        writing in a thread) and a handle whose wait() waits for it."""
+        if async_save:
+            return _TorchHandle(self.dcp.async_save(sd, checkpoint_id=path))
         if os.environ.get("PADDLE_DCP_BENCH_TORCH_NO_FSYNC"):  # DCP's default fsyncs every file
             self.dcp.save(sd, storage_writer=self.dcp.FileSystemWriter(path, sync_files=False))
         else:
@@ -228,8 +238,24 @@ class TorchLib:
     def load(self, sd, path):
         self.dcp.load(sd, checkpoint_id=path)
 
+    @staticmethod
+    def checkpoint(path: str, uid: int) -> tuple[str, dict]:
+        """Where the save-async phase's ``uid``-th checkpoint goes: DCP has no ids in a
+        directory, so each goes to a sub-directory of its own."""
+        return os.path.join(path, str(uid)), {}
+
     def close(self):
         self.dist.destroy_process_group()
+
+
+class _TorchHandle:
+    """DCP's async_save result (a Future, or a response holding one) with our handle's wait()."""
+
+    def __init__(self, result):
+        self.future = getattr(result, "upload_completion", result)
+
+    def wait(self):
+        return self.future.result()
 
 
 # ------------------------------------------------------------------------------ one phase
@@ -316,12 +342,12 @@ def _next_saves(lib, sd, ckpt) -> dict:
     (checkpoint 1) and a plain save (checkpoint 2) of the same state, each after the settle
     wait and a barrier, timed as the first: what a training loop's later saves cost."""
     out = {}
-    for name, options in (("next_async", {"async_save": True}), ("next_full", {})):
+    for uid, name, options in ((1, "next_async", {"async_save": True}), (2, "next_full", {})):
         _settle(lib)
         memory = PeakRss()
         with memory:
             t0 = time.perf_counter()
-            handle = lib.save(sd, ckpt, **options)
+            handle = lib.save(sd, lib.checkpoint(ckpt, uid)[0], **options)
             blocked = time.perf_counter() - t0
             at_return = memory.growth_so_far()
             if handle is not None:
@@ -344,7 +370,7 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             layout_of = lambda s: s.reshard  # noqa: E731
         else:
             layout_of = lambda s: s.layout  # noqa: E731
-        if phase in OURS_ONLY and lib_name != "ours":
+        if phase in OURS_ONLY and lib_name != "ours" and (phase, lib_name) != ("save-async", "torch"):
             raise ValueError(f"phase {phase} is paddle_dcp's only")
         sd = build_state(lib, specs, layout_of, fill=phase not in SAVES)
         result["build_seconds"] = time.perf_counter() - started
@@ -357,7 +383,7 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
         with memory:
             t0 = time.perf_counter()
             if phase == "save-async":
-                handle = lib.save(sd, ckpt, async_save=True)
+                handle = lib.save(sd, lib.checkpoint(ckpt, 0)[0], async_save=True)
                 blocked = time.perf_counter() - t0
                 growth_at_return = memory.growth_so_far()
                 handle.wait()
@@ -388,7 +414,8 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             gc.collect()
             for uid in ids:
                 sd = build_state(lib, specs, layout_of, fill=True)
-                lib.load(sd, ckpt, unique_id=uid)
+                where, options = lib.checkpoint(ckpt, uid)
+                lib.load(sd, where, **options)
                 checked += _check_all(lib, sd, specs, layout_of)
                 del sd
         elif phase != "save":

@@ -2,12 +2,13 @@
 fresh jobs, on other layouts, that load the checkpoint and continue exactly where it stopped.
 
 ``bash scripts/demo.sh`` runs the phases, each a fresh job:
-  train          2 ranks, layout "train": train STEPS steps, save, then train MORE steps to
-                 record the losses of an uninterrupted run
+  train          2 ranks, layout "train": train STEPS steps with a CheckpointManager saving
+                 every step asynchronously (max_to_keep=2: steps STEPS-1 and STEPS stay), then
+                 train MORE steps to record the losses of an uninterrupted run
   resume-other   2 ranks, layout "resume": other placements, so the load reshards
   resume-single  1 process without launch, every tensor whole
 
-Each resume builds a fresh model and optimizer, loads, checks that every loaded value equals
+Each resume builds a fresh model and optimizer, restores the manager's latest step, checks that every loaded value equals
 the saved one bit for bit (the train phase keeps the global values with numpy), trains MORE
 steps and compares the losses with the uninterrupted run. The "resume" layout reverses the
 mesh (every shard moves to the other rank) and replicates fc1's bias, but splits the matmuls
@@ -70,15 +71,18 @@ def batches(mesh, steps, start):
         yield dist.shard_tensor(x, mesh, [dist.Replicate()]), dist.shard_tensor(y, mesh, [dist.Replicate()])
 
 
-def train(model, opt, sched, mesh, steps, start):
+def train(model, opt, sched, mesh, steps, start, after_step=None):
+    """Train ``steps`` steps; ``after_step(steps_done, loss)`` runs after each one."""
     losses = []
-    for x, y in batches(mesh, steps, start):
+    for step, (x, y) in enumerate(batches(mesh, steps, start), start + 1):
         loss = paddle.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         opt.clear_grad()
         sched.step()
         losses.append(float(loss))
+        if after_step is not None:
+            after_step(step, losses[-1])
     return losses
 
 
@@ -137,33 +141,39 @@ def main():
     report = []
     if args.phase == "train":
         model, opt, sched = build(mesh, seed=2024, layout=layout)
-        losses = train(model, opt, sched, mesh, STEPS, start=0)
-        state = state_of(model, opt, STEPS)
-        paddle_dcp.save_state_dict(state, args.ckpt)
-        saved = full_values(state)
+        with paddle_dcp.CheckpointManager(args.ckpt, max_to_keep=2, async_save=True) as manager:
+            # each save returns once the state is copied to host memory; the next step changes it
+            losses = train(model, opt, sched, mesh, STEPS, start=0, after_step=lambda step, loss: manager.save(
+                step, state_of(model, opt, step), metrics={"loss": loss}))
+            state = state_of(model, opt, STEPS)
+            saved = full_values(state)
+            manager.wait()
+            kept = manager.all_steps()
         reference = train(model, opt, sched, mesh, MORE, start=STEPS)
         if rank == 0:
             np.savez(os.path.join(args.work, "saved.npz"), **saved)
             with open(os.path.join(args.work, "reference.json"), "w") as f:
                 json.dump({"losses": losses, "reference": reference}, f)
-            report.append(f"train: 2 ranks, mesh {mesh.process_ids}, {STEPS} steps, loss {losses[0]:.5f} -> {losses[-1]:.5f}; saved")
+            report.append(f"train: 2 ranks, mesh {mesh.process_ids}, {STEPS} steps, loss {losses[0]:.5f} -> {losses[-1]:.5f}; "
+                          f"saved every step (async), the manager kept steps {kept}: {sorted(os.listdir(args.ckpt))}")
             report += [f"  {k}: {v}" for k, v in placements_of(state).items()]
             report += summary(args.ckpt)
     else:
         model, opt, sched = build(mesh, seed=7, layout=layout)  # other initial weights
         state = state_of(model, opt, 0)  # the optimizer creates its (zero) states here
-        paddle_dcp.load_state_dict(state, args.ckpt)
+        with paddle_dcp.CheckpointManager(args.ckpt, max_to_keep=2) as manager:
+            restored, kept = manager.restore(state), manager.all_steps()
         opt.set_state_dict(state["opt"])  # applies the LR scheduler's state too
         saved = np.load(os.path.join(args.work, "saved.npz"))
         loaded = full_values(state)
-        bad = [k for k in saved.files if not np.array_equal(saved[k], loaded[k])]
+        bad = [k for k in saved.files if not np.array_equal(saved[k], loaded[k])] + (["step"] if restored != STEPS else [])
         ref = json.load(open(os.path.join(args.work, "reference.json")))
         resumed = train(model, opt, sched, mesh, MORE, start=state["step"])
         gap = max(abs(a - b) for a, b in zip(resumed, ref["reference"]))
         same = gap == 0.0 if layout == "resume" else gap <= 1e-6
         if rank == 0:
             where = f"{dist.get_world_size()} ranks" if args.phase == "resume-other" else "1 process, no launch"
-            report.append(f"{args.phase}: {where}, mesh {mesh.process_ids}")
+            report.append(f"{args.phase}: {where}, mesh {mesh.process_ids}; restored step {restored} of {kept}")
             report += [f"  {k}: {v}" for k, v in placements_of(state).items()]
             report.append(
                 f"  loaded {len(saved.files)} tensors and step={state['step']}: "

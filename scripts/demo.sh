@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job: train a sharded model on 2 CPU ranks, save it with paddle_dcp, and resume it in
-# fresh jobs on other layouts (2 ranks with other placements; 1 process without launch) that
-# continue exactly where training stopped.
+# The main job: train a sharded model on 2 CPU ranks, saving every step with a paddle_dcp
+# CheckpointManager (async_save=True, max_to_keep=2), and resume from its latest step in fresh
+# jobs on other layouts (2 ranks with other placements; 1 process without launch) that continue
+# exactly where training stopped.
 source "$(dirname "$0")/_env.sh"
 work="$(mktemp -d "${TMPDIR:-/tmp}/paddle_dcp_demo.XXXXXX")"
 trap 'rm -rf "$work"' EXIT

@@ -37,13 +37,17 @@ logger = logging.getLogger(__name__)
 Protocol = Generator[Any, Any, Any]
 
 
-def local(step: str, fn: Callable[[], Any]) -> Protocol:
-    """A local step followed by its agreement; returns ``fn()``'s value."""
-    value, _ = yield from local_max(step, fn, lambda value: (), 0)
+def local(step: str, fn: Callable[[], Any], detach: bool = False) -> Protocol:
+    """A local step followed by its agreement; returns ``fn()``'s value. With ``detach``, a
+    Detach comes between the step and its agreement: the caller of an async save returns as
+    soon as its own step is done, and a failure anywhere is agreed on in the background."""
+    value, _ = yield from local_max(step, fn, lambda value: (), 0, detach)
     return value
 
 
-def local_max(step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int) -> Protocol:
+def local_max(
+    step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int, detach: bool = False
+) -> Protocol:
     """A local step whose agreement also takes the maximum over the ranks of ``width``
     integers, ``reduce(fn())``; returns (``fn()``'s value, the maxima)."""
     started = time.perf_counter()
@@ -55,6 +59,8 @@ def local_max(step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence
     except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the driver
         value, error, values = None, exc, (0,) * width
     logger.debug("step %s: %.4f s", step, time.perf_counter() - started)
+    if detach:
+        yield Detach()
     maxima = yield Agree(step, error, values)
     return value, maxima
 
@@ -87,7 +93,8 @@ class SaveRankProtocol(_Protocol):
         cache: where the rank keeps its last save plan (module-level dict in a real job).
         replicas: every holder writes its copy of a replicated piece (``save_replicas``).
         staged: an async save: ``stage`` copies the pieces of the given leaves to host
-            memory; the protocol then yields Detach and may finish in the background.
+            memory (or, while some rank ``can_stage`` them not, each writes its file first);
+            the protocol then yields Detach and may finish in the background.
         layout: the coordinator's last word on where pieces go in their files (safetensors
             rank files put a header first); None: the plan's own layout.
     """
@@ -117,6 +124,10 @@ class SaveRankProtocol(_Protocol):
     def prepare_id(self, uid: int) -> int:
         """The highest generation of ``uid``'s data files this rank sees (-1: none), after
         removing its own temporary files of crashed saves of it."""
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        """True when this rank has staging memory for the pieces of ``leaves`` already (asked
+        when ``staged``)."""
 
     def stage(self, leaves: np.ndarray) -> None:
         """Copy the pieces of ``leaves`` to host memory (when ``staged``)."""
@@ -173,10 +184,16 @@ def save(ctx: SaveRankProtocol) -> Protocol:
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
         plan, leaves = cached["plan"], cached["leaves"]
-    if ctx.staged:
-        yield from local("stage", lambda: ctx.stage(leaves))
-        yield Detach()
-    size, sums = (yield from local("write", lambda: ctx.write(uid, generation, leaves))) or (0, [])
+    # an async save copies the pieces to host memory, then detaches (finishes in the
+    # background); while some rank has no staging memory for its pieces yet (the first async
+    # save of a process), every rank writes its file first: a copy into fresh memory costs
+    # what writing into the page cache costs, so the copy would only add to the call. Each
+    # rank detaches once its own step is done; the agreement on it follows in the background.
+    direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(leaves) else 1,)))[0]
+    if ctx.staged and not direct:
+        yield from local("stage", lambda: ctx.stage(leaves), detach=True)
+    written = yield from local("write", lambda: ctx.write(uid, generation, leaves), detach=bool(direct))
+    size, sums = written or (0, [])
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
 
     def commit():

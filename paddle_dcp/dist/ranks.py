@@ -12,7 +12,7 @@ import numpy as np
 
 from . import exchange, protocol, wire
 from .comm import Comm
-from .device import host_bytes, staged_copy
+from .device import StagingArena, host_bytes, staged_copy
 from .loadwork import LocalLoadWork, plan_load, visible_files
 from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
@@ -56,16 +56,19 @@ class LocalSaveRank:
         replicas: bool = False,
         durable: bool = False,
         staged: bool = False,
+        staging: StagingArena | None = None,
     ):
         self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
-        self.cache, self.replicas, self.staged = cache, bool(replicas), staged
+        self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
         self.safetensors, self.durable = safetensors, durable
         self.layout = hf_dir.layout_plan if safetensors else None
         self.flat: nested.Flat | None = None
         self.reduced: dict[str, Any] = {}
         self.held: list[Held] = []
         self.rows: list[tuple[int, save_plan.LocalPiece, int | None]] = []
+        self.leaves: np.ndarray | None = None  # what this rank writes (known once planned)
+        self.did_stage = False
 
     def prepare(self) -> None:
         check_id(self.unique_id)
@@ -99,9 +102,28 @@ class LocalSaveRank:
         gens = self.store.list_checkpoints().generations(uid)
         return max(gens) if gens else -1
 
+    def _chosen(self, leaves: np.ndarray) -> list[int]:
+        return sorted({self.rows[row][0] for row in leaves.tolist()})
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        self.leaves = leaves
+        return self.staging is None or self.staging.fits([self.held[i].local for i in self._chosen(leaves)])
+
+    def warm_staging(self) -> None:
+        """Make the staging memory the next async save of the same pieces needs (after a save
+        that wrote without staging), off the caller's path."""
+        if self.staging is not None and self.leaves is not None and not self.did_stage:
+            self.staging.reserve([self.held[i].local for i in self._chosen(self.leaves)])
+
     def stage(self, leaves: np.ndarray) -> None:
-        for i in sorted({self.rows[row][0] for row in leaves.tolist()}):
-            self.held[i].local = staged_copy(self.held[i].local)
+        chosen = self._chosen(leaves)
+        self.did_stage = True
+        if self.staging is None:
+            copies = [staged_copy(self.held[i].local) for i in chosen]
+        else:
+            copies = self.staging.stage([self.held[i].local for i in chosen])
+        for i, copy in zip(chosen, copies):
+            self.held[i].local = copy
 
     def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
         name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")

@@ -64,6 +64,16 @@ class LocalStorage:
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         write_atomic(self.path, name, data, durable)
 
+    def read_file(self, name: str) -> bytes | None:
+        full = inside(self.path, name)
+        try:
+            with open(full, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"cannot read {full}: {exc}", full) from exc
+
     def data_writer(
         self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
     ) -> "DataWriter":

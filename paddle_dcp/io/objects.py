@@ -242,6 +242,14 @@ class ObjectStorage:
         full = self.full(name)
         self.call(f"PUT {self.resolve(name)}", lambda: self.fs.pipe_file(full, bytes(data)))
 
+    def read_file(self, name: str) -> bytes | None:
+        """One GET of a small object (a manager's manifest); None when there is none."""
+        full = self.full(name)
+        try:
+            return self.call(f"GET {self.resolve(name)}", lambda: self.fs.cat_file(full))
+        except FileNotFoundError:
+            return None
+
     def data_writer(
         self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
     ):

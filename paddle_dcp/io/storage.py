@@ -162,6 +162,10 @@ class Storage(Protocol):
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         """Write ``data`` as file ``name``: it appears whole or not at all."""
 
+    def read_file(self, name: str) -> bytes | None:
+        """The whole content of a small file ``name`` (e.g. a manager's manifest); None when
+        it does not exist."""
+
     def data_writer(
         self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
     ) -> DataFileWriter:

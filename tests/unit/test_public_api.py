@@ -13,6 +13,7 @@ EXPECTED = {
     "read_metadata",
     "wait_async_save",
     "AsyncSave",
+    "CheckpointManager",
     "save_gathered",
     "get_state_dict",
     "set_state_dict",

@@ -243,3 +243,51 @@ def test_load_of_an_empty_directory_fails_the_same_on_every_rank():
     assert {e.step for e in results.values()} == {"read metadata"}
     assert all("no complete checkpoint" in m for e in results.values() for m in e.failures.values())
     assert all(len(e.failures) == SIZE for e in results.values())
+
+
+class StagedRank(FakeSaveRank):
+    """An async save's rank: staging memory for its pieces or not (``room``)."""
+
+    staged = True
+
+    def __init__(self, rank: int, cache: dict, room: bool, fail_step: str | None = None):
+        super().__init__(rank, cache, fail_step)
+        self.room = room
+
+    def can_stage(self, leaves):
+        return self.room
+
+
+def staged_on_threads(ranks: dict) -> dict:
+    """Each rank's steps until its Detach, and its result after finishing the save."""
+
+    def one(comm):
+        run = protocol.save(ranks[comm.rank])
+        protocol.run(comm, run, until_detach=True)
+        before = list(ranks[comm.rank].steps)
+        try:
+            return before, protocol.run(comm, run)
+        except CollectiveError as exc:
+            return before, exc
+
+    return ThreadWorld(SIZE).run(one)
+
+
+@pytest.mark.parametrize("rooms, detached_after", [((True, True, True), "stage"), ((True, False, True), "write")])
+def test_an_async_save_detaches_after_staging_or_while_a_rank_has_no_room_after_writing(rooms, detached_after):
+    ranks = {r: StagedRank(r, {}, rooms[r]) for r in range(SIZE)}
+    results = staged_on_threads(ranks)
+    for r, (before, result) in results.items():
+        assert before[-1] == detached_after, before
+        assert ("stage" in ranks[r].steps) == (detached_after == "stage")
+        assert isinstance(result, protocol.SaveResult) and result.unique_id == 7
+    assert [len(r.published) for r in ranks.values()] == [1, 0, 0]
+
+
+def test_a_failed_staging_is_agreed_on_after_the_detach_and_nothing_is_written():
+    ranks = {r: StagedRank(r, {}, True, fail_step="stage" if r == 2 else None) for r in range(SIZE)}
+    results = staged_on_threads(ranks)
+    for r, (before, result) in results.items():
+        assert before[-1] == "stage"  # every caller returned; the failure comes with wait()
+        assert isinstance(result, CollectiveError) and sorted(result.failures) == [2], result
+    assert not any(r.written or r.published for r in ranks.values())

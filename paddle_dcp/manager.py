@@ -1,0 +1,324 @@
+"""CheckpointManager: a training loop's checkpoints in one directory, saved every N steps
+(asynchronously if asked), restored from the latest, the old ones deleted by a retention
+policy that only ever touches checkpoints the manager wrote.
+
+Steps are checkpoint ids: step N is ``{N}.metadata`` and ``{rank}_{N}.distcp`` in the
+directory, loadable with ``load_state_dict(..., unique_id=N)`` without the manager. The
+manager records the steps it saved, their state and metrics in ``paddle_dcp_manager.json``
+(written atomically by the coordinator; :mod:`paddle_dcp.core.retention`). A step is recorded
+``writing`` before any of its bytes are written and ``complete`` once its metadata committed;
+retention runs only after a commit, never deletes the newest complete step nor the step being
+written, marks the chosen steps ``deleting``, removes their metadata (the coordinator), then
+every rank removes its own data files (node-local disks included), and the steps leave the
+manifest last. A crash anywhere leaves the newest complete step loadable; steps a crash left
+``writing`` or ``deleting`` are cleaned up when a manager next opens the directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from typing import Any, Callable
+
+from . import async_save as background_saves
+from .api import load_state_dict, save_state_dict
+from .core.naming import metadata_name
+from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
+from .dist.comm import Comm, make_comm
+from .errors import ArgumentError, FormatError
+from .io import is_url, open_storage, storage
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "paddle_dcp_manager.lock"
+
+
+class CheckpointManager:
+    """Save a training loop's state every ``save_interval_steps`` steps and keep a few.
+
+    Args:
+        directory: where the checkpoints go; step N is checkpoint id N in it.
+        max_to_keep: how many complete steps to keep (the newest; with ``best_fn`` the best),
+            besides those kept by ``keep_every_n_steps``; None keeps all. The newest complete
+            step is always kept, even when ``best_fn`` ranks it out.
+        keep_every_n_steps: also keep, for good, every step that is a multiple of it.
+        save_interval_steps: :meth:`save` saves steps that are multiples of it (or ``force``).
+        async_save: saves return once the state is staged in host memory; writing, the commit
+            and retention run in the background (see ``save_state_dict(async_save=True)``).
+        best_fn: ``metrics -> number``: rank the steps by it for ``max_to_keep``; steps saved
+            without metrics (or whose value is not a number) rank last.
+        best_mode: ``"max"`` (larger is better) or ``"min"``.
+        process_group / coordinator_rank: as for ``save_state_dict``; every rank of the group
+            makes the manager and calls :meth:`save`, :meth:`restore`, :meth:`wait` and
+            :meth:`close` together.
+        storage_options: for a URL ``directory`` (``s3://bucket/prefix``), as for
+            ``save_state_dict``.
+
+    Raises:
+        ArgumentError: a bad argument, or another manager already uses ``directory`` (a lock
+            file the coordinator holds while the manager is open; local directories only).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        max_to_keep: int | None = None,
+        keep_every_n_steps: int | None = None,
+        save_interval_steps: int = 1,
+        async_save: bool = False,
+        best_fn: Callable[[dict], Any] | None = None,
+        best_mode: str = "max",
+        process_group=None,
+        coordinator_rank: int = 0,
+        *,
+        storage_options: dict | None = None,
+    ):
+        _check_count("max_to_keep", max_to_keep, allow_none=True)
+        _check_count("keep_every_n_steps", keep_every_n_steps, allow_none=True)
+        _check_count("save_interval_steps", save_interval_steps)
+        if best_mode not in ("max", "min"):
+            raise ArgumentError(f"best_mode must be 'max' or 'min', got {best_mode!r}")
+        if best_fn is not None and not callable(best_fn):
+            raise ArgumentError(f"best_fn must be callable or None, got {type(best_fn).__name__}")
+        self.directory = os.fspath(directory)
+        self.max_to_keep, self.keep_every_n_steps = max_to_keep, keep_every_n_steps
+        self.save_interval_steps, self.async_save = save_interval_steps, bool(async_save)
+        self.best_fn, self.best_mode = best_fn, best_mode
+        self.process_group, self.coordinator_rank = process_group, coordinator_rank
+        self.storage_options = storage_options
+        self.store = open_storage(self.directory, storage_options)
+        self.comm = make_comm(process_group, coordinator_rank)
+        self._manifest = Manifest()
+        self._pending: list[background_saves.AsyncSave] = []
+        self._lock_file = None
+        self._closed = False
+        self._open()
+
+    # ------------------------------------------------------------------ public
+    def save(self, step: int, state_dict: dict, metrics: dict | None = None, force: bool = False) -> bool:
+        """Save ``state_dict`` as ``step`` when the interval says so (or ``force``).
+
+        Waits for this manager's previous save (and raises its error), records the step,
+        saves it as checkpoint id ``step``, then, once it committed (in the background with
+        ``async_save``), applies the retention policy.
+
+        Returns:
+            True when the step is saved (or being saved), False when the interval skips it.
+
+        Raises:
+            ArgumentError: a bad step or metrics, or a step this manager already holds.
+            CollectiveError / DcpError: this save's failure, or the previous async save's.
+        """
+        self._check_open()
+        if type(step) is not int or step < 0:
+            raise ArgumentError(f"step must be a non-negative int, got {step!r}")
+        metrics = check_metrics(metrics)
+        if not force and step % self.save_interval_steps:
+            return False
+        self.wait()
+        if step in self._manifest.complete():
+            raise ArgumentError(f"step {step} is already saved in {self.directory}")
+        entry = StepEntry(step, "writing", metrics)
+        self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
+        handle = save_state_dict(
+            state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
+            async_save=self.async_save, storage_options=self.storage_options,
+        )
+        if handle is None:
+            self._committed(self.comm, step)
+        else:
+            self._pending = [handle, background_saves.submit(lambda: self._after(handle, step))]
+        return True
+
+    def restore(self, state_dict: dict, step: int | None = None) -> int:
+        """Load ``step`` (default: the latest complete step) into ``state_dict``; returns it.
+
+        Raises:
+            FormatError: the manager holds no complete step (or ``step`` is no checkpoint).
+        """
+        self._check_open()
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FormatError(f"no complete checkpoint of a CheckpointManager in {self.directory}")
+        elif type(step) is not int or step < 0:
+            raise ArgumentError(f"step must be a non-negative int or None, got {step!r}")
+        load_state_dict(
+            state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
+            storage_options=self.storage_options,
+        )
+        return step
+
+    def latest_step(self) -> int | None:
+        """The newest complete step (every rank gives the same answer), or None."""
+        steps = self._manifest.complete()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        """The complete steps the manager keeps, ascending."""
+        return self._manifest.complete()
+
+    def metrics(self, step: int) -> dict | None:
+        """The metrics saved with ``step`` (None when none were given)."""
+        entry = self._manifest.steps.get(step)
+        return None if entry is None or entry.metrics is None else dict(entry.metrics)
+
+    def wait(self) -> None:
+        """Wait for the pending async save and its retention; raise the first error."""
+        pending, self._pending = self._pending, []
+        errors = []
+        for handle in pending:
+            try:
+                handle.wait()
+            except BaseException as exc:  # noqa: BLE001 - the first one is raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Wait for the pending save, free the async staging memory, release the directory."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            background_saves.STAGING.release()
+            if self._lock_file is not None:
+                self._lock_file.close()  # closing the file releases its lock
+                self._lock_file = None
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ steps
+    def _open(self) -> None:
+        """The coordinator takes the directory's lock, reads the manifest and reconciles it with
+        the checkpoints present; every rank gets it; leftovers of crashes are removed."""
+
+        def load(_):
+            self.store.create()
+            self._lock_file = _take_lock(self.directory)
+            data = self.store.read_file(MANIFEST_NAME)
+            manifest = Manifest() if data is None else Manifest.from_json(data, f"{self.directory}/{MANIFEST_NAME}")
+            complete = self.store.list_checkpoints().complete
+            for step, entry in manifest.steps.items():
+                if entry.state == "writing" and step in complete:  # committed, then a crash
+                    manifest = manifest.with_state([step], "complete")
+                elif entry.state == "complete" and step not in complete:  # its metadata is gone
+                    manifest = manifest.with_state([step], "deleting")
+            return manifest, None
+
+        self._decide(self.comm, "open manager", load, write=False)
+        self._retain(self.comm, unfinished_only=True)
+
+    def _after(self, handle: background_saves.AsyncSave, step: int) -> int:
+        """The writer thread's continuation of an async save: once it committed, retention,
+        over the background process group."""
+        handle.wait()
+        comm = self.comm.private() if self.comm.size > 1 else self.comm
+        self._committed(comm, step)
+        return step
+
+    def _committed(self, comm: Comm, step: int) -> None:
+        self._decide(comm, "mark step complete", lambda m: (m.with_state([step], "complete"), None))
+        self._retain(comm)
+
+    def _retain(self, comm: Comm, unfinished_only: bool = False) -> None:
+        """Choose the steps to delete (coordinator), mark them, remove their metadata, then
+        every rank removes its own data files, then they leave the manifest."""
+
+        def choose(manifest: Manifest):
+            if unfinished_only:
+                doomed = sorted(s for s, e in manifest.steps.items() if e.state != "complete")
+            else:
+                doomed = to_delete(manifest, self.max_to_keep, self.keep_every_n_steps, self._scores(manifest))
+            if not doomed:
+                return manifest, []
+            manifest = manifest.with_state(doomed, "deleting")
+            self.store.write_atomic(MANIFEST_NAME, manifest.to_json())
+            for step in doomed:  # no metadata, no checkpoint: from here on it is never loaded
+                self.store.remove([metadata_name(step)])
+                storage.remove_temporary(self.store, step, -1)
+            return manifest, doomed
+
+        doomed = self._decide(comm, "retention: choose", choose, write=False)
+        if not doomed:
+            return
+        with comm.step("retention: remove data files"):
+            for step in doomed:
+                storage.remove_data(self.store, step, comm.rank)
+                storage.remove_temporary(self.store, step, comm.rank)
+        self._decide(comm, "retention: forget", lambda m: (m.without(doomed), None))
+        logger.info("CheckpointManager %s: deleted steps %s", self.directory, doomed)
+
+    def _scores(self, manifest: Manifest) -> dict[int, float | None] | None:
+        if self.best_fn is None:
+            return None
+        return {
+            s: None if e.metrics is None else score(self.best_fn(dict(e.metrics)), self.best_mode)
+            for s, e in manifest.steps.items()
+            if e.state == "complete"
+        }
+
+    def _decide(self, comm: Comm, step: str, change, write: bool = True):
+        """The coordinator applies ``change(manifest) -> (manifest, value)`` (and writes the
+        manifest when ``write``); every rank gets the new manifest and the JSON ``value``, or
+        the same CollectiveError."""
+        data, error = b"", None
+        if comm.is_coordinator:
+            try:
+                manifest, value = change(self._manifest)
+                if write:
+                    self.store.write_atomic(MANIFEST_NAME, manifest.to_json())
+                data = json.dumps({"manifest": manifest.to_json().decode(), "value": value}).encode()
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                error = exc
+        comm.agree(step, error)
+        doc = json.loads(comm.call(step, lambda: comm.broadcast(data if comm.is_coordinator else None, comm.coordinator)))
+        self._manifest = Manifest.from_json(doc["manifest"].encode())
+        return doc["value"]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArgumentError(f"the CheckpointManager of {self.directory} is closed")
+
+
+def _check_count(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if type(value) is not int or value < 1:
+        raise ArgumentError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _take_lock(directory: str):
+    """Hold an exclusive lock on the directory's lock file while the manager is open (the OS
+    releases it when the process ends); ArgumentError naming the holder when another manager
+    has it. Object storage has no such lock: there, one manager per prefix is the user's job."""
+    if is_url(directory):
+        logger.warning("CheckpointManager: %s cannot be locked; a second manager on it is not detected", directory)
+        return None
+    import fcntl
+
+    path = os.path.join(directory, LOCK_NAME)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ArgumentError(
+            f"{directory} is in use by another CheckpointManager ({holder}); two managers on one "
+            f"directory would delete each other's checkpoints: close the other one or use another directory"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
