@@ -23,7 +23,8 @@ In a test process::
 
     with FaultProxy(server.endpoint, [{"fault": "slowdown", "op": "put_part", "count": 2}]) as proxy:
         ... point AWS_ENDPOINT_URL at proxy.url ...
-        proxy.counts()   # {"requests": {"put_part": 5, ...}, "faults": {"slowdown": 2}, "rules": [2]}
+        proxy.counts()   # {"requests": {"put_part": 5, ...}, "faults": {"slowdown": 2}, "rules": [2],
+                         #  "objects": {"PUT /ckpt/k#1": 3, ...}, "plan": [...]}
 
 As a process of its own (for ranks started by a launcher)::
 
@@ -92,6 +93,15 @@ def operation(method: str, target: str, headers) -> str:
     return method.lower()
 
 
+def object_of(method: str, target: str, headers) -> str:
+    """What a request acts on, for counting attempts: "METHOD /bucket/key", with the part
+    number of a multipart part ("PUT /bucket/key#3") or the range of a ranged read ("GET
+    /bucket/key bytes=0-99"): a retry is the same string again."""
+    parsed = urllib.parse.urlsplit(target)
+    part = urllib.parse.parse_qs(parsed.query).get("partNumber")
+    return f"{method} {parsed.path}" + (f"#{part[0]}" if part else "") + (f" {headers['Range']}" if headers.get("Range") else "")
+
+
 @dataclass
 class Rule:
     """One fault and the requests it hits (see the module docstring)."""
@@ -133,11 +143,13 @@ class _State:
             self.rules = rules
             self.requests: dict[str, int] = {}
             self.faults: dict[str, int] = {}
+            self.objects: dict[str, int] = {}
 
-    def decide(self, method: str, op: str, target: str) -> Rule | None:
+    def decide(self, method: str, op: str, target: str, obj: str) -> Rule | None:
         """Count the request; the rule whose fault it gets, if any."""
         with self.lock:
             self.requests[op] = self.requests.get(op, 0) + 1
+            self.objects[obj] = self.objects.get(obj, 0) + 1
             chosen = next((r for r in self.rules if r.matches(method, op, target)
                            and (r.count < 0 or r.hits < r.count)), None)
             if chosen is not None:
@@ -147,7 +159,7 @@ class _State:
 
     def counts(self) -> dict:
         with self.lock:
-            return {"requests": dict(self.requests), "faults": dict(self.faults),
+            return {"requests": dict(self.requests), "faults": dict(self.faults), "objects": dict(self.objects),
                     "rules": [r.hits for r in self.rules], "plan": [r.as_dict() for r in self.rules]}
 
 
@@ -179,7 +191,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._control()
         op = operation(self.command, self.path, self.headers)
         _debug(self.command, self.path, op, dict(self.headers))
-        rule = self.server.state.decide(self.command, op, self.path)
+        rule = self.server.state.decide(self.command, op, self.path, object_of(self.command, self.path, self.headers))
         body = self._body_reader()
         if rule is None or rule.fault == "slow":
             if rule is not None:
@@ -446,7 +458,8 @@ class FaultProxy:
         self.state.set_plan(plan)
 
     def counts(self) -> dict:
-        """{"requests": {op: n}, "faults": {fault: n}, "rules": [hits per rule], "plan": [...]}."""
+        """{"requests": {op: n}, "faults": {fault: n}, "objects": {object_of(): n}, "rules": [hits
+        per rule], "plan": [...]}."""
         return self.state.counts()
 
     def close(self) -> None:

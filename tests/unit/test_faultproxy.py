@@ -99,6 +99,7 @@ def test_forwards_multipart_ranges_and_listings_byte_exactly(s3_server):
     assert s3fs_of(s3_server.endpoint).cat_file(name) == data  # what the server holds
     req = counts["requests"]
     assert (req["create_multipart"], req["put_part"], req["complete_multipart"]) == (1, 3, 1), req
+    assert [counts["objects"][f"PUT /{name}#{n}"] for n in (1, 2, 3)] == [1, 1, 1], counts["objects"]
     assert req["get_range"] >= 2 and req["list"] >= 1, req
     assert counts["faults"] == {}, counts
 
@@ -173,6 +174,7 @@ def test_each_fault_hits_the_first_n_matching_requests(s3_server, fast_retries, 
     assert counts["faults"] == {fault: 2}, counts
     assert counts["requests"] == {"put_object": 3, "get_object": 1}, counts
     assert counts["rules"] == [2]
+    assert counts["objects"] == {f"PUT /{s3_server.bucket}/{name}": 3, f"GET /{s3_server.bucket}/{name}": 1}, counts
     direct = client(s3_server.endpoint).get_object(Bucket=s3_server.bucket, Key=name)["Body"].read()
     assert direct == data
 
