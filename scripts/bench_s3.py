@@ -1,0 +1,193 @@
+"""The object-storage side of scripts/bench.py (``--storage s3``): a local S3 server, where the
+checkpoints go on it, and the server's own speed as the limit a library could reach.
+
+The server is SeaweedFS's ``weed mini`` on 127.0.0.1 (tests/s3server.py, the one the tests
+use), with its data directory in the bench's working directory; every launch gets the standard
+AWS variables that point at it. The limit: one object of the checkpoint's logical size written
+with s3fs as a multipart upload (parts of PART_BYTES, paddle_dcp's default part size) and read
+back, from one stream (one part or one GET in flight) and from STREAMS in parallel (parts in
+flight; GETs of contiguous ranges from as many threads). GB/s = bytes / seconds, 1 GB = 1e9
+bytes, best of the repeats; every read is compared with what was written.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+GB = 1e9
+MiB = 1 << 20
+PART_BYTES = 32 * MiB  # paddle_dcp's default part size (issue 17, point 3)
+STREAMS = 4
+BUCKET = "ckpt"
+# what runs on object storage: paddle's built-in takes local paths only; the ours-only phases
+# (async, durable, no-verify) are local-disk questions
+LIBS = ("ours", "torch")
+PHASES = ("save", "load", "reshard")
+# issue 17, point 6: ours / torch DCP at least this, per phase; and ours at least this fraction
+# of the server's own speed (PUT for a save, GET for a load), from the same run
+TARGETS = {"save": {"torch": 2.0}, "load": {"torch": 2.0}}
+SERVER_FRACTION = 0.6
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path)
+
+
+class S3Store:
+    """A ``weed mini`` server for one bench run and the checkpoints on it."""
+
+    def __init__(self, server, fs):
+        self.server, self.fs = server, fs
+
+    @classmethod
+    def start(cls, workdir: str) -> "S3Store":
+        sys.path.insert(0, os.path.join(REPO, "tests"))
+        from s3server import S3Server
+
+        import s3fs
+
+        t0 = time.perf_counter()
+        server = S3Server.start(os.path.join(workdir, "weed"), bucket=BUCKET)
+        os.environ.update(server.env)  # every launch inherits them: the way users configure it
+        log(f"S3 server (weed mini) at {server.endpoint}, bucket {BUCKET}, up in {time.perf_counter() - t0:.1f} s")
+        return cls(server, s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False))
+
+    def path(self, name: str) -> str:
+        return f"s3://{BUCKET}/{name}"
+
+    def remove(self, url: str) -> None:
+        """Every object under ``url`` (a checkpoint), if any."""
+        key = url.split("://", 1)[1]
+        try:
+            if self.fs.find(key):
+                self.fs.rm(key, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def holds(self, url: str) -> bool:
+        """Whether any object is under ``url`` (a save that took the URL for a local path
+        writes none)."""
+        return bool(self.fs.find(url.split("://", 1)[1]))
+
+    def info(self) -> dict:
+        return {"server": "SeaweedFS weed mini (tests/s3server.py)", "version": _weed_version(),
+                "endpoint": self.server.endpoint, "data_dir_disk": None}
+
+    def close(self) -> None:
+        log("stopping the S3 server (it can take 20 s)")
+        self.server.stop()
+
+
+def _weed_version() -> str | None:
+    import subprocess
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from s3server import weed_binary
+
+    try:
+        out = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError, TypeError):
+        return None
+
+
+def _in_threads(fn, args_list) -> float:
+    """fn(*args) for each args in a thread of its own; wall seconds; the first error raised."""
+    errors = []
+
+    def body(args):
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(a,)) for a in args_list]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+def server_speed(store: S3Store, nbytes: int, streams=(1, STREAMS)) -> dict:
+    """PUT and GET of one ``nbytes`` object, at each number of ``streams`` (see the module
+    docstring); GB/s."""
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    key = f"{BUCKET}/server-limit/object"
+    out = {"bytes": nbytes, "part_bytes": PART_BYTES, "put_gbps": {}, "get_gbps": {}}
+    fs = store.fs
+    for k in streams:
+        store.remove(store.path("server-limit"))
+        t0 = time.perf_counter()
+        fs.pipe_file(key, data, chunksize=PART_BYTES, max_concurrency=k)
+        out["put_gbps"][str(k)] = nbytes / (time.perf_counter() - t0) / GB
+        got = [None] * k
+        step = -(-nbytes // k)
+
+        def read(i):
+            got[i] = fs.cat_file(key, start=i * step, end=min((i + 1) * step, nbytes))
+
+        seconds = _in_threads(read, [(i,) for i in range(k)]) if k > 1 else None
+        if seconds is None:
+            t0 = time.perf_counter()
+            got[0] = fs.cat_file(key)
+            seconds = time.perf_counter() - t0
+        out["get_gbps"][str(k)] = nbytes / seconds / GB
+        if b"".join(got) != data:
+            raise RuntimeError(f"the server returned other bytes than were written ({k} streams)")
+        del got
+    store.remove(store.path("server-limit"))
+    return out
+
+
+def best_server_speed(samples: list) -> dict:
+    """The best of the repeats, per direction and stream count."""
+    if not samples:
+        return {}
+    out = {"bytes": samples[0]["bytes"], "part_bytes": samples[0]["part_bytes"], "samples": samples}
+    for what in ("put_gbps", "get_gbps"):
+        out[what] = {k: max(s[what][k] for s in samples) for k in samples[0][what]}
+    return out
+
+
+def limit_targets(entry: dict, server: dict) -> dict | None:
+    """Ours' best GB/s as a fraction of the server's best (any stream count): PUT for a save,
+    GET for a load; with issue 17's 60% target."""
+    ours = entry["libs"].get("ours", {}).get("best_gbps")
+    what = "put_gbps" if entry["phase"] == "save" else "get_gbps"
+    limit = max(server.get(what, {}).values(), default=None)
+    if not ours or not limit:
+        return None
+    return {"server_gbps": limit, "fraction": ours / limit, "at_least": SERVER_FRACTION,
+            "met": ours / limit >= SERVER_FRACTION}
+
+
+def report_lines(entry: dict, server: dict) -> list:
+    """The lines under a phase's table: the server's own speed and ours as a fraction of it."""
+    if not server:
+        return []
+    what, verb = ("put_gbps", "PUT") if entry["phase"] == "save" else ("get_gbps", "GET")
+    counts = " / ".join(server[what])
+    speeds = " / ".join(f"{v:.2f}" for v in server[what].values())
+    lines = [f"server's own {verb} GB/s of one {server['bytes'] / MiB:.0f} MiB object (s3fs, "
+             f"{server['part_bytes'] / MiB:.0f} MiB parts) from {counts} stream(s): {speeds}"]
+    frac = entry["targets"].get("server")
+    if frac:
+        lines.append(f"paddle_dcp at {100 * frac['fraction']:.0f}% of the server's best "
+                     f"({frac['server_gbps']:.2f} GB/s); target >= {100 * frac['at_least']:.0f}%: "
+                     f"{'met' if frac['met'] else 'not met'}")
+    return lines
