@@ -15,6 +15,8 @@ Cases:
   naming an s3:// object of the checkpoint and the status 503, within a bounded time, having
   tried no object more than "retries" times; the checkpoint id has no metadata object and no
   multipart upload is left open.
+- deadline_bounds_the_retries: every PUT answers 503, "retries" is 1000 and "retry_deadline"
+  2 s: the save raises the same way within seconds, having retried, far fewer than 1000 times.
 - load_past_the_limit: every GET of a data object answers 500: the load raises on every rank
   a StorageError naming a data object and the status 500, within a bounded time.
 """
@@ -37,10 +39,10 @@ BASE = os.environ["S3FAULTS_BASE"].rstrip("/")
 UPSTREAM = os.environ["S3FAULTS_UPSTREAM"]
 MESH = c.Mesh([0, 1])
 MiB = 1 << 20
-# 6 MiB per rank in 5 MiB parts (S3's smallest): every rank's data object is a multipart upload
+# 16 MiB, 8 MiB per rank in 5 MiB parts (S3's smallest): every rank's data object is a multipart upload
 # of two parts
 LEAVES = [
-    c.Leaf(("w",), (2048, 768), "float32", MESH, (("S", 0),), index=0),
+    c.Leaf(("w",), (4096, 1024), "float32", MESH, (("S", 0),), index=0),
     c.Leaf(("b",), (8, 24), "bfloat16", MESH, (("S", 1),), index=1),
     c.Leaf(("n",), (5,), "int64", index=2),
 ]
@@ -165,6 +167,19 @@ def save_past_the_limit():
     assert open_uploads(url) == [], open_uploads(url)  # the failed save aborted its uploads
 
 
+def deadline_bounds_the_retries():
+    url = f"{BASE}/deadline"
+    plan([{"fault": "slowdown", "count": -1, "method": "PUT"}])
+    options = {"retries": 1000, "retry_deadline": 2.0, "part_size": PART}
+    seconds = storage_failure(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), url, storage_options=options),
+                              f"s3://{bucket_prefix(url)[0]}/{bucket_prefix(url)[1]}", "503")
+    assert seconds < 30.0, seconds  # the deadline, one capped backoff, and the ranks agreeing
+    cnt = counts()
+    assert 3 <= max_attempts(cnt, "PUT") < 1000, cnt  # it retried, and the deadline, not the count, stopped it
+    plan([])
+    assert not [k for k in keys_under(url) if k.endswith(".metadata")], keys_under(url)
+
+
 def load_past_the_limit():
     url = f"{BASE}/load_limit"
     plan([])
@@ -184,5 +199,6 @@ def load_past_the_limit():
 c.run_cases({
     "retries_succeed": retries_succeed,
     "save_past_the_limit": save_past_the_limit,
+    "deadline_bounds_the_retries": deadline_bounds_the_retries,
     "load_past_the_limit": load_past_the_limit,
 })
