@@ -41,7 +41,6 @@ import argparse
 import http.client
 import http.server
 import json
-import os
 import re
 import signal
 import socket
@@ -56,7 +55,6 @@ from dataclasses import dataclass, field
 FAULTS = ("slowdown", "internal", "reset", "cut", "slow")
 CONTROL = "/__faultproxy__/"
 CHUNK = 1 << 20
-DEBUG = bool(os.environ.get("FAULTPROXY_DEBUG"))  # every request, answer and error on stderr
 # hop-by-hop headers: the proxy speaks for itself on each connection
 HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
 ERRORS = {
@@ -64,11 +62,6 @@ ERRORS = {
     "internal": (500, "Internal Server Error", "InternalError",
                  "We encountered an internal error. Please try again."),
 }
-
-
-def _debug(*what) -> None:
-    if DEBUG:
-        print("faultproxy:", *what, file=sys.stderr, flush=True)
 
 
 def operation(method: str, target: str, headers) -> str:
@@ -180,8 +173,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             super().handle()
         except _Reset:
             _reset(self.connection)
-        except (ConnectionError, socket.timeout, OSError) as exc:
-            _debug("connection error:", repr(exc))
+        except (ConnectionError, socket.timeout, OSError):
+            pass  # the client went away: nothing to answer
         finally:
             if self.upstream is not None:
                 self.upstream.close()
@@ -190,7 +183,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.path.startswith(CONTROL):
             return self._control()
         op = operation(self.command, self.path, self.headers)
-        _debug(self.command, self.path, op, dict(self.headers))
         rule = self.server.state.decide(self.command, op, self.path, object_of(self.command, self.path, self.headers))
         body = self._body_reader()
         if rule is None or rule.fault == "slow":
@@ -267,14 +259,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.upstream = None
                 resp = self._send_upstream(body)
         except (OSError, http.client.HTTPException) as exc:
-            _debug("upstream error:", repr(exc))
             if self.upstream is not None:
                 self.upstream.close()
                 self.upstream = None
             if body.left:  # the client's body is not read to its end: this connection is unusable
                 raise _Reset() from exc
             return self._error(502, "Bad Gateway", "BadGateway", f"upstream: {exc}")
-        _debug("->", resp.status, resp.getheaders())
         self._relay(resp, cut)
 
     def _send_upstream(self, body: "_Body") -> http.client.HTTPResponse:
@@ -402,7 +392,6 @@ def _reset(sock: socket.socket) -> None:
 
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
-    allow_reuse_address = False
 
     def __init__(self, upstream: tuple[str, int], state: _State, upstream_timeout: float):
         super().__init__(("127.0.0.1", 0), _Handler)
