@@ -701,7 +701,9 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
             limit = bench_s3.limit_targets(entry, server)
             if limit:
                 entry["targets"]["server"] = limit
-        if "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
+        if server and phase in bench_s3.PHASES:
+            entry["targets"]["memory"] = bench_s3.memory_target(entry)
+        elif "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
             limit = 0.1 * share + 64 * workload.MiB
             entry["targets"]["memory"] = {"limit_bytes": limit,
                                           "met": entry["libs"]["ours"]["rss_growth_max_bytes"] <= limit}
