@@ -128,32 +128,53 @@ def _in_threads(fn, args_list) -> float:
     return seconds
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def server_speed(store: S3Store, nbytes: int, streams=(1, STREAMS)) -> dict:
     """PUT and GET of one ``nbytes`` object, at each number of ``streams`` (see the module
-    docstring); GB/s."""
+    docstring); GB/s, and the CPU seconds the server spent per GB (its own cost, which on a
+    machine of few cores bounds every client)."""
     import numpy as np
 
     data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     key = f"{BUCKET}/server-limit/object"
-    out = {"bytes": nbytes, "part_bytes": PART_BYTES, "put_gbps": {}, "get_gbps": {}}
+    out = {"bytes": nbytes, "part_bytes": PART_BYTES, "put_gbps": {}, "get_gbps": {},
+           "put_server_cpu_s_per_gb": {}, "get_server_cpu_s_per_gb": {}}
     fs = store.fs
+    pid = store.server.process.pid
+
+    def cpu_per_gb(before):
+        after = _cpu_seconds(pid)
+        return None if before is None or after is None else (after - before) / (nbytes / GB)
+
     for k in streams:
         store.remove(store.path("server-limit"))
-        t0 = time.perf_counter()
+        cpu, t0 = _cpu_seconds(pid), time.perf_counter()
         fs.pipe_file(key, data, chunksize=PART_BYTES, max_concurrency=k)
         out["put_gbps"][str(k)] = nbytes / (time.perf_counter() - t0) / GB
+        out["put_server_cpu_s_per_gb"][str(k)] = cpu_per_gb(cpu)
         got = [None] * k
         step = -(-nbytes // k)
 
         def read(i):
             got[i] = fs.cat_file(key, start=i * step, end=min((i + 1) * step, nbytes))
 
+        cpu = _cpu_seconds(pid)
         seconds = _in_threads(read, [(i,) for i in range(k)]) if k > 1 else None
         if seconds is None:
             t0 = time.perf_counter()
             got[0] = fs.cat_file(key)
             seconds = time.perf_counter() - t0
         out["get_gbps"][str(k)] = nbytes / seconds / GB
+        out["get_server_cpu_s_per_gb"][str(k)] = cpu_per_gb(cpu)
         if b"".join(got) != data:
             raise RuntimeError(f"the server returned other bytes than were written ({k} streams)")
         del got
@@ -168,6 +189,9 @@ def best_server_speed(samples: list) -> dict:
     out = {"bytes": samples[0]["bytes"], "part_bytes": samples[0]["part_bytes"], "samples": samples}
     for what in ("put_gbps", "get_gbps"):
         out[what] = {k: max(s[what][k] for s in samples) for k in samples[0][what]}
+    for what in ("put_server_cpu_s_per_gb", "get_server_cpu_s_per_gb"):  # the least of the repeats
+        out[what] = {k: min((s[what][k] for s in samples if s[what].get(k) is not None), default=None)
+                     for k in samples[0][what]}
     return out
 
 
@@ -200,8 +224,11 @@ def report_lines(entry: dict, server: dict) -> list:
     what, verb = ("put_gbps", "PUT") if entry["phase"] == "save" else ("get_gbps", "GET")
     counts = " / ".join(server[what])
     speeds = " / ".join(f"{v:.2f}" for v in server[what].values())
+    cpu = server.get(what.replace("gbps", "server_cpu_s_per_gb"), {})
+    cost = (f"; the server's CPU seconds per GB: {' / '.join(f'{v:.2f}' for v in cpu.values())}"
+            if cpu and None not in cpu.values() else "")
     lines = [f"server's own {verb} GB/s of one {server['bytes'] / MiB:.0f} MiB object (s3fs, "
-             f"{server['part_bytes'] / MiB:.0f} MiB parts) from {counts} stream(s): {speeds}"]
+             f"{server['part_bytes'] / MiB:.0f} MiB parts) from {counts} stream(s): {speeds}{cost}"]
     frac = entry["targets"].get("server")
     if frac:
         target = (f"; target >= {100 * frac['at_least']:.0f}%: {'met' if frac['met'] else 'not met'}"
