@@ -61,9 +61,13 @@ def plan(rules) -> None:
 
 
 def counts() -> dict:
-    """The proxy's counts once every rank is done with the step before."""
+    """The proxy's counts once every rank is done with the step before (printed by rank 0: the
+    requests a save or load made, by S3 operation)."""
     c.dist.barrier()
-    return remote_counts(PROXY)
+    cnt = remote_counts(PROXY)
+    if R == 0:
+        print(f"proxy: requests {cnt['requests']}, faults {cnt['faults']}", flush=True)
+    return cnt
 
 
 def upstream():
