@@ -81,8 +81,10 @@ class S3Store:
 
     def holds(self, url: str) -> bool:
         """Whether any object is under ``url`` (a save that took the URL for a local path
-        writes none)."""
-        return bool(self.fs.find(url.split("://", 1)[1]))
+        writes none). weed lists a prefix whose objects were all deleted as an entry of its
+        own, so only keys below it count."""
+        key = url.split("://", 1)[1].rstrip("/")
+        return any(p.startswith(key + "/") for p in self.fs.find(key))
 
     def info(self) -> dict:
         return {"server": "SeaweedFS weed mini (tests/s3server.py)", "version": _weed_version(),
