@@ -40,10 +40,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def is_url(path: str) -> bool:
-    return "://" in str(path)
-
-
 class S3Store:
     """A ``weed mini`` server for one bench run and the checkpoints on it."""
 
@@ -88,7 +84,7 @@ class S3Store:
 
     def info(self) -> dict:
         return {"server": "SeaweedFS weed mini (tests/s3server.py)", "version": _weed_version(),
-                "endpoint": self.server.endpoint, "data_dir_disk": None}
+                "endpoint": self.server.endpoint}
 
     def close(self) -> None:
         log("stopping the S3 server (it can take 20 s)")
