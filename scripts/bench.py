@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import bench_s3  # noqa: E402  (--storage s3: the server, the checkpoints on it, its own speed)
 import bench_workload as workload  # noqa: E402
 import bench_worker  # noqa: E402  (its file reading: the ranks do the same before a timed load)
 
@@ -510,6 +511,17 @@ def run_benchmark(args) -> dict:
         plan = [(r, p) for r, p in plan if p not in OURS_ONLY]
         if not plan:
             raise ValueError(f"phases {', '.join(OURS_ONLY)} measure paddle_dcp only: add ours to --libs")
+    if args.storage == "s3":
+        dropped = [lib for lib in libs if lib not in bench_s3.LIBS]
+        libs = [lib for lib in libs if lib in bench_s3.LIBS]
+        skipped = sorted({p for _, p in plan if p not in bench_s3.PHASES})
+        plan = [(r, p) for r, p in plan if p in bench_s3.PHASES]
+        if not plan or not libs:
+            raise ValueError(f"--storage s3 measures {', '.join(bench_s3.PHASES)} of {', '.join(bench_s3.LIBS)}")
+        if dropped:
+            notes.append(f"--storage s3: {', '.join(LIB_TITLE[x] for x in dropped)} not measured (local paths only)")
+        if skipped:
+            notes.append(f"--storage s3: phases {', '.join(skipped)} not measured (options of the local disk)")
     if "torch" in libs and importlib.util.find_spec("torch") is None:
         libs.remove("torch")
         notes.append("torch is not installed in this Python: torch DCP skipped (pip install torch==2.13.0)")
@@ -527,7 +539,9 @@ def run_benchmark(args) -> dict:
     if load_start[0] > 1.0:
         notes.append(f"the machine was busy at the start: load average {load_start[0]:.2f} (1 min)")
         log("warning: " + notes[-1])
-    thread_counts = sorted({1} | {r for r, _ in plan})
+    store = bench_s3.S3Store.start(root) if args.storage == "s3" else None
+    thread_counts = [] if store else sorted({1} | {r for r, _ in plan})
+    server: list = []
     page_cache = {k: [] for k in thread_counts}
     checksum: list = []
     runs: list[Run] = []
@@ -542,6 +556,11 @@ def run_benchmark(args) -> dict:
                 log(f"[{rep + 1}/{args.repeat}] page cache, {k} thread(s): write {pc['write_cold_gbps']:.2f} GB/s "
                     f"cold, {pc['write_warm_gbps']:.2f} GB/s warm, {pc['write_direct_gbps'] or 0:.2f} GB/s "
                     f"O_DIRECT; read {pc['read_gbps']:.2f} GB/s")
+            if store:
+                server.append(bench_s3.server_speed(store, logical))
+                log(f"[{rep + 1}/{args.repeat}] S3 server, 1 / {bench_s3.STREAMS} streams: PUT "
+                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['put_gbps'].values())} GB/s, GET "
+                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps'].values())} GB/s")
             checksum.append(checksum_speed())
             log(f"[{rep + 1}/{args.repeat}] xxh3_64: {checksum[-1]['whole_gbps']:.1f} GB/s in one call, "
                 f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {workload.human(checksum[-1]['block_bytes'])} blocks")
@@ -553,10 +572,11 @@ def run_benchmark(args) -> dict:
                     # save-async and save-durable write a checkpoint of their own (checked by the
                     # worker itself, then deleted); the loads read the plain save's
                     own = phase in ("save-async", "save-durable")
-                    ckpt = os.path.join(root, "ckpt", f"{lib}_{ranks}" + (f"_{phase}" if own else ""))
+                    name = f"{lib}_{ranks}" + (f"_{phase}" if own else "")
+                    ckpt = store.path(name) if store else os.path.join(root, "ckpt", name)
                     run_dir = os.path.join(root, "runs", f"r{rep}_{ranks}_{phase}_{lib}")
                     if phase in SAVES:
-                        shutil.rmtree(ckpt, ignore_errors=True)
+                        _remove(store, ckpt)
                     elif not ready.get((lib, ranks)):
                         if (ranks, "save") in plan or (lib, ranks) in ready:
                             run = Run(lib, phase, ranks, rep, error="no checkpoint: the save before it failed")
@@ -572,16 +592,18 @@ def run_benchmark(args) -> dict:
                         if not prep.ok:
                             runs.append(Run(lib, phase, ranks, rep, error=f"no checkpoint: {prep.error}"))
                             continue
-                    if phase not in SAVES:
+                    if phase not in SAVES and not store:
                         bench_worker.read_files(ckpt)
                     run = launch(lib, phase, ranks, size, ckpt, run_dir, timeout, rep, args.settle)
+                    if store and phase in SAVES and run.ok and not store.holds(ckpt):
+                        run.ok, run.error = False, f"the save wrote nothing to the server under {ckpt}"
                     runs.append(run)
                     if phase == "save":
                         ready[(lib, ranks)] = run.ok
                     if phase in SAVES:
                         os.sync()  # its dirty pages are not written back during the next phase
                     if own and not args.keep:
-                        shutil.rmtree(ckpt, ignore_errors=True)
+                        _remove(store, ckpt)
                     log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:13s} {lib:6s}: "
                         f"{describe(run, logical)} (launch {run.wall:.1f} s)")
                     if not run.ok:
@@ -591,16 +613,29 @@ def run_benchmark(args) -> dict:
             if not args.keep:  # the next repeat saves afresh
                 for lib in libs:
                     for ranks in {r for r, p in plan if p == "save"}:
-                        shutil.rmtree(os.path.join(root, "ckpt", f"{lib}_{ranks}"), ignore_errors=True)
+                        _remove(store, store.path(f"{lib}_{ranks}") if store else os.path.join(root, "ckpt", f"{lib}_{ranks}"))
                         ready.pop((lib, ranks), None)
     finally:
+        if store:
+            store.close()
         if args.keep:
             log(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
     load_end = os.getloadavg()
-    return summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start,
-                     load_end, time.perf_counter() - started)
+    res = summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start,
+                    load_end, time.perf_counter() - started, bench_s3.best_server_speed(server))
+    if store:
+        res["machine"]["storage"] = store.info()
+    return res
+
+
+def _remove(store, ckpt: str) -> None:
+    """Delete a checkpoint: a directory, or the objects under an s3:// prefix."""
+    if store:
+        store.remove(ckpt)
+    else:
+        shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def _wait_idle(limit: float) -> tuple:
@@ -616,7 +651,8 @@ def _wait_idle(limit: float) -> tuple:
 
 # ------------------------------------------------------------------------------ results
 def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start, load_end,
-              seconds):
+              seconds, server=None):
+    targets = bench_s3.TARGETS if args.storage == "s3" else TARGETS
     phases = []
     for ranks, phase in plan:
         share = logical / ranks
@@ -663,11 +699,17 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
             if lib != "ours":
                 entry["ratio_ours_over"][lib] = ours / peer if ours and peer else None
                 entry["ratio_ours_over_median"][lib] = ours_median / peer_median if ours_median and peer_median else None
-            if lib in TARGETS.get(phase, {}):
+            if lib in targets.get(phase, {}):
                 ratio = entry["ratio_ours_over"].get(lib)
-                entry["targets"][lib] = {"at_least": TARGETS[phase][lib],
-                                         "met": None if ratio is None else ratio >= TARGETS[phase][lib]}
-        if "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
+                entry["targets"][lib] = {"at_least": targets[phase][lib],
+                                         "met": None if ratio is None else ratio >= targets[phase][lib]}
+        if server and phase in ("save", "load", "reshard"):
+            limit = bench_s3.limit_targets(entry, server)
+            if limit:
+                entry["targets"]["server"] = limit
+        if server and phase in bench_s3.PHASES:
+            entry["targets"]["memory"] = bench_s3.memory_target(entry)
+        elif "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
             limit = 0.1 * share + 64 * workload.MiB
             entry["targets"]["memory"] = {"limit_bytes": limit,
                                           "met": entry["libs"]["ours"]["rss_growth_max_bytes"] <= limit}
@@ -690,9 +732,10 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
                    "ranks": sorted({r for r, _ in plan}), "phases": [f"{p}@{r}" for r, p in plan],
                    "libs": libs, "repeat": args.repeat, "statistic": "best of the repeats (median also given)",
                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"), "settle_seconds": args.settle,
-                   "torch_sync_files": not args.torch_no_fsync},
+                   "torch_sync_files": not args.torch_no_fsync and args.storage != "s3", "storage": args.storage},
         "workload": _workload_summary(specs, logical),
         "page_cache": pc,
+        "server": server or {},
         "checksum": {
             "what": "xxh3_64 over a buffer in memory, one thread, GB/s: one call over the buffer, and in the "
                     "library's checksum blocks; best of the repeats",
@@ -884,6 +927,9 @@ def format_report(res: dict) -> str:
                 f"{stat['rss_growth_max_bytes'] / workload.MiB:12.0f} {100 * stat['rss_growth_fraction_of_share']:7.1f}%  "
                 f"{ok}" + (f"; failed: {fails[0][:120]}" if fails else "")
             )
+        if res["config"].get("storage") == "s3":
+            out.extend(bench_s3.report_lines(entry, res.get("server") or {}))
+            continue
         if phase == "save" and "torch" in entry["libs"] and "best_gbps" in entry["libs"]["torch"]:
             fsync = not res["config"].get("torch_sync_files", True)
             out.append("ours/torch above: paddle_dcp's default save (no fsync) against torch DCP's default save "
@@ -916,7 +962,11 @@ def format_report(res: dict) -> str:
         out.append("* paddle built-in with its GPU staging patched out (Tensor.cuda returns the tensor itself,"
                    " in its worker only): unpatched, its load fails on a CPU build whenever a chunk must move"
                    " between ranks (\"No available device found.\").")
-    if "torch" in res["config"]["libs"] and any(e["phase"] == "save" for e in res["phases"]):
+    if res["config"].get("storage") == "s3":
+        out.append(f"object storage: a local S3 server ({res['machine'].get('storage', {}).get('server', '?')}), "
+                   "AWS_* variables pointing at it; torch DCP through FsspecWriter(sync_files=False) / FsspecReader "
+                   "(s3fs), paddle_dcp through s3:// paths")
+    elif "torch" in res["config"]["libs"] and any(e["phase"] == "save" for e in res["phases"]):
         out.append("torch DCP " + ("saves with sync_files=False (--torch-no-fsync)." if not res["config"].get("torch_sync_files", True)
                                    else "saves with its default sync_files=True: its time includes an fsync of every "
                                         "data file (paddle_dcp's and paddle's defaults do not fsync)."))
@@ -1074,6 +1124,10 @@ def main(argv=None) -> int:
     p.add_argument("--torch-no-fsync", action="store_true",
                    help="save with torch DCP's FileSystemWriter(sync_files=False); its default fsyncs every "
                         "data file, paddle's built-in and paddle_dcp's do not")
+    p.add_argument("--storage", choices=("local", "s3"), default="local",
+                   help="where checkpoints go: local disk (default), or s3: a local S3 server (weed mini, "
+                        "tests/s3server.py) for paddle_dcp (s3:// paths) and torch DCP (FsspecWriter/FsspecReader), "
+                        "with the server's own PUT/GET speed as the limit; phases save, load, reshard")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (checkpoints, logs)")
     args = p.parse_args(argv)
     if args.repeat < 1:

@@ -7,6 +7,9 @@ ranks)::
 
     bench_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
 
+CHECKPOINT_DIR may be an ``s3://bucket/prefix`` URL (bench.py --storage s3): paddle_dcp takes it
+as it is, torch DCP through FsspecWriter(sync_files=False) / FsspecReader (s3fs), both
+configured by the AWS_* variables; nothing is read into the page cache before a load then.
 PHASE is "save" (the workload in its save layout), "load" (into the same layout) or "reshard"
 (into the reshard layout: Shard(0) -> Shard(1)); "save-async" for "ours" and "torch"
 (save_state_dict(async_save=True) / DCP's async_save: the call's return and the handle's
@@ -230,13 +233,22 @@ class TorchLib:
         writing in a thread) and a handle whose wait() waits for it."""
         if async_save:
             return _TorchHandle(self.dcp.async_save(sd, checkpoint_id=path))
-        if os.environ.get("PADDLE_DCP_BENCH_TORCH_NO_FSYNC"):  # DCP's default fsyncs every file
+        if "://" in path:  # object storage through fsspec; an fsync means nothing there
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            self.dcp.save(sd, storage_writer=FsspecWriter(path, sync_files=False))
+        elif os.environ.get("PADDLE_DCP_BENCH_TORCH_NO_FSYNC"):  # DCP's default fsyncs every file
             self.dcp.save(sd, storage_writer=self.dcp.FileSystemWriter(path, sync_files=False))
         else:
             self.dcp.save(sd, checkpoint_id=path)
 
     def load(self, sd, path):
-        self.dcp.load(sd, checkpoint_id=path)
+        if "://" in path:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            self.dcp.load(sd, storage_reader=FsspecReader(path))
+        else:
+            self.dcp.load(sd, checkpoint_id=path)
 
     @staticmethod
     def checkpoint(path: str, uid: int) -> tuple[str, dict]:
@@ -375,7 +387,7 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
         sd = build_state(lib, specs, layout_of, fill=phase not in SAVES)
         result["build_seconds"] = time.perf_counter() - started
         _settle(lib)
-        if phase not in SAVES:
+        if phase not in SAVES and "://" not in ckpt:  # a local checkpoint: into the page cache
             read_files(ckpt, lib.rank, lib.ranks)
             lib.barrier()
             result["cached_before"] = cached_fraction(ckpt)

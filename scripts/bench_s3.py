@@ -1,0 +1,241 @@
+"""The object-storage side of scripts/bench.py (``--storage s3``): a local S3 server, where the
+checkpoints go on it, and the server's own speed as the limit a library could reach.
+
+The server is SeaweedFS's ``weed mini`` on 127.0.0.1 (tests/s3server.py, the one the tests
+use), with its data directory in the bench's working directory; every launch gets the standard
+AWS variables that point at it. The limit: one object of the checkpoint's logical size written
+with s3fs as a multipart upload (parts of PART_BYTES, paddle_dcp's default part size) and read
+back, from one stream (one part or one GET in flight) and from STREAMS in parallel (parts in
+flight; GETs of contiguous ranges from as many threads). GB/s = bytes / seconds, 1 GB = 1e9
+bytes, best of the repeats; every read is compared with what was written.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+GB = 1e9
+MiB = 1 << 20
+PART_BYTES = 32 * MiB  # paddle_dcp's default part size (issue 17, point 3)
+STREAMS = 4
+BUCKET = "ckpt"
+# what runs on object storage: paddle's built-in takes local paths only; the ours-only phases
+# (async, durable, no-verify) are local-disk questions
+LIBS = ("ours", "torch")
+PHASES = ("save", "load", "reshard")
+# issue 17, point 6: ours / torch DCP at least this, per phase; and ours at least this fraction
+# of the server's own speed (PUT for a save, GET for a load), from the same run
+TARGETS = {"save": {"torch": 2.0}, "load": {"torch": 2.0}}
+SERVER_FRACTION = 0.6
+# issue 17, point 3: a rank's memory within the disk bound (10% of its share + 64 MiB) plus the
+# parts in flight: paddle_dcp's defaults (io/objects.py ObjectOptions: 4 parts of 32 MiB)
+PARTS_IN_FLIGHT = 4
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class S3Store:
+    """A ``weed mini`` server for one bench run and the checkpoints on it."""
+
+    def __init__(self, server, fs):
+        self.server, self.fs = server, fs
+
+    @classmethod
+    def start(cls, workdir: str) -> "S3Store":
+        sys.path.insert(0, os.path.join(REPO, "tests"))
+        from s3server import S3Server
+
+        import s3fs
+
+        t0 = time.perf_counter()
+        server = S3Server.start(os.path.join(workdir, "weed"), bucket=BUCKET)
+        os.environ.update(server.env)  # every launch inherits them: the way users configure it
+        store = cls(server, s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False))
+        # the first writes to a fresh server allocate its volumes (seconds): not in any timed call
+        store.fs.pipe_file(f"{BUCKET}/warm-up/object", bytes(2 * PART_BYTES), chunksize=PART_BYTES)
+        store.remove(store.path("warm-up"))
+        log(f"S3 server (weed mini) at {server.endpoint}, bucket {BUCKET}, up in {time.perf_counter() - t0:.1f} s")
+        return store
+
+    def path(self, name: str) -> str:
+        return f"s3://{BUCKET}/{name}"
+
+    def remove(self, url: str) -> None:
+        """Every object under ``url`` (a checkpoint), if any."""
+        key = url.split("://", 1)[1]
+        try:
+            if self.fs.find(key):
+                self.fs.rm(key, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def holds(self, url: str) -> bool:
+        """Whether any object is under ``url`` (a save that took the URL for a local path
+        writes none). weed lists a prefix whose objects were all deleted as an entry of its
+        own, so only keys below it count."""
+        key = url.split("://", 1)[1].rstrip("/")
+        return any(p.startswith(key + "/") for p in self.fs.find(key))
+
+    def info(self) -> dict:
+        return {"server": "SeaweedFS weed mini (tests/s3server.py)", "version": _weed_version(),
+                "endpoint": self.server.endpoint}
+
+    def close(self) -> None:
+        log("stopping the S3 server (it can take 20 s)")
+        self.server.stop()
+
+
+def _weed_version() -> str | None:
+    import subprocess
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from s3server import weed_binary
+
+    try:
+        out = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError, TypeError):
+        return None
+
+
+def _in_threads(fn, args_list) -> float:
+    """fn(*args) for each args in a thread of its own; wall seconds; the first error raised."""
+    errors = []
+
+    def body(args):
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(a,)) for a in args_list]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def server_speed(store: S3Store, nbytes: int, streams=(1, STREAMS)) -> dict:
+    """PUT and GET of one ``nbytes`` object, at each number of ``streams`` (see the module
+    docstring); GB/s, and the CPU seconds the server spent per GB (its own cost, which on a
+    machine of few cores bounds every client)."""
+    import numpy as np
+
+    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    key = f"{BUCKET}/server-limit/object"
+    out = {"bytes": nbytes, "part_bytes": PART_BYTES, "put_gbps": {}, "get_gbps": {},
+           "put_server_cpu_s_per_gb": {}, "get_server_cpu_s_per_gb": {}}
+    fs = store.fs
+    pid = store.server.process.pid
+
+    def cpu_per_gb(before):
+        after = _cpu_seconds(pid)
+        return None if before is None or after is None else (after - before) / (nbytes / GB)
+
+    for k in streams:
+        store.remove(store.path("server-limit"))
+        cpu, t0 = _cpu_seconds(pid), time.perf_counter()
+        fs.pipe_file(key, data, chunksize=PART_BYTES, max_concurrency=k)
+        out["put_gbps"][str(k)] = nbytes / (time.perf_counter() - t0) / GB
+        out["put_server_cpu_s_per_gb"][str(k)] = cpu_per_gb(cpu)
+        got = [None] * k
+        step = -(-nbytes // k)
+
+        def read(i):
+            got[i] = fs.cat_file(key, start=i * step, end=min((i + 1) * step, nbytes))
+
+        cpu = _cpu_seconds(pid)
+        seconds = _in_threads(read, [(i,) for i in range(k)]) if k > 1 else None
+        if seconds is None:
+            t0 = time.perf_counter()
+            got[0] = fs.cat_file(key)
+            seconds = time.perf_counter() - t0
+        out["get_gbps"][str(k)] = nbytes / seconds / GB
+        out["get_server_cpu_s_per_gb"][str(k)] = cpu_per_gb(cpu)
+        if b"".join(got) != data:
+            raise RuntimeError(f"the server returned other bytes than were written ({k} streams)")
+        del got
+    store.remove(store.path("server-limit"))
+    return out
+
+
+def best_server_speed(samples: list) -> dict:
+    """The best of the repeats, per direction and stream count."""
+    if not samples:
+        return {}
+    out = {"bytes": samples[0]["bytes"], "part_bytes": samples[0]["part_bytes"], "samples": samples}
+    for what in ("put_gbps", "get_gbps"):
+        out[what] = {k: max(s[what][k] for s in samples) for k in samples[0][what]}
+    for what in ("put_server_cpu_s_per_gb", "get_server_cpu_s_per_gb"):  # the least of the repeats
+        out[what] = {k: min((s[what][k] for s in samples if s[what].get(k) is not None), default=None)
+                     for k in samples[0][what]}
+    return out
+
+
+def limit_targets(entry: dict, server: dict) -> dict | None:
+    """Ours' best GB/s as a fraction of the server's best (any stream count): PUT for a save,
+    GET for a load or reshard; issue 17's 60% target for the save and the same-layout load."""
+    ours = entry["libs"].get("ours", {}).get("best_gbps")
+    what = "put_gbps" if entry["phase"] == "save" else "get_gbps"
+    limit = max(server.get(what, {}).values(), default=None)
+    if not ours or not limit:
+        return None
+    target = entry["phase"] in TARGETS
+    return {"server_gbps": limit, "fraction": ours / limit, "at_least": SERVER_FRACTION if target else None,
+            "met": ours / limit >= SERVER_FRACTION if target else None}
+
+
+def memory_target(entry: dict) -> dict | None:
+    """Ours' peak RSS growth per rank against the disk bound plus the parts in flight."""
+    ours = entry["libs"].get("ours", {})
+    if "rss_growth_max_bytes" not in ours:
+        return None
+    limit = 0.1 * entry["share_bytes"] + 64 * MiB + PARTS_IN_FLIGHT * PART_BYTES
+    return {"limit_bytes": limit, "met": ours["rss_growth_max_bytes"] <= limit}
+
+
+def report_lines(entry: dict, server: dict) -> list:
+    """The lines under a phase's table: the server's own speed and ours as a fraction of it."""
+    if not server:
+        return []
+    what, verb = ("put_gbps", "PUT") if entry["phase"] == "save" else ("get_gbps", "GET")
+    counts = " / ".join(server[what])
+    speeds = " / ".join(f"{v:.2f}" for v in server[what].values())
+    cpu = server.get(what.replace("gbps", "server_cpu_s_per_gb"), {})
+    cost = (f"; the server's CPU seconds per GB: {' / '.join(f'{v:.2f}' for v in cpu.values())}"
+            if cpu and None not in cpu.values() else "")
+    lines = [f"server's own {verb} GB/s of one {server['bytes'] / MiB:.0f} MiB object (s3fs, "
+             f"{server['part_bytes'] / MiB:.0f} MiB parts) from {counts} stream(s): {speeds}{cost}"]
+    frac = entry["targets"].get("server")
+    if frac:
+        target = (f"; target >= {100 * frac['at_least']:.0f}%: {'met' if frac['met'] else 'not met'}"
+                  if frac["at_least"] else "")
+        lines.append(f"paddle_dcp at {100 * frac['fraction']:.0f}% of the server's best "
+                     f"({frac['server_gbps']:.2f} GB/s){target}")
+    mem = entry["targets"].get("memory")
+    if mem:
+        lines.append(f"ours' memory limit (10% of share + 64 MiB + {PARTS_IN_FLIGHT} parts of "
+                     f"{PART_BYTES / MiB:.0f} MiB in flight): {mem['limit_bytes'] / MiB:.0f} MiB/rank -> "
+                     f"{'ok' if mem['met'] else 'over'}")
+    return lines

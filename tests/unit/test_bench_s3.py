@@ -1,0 +1,64 @@
+"""The object-storage side of the benchmark (scripts/bench_s3.py): the server's own speed as the
+limit, and how ours is set against it and against the memory bound."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_s3  # noqa: E402
+
+MiB = 1 << 20
+
+
+def sample(put1, put4, get1, get4, cpu=6.0):
+    return {"bytes": 64 * MiB, "part_bytes": 32 * MiB, "put_gbps": {"1": put1, "4": put4},
+            "get_gbps": {"1": get1, "4": get4}, "put_server_cpu_s_per_gb": {"1": cpu, "4": cpu + 1},
+            "get_server_cpu_s_per_gb": {"1": cpu / 10, "4": None}}
+
+
+def entry(phase, ours_gbps, rss_mib, share=512 * MiB):
+    return {"phase": phase, "share_bytes": share, "targets": {},
+            "libs": {"ours": {"best_gbps": ours_gbps, "rss_growth_max_bytes": rss_mib * MiB}}}
+
+
+def test_the_limit_is_the_best_repeat_and_the_least_cpu():
+    best = bench_s3.best_server_speed([sample(0.1, 0.2, 0.5, 0.4, cpu=7.0), sample(0.3, 0.1, 0.2, 0.9, cpu=6.0)])
+    assert best["put_gbps"] == {"1": 0.3, "4": 0.2} and best["get_gbps"] == {"1": 0.5, "4": 0.9}
+    assert best["put_server_cpu_s_per_gb"] == {"1": 6.0, "4": 7.0}
+    assert best["get_server_cpu_s_per_gb"] == {"1": 0.6, "4": None}  # never measured: none
+    assert bench_s3.best_server_speed([]) == {}
+
+
+def test_ours_against_the_server_put_for_a_save_get_for_a_load():
+    server = bench_s3.best_server_speed([sample(0.2, 0.25, 0.5, 1.0)])
+    save = bench_s3.limit_targets(entry("save", 0.2, 100), server)
+    assert save["server_gbps"] == 0.25 and save["fraction"] == pytest.approx(0.8) and save["met"] is True
+    load = bench_s3.limit_targets(entry("load", 0.5, 100), server)
+    assert load["server_gbps"] == 1.0 and load["met"] is False  # 50% < 60%
+    reshard = bench_s3.limit_targets(entry("reshard", 0.9, 100), server)
+    assert reshard["fraction"] == pytest.approx(0.9) and reshard["at_least"] is None and reshard["met"] is None
+    assert bench_s3.limit_targets({"phase": "save", "libs": {}}, server) is None
+
+
+def test_memory_bound_is_the_disk_bound_plus_the_parts_in_flight():
+    limit = 0.1 * 512 * MiB + 64 * MiB + bench_s3.PARTS_IN_FLIGHT * bench_s3.PART_BYTES
+    assert bench_s3.memory_target(entry("save", 0.1, 240)) == {"limit_bytes": limit, "met": True}
+    assert bench_s3.memory_target(entry("save", 0.1, 250))["met"] is False
+    e = entry("save", 0.2, 250)
+    server = bench_s3.best_server_speed([sample(0.2, 0.25, 0.5, 1.0)])
+    e["targets"] = {"server": bench_s3.limit_targets(e, server), "memory": bench_s3.memory_target(e)}
+    text = "\n".join(bench_s3.report_lines(e, server))
+    assert "PUT GB/s of one 64 MiB object" in text and "0.20 / 0.25" in text and "6.00 / 7.00" in text
+    assert "80% of the server's best (0.25 GB/s); target >= 60%: met" in text and "-> over" in text
+
+
+def test_server_speed_writes_reads_and_compares_on_the_real_server(s3_env):
+    import s3fs
+
+    store = bench_s3.S3Store(s3_env, s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False))
+    out = bench_s3.server_speed(store, 3 * MiB + 5, streams=(1, 3))
+    assert set(out["put_gbps"]) == set(out["get_gbps"]) == {"1", "3"}
+    assert all(v > 0 for v in [*out["put_gbps"].values(), *out["get_gbps"].values()])
+    assert all(v is not None and v >= 0 for v in out["put_server_cpu_s_per_gb"].values())
+    assert not store.holds(store.path("server-limit"))  # it cleans up after itself
