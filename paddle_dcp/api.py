@@ -120,6 +120,12 @@ def save_state_dict(
         _LAST_TRAFFIC["save"] = comm.traffic
         _log_saved(result, path, started)
         return None
+    return _save_async(comm, rank, path, started)
+
+
+def _save_async(comm, rank: LocalSaveRank, path: str, started: float) -> "AsyncSave":
+    """Run the save until this rank's pieces are staged (or, the first time, written), then
+    hand the rest to the background writer."""
     run = protocol.save(rank)
     try:
         protocol.run(comm, run, until_detach=True)
