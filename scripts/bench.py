@@ -1040,7 +1040,8 @@ def _format_variant(entry: dict) -> list:
                    f"{_x(a['next_blocked_over_next_full_save_median'])}), a later save of a process; the first save of "
                    f"a process: {_s(a['first_blocked_best_s'])} vs {_s(a['full_save_best_s'])} "
                    f"({_x(a['first_blocked_over_full_save_best'])}; medians {_x(a['first_blocked_over_full_save_median'])}),"
-                   f" its background process group created in the call")
+                   f" (it writes its own file before returning; the staging memory and the background"
+                   f" group are made afterwards, by the writer thread)")
         for peer in ASYNC_PEERS:
             p = a.get(peer)
             if p:
