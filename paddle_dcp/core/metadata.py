@@ -326,6 +326,19 @@ def check_file_name(name: Any, what: str = "file name") -> str:
     return name
 
 
+def check_member_name(name: Any, what: str = "file name") -> str:
+    """A name a storage opens in its directory: any name that stays inside it (no separator, no
+    NUL, not "." or ".."; at most 255 bytes). The names a checkpoint's metadata gives are plainer
+    still (:func:`check_file_name`); a file the caller names (a single safetensors file) may be
+    called anything its file system allows."""
+    if (
+        not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+        or "\0" in name or len(name.encode("utf-8", "surrogateescape")) > 255
+    ):
+        raise FormatError(f"{what} {str(name)[:80]!r} is not a plain file name inside the checkpoint directory")
+    return name
+
+
 class LazyTensors(Mapping):
     """Tensor entries parsed and validated the first time each is used: a rank that loads a few
     hundred tensors of a checkpoint with thousands pays for those alone. Nothing is read or

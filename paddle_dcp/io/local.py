@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..errors import FormatError, IntegrityError, StorageError
-from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, aligned, check_file_name
+from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, aligned, check_member_name
 from ..core.naming import TMP_MARK, metadata_name
 from .storage import Listing, block_checksums, listing_of
 
@@ -114,7 +114,7 @@ def remove_files(path: str, names: Iterable[str]) -> list[str]:
 
 def inside(path: str, name: str) -> str:
     """``path/name`` for a validated plain ``name`` that resolves inside ``path``."""
-    check_file_name(name)
+    check_member_name(name)
     full = os.path.join(path, name)
     real_dir = os.path.realpath(path)
     real = os.path.realpath(full)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import xxhash
 
-from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, check_file_name
+from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, check_member_name
 from ..core.naming import TMP_MARK, metadata_name
 from ..errors import ArgumentError, FormatError, IntegrityError, StorageError, UnsupportedError
 from .retry import RetryPolicy, retrying
@@ -144,10 +144,10 @@ class ObjectStorage:
     # ------------------------------------------------------------------ names and requests
     def full(self, name: str) -> str:
         """The fsspec path of object ``name`` ("bucket/prefix/name")."""
-        return f"{self.root}/{check_file_name(name)}"
+        return f"{self.root}/{check_member_name(name)}"
 
     def resolve(self, name: str) -> str:
-        return f"{self.path}/{check_file_name(name)}"
+        return f"{self.path}/{check_member_name(name)}"
 
     def call(self, what: str, fn: Callable[[], Any], fatal: tuple = (FileNotFoundError,)) -> Any:
         """``fn()`` with the retries of :mod:`paddle_dcp.io.retry` (``what``: the request and

@@ -54,6 +54,25 @@ def test_reads_a_file_of_another_writer_by_flat_keys(tmp_path):
     assert np.array_equal(sd["model"]["a"], a) and np.array_equal(sd["model"]["b"], b) and sd["c"] == -3
 
 
+@pytest.mark.parametrize("name", ["my model+v1\u00e9.safetensors", "weights (1).safetensors"])
+def test_a_file_the_caller_names_may_have_any_name_its_file_system_allows(tmp_path, name):
+    import safetensors.numpy
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = tmp_path / name
+    safetensors.numpy.save_file({"a": a}, str(path))
+    sd = {"a": np.zeros((2, 3), np.float32)}
+    singlefile.load_file(sd, str(path))
+    assert np.array_equal(sd["a"], a)
+
+
+def test_a_storage_opens_no_name_that_leaves_its_directory(tmp_path):
+    store = open_storage(str(tmp_path))
+    for bad in ("..", ".", "a/b", "x\0y", "", "n" * 256):
+        with pytest.raises(FormatError, match="plain file name"):
+            store.resolve(bad)
+
+
 def test_mismatches_are_refused_before_any_tensor_changes(tmp_path):
     path = write(tmp_path / "f", {"a": ("F32", np.ones((2, 3), np.float32)), "b": ("I64", np.ones(4, np.int64))})
     for sd, text in [
