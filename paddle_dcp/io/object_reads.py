@@ -85,7 +85,7 @@ class _Fetch:
         self.buf = np.empty(stop - start, dtype=np.uint8)
         chunk = files.store.options.read_chunk_bytes
         name = files.meta.files[index].name
-        view = memoryview(self.buf)
+        view = self.buf.data
         self.parts: list[tuple[int, Future]] = [
             (at, files.pool().submit(get_into, files.store, name, start + at, view[at : at + chunk]))
             for at in range(0, len(self.buf), chunk)

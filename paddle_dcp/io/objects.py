@@ -138,10 +138,13 @@ def open_url(url: str, storage_options: dict | None = None) -> "ObjectStorage":
 class ObjectStorage:
     """The :class:`paddle_dcp.io.storage.Storage` of the objects under a URL prefix."""
 
+    lists_temporary_apart = True  # list_checkpoints(temporary=False) saves a request (storage.list_files)
+
     def __init__(self, url: str, fs: Any, root: str, options: ObjectOptions, protocol: str):
         self.path, self.fs, self.root, self.options, self.protocol = url, fs, root, options, protocol
         self.is_s3 = protocol in S3_PROTOCOLS
         self._uploads: dict[str, tuple[str, str]] = {}  # temporary name -> (key, upload id)
+        self._present: set[str] | None = None  # the objects of the last listing, less those removed since
 
     # ------------------------------------------------------------------ names and requests
     def full(self, name: str) -> str:
@@ -173,20 +176,26 @@ class ObjectStorage:
             self.call(f"MKDIR {self.path}", lambda: self.fs.makedirs(self.root, exist_ok=True))
 
     def sizes(self) -> dict[str, dict]:
-        """name -> fsspec info of every object directly under the prefix (one LIST)."""
+        """name -> fsspec info of every object directly under the prefix (one LIST). Only
+        objects count: a "directory" entry (a longer prefix with objects under it, or one that
+        had some: SeaweedFS keeps listing a prefix after its last object is deleted) is none."""
         try:
             entries = self.call(f"LIST {self.path}/", lambda: self.fs.ls(self.root, detail=True, refresh=True))
         except FileNotFoundError:
-            return {}
+            entries = []
         out = {}
         for e in entries:
-            if e.get("type", "file") == "file":
-                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = e
+            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            if e.get("type", "file") == "file" and not e["name"].endswith("/"):
+                out[name] = e
+        self._present = set(out)
         return out
 
-    def list_checkpoints(self) -> Listing:
+    def list_checkpoints(self, temporary: bool = True) -> Listing:
+        """What the prefix holds: one LIST, and with ``temporary`` (the default) a second one
+        of the multipart uploads open under it (only cleaning up needs those)."""
         names = list(self.sizes())
-        if self.is_s3:
+        if self.is_s3 and temporary:
             names += self._pending_uploads()
         return listing_of(names)
 
@@ -212,6 +221,13 @@ class ObjectStorage:
         """The size in bytes of object ``name`` (a HEAD), or None when there is none (a
         prefix with objects under it is not one)."""
         full = self.full(name)
+        if self.is_s3:  # s3fs's info() follows a missing object with a LIST (is it a prefix?)
+            key = self.key_prefix + check_file_name(name)
+            try:
+                reply = self.call(f"HEAD {self.resolve(name)}", lambda: self.s3("head_object", Key=key))
+            except FileNotFoundError:
+                return None
+            return int(reply["ContentLength"])
         try:
             info = self.call(f"HEAD {self.resolve(name)}", lambda: self.fs.info(full, refresh=True))
         except FileNotFoundError:
@@ -261,11 +277,14 @@ class ObjectStorage:
         return cls(self, name, block_bytes, header, alignment)
 
     def remove(self, names: Iterable[str]) -> list[str]:
+        """Delete objects and abort uploads by name; names known from this storage's last
+        listing need no new one."""
         names = list(names)
         if not names:
             return []
-        present = set(self.sizes())
-        if any(n not in present for n in names) and self.is_s3:
+        known = self._present is not None and all(n in self._present or n in self._uploads for n in names)
+        present = set(self._present) if known and self._present is not None else set(self.sizes())
+        if any(n not in present and n not in self._uploads for n in names) and self.is_s3:
             self._pending_uploads()
         removed = []
         for name in names:
@@ -277,6 +296,8 @@ class ObjectStorage:
                 full = self.full(name)
                 self.call(f"DELETE {self.resolve(name)}", lambda: self.fs.rm_file(full))
                 removed.append(name)
+                if self._present is not None:
+                    self._present.discard(name)
         return removed
 
     def abort_upload(self, key: str, upload_id: str, raising: bool = False) -> None:
