@@ -99,8 +99,9 @@ def save_state_dict(
             makes a crash of the process leave either the old or the new checkpoint).
         storage_options: for a URL ``path`` (``s3://bucket/prefix``): options passed to
             fsspec (e.g. ``endpoint_url``, ``key``, ``secret``), and paddle_dcp's own
-            ``part_size``, ``parts_in_flight``, ``read_concurrency``, ``retries``,
-            ``retry_deadline`` (see the guide's object storage section).
+            ``part_size``, ``parts_in_flight``, ``read_concurrency``, ``read_chunk_bytes``,
+            ``read_ahead_bytes``, ``read_cache_bytes``, ``retries``, ``retry_deadline`` (see
+            the guide's object storage section).
 
     Raises:
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
