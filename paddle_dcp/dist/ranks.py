@@ -104,9 +104,10 @@ class LocalSaveRank:
 
     def prepare_id(self, uid: int) -> int:
         listing = self.listing = self.listing or self.store.list_checkpoints()
-        storage.remove_temporary(self.store, uid, self.rank, listing)
+        stale = storage.temporary_names(listing, uid, self.rank)
         if self.rank == self.coordinator:
-            storage.remove_temporary(self.store, uid, -1, listing)
+            stale += storage.temporary_names(listing, uid, -1)
+        self.store.remove(stale)
         gens = listing.generations(uid)  # temporary files are no generation
         return max(gens) if gens else -1
 
