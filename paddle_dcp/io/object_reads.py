@@ -68,12 +68,6 @@ def get_into(store: "ObjectStorage", name: str, start: int, out: memoryview) -> 
         raise IntegrityError(f"data file {url} is missing") from None
 
 
-def get_range(store: "ObjectStorage", name: str, start: int, stop: int) -> bytes:
-    """Bytes [start, stop) of object ``name`` (fewer when it ends first): one ranged GET."""
-    out = bytearray(max(0, stop - start))
-    return bytes(out[: get_into(store, name, start, memoryview(out))])
-
-
 def _short(url: str, start: int, got: int, want: int, whose: str) -> IntegrityError:
     return IntegrityError(f"data file {url} ends at {start + got} bytes, before the {start + want} {whose}")
 

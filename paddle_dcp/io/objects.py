@@ -25,7 +25,7 @@ import xxhash
 from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, check_file_name
 from ..core.naming import TMP_MARK, metadata_name
 from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
-from .object_reads import ObjectFiles, ObjectRangeReader, get_range  # noqa: F401 (get_range: for callers)
+from .object_reads import ObjectFiles, ObjectRangeReader
 from .retry import RetryPolicy, retrying
 from .storage import Listing, listing_of
 
