@@ -58,8 +58,8 @@ class PartBody(io.BytesIO):
         super().__init__()
         self._view, self._pos = view, 0
 
-    def getbuffer(self) -> memoryview:
-        return self._view[self._pos:]
+    def getbuffer(self) -> memoryview:  # as BytesIO's: the whole content, whatever the position
+        return self._view[:]
 
     def read(self, size: int | None = -1) -> bytes:
         stop = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
