@@ -21,7 +21,7 @@ from .dist.comm import make_comm
 from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
-from .io import is_file, open_storage
+from .io import is_file, open_storage, storage
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ def save_state_dict(
             makes a crash of the process leave either the old or the new checkpoint).
         storage_options: for a URL ``path`` (``s3://bucket/prefix``): options passed to
             fsspec (e.g. ``endpoint_url``, ``key``, ``secret``), and paddle_dcp's own
-            ``part_size``, ``parts_in_flight``, ``read_concurrency``, ``retries``,
-            ``retry_deadline`` (see the guide's object storage section).
+            ``part_size``, ``parts_in_flight``, ``read_concurrency``, ``read_chunk_bytes``,
+            ``read_ahead_bytes``, ``read_cache_bytes``, ``retries``, ``retry_deadline`` (see
+            the guide's object storage section).
 
     Raises:
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
@@ -274,7 +275,7 @@ def read_metadata(path: str, unique_id: int | None = None, *, storage_options: d
     path = os.fspath(path)
     check_id(unique_id)
     store = open_storage(path, storage_options)
-    listing = store.list_checkpoints()
+    listing = storage.list_files(store, temporary=False)
     if unique_id is None:
         if listing.latest is None:
             raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")

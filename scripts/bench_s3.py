@@ -34,6 +34,8 @@ SERVER_FRACTION = 0.6
 # issue 17, point 3: a rank's memory within the disk bound (10% of its share + 64 MiB) plus the
 # parts in flight: paddle_dcp's defaults (io/objects.py ObjectOptions: 4 parts of 32 MiB)
 PARTS_IN_FLIGHT = 4
+# a load's reads in flight (ObjectOptions: read_ahead_bytes 64 MiB + read_cache_bytes 32 MiB)
+READS_IN_FLIGHT = 96 * MiB
 
 
 def log(msg: str) -> None:
@@ -206,12 +208,19 @@ def limit_targets(entry: dict, server: dict) -> dict | None:
             "met": ours / limit >= SERVER_FRACTION if target else None}
 
 
+def in_flight(phase: str) -> tuple[int, str]:
+    """(bytes, what) a rank may hold beyond the disk bound: a save's parts, a load's reads."""
+    if phase == "save":
+        return PARTS_IN_FLIGHT * PART_BYTES, f"{PARTS_IN_FLIGHT} parts of {PART_BYTES / MiB:.0f} MiB in flight"
+    return READS_IN_FLIGHT, f"{READS_IN_FLIGHT / MiB:.0f} MiB of reads ahead and kept"
+
+
 def memory_target(entry: dict) -> dict | None:
-    """Ours' peak RSS growth per rank against the disk bound plus the parts in flight."""
+    """Ours' peak RSS growth per rank against the disk bound plus the parts or reads in flight."""
     ours = entry["libs"].get("ours", {})
     if "rss_growth_max_bytes" not in ours:
         return None
-    limit = 0.1 * entry["share_bytes"] + 64 * MiB + PARTS_IN_FLIGHT * PART_BYTES
+    limit = 0.1 * entry["share_bytes"] + 64 * MiB + in_flight(entry["phase"])[0]
     return {"limit_bytes": limit, "met": ours["rss_growth_max_bytes"] <= limit}
 
 
@@ -235,7 +244,7 @@ def report_lines(entry: dict, server: dict) -> list:
                      f"({frac['server_gbps']:.2f} GB/s){target}")
     mem = entry["targets"].get("memory")
     if mem:
-        lines.append(f"ours' memory limit (10% of share + 64 MiB + {PARTS_IN_FLIGHT} parts of "
-                     f"{PART_BYTES / MiB:.0f} MiB in flight): {mem['limit_bytes'] / MiB:.0f} MiB/rank -> "
+        lines.append(f"ours' memory limit (10% of share + 64 MiB + {in_flight(entry['phase'])[1]}): "
+                     f"{mem['limit_bytes'] / MiB:.0f} MiB/rank -> "
                      f"{'ok' if mem['met'] else 'over'}")
     return lines

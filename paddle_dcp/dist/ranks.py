@@ -31,9 +31,9 @@ def check_id(unique_id: Any) -> None:
         raise ArgumentError(f"unique_id must be a non-negative int or None, got {unique_id!r}")
 
 
-def next_id(store: storage.Storage) -> int:
+def next_id(store: storage.Storage, listing: storage.Listing | None = None) -> int:
     """One more than the highest complete checkpoint id in ``store`` (0 for the first)."""
-    latest = store.list_checkpoints().latest
+    latest = (listing or store.list_checkpoints()).latest
     return 0 if latest is None else latest + 1
 
 
@@ -69,9 +69,13 @@ class LocalSaveRank:
         self.rows: list[tuple[int, save_plan.LocalPiece, int | None]] = []
         self.leaves: np.ndarray | None = None  # what this rank writes (known once planned)
         self.did_stage = False
+        # the directory's listing, made once per save: by the coordinator to choose the id,
+        # else to prepare it; the tidy step reuses it (this rank's files of older generations)
+        self.listing: storage.Listing | None = None
 
     def prepare(self) -> None:
         check_id(self.unique_id)
+        self.listing = None
         self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=False)
         self.store.create()
 
@@ -93,13 +97,18 @@ class LocalSaveRank:
         return self.flat.skeleton, [piece for _, piece, _ in self.rows]
 
     def choose_id(self) -> int:
-        return self.unique_id if self.unique_id is not None else next_id(self.store)
+        if self.unique_id is not None:
+            return self.unique_id
+        self.listing = self.store.list_checkpoints()
+        return next_id(self.store, self.listing)
 
     def prepare_id(self, uid: int) -> int:
-        storage.remove_temporary(self.store, uid, self.rank)
+        listing = self.listing = self.listing or self.store.list_checkpoints()
+        stale = storage.temporary_names(listing, uid, self.rank)
         if self.rank == self.coordinator:
-            storage.remove_temporary(self.store, uid, -1)
-        gens = self.store.list_checkpoints().generations(uid)
+            stale += storage.temporary_names(listing, uid, -1)
+        self.store.remove(stale)
+        gens = listing.generations(uid)  # temporary files are no generation
         return max(gens) if gens else -1
 
     def _chosen(self, leaves: np.ndarray) -> list[int]:
@@ -138,7 +147,7 @@ class LocalSaveRank:
         self.store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), self.durable)
 
     def tidy(self, uid: int, generation: int) -> None:
-        storage.remove_data(self.store, uid, self.rank, keep_generation=generation)
+        storage.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
 
 
 def write_pieces(
@@ -206,7 +215,7 @@ class LocalLoadRank:
         check_id(self.unique_id)
         self.flat = nested.flatten(self.state_dict, is_tensor)
         self.held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
-        listing = self.store.list_checkpoints()
+        listing = storage.list_files(self.store, temporary=False)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             self.directory = True
             names, _ = safetensors_files.shard_names(self.store)

@@ -13,6 +13,7 @@ whether it is invisible until closed depends on the filesystem.
 """
 from __future__ import annotations
 
+import io
 import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,8 +49,45 @@ class _Pieces:
         raise NotImplementedError
 
 
+class PartBody(io.BytesIO):
+    """The bytes of one part as the request body botocore and aiohttp stream from, read 64 KiB
+    at a time straight out of the part's buffer: given bytes, aiohttp slices and joins the
+    whole body (three transient copies of every part in flight); given a file, it reads it."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def getbuffer(self) -> memoryview:  # as BytesIO's: the whole content, whatever the position
+        return self._view[:]
+
+    def read(self, size: int | None = -1) -> bytes:
+        stop = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        out = bytes(self._view[self._pos : stop])
+        self._pos = max(self._pos, stop)
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def getvalue(self) -> bytes:
+        return bytes(self._view)
+
+    def __bytes__(self) -> bytes:
+        return bytes(self._view)
+
+
 class MultipartWriter(_Pieces):
-    """One data file as an S3 multipart upload (a :class:`DataFileWriter`)."""
+    """One data file as an S3 multipart upload (a :class:`DataFileWriter`).
+
+    Memory: ``parts_in_flight + 1`` buffers of ``part_size`` bytes, made once and reused (one
+    filling, the others uploading); the bytes of a piece are copied once, into a buffer, and
+    streamed to the socket from there."""
 
     def __init__(self, store, name: str, block_bytes: int, header: bytes = b"", alignment: int = 1):
         super().__init__(block_bytes, alignment)
@@ -58,9 +96,10 @@ class MultipartWriter(_Pieces):
         self.key = store.key_prefix + name
         self.part_size = store.options.part_size
         self.in_flight = store.options.parts_in_flight
-        self._buf = bytearray()
+        self._free: list[bytearray] = []  # buffers not in use
+        self._buf, self._fill = bytearray(), 0  # the buffer being filled, bytes in it
         self._parts: list[Future] = []
-        self._pending: deque[Future] = deque()
+        self._pending: deque[tuple[Future, bytearray]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self.upload_id: str | None = None
         if header:
@@ -70,46 +109,56 @@ class MultipartWriter(_Pieces):
     def _append(self, view: memoryview) -> None:
         at = 0
         while at < len(view):
-            take = min(self.part_size - len(self._buf), len(view) - at)
-            self._buf += view[at : at + take]
+            if not self._buf:
+                self._buf, self._fill = (self._free.pop() if self._free else bytearray(self.part_size)), 0
+            take = min(self.part_size - self._fill, len(view) - at)
+            self._buf[self._fill : self._fill + take] = view[at : at + take]
+            self._fill += take
             at += take
-            if len(self._buf) == self.part_size:
+            if self._fill == self.part_size:
                 self._ship()
 
     def _ship(self) -> None:
-        """Hand the filled buffer to an upload thread; wait while too many parts are in flight."""
+        """Hand the filled buffer to an upload thread; wait while too many parts are in flight
+        (their buffers then come back for reuse)."""
         if self.upload_id is None:
             reply = self.store.call(f"CREATE UPLOAD {self.url}", lambda: self.store.s3("create_multipart_upload", Key=self.key))
             self.upload_id = reply["UploadId"]
             self._pool = ThreadPoolExecutor(self.in_flight, thread_name_prefix="paddle_dcp-part")
-        body, self._buf = self._buf, bytearray()
+        buf, size = self._buf, self._fill
+        self._buf, self._fill = bytearray(), 0
         number = len(self._parts) + 1
         assert self._pool is not None  # made with the upload
-        fut = self._pool.submit(self._upload_part, number, body)
+        fut = self._pool.submit(self._upload_part, number, memoryview(buf)[:size])
         self._parts.append(fut)
-        self._pending.append(fut)
+        self._pending.append((fut, buf))
         while len(self._pending) >= self.in_flight:
-            self._pending.popleft().result()
+            done, buf = self._pending.popleft()
+            done.result()
+            self._free.append(buf)
 
-    def _upload_part(self, number: int, body: bytearray) -> dict:
+    def _upload_part(self, number: int, body: memoryview) -> dict:
         what = f"PUT part {number} of {self.url}"
         reply = self.store.call(what, lambda: self.store.s3(
-            "upload_part", Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body))
+            "upload_part", Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=PartBody(body)))
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def commit(self, durable: bool = False) -> int:
         """Upload what is left and complete the upload: the object appears, whole; returns
         its size."""
         if self.upload_id is None:  # smaller than one part: one PUT
-            body = bytes(self._buf)
+            body = bytes(memoryview(self._buf)[: self._fill])
             full = self.store.full(self.name)
             self.store.call(f"PUT {self.url}", lambda: self.store.fs.pipe_file(full, body))
-            self._buf = bytearray()
+            self._buf, self._fill, self._free = bytearray(), 0, []
             return self.offset
-        if self._buf or not self._parts:
+        if self._fill or not self._parts:
+            if not self._buf:
+                self._buf = self._free.pop() if self._free else bytearray(self.part_size)
             self._ship()
         parts = [fut.result() for fut in self._parts]
         self._pending.clear()
+        self._free = []
         self._shutdown()
         try:
             self.store.call(f"COMPLETE UPLOAD {self.url}", lambda: self.store.s3(
@@ -139,7 +188,7 @@ class MultipartWriter(_Pieces):
 
     def abort(self) -> None:
         """Stop uploading and abort the upload (never raises)."""
-        self._buf = bytearray()
+        self._buf, self._fill, self._free = bytearray(), 0, []
         self._shutdown()
         if self.upload_id is not None:
             self.store.abort_upload(self.key, self.upload_id)

@@ -15,20 +15,17 @@ with backoff, then become a StorageError naming the object and the HTTP status.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
-import numpy as np
 import xxhash
 
 from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, check_member_name
 from ..core.naming import TMP_MARK, metadata_name
-from ..errors import ArgumentError, FormatError, IntegrityError, StorageError, UnsupportedError
+from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
+from .object_reads import ObjectFiles, ObjectRangeReader
 from .retry import RetryPolicy, retrying
 from .storage import Listing, listing_of
 
@@ -46,6 +43,9 @@ class ObjectOptions:
         part_size: bytes of each multipart upload part but the last (S3: at least 5 MiB).
         parts_in_flight: parts of one file being uploaded at once (each holds part_size bytes).
         read_concurrency: ranged GETs of one rank in flight at once.
+        read_chunk_bytes: the largest ranged GET (a longer range is fetched as several).
+        read_ahead_bytes: bytes of ranges a load fetches ahead of use, the range in use
+            included (a single longer range alone): the reads' memory in flight.
         read_cache_bytes: bytes of ranges a load keeps between checking their checksums and
             copying them (beyond it, a range is read again for the copy).
         retries: attempts of each request in all, the first included.
@@ -55,7 +55,9 @@ class ObjectOptions:
     part_size: int = 32 << 20
     parts_in_flight: int = 4
     read_concurrency: int = 8
-    read_cache_bytes: int = 64 << 20
+    read_chunk_bytes: int = 16 << 20
+    read_ahead_bytes: int = 64 << 20
+    read_cache_bytes: int = 32 << 20
     retries: int = 6
     retry_deadline: float = 60.0
 
@@ -66,7 +68,7 @@ class ObjectOptions:
             raise ArgumentError(f"storage_options must be a dict or None, got {type(storage_options).__name__}")
         rest = dict(storage_options or {})
         ours = {k: rest.pop(k) for k in cls.__dataclass_fields__ if k in rest}
-        for key in ("part_size", "parts_in_flight", "read_concurrency", "read_cache_bytes"):
+        for key in ("part_size", "parts_in_flight", "read_concurrency", "read_chunk_bytes", "read_ahead_bytes", "read_cache_bytes"):
             value = ours.get(key, 1)
             if type(value) is not int or value < (0 if key == "read_cache_bytes" else 1):
                 raise ArgumentError(f"storage_options[{key!r}] must be a positive int, got {value!r}")
@@ -136,10 +138,13 @@ def open_url(url: str, storage_options: dict | None = None) -> "ObjectStorage":
 class ObjectStorage:
     """The :class:`paddle_dcp.io.storage.Storage` of the objects under a URL prefix."""
 
+    lists_temporary_apart = True  # list_checkpoints(temporary=False) saves a request (storage.list_files)
+
     def __init__(self, url: str, fs: Any, root: str, options: ObjectOptions, protocol: str):
         self.path, self.fs, self.root, self.options, self.protocol = url, fs, root, options, protocol
         self.is_s3 = protocol in S3_PROTOCOLS
         self._uploads: dict[str, tuple[str, str]] = {}  # temporary name -> (key, upload id)
+        self._present: set[str] | None = None  # the objects of the last listing, less those removed since
 
     # ------------------------------------------------------------------ names and requests
     def full(self, name: str) -> str:
@@ -171,20 +176,26 @@ class ObjectStorage:
             self.call(f"MKDIR {self.path}", lambda: self.fs.makedirs(self.root, exist_ok=True))
 
     def sizes(self) -> dict[str, dict]:
-        """name -> fsspec info of every object directly under the prefix (one LIST)."""
+        """name -> fsspec info of every object directly under the prefix (one LIST). Only
+        objects count: a "directory" entry (a longer prefix with objects under it, or one that
+        had some: SeaweedFS keeps listing a prefix after its last object is deleted) is none."""
         try:
             entries = self.call(f"LIST {self.path}/", lambda: self.fs.ls(self.root, detail=True, refresh=True))
         except FileNotFoundError:
-            return {}
+            entries = []
         out = {}
         for e in entries:
-            if e.get("type", "file") == "file":
-                out[e["name"].rstrip("/").rsplit("/", 1)[-1]] = e
+            name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+            if e.get("type", "file") == "file" and not e["name"].endswith("/"):
+                out[name] = e
+        self._present = set(out)
         return out
 
-    def list_checkpoints(self) -> Listing:
+    def list_checkpoints(self, temporary: bool = True) -> Listing:
+        """What the prefix holds: one LIST, and with ``temporary`` (the default) a second one
+        of the multipart uploads open under it (only cleaning up needs those)."""
         names = list(self.sizes())
-        if self.is_s3:
+        if self.is_s3 and temporary:
             names += self._pending_uploads()
         return listing_of(names)
 
@@ -210,6 +221,13 @@ class ObjectStorage:
         """The size in bytes of object ``name`` (a HEAD), or None when there is none (a
         prefix with objects under it is not one)."""
         full = self.full(name)
+        if self.is_s3:  # s3fs's info() follows a missing object with a LIST (is it a prefix?)
+            key = self.key_prefix + check_file_name(name)
+            try:
+                reply = self.call(f"HEAD {self.resolve(name)}", lambda: self.s3("head_object", Key=key))
+            except FileNotFoundError:
+                return None
+            return int(reply["ContentLength"])
         try:
             info = self.call(f"HEAD {self.resolve(name)}", lambda: self.fs.info(full, refresh=True))
         except FileNotFoundError:
@@ -259,11 +277,14 @@ class ObjectStorage:
         return cls(self, name, block_bytes, header, alignment)
 
     def remove(self, names: Iterable[str]) -> list[str]:
+        """Delete objects and abort uploads by name; names known from this storage's last
+        listing need no new one."""
         names = list(names)
         if not names:
             return []
-        present = set(self.sizes())
-        if any(n not in present for n in names) and self.is_s3:
+        known = self._present is not None and all(n in self._present or n in self._uploads for n in names)
+        present = set(self._present) if known and self._present is not None else set(self.sizes())
+        if any(n not in present and n not in self._uploads for n in names) and self.is_s3:
             self._pending_uploads()
         removed = []
         for name in names:
@@ -275,6 +296,8 @@ class ObjectStorage:
                 full = self.full(name)
                 self.call(f"DELETE {self.resolve(name)}", lambda: self.fs.rm_file(full))
                 removed.append(name)
+                if self._present is not None:
+                    self._present.discard(name)
         return removed
 
     def abort_upload(self, key: str, upload_id: str, raising: bool = False) -> None:
@@ -286,150 +309,3 @@ class ObjectStorage:
             if raising and not isinstance(exc, FileNotFoundError):
                 raise
             logger.warning("could not abort the multipart upload of %s: %s", url, exc)
-
-
-# ---------------------------------------------------------------------- reading
-def get_range(store: ObjectStorage, name: str, start: int, stop: int) -> bytes:
-    """Bytes [start, stop) of object ``name`` (fewer when it ends first): one ranged GET."""
-    if stop <= start:
-        return b""
-    full = store.full(name)
-    url = store.resolve(name)
-    try:
-        return store.call(f"GET {url} bytes {start}-{stop - 1}", lambda: store.fs.cat_file(full, start=start, end=stop))
-    except FileNotFoundError:
-        raise IntegrityError(f"data file {url} is missing") from None
-
-
-class ObjectFiles:
-    """The data objects of one checkpoint opened for reading (a :class:`DataFiles`): sizes
-    checked against the metadata when first used (one HEAD per object), byte ranges read with
-    ranged GETs, the ranges announced by :meth:`advise` fetched ahead by a few threads.
-
-    A load reads its ranges twice: once to check their checksums before any tensor changes,
-    once to copy them. The first ``read_cache_bytes`` of ranges read are kept for the copy,
-    so a rank's share up to that size costs one GET per range."""
-
-    def __init__(self, store: ObjectStorage, meta: Metadata):
-        self.store, self.meta = store, meta
-        self._infos: dict[int, tuple] = {}
-        self._ahead: dict[tuple[int, int, int], Future] = {}
-        self._kept: dict[int, list[tuple[int, int, bytes]]] = {}  # file -> (start, stop, bytes), sorted
-        self._kept_bytes = 0
-        self._pool: ThreadPoolExecutor | None = None
-
-    def name(self, index: int) -> str:
-        return self.store.resolve(self.meta.files[index].name)
-
-    def _head(self, index: int) -> dict | None:
-        """The object's size and ETag (None when it is missing)."""
-        full = self.store.full(self.meta.files[index].name)
-        try:
-            return self.store.call(f"HEAD {self.name(index)}", lambda: self.store.fs.info(full, refresh=True))
-        except FileNotFoundError:
-            return None
-
-    @staticmethod
-    def _identity(info: dict) -> tuple:
-        return (info.get("size"), info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("created"))
-
-    def open(self, index: int) -> None:
-        if index in self._infos:
-            return
-        entry = self.meta.files[index]
-        info = self._head(index)
-        if info is None:
-            raise IntegrityError(f"data file {self.name(index)} of checkpoint {self.meta.unique_id} is missing")
-        if info.get("size") != entry.nbytes:
-            raise IntegrityError(f"data file {self.name(index)} has {info.get('size')} bytes, the metadata says {entry.nbytes}")
-        self._infos[index] = self._identity(info)
-
-    def read_into(self, index: int, offset: int, out: memoryview) -> None:
-        self.open(index)
-        _fill(out, get_range(self.store, self.meta.files[index].name, offset, offset + len(out)),
-              self.name(index), offset, "the metadata promises")
-
-    def advise(self, index: int, start: int, length: int) -> None:
-        """Start a ranged GET of these bytes now (at most ``read_concurrency`` ahead)."""
-        key = (index, start, start + length)
-        if length <= 0 or key in self._ahead or self._kept_range(index, start, start + length) is not None:
-            return
-        if len(self._ahead) >= self.store.options.read_concurrency:
-            return
-        self.open(index)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.store.options.read_concurrency, thread_name_prefix="paddle_dcp-get")
-        name = self.meta.files[index].name
-        self._ahead[key] = self._pool.submit(get_range, self.store, name, start, start + length)
-
-    def _kept_range(self, index: int, start: int, stop: int) -> memoryview | None:
-        """Bytes [start, stop) of file ``index`` from a range kept whole, or None."""
-        kept = self._kept.get(index, [])
-        at = bisect.bisect_right(kept, (start, float("inf"))) - 1
-        if at >= 0 and kept[at][0] <= start and stop <= kept[at][1]:
-            a = kept[at][0]
-            return memoryview(kept[at][2])[start - a : stop - a]
-        return None
-
-    def _get(self, index: int, start: int, stop: int) -> memoryview | bytes:
-        key = (index, start, stop)
-        kept = self._kept_range(index, start, stop)
-        if kept is not None:
-            return kept
-        ahead = self._ahead.pop(key, None)
-        data = ahead.result() if ahead is not None else get_range(self.store, self.meta.files[index].name, start, stop)
-        if len(data) != stop - start:
-            raise IntegrityError(
-                f"data file {self.name(index)} ends at {start + len(data)} bytes, before the {stop} the metadata promises"
-            )
-        if self._kept_bytes + len(data) <= self.store.options.read_cache_bytes:
-            bisect.insort(self._kept.setdefault(index, []), (start, stop, data))
-            self._kept_bytes += len(data)
-        return data
-
-    @contextmanager
-    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
-        self.open(index)
-        yield np.frombuffer(self._get(index, start, stop), dtype=np.uint8)
-
-    def check_unchanged(self) -> None:
-        """Raise IntegrityError when an object read was replaced since it was opened (its size
-        or ETag moved)."""
-        for index, before in self._infos.items():
-            info = self._head(index)
-            if info is None or self._identity(info) != before:
-                raise IntegrityError(
-                    f"data file {self.name(index)} was replaced while it was being loaded: the loaded "
-                    f"values may mix old and new bytes"
-                )
-
-    def close(self) -> None:
-        for fut in self._ahead.values():
-            fut.cancel()
-        self._ahead.clear()
-        self._kept.clear()
-        self._kept_bytes = 0
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._infos.clear()
-
-
-def _fill(out: memoryview, data: bytes, url: str, offset: int, whose: str) -> None:
-    if len(data) < len(out):
-        raise IntegrityError(f"data file {url} ends at {offset + len(data)} bytes, before the {offset + len(out)} {whose}")
-    out.cast("B")[:] = data
-
-
-class ObjectRangeReader:
-    """Byte ranges of named data objects, read for other ranks (a :class:`RangeSource`)."""
-
-    def __init__(self, store: ObjectStorage):
-        self.store = store
-
-    def read_into(self, name: str, start: int, out: memoryview) -> None:
-        data = get_range(self.store, name, start, start + len(out))
-        _fill(out, data, self.store.resolve(name), start, "a reader asked for")
-
-    def close(self) -> None:
-        pass

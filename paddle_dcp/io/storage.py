@@ -189,13 +189,22 @@ def read_range(store: Storage, name: str, start: int, length: int) -> bytes:
     return bytes(out)
 
 
+def list_files(store: Storage, temporary: bool = True) -> Listing:
+    """``store.list_checkpoints()``; without ``temporary`` a storage that lists its temporary
+    files at a cost of their own (object storage: a LIST of the open multipart uploads) may
+    leave them out of the listing."""
+    if not temporary and getattr(store, "lists_temporary_apart", False):
+        return store.list_checkpoints(temporary=False)  # type: ignore[call-arg]
+    return store.list_checkpoints()
+
+
 # ---------------------------------------------------------------------- cleaning up
-def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | None = None) -> list[str]:
-    """Remove temporary files of crashed saves: all of them, or those of one id (and, with
-    ``rank``, only that rank's data files; the metadata's when ``rank`` is the coordinator's
-    job: pass rank=-1). Returns the names removed."""
+def temporary_names(listing: Listing, unique_id: int | None = None, rank: int | None = None) -> list[str]:
+    """The temporary files of crashed saves in ``listing``: all of them, or those of one id
+    (and, with ``rank``, only that rank's data files; the metadata's when ``rank`` is the
+    coordinator's job: pass rank=-1)."""
     names = []
-    for name in store.list_checkpoints().temporary:
+    for name in listing.temporary:
         m = TMP_RE.match(name)
         if m is None:  # a listing's temporary names all match
             continue
@@ -205,12 +214,20 @@ def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | N
         if rank is not None and owner != rank:
             continue
         names.append(name)
-    return store.remove(names)
+    return names
 
 
-def remove_data(store: Storage, unique_id: int, rank: int, keep_generation: int | None = None) -> list[str]:
-    """Remove ``rank``'s data files of ``unique_id`` but the generation ``keep_generation``."""
-    listing = store.list_checkpoints()
+def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | None = None) -> list[str]:
+    """Remove the :func:`temporary_names` of ``store``'s listing. Returns the names removed."""
+    return store.remove(temporary_names(store.list_checkpoints(), unique_id, rank))
+
+
+def remove_data(
+    store: Storage, unique_id: int, rank: int, keep_generation: int | None = None, listing: Listing | None = None
+) -> list[str]:
+    """Remove ``rank``'s data files of ``unique_id`` but the generation ``keep_generation``
+    (``listing``: the store's, when the caller has one; else it is listed)."""
+    listing = listing or store.list_checkpoints()
     names = []
     for name in listing.data_names(unique_id):
         writer, _, generation = parse_data_name(name) or (-1, -1, -1)

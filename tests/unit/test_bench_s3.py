@@ -62,3 +62,10 @@ def test_server_speed_writes_reads_and_compares_on_the_real_server(s3_env):
     assert all(v > 0 for v in [*out["put_gbps"].values(), *out["get_gbps"].values()])
     assert all(v is not None and v >= 0 for v in out["put_server_cpu_s_per_gb"].values())
     assert not store.holds(store.path("server-limit"))  # it cleans up after itself
+
+
+def test_a_loads_memory_bound_is_the_disk_bound_plus_its_reads_in_flight():
+    limit = 0.1 * 512 * MiB + 64 * MiB + bench_s3.READS_IN_FLIGHT
+    for phase in ("load", "reshard"):
+        assert bench_s3.memory_target(entry(phase, 0.1, 210)) == {"limit_bytes": limit, "met": True}
+        assert bench_s3.memory_target(entry(phase, 0.1, 212))["met"] is False

@@ -3,8 +3,9 @@ test's environment), compared with the numpy oracle.
 
 Usage (under paddle.distributed.launch): s3.py URL SCENARIO [case ...]
   2       2 ranks: save Shard(0) (with a tensor large enough for multipart uploads of 5 MiB
-          parts), load into other layouts, unique_id=None numbering, a replaced id, and a load
-          that sends only ranged GETs (counted on the wire by a botocore event hook).
+          parts), load into other layouts, unique_id=None numbering, a replaced id, a load
+          that sends only ranged GETs (counted on the wire by a botocore event hook), and the
+          LISTs of a save and a load (counted the same way).
   4       4 ranks: a [2, 2] mesh save loaded into 1-D layouts and replicated.
   crash   2 ranks: checkpoint 0 saved; during the save of checkpoint 1, rank 1 exits after
           its first part is uploaded (os._exit: no cleanup runs).
@@ -95,6 +96,39 @@ def ranged_gets(mesh):
         assert mine <= total <= mine + 64 * len(leaves), (verify, mine, total)
 
 
+class Operations:
+    """The S3 operations this rank's client sends, by name (botocore's before-call event)."""
+
+    def __init__(self, fs):
+        self.fs, self.seen = fs, []
+        fs.s3.meta.events.register("before-call.s3", self)
+
+    def __call__(self, model, **kwargs):
+        self.seen.append(model.name)
+
+    def close(self):
+        self.fs.s3.meta.events.unregister("before-call.s3", self)
+
+
+def listings(mesh):
+    """Every rank lists the prefix once per save (and its open uploads once, to abort what a
+    crashed save left), once per load (and never its uploads), whichever rank coordinates."""
+    leaves = c.mixed_layout(mesh, (("S", 0),))
+    save(leaves, "lists")  # the client's first requests
+    ops = Operations(open_storage(f"{URL}/lists", OPTIONS).fs)
+    try:
+        for unique_id in (None, 1, 0):  # a new id, a new id given, an id replaced (a new generation)
+            ops.seen.clear()
+            save(leaves, "lists", unique_id=unique_id)
+            lists = (ops.seen.count("ListObjectsV2"), ops.seen.count("ListMultipartUploads"))
+            assert lists == (1, 1), (unique_id, ops.seen)
+        ops.seen.clear()
+        load(leaves, "lists")
+        assert (ops.seen.count("ListObjectsV2"), ops.seen.count("ListMultipartUploads")) == (1, 0), ops.seen
+    finally:
+        ops.close()
+
+
 def main():
     import paddle.distributed as dist
 
@@ -110,6 +144,7 @@ def main():
             "s0_into_numpy": lambda: load(c.mixed_layout(kind="numpy") + [BIG], "s0", strict=False),
             "numbering": lambda: numbering(c.mixed_layout(m, S0)),
             "ranged_gets": lambda: ranged_gets(m),
+            "listings": lambda: listings(m),
         }
     elif SCENARIO == "4":
         m2 = c.Mesh([[0, 1], [2, 3]])

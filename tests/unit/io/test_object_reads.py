@@ -1,0 +1,116 @@
+"""ObjectFiles' fetching on a fake object store (no server): ranges split into GETs of at most
+read_chunk_bytes, fetched ahead within read_ahead_bytes, kept within read_cache_bytes, bytes
+compared with the object's."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from paddle_dcp.errors import IntegrityError
+from paddle_dcp.io.object_reads import ObjectFiles, ObjectRangeReader
+from paddle_dcp.io.objects import ObjectOptions
+
+
+class FakeStore:
+    """One object "f" of ``data``; every ranged read recorded (start, stop)."""
+
+    is_s3 = False
+
+    def __init__(self, data: bytes, **options):
+        self.data, self.options = data, ObjectOptions(**options)
+        self.gets: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        self.fs = self
+
+    def full(self, name):
+        return f"b/p/{name}"
+
+    def resolve(self, name):
+        return f"mem://b/p/{name}"
+
+    def call(self, what, fn, fatal=()):
+        return fn()
+
+    def info(self, full, refresh=True):
+        return {"size": len(self.data), "ETag": "e1"}
+
+    def cat_file(self, full, start, end):
+        with self.lock:
+            self.gets.append((start, end))
+        return self.data[start:end]
+
+
+def _files(store, nbytes=None):
+    meta = SimpleNamespace(files=[SimpleNamespace(name="f", nbytes=len(store.data) if nbytes is None else nbytes)], unique_id=0)
+    return ObjectFiles(store, meta)
+
+
+DATA = np.random.default_rng(0).integers(0, 255, 1000, dtype=np.uint8).tobytes()
+
+
+def test_ranges_are_fetched_ahead_in_order_within_the_bytes_ahead_and_split_into_chunks():
+    store = FakeStore(DATA, read_chunk_bytes=64, read_ahead_bytes=300, read_cache_bytes=0)
+    files = _files(store)
+    ranges = [(at, at + 100) for at in range(0, 1000, 100)]
+    for start, stop in ranges:
+        files.advise(0, start, stop - start)
+        assert files._ahead_bytes <= 300
+    assert len(files._ahead) == 3 and len(files._queue) == 7  # the rest waits for room
+    for start, stop in ranges:
+        with files.mapped(0, start, stop) as buf:
+            assert buf.tobytes() == DATA[start:stop]
+            assert files._ahead_bytes <= 300  # the range in use counts
+    files.close()
+    assert all(stop - start <= 64 for start, stop in store.gets), store.gets
+    assert sorted(store.gets) == sorted({g for g in store.gets})  # no byte fetched twice
+    assert sum(stop - start for start, stop in store.gets) == 1000
+
+
+def test_a_range_longer_than_the_bytes_ahead_is_fetched_alone_and_the_cache_is_bounded():
+    store = FakeStore(DATA, read_chunk_bytes=128, read_ahead_bytes=100, read_cache_bytes=250)
+    files = _files(store)
+    files.advise(0, 0, 400)
+    files.advise(0, 400, 50)
+    assert list(files._ahead) == [(0, 0, 400)]  # the second waits
+    for start, stop in ((0, 400), (400, 450)):
+        with files.mapped(0, start, stop) as buf:
+            assert buf.tobytes() == DATA[start:stop]
+    assert files._kept_bytes == 50  # 400 bytes would not fit in 250
+    before = len(store.gets)
+    with files.mapped(0, 410, 420) as buf:  # inside a kept range: no GET
+        assert buf.tobytes() == DATA[410:420]
+    assert len(store.gets) == before
+    files.close()
+
+
+def test_an_object_shorter_than_the_metadata_says_is_an_integrity_error():
+    store = FakeStore(DATA[:500], read_chunk_bytes=64)
+    files = _files(store, nbytes=500)
+    with pytest.raises(IntegrityError, match="ends at 500 bytes, before the 600"):
+        with files.mapped(0, 400, 600):
+            pass
+    out = bytearray(200)
+    with pytest.raises(IntegrityError, match="ends at 500"):
+        files.read_into(0, 400, memoryview(out))
+    with pytest.raises(IntegrityError, match="a reader asked for"):
+        ObjectRangeReader(store).read_into("f", 450, memoryview(out))
+    files.close()
+
+
+def test_a_part_body_reads_seeks_and_sizes_like_a_bytesio_without_copying_the_part():
+    import io
+
+    from paddle_dcp.io.multipart import PartBody
+
+    buf = bytearray(b"0123456789")
+    body = PartBody(memoryview(buf)[2:8])
+    ref = io.BytesIO(bytes(buf[2:8]))
+    for f in (body, ref):
+        assert f.read(3) == b"234" and f.tell() == 3 and f.read() == b"567" and f.read(5) == b""
+        assert f.seek(-2, 2) == 4 and f.read(10) == b"67"
+        assert f.seek(1) == 1 and len(f.getbuffer()) == 6 and f.getvalue() == b"234567"
+    buf[2] = ord("x")  # the body is a view of the part buffer, not a copy
+    assert bytes(body) == b"x34567"

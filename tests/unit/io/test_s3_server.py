@@ -1,0 +1,165 @@
+"""Object storage on the session's real S3 server (SeaweedFS on 127.0.0.1): a rank's memory
+stays within issue 17's bound, a save and a load make only the listing requests they need, and
+"directory" entries (SeaweedFS keeps listing a prefix whose objects were all deleted) are no
+files of a checkpoint.
+
+Memory is the peak of Python's traced allocations during the call (tracemalloc: bytes,
+bytearrays and numpy buffers, including those the S3 client allocates), so the figure does not
+depend on the allocator or on what else runs on the machine. The state dict exists before the
+measurement starts, as a training job's does.
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import paddle_dcp
+
+MiB = 1 << 20
+SHARE = 96 * MiB  # one process: the whole checkpoint is its share
+# small limits, so that copies per part or per range in flight show up clearly above them
+OPTIONS = {
+    "part_size": 5 * MiB, "parts_in_flight": 3,
+    "read_chunk_bytes": 2 * MiB, "read_ahead_bytes": 8 * MiB, "read_cache_bytes": 4 * MiB,
+}
+MAX_READ = 32 * MiB  # the planner's largest read (load_plan.plan_reads' max_read_bytes)
+MARGIN = 6 * MiB  # metadata, plans, the client's own buffers
+
+
+def _state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    sd = {f"layer{i}.w": rng.standard_normal((768, 1024), dtype=np.float32) for i in range(24)}  # 3 MiB each
+    sd["emb"] = rng.standard_normal((1536, 4096), dtype=np.float32)  # 24 MiB: one tensor of several parts
+    assert sum(a.nbytes for a in sd.values()) == SHARE
+    return sd
+
+
+def _peak(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture
+def saved(s3_env):
+    url = s3_env.url("bounds")
+    sd = _state(0)
+    paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)  # warms the client up too
+    return url, sd
+
+
+def test_a_save_stays_within_the_disk_bound_plus_the_parts_in_flight(saved):
+    url, _ = saved
+    sd = _state(1)
+    peak = _peak(lambda: paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS))
+    bound = SHARE // 10 + OPTIONS["parts_in_flight"] * OPTIONS["part_size"] + MARGIN
+    assert peak <= bound, f"save peak {peak / MiB:.1f} MiB > {bound / MiB:.1f} MiB"
+    back = {k: np.zeros_like(v) for k, v in sd.items()}
+    paddle_dcp.load_state_dict(back, url, storage_options=OPTIONS)
+    assert all(np.array_equal(back[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_stays_within_the_disk_bound_plus_the_reads_in_flight(saved, verify):
+    url, sd = saved
+    back = {k: np.zeros_like(v) for k, v in sd.items()}
+    peak = _peak(lambda: paddle_dcp.load_state_dict(back, url, storage_options=OPTIONS, verify=verify))
+    in_flight = max(OPTIONS["read_ahead_bytes"], MAX_READ) + OPTIONS["read_cache_bytes"]
+    bound = SHARE // 10 + in_flight + MARGIN
+    assert peak <= bound, f"load peak {peak / MiB:.1f} MiB > {bound / MiB:.1f} MiB"
+    assert all(np.array_equal(back[k], sd[k]) for k in sd)
+
+
+
+
+class Requests:
+    """The S3 operations the client sends, by name (a botocore event hook: what goes on the
+    wire, whichever code sent it)."""
+
+    def __init__(self, url: str):
+        from paddle_dcp.io import open_storage
+
+        self.fs = open_storage(url, OPTIONS).fs  # the client every call with OPTIONS shares
+        self.seen: list[str] = []
+        self.fs.s3.meta.events.register("before-call.s3", self._hook)
+
+    def _hook(self, model, **kwargs):
+        self.seen.append(model.name)
+
+    def count(self, name: str) -> int:
+        return self.seen.count(name)
+
+    def close(self) -> None:
+        self.fs.s3.meta.events.unregister("before-call.s3", self._hook)
+
+
+def test_a_save_and_a_load_list_the_prefix_once_and_uploads_only_when_saving(s3_env):
+    url = s3_env.url("requests")
+    sd = {"w": np.arange(1000, dtype=np.float32), "b": np.ones((3, 4), np.int64)}
+    paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)  # the client's first requests
+    wire = Requests(url)
+    try:
+        # a new id; the same id again (a new generation, the old data object deleted); a new id
+        for unique_id, deletes in ((None, 0), (1, 1), (None, 0)):
+            wire.seen.clear()
+            paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS, unique_id=unique_id)
+            assert wire.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 1, (unique_id, wire.seen)
+            assert wire.count("DeleteObject") == deletes, (unique_id, wire.seen)
+        wire.seen.clear()
+        back = {k: np.zeros_like(v) for k, v in sd.items()}
+        paddle_dcp.load_state_dict(back, url, storage_options=OPTIONS)
+        assert wire.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 0, wire.seen
+        assert all(np.array_equal(back[k], sd[k]) for k in sd)
+        wire.seen.clear()
+        assert paddle_dcp.read_metadata(url, storage_options=OPTIONS).unique_id == 2
+        assert wire.seen.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 0, wire.seen
+    finally:
+        wire.close()
+    from paddle_dcp.io import open_storage
+
+    names = sorted(open_storage(url, OPTIONS).sizes())
+    assert names == ["0.metadata", "0_0.distcp", "0_1.1.distcp", "0_2.distcp", "1.metadata", "2.metadata"], names
+
+
+def _leave_a_directory_entry(store, name: str) -> None:
+    """Write an object below ``name``/ and delete it: SeaweedFS keeps listing ``name`` as a
+    directory entry of the prefix."""
+    full = f"{store.root}/{name}/x"
+    store.fs.pipe_file(full, b"x")
+    store.fs.rm_file(full)
+
+
+def test_directory_entries_left_by_deleted_objects_are_no_files(s3_env, capsys):
+    from paddle_dcp.io import is_file, open_storage
+    from paddle_dcp.tools import cli
+
+    url = s3_env.url("dirs")
+    sd = {"w": np.arange(10, dtype=np.float32)}
+    paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)
+    store = open_storage(url, OPTIONS)
+    for name in ("5.metadata", "3_0.distcp", "0_0.distcp.tmp.abc", "sub"):
+        _leave_a_directory_entry(store, name)
+    entries = store.fs.ls(store.root, detail=True, refresh=True)
+    assert {e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "directory"} >= {"5.metadata", "sub"}, entries
+    listing = store.list_checkpoints()
+    assert listing.complete == {0} and set(listing.data) == {0} and listing.temporary == (), listing
+    assert listing.files == {"0.metadata", "0_0.distcp"}, listing.files
+    assert store.size("5.metadata") is None and store.size("sub") is None
+    assert paddle_dcp.read_metadata(url, storage_options=OPTIONS).unique_id == 0
+    paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)  # unique_id=None: 1, not 6
+    assert paddle_dcp.read_metadata(url, storage_options=OPTIONS).unique_id == 1
+    assert cli.main(["clean", "--incomplete", url]) == 0
+    assert "nothing to remove" in capsys.readouterr().out
+    # a checkpoint prefix whose every object was deleted is an empty checkpoint directory
+    store.remove(sorted(store.sizes()))
+    assert store.fs.ls(f"{store.root.split('/')[0]}", refresh=True)  # weed still lists "dirs"
+    assert not is_file(url, OPTIONS) and store.list_checkpoints().files == frozenset()
+    with pytest.raises(paddle_dcp.errors.FormatError, match="no complete checkpoint"):
+        paddle_dcp.read_metadata(url, storage_options=OPTIONS)
+    paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)
+    assert paddle_dcp.read_metadata(url, storage_options=OPTIONS).unique_id == 0
