@@ -222,7 +222,7 @@ class ObjectStorage:
         prefix with objects under it is not one)."""
         full = self.full(name)
         if self.is_s3:  # s3fs's info() follows a missing object with a LIST (is it a prefix?)
-            key = self.key_prefix + check_file_name(name)
+            key = self.key_prefix + check_member_name(name)
             try:
                 reply = self.call(f"HEAD {self.resolve(name)}", lambda: self.s3("head_object", Key=key))
             except FileNotFoundError:
