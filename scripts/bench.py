@@ -67,13 +67,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from bench_threads import in_threads  # noqa: E402
 import bench_s3  # noqa: E402  (--storage s3: the server, the checkpoints on it, its own speed)
 import bench_workload as workload  # noqa: E402
 import bench_worker  # noqa: E402  (its file reading: the ranks do the same before a timed load)
@@ -207,31 +207,6 @@ def _read_file(path: str, buf: memoryview) -> int:
             got += n
 
 
-def _in_threads(fn, args_list) -> float:
-    """Run fn(*args) for each args in its own thread (one: inline); wall seconds."""
-    errors = []
-
-    def body(args):
-        try:
-            fn(*args)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t0 = time.perf_counter()
-    if len(args_list) == 1:
-        body(args_list[0])
-    else:
-        threads = [threading.Thread(target=body, args=(a,)) for a in args_list]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    seconds = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return seconds
-
-
 def page_cache_speed(directory: str, nbytes: int, threads: int, settle: float) -> dict:
     """Write ``nbytes`` as ``threads`` fresh files from as many threads, then read them back.
 
@@ -259,11 +234,11 @@ def page_cache_speed(directory: str, nbytes: int, threads: int, settle: float) -
     remove()
     os.sync()  # no dirty pages of earlier steps are written back during the measurement
     time.sleep(settle)
-    out["write_cold_gbps"] = total / _in_threads(_write_file, [(p, per_file, wbuf) for p in paths]) / GB
-    read1 = _in_threads(_read_file, list(zip(paths, rbufs)))
+    out["write_cold_gbps"] = total / in_threads(_write_file, [(p, per_file, wbuf) for p in paths]) / GB
+    read1 = in_threads(_read_file, list(zip(paths, rbufs)))
     remove()
-    out["write_warm_gbps"] = total / _in_threads(_write_file, [(p, per_file, wbuf) for p in paths]) / GB
-    read2 = _in_threads(_read_file, list(zip(paths, rbufs)))
+    out["write_warm_gbps"] = total / in_threads(_write_file, [(p, per_file, wbuf) for p in paths]) / GB
+    read2 = in_threads(_read_file, list(zip(paths, rbufs)))
     out["read_gbps"] = total / min(read1, read2) / GB
     remove()
     os.sync()
@@ -274,7 +249,7 @@ def page_cache_speed(directory: str, nbytes: int, threads: int, settle: float) -
         aligned = mmap.mmap(-1, len(wbuf))  # anonymous maps are page-aligned
         aligned[:] = wbuf
         try:
-            seconds = _in_threads(_write_file, [(p, per_file, memoryview(aligned), True) for p in paths])
+            seconds = in_threads(_write_file, [(p, per_file, memoryview(aligned), True) for p in paths])
             out["write_direct_gbps"] = total / seconds / GB
         except OSError as exc:  # a filesystem without O_DIRECT (tmpfs)
             log(f"O_DIRECT writes not measured: {exc}")

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from bench_threads import in_threads  # noqa: E402
+
 REPO = os.path.dirname(HERE)
 GB = 1e9
 MiB = 1 << 20
@@ -106,28 +109,6 @@ def _weed_version() -> str | None:
         return None
 
 
-def _in_threads(fn, args_list) -> float:
-    """fn(*args) for each args in a thread of its own; wall seconds; the first error raised."""
-    errors = []
-
-    def body(args):
-        try:
-            fn(*args)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(a,)) for a in args_list]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return seconds
-
-
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` so far (Linux /proc), or None."""
     try:
@@ -168,7 +149,7 @@ def server_speed(store: S3Store, nbytes: int, streams=(1, STREAMS)) -> dict:
             got[i] = fs.cat_file(key, start=i * step, end=min((i + 1) * step, nbytes))
 
         cpu = _cpu_seconds(pid)
-        seconds = _in_threads(read, [(i,) for i in range(k)]) if k > 1 else None
+        seconds = in_threads(read, [(i,) for i in range(k)]) if k > 1 else None
         if seconds is None:
             t0 = time.perf_counter()
             got[0] = fs.cat_file(key)
