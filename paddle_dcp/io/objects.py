@@ -107,6 +107,12 @@ def _filesystem(protocol: str, fs_options: dict):
         # every part and GET would hash each byte once more (about half the speed)
         config.setdefault("request_checksum_calculation", "when_required")
         config.setdefault("response_checksum_validation", "when_required")
+        # nor a SHA-256 of every body for the request's signature (botocore signs bodies unless
+        # a checksum header is sent over https): TLS protects bodies in transit, our checksums
+        # their content; {"s3": {"payload_signing_enabled": True}} in config_kwargs signs them
+        s3_config = dict(config.get("s3") or {})
+        s3_config.setdefault("payload_signing_enabled", False)
+        config["s3"] = s3_config
         options["config_kwargs"] = config
         options.setdefault("use_listings_cache", False)
     # a changed environment (AWS_ENDPOINT_URL...) gets a new client
