@@ -112,8 +112,9 @@ class LocalLoadWork:
         share of them), before any target changes."""
         if not self.verify:
             return
-        for op in storage.read_ahead(self.files, self.local if self.checks is None else self.checks):
-            storage.execute_op(op, self.files, [], self.staging, check_only=True)
+        ops = self.local if self.checks is None else self.checks
+        for op in storage.read_ahead(self.files, ops):  # copied next (shared checks: in part)
+            storage.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""

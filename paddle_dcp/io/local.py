@@ -15,7 +15,7 @@ import stat
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import ContextManager, Iterable, Iterator
 
 import numpy as np
 
@@ -387,29 +387,35 @@ class FileSet:
     def read_into(self, index: int, offset: int, out: memoryview) -> None:
         read_exact(self.fd(index), offset, out, self.name(index), "the metadata promises")
 
-    @contextmanager
-    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
+    def mapped(self, index: int, start: int, stop: int, again: bool = False) -> ContextManager[np.ndarray]:
         """The bytes [start, stop) of a file as a read-only uint8 array, mapped from the page
-        cache (no read copy: a strided copy out of it touches only the bytes it needs)."""
-        fd = self.fd(index)
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        try:
-            mm = mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=base)
-        except (OSError, ValueError) as exc:
-            raise StorageError(f"cannot map {self.name(index)}: {exc}", self.name(index)) from exc
-        try:
-            yield np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
-        finally:
-            try:
-                mm.close()
-            except BufferError:  # a view still alive: unmapped when it is collected
-                pass
+        cache (no read copy: a strided copy out of it touches only the bytes it needs); a read
+        again costs a page-cache lookup, so ``again`` changes nothing here."""
+        return map_range(self.fd(index), start, stop, self.name(index))
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._stats.clear()
+
+
+@contextmanager
+def map_range(fd: int, start: int, stop: int, name: str) -> Iterator[np.ndarray]:
+    """Bytes [start, stop) of an open file as a read-only uint8 array mapped from the page cache,
+    valid inside the block."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    try:
+        mm = mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=base)
+    except (OSError, ValueError) as exc:
+        raise StorageError(f"cannot map {name}: {exc}", name) from exc
+    try:
+        yield np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view still alive: unmapped when it is collected
+            pass
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:

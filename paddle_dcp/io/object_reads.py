@@ -8,7 +8,9 @@ second copy of every range in flight).
 Memory of a load, bounded and documented (``docs/guide.md``, "Object storage"): the ranges
 fetched ahead of use and the one in use, at most ``read_ahead_bytes`` together (a single range
 larger than that alone), plus at most ``read_cache_bytes`` of ranges kept between the check of
-their checksums and their copy.
+their checksums and their copy. With a spill directory (the default), the ranges checked beyond
+that wait in local spill files (page cache, not the process's memory; :mod:`paddle_dcp.io.spill`),
+so no byte is fetched twice.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from ..core.metadata import Metadata
 from ..errors import IntegrityError
+from .spill import SpillFiles, spill_directory
 
 if TYPE_CHECKING:
     from .objects import ObjectStorage
@@ -106,8 +109,9 @@ class ObjectFiles:
     the bytes fetched ahead and in use stay within ``read_ahead_bytes``.
 
     A load reads its ranges twice: once to check their checksums before any tensor changes,
-    once to copy them. Up to ``read_cache_bytes`` of ranges read are kept for the copy, so a
-    rank's share up to that size costs one GET per range."""
+    once to copy them. The ranges checked are kept for the copy: up to ``read_cache_bytes`` in
+    memory, the rest in local spill files (:mod:`paddle_dcp.io.spill`), so every byte costs
+    one GET; without a spill directory, the ranges beyond the cache are fetched again."""
 
     def __init__(self, store: "ObjectStorage", meta: Metadata):
         self.store, self.meta = store, meta
@@ -118,6 +122,8 @@ class ObjectFiles:
         self._kept: dict[int, list[tuple[int, int, np.ndarray]]] = {}  # file -> (start, stop, bytes), sorted
         self._kept_bytes = 0
         self._pool: ThreadPoolExecutor | None = None
+        directory = spill_directory(store.options.spill_dir)
+        self._spill = SpillFiles(directory) if directory else None
 
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -160,7 +166,7 @@ class ObjectFiles:
     def advise(self, index: int, start: int, length: int) -> None:
         """Queue a fetch of these bytes; it starts as soon as the bytes ahead allow."""
         key = (index, start, start + length)
-        if length <= 0 or key in self._ahead or key in self._queue or self._kept_range(*key) is not None:
+        if length <= 0 or key in self._ahead or key in self._queue or self._is_kept(key):
             return
         self.open(index)
         self._queue.append(key)
@@ -180,6 +186,9 @@ class ObjectFiles:
         self._ahead_bytes += key[2] - key[1]
         return fetch
 
+    def _is_kept(self, key: tuple[int, int, int]) -> bool:
+        return self._kept_range(*key) is not None or (self._spill is not None and self._spill.covers(*key))
+
     def _kept_range(self, index: int, start: int, stop: int) -> np.ndarray | None:
         """Bytes [start, stop) of file ``index`` from a range kept whole, or None."""
         kept = self._kept.get(index, [])
@@ -190,13 +199,20 @@ class ObjectFiles:
         return None
 
     @contextmanager
-    def mapped(self, index: int, start: int, stop: int) -> Iterator[np.ndarray]:
+    def mapped(self, index: int, start: int, stop: int, again: bool = False) -> Iterator[np.ndarray]:
+        """The bytes [start, stop), fetched (or kept from an earlier read); ``again``: they are
+        read once more soon (the copy after the check), so they are kept: in memory within
+        ``read_cache_bytes``, else in the spill file when there is one."""
         self.open(index)
+        key = (index, start, stop)
         kept = self._kept_range(index, start, stop)
         if kept is not None:
             yield kept
             return
-        key = (index, start, stop)
+        if self._spill is not None and self._spill.covers(*key):
+            with self._spill.mapped(*key) as data:
+                yield data
+            return
         fetch = self._ahead.get(key)
         if fetch is None:
             if key in self._queue:
@@ -212,10 +228,18 @@ class ObjectFiles:
         finally:
             self._ahead.pop(key, None)
             self._ahead_bytes -= stop - start
-            if whole and self._kept_bytes + len(fetch.buf) <= self.store.options.read_cache_bytes:
-                bisect.insort(self._kept.setdefault(index, []), (start, stop, fetch.buf), key=lambda e: e[:2])
-                self._kept_bytes += len(fetch.buf)
+            if whole and again:
+                self._keep(key, fetch.buf)
             self._pump()
+
+    def _keep(self, key: tuple[int, int, int], data: np.ndarray) -> None:
+        """In memory within ``read_cache_bytes``, else in the spill files (where a range is
+        found whichever ranges kept its bytes)."""
+        if self._kept_bytes + len(data) <= self.store.options.read_cache_bytes:
+            bisect.insort(self._kept.setdefault(key[0], []), (key[1], key[2], data), key=lambda e: e[:2])
+            self._kept_bytes += len(data)
+        elif self._spill is not None:
+            self._spill.put(key[0], key[1], data)
 
     def check_unchanged(self) -> None:
         """Raise IntegrityError when an object read was replaced since it was opened (its size
@@ -240,6 +264,8 @@ class ObjectFiles:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._infos.clear()
+        if self._spill is not None:
+            self._spill.close()
 
 
 class ObjectRangeReader:

@@ -46,8 +46,12 @@ class ObjectOptions:
         read_chunk_bytes: the largest ranged GET (a longer range is fetched as several).
         read_ahead_bytes: bytes of ranges a load fetches ahead of use, the range in use
             included (a single longer range alone): the reads' memory in flight.
-        read_cache_bytes: bytes of ranges a load keeps between checking their checksums and
-            copying them (beyond it, a range is read again for the copy).
+        read_cache_bytes: bytes of ranges a load keeps in memory between checking their
+            checksums and copying them (beyond it, in the spill file).
+        spill_dir: a local directory where a load keeps the checked ranges beyond
+            ``read_cache_bytes`` until their copy, in an unnamed file (see
+            :mod:`paddle_dcp.io.spill`); "auto": the temporary directory unless it is in
+            memory; None or "": none (those ranges are fetched again for the copy).
         retries: attempts of each request in all, the first included.
         retry_deadline: seconds after a request's first attempt when no new attempt starts.
     """
@@ -58,6 +62,7 @@ class ObjectOptions:
     read_chunk_bytes: int = 16 << 20
     read_ahead_bytes: int = 64 << 20
     read_cache_bytes: int = 32 << 20
+    spill_dir: str | None = "auto"
     retries: int = 6
     retry_deadline: float = 60.0
 
@@ -72,6 +77,13 @@ class ObjectOptions:
             value = ours.get(key, 1)
             if type(value) is not int or value < (0 if key == "read_cache_bytes" else 1):
                 raise ArgumentError(f"storage_options[{key!r}] must be a positive int, got {value!r}")
+        spill = ours.get("spill_dir")
+        if spill is not None and not isinstance(spill, (str, os.PathLike)):
+            raise ArgumentError(f"storage_options['spill_dir'] must be a directory, 'auto' or None, got {spill!r}")
+        if spill not in (None, "", "auto") and not os.path.isdir(spill):
+            raise ArgumentError(f"storage_options['spill_dir'] {spill!r} is not a directory")
+        if spill is not None:
+            ours["spill_dir"] = os.fspath(spill)
         opts = cls(**ours)
         opts.policy  # checks retries and retry_deadline
         return opts, rest

@@ -97,8 +97,9 @@ class DataFiles(Protocol):
     def read_into(self, index: int, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``offset`` (IntegrityError if it ends first)."""
 
-    def mapped(self, index: int, start: int, stop: int) -> ContextManager[np.ndarray]:
-        """The bytes [start, stop) of a file as a read-only uint8 array, valid inside the block."""
+    def mapped(self, index: int, start: int, stop: int, again: bool = False) -> ContextManager[np.ndarray]:
+        """The bytes [start, stop) of a file as a read-only uint8 array, valid inside the block;
+        ``again``: the same range is read once more soon (a load's copy after its check)."""
 
     def advise(self, index: int, start: int, length: int) -> None:
         """A hint that these bytes are read soon (may do nothing)."""
@@ -372,6 +373,7 @@ def execute_op(
     verify: bool = True,
     fetch: Callable[[ReadOp, memoryview], None] | None = None,
     check_only: bool = False,
+    again: bool = False,
 ) -> None:
     """Carry out one read op: check its blocks' checksums, then copy its regions into
     ``targets`` (host arrays of the target pieces, in storage dtype).
@@ -385,10 +387,11 @@ def execute_op(
             from another rank).
         check_only: only check the checksums (a load checks every block before it changes any
             target, so a damaged file leaves the state dict as it was).
+        again: the op is carried out once more soon (the copy after a check_only pass).
     """
     meta = files.meta
     if fetch is None:
-        with files.mapped(op.file, op.start, op.stop) as buf:
+        with files.mapped(op.file, op.start, op.stop, again) as buf:
             _verify_and_copy(op, files, targets, buf, verify, check_only)
             del buf  # no view may outlive the mapping
         return

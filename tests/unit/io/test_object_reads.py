@@ -70,19 +70,56 @@ def test_ranges_are_fetched_ahead_in_order_within_the_bytes_ahead_and_split_into
 
 
 def test_a_range_longer_than_the_bytes_ahead_is_fetched_alone_and_the_cache_is_bounded():
-    store = FakeStore(DATA, read_chunk_bytes=128, read_ahead_bytes=100, read_cache_bytes=250)
+    store = FakeStore(DATA, read_chunk_bytes=128, read_ahead_bytes=100, read_cache_bytes=250, spill_dir=None)
     files = _files(store)
     files.advise(0, 0, 400)
     files.advise(0, 400, 50)
     assert list(files._ahead) == [(0, 0, 400)]  # the second waits
     for start, stop in ((0, 400), (400, 450)):
-        with files.mapped(0, start, stop) as buf:
+        with files.mapped(0, start, stop, again=True) as buf:
             assert buf.tobytes() == DATA[start:stop]
     assert files._kept_bytes == 50  # 400 bytes would not fit in 250
     before = len(store.gets)
     with files.mapped(0, 410, 420) as buf:  # inside a kept range: no GET
         assert buf.tobytes() == DATA[410:420]
     assert len(store.gets) == before
+    with files.mapped(0, 0, 400) as buf:  # not kept, no spill file: fetched again
+        assert buf.tobytes() == DATA[:400]
+    assert len(store.gets) == before + 4
+    files.close()
+
+
+def test_ranges_read_again_beyond_the_cache_wait_in_the_spill_file(tmp_path):
+    store = FakeStore(DATA, read_chunk_bytes=128, read_ahead_bytes=1000, read_cache_bytes=100, spill_dir=str(tmp_path))
+    files = _files(store)
+    ranges = [(0, 80), (80, 400), (400, 450), (450, 1000)]
+    for start, stop in ranges:  # the check: kept for the copy
+        files.advise(0, start, stop - start)
+    for start, stop in ranges:
+        with files.mapped(0, start, stop, again=True) as buf:
+            assert buf.tobytes() == DATA[start:stop]
+    fetched = sorted(store.gets)
+    assert sum(b - a for a, b in fetched) == 1000 and files._kept_bytes == 80
+    for start, stop in ranges:  # the copy: no GET, also for what read_ahead advises
+        files.advise(0, start, stop - start)
+        with files.mapped(0, start, stop) as buf:
+            assert buf.tobytes() == DATA[start:stop]
+    with files.mapped(0, 100, 1000) as buf:  # cut otherwise than the check: still no GET
+        assert buf.tobytes() == DATA[100:1000]
+    assert sorted(store.gets) == fetched
+    with files.mapped(0, 0, 100) as buf:  # across the memory-kept and the spilled: fetched
+        assert buf.tobytes() == DATA[:100]
+    assert len(store.gets) == len(fetched) + 1
+    files.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ranges_read_once_are_not_kept(tmp_path):
+    store = FakeStore(DATA, read_chunk_bytes=128, read_cache_bytes=1000, spill_dir=str(tmp_path))
+    files = _files(store)
+    with files.mapped(0, 0, 500) as buf:
+        assert buf.tobytes() == DATA[:500]
+    assert files._kept_bytes == 0 and not files._spill.covers(0, 0, 1)
     files.close()
 
 

@@ -125,7 +125,7 @@ def test_storage_options_on_a_local_path_are_refused(tmp_path):
         open_storage(str(tmp_path), {"part_size": 1 << 20})
 
 
-@pytest.mark.parametrize("options", [{"part_size": 0}, {"retries": 0}, {"part_size": 1 << 20}, {"read_concurrency": "4"}])
+@pytest.mark.parametrize("options", [{"part_size": 0}, {"retries": 0}, {"part_size": 1 << 20}, {"read_concurrency": "4"}, {"spill_dir": 3}, {"spill_dir": "/no/such/dir"}])
 def test_bad_storage_options_are_argument_errors(options):
     with pytest.raises(ArgumentError):
         open_storage("s3://bucket/run1", options)

@@ -75,8 +75,6 @@ def test_a_load_stays_within_the_disk_bound_plus_the_reads_in_flight(saved, veri
     assert all(np.array_equal(back[k], sd[k]) for k in sd)
 
 
-
-
 class Requests:
     """The S3 operations the client sends, by name (a botocore event hook: what goes on the
     wire, whichever code sent it)."""
@@ -88,8 +86,15 @@ class Requests:
         self.seen: list[str] = []
         self.fs.s3.meta.events.register("before-call.s3", self._hook)
 
-    def _hook(self, model, **kwargs):
+    def _hook(self, model, params=None, **kwargs):
         self.seen.append(model.name)
+        ranged = (params or {}).get("headers", {}).get("Range", "")
+        data = (params or {}).get("url_path", "").endswith(".distcp")
+        if model.name == "GetObject" and data and ranged.startswith("bytes="):
+            first, last = ranged[len("bytes="):].split("-")
+            self.got += int(last) - int(first) + 1
+
+    got = 0  # bytes of data objects asked for by ranged GETs
 
     def count(self, name: str) -> int:
         return self.seen.count(name)
@@ -191,3 +196,23 @@ def test_bodies_are_not_hashed_for_the_signature_unless_asked(s3_env):
         back = {"w": np.zeros(3000, np.float32)}
         paddle_dcp.load_state_dict(back, url, storage_options=options)
         assert np.array_equal(back["w"], sd["w"])
+
+
+@pytest.mark.parametrize("spill", [True, False])
+def test_a_verified_load_fetches_each_byte_once_when_it_can_spill(saved, tmp_path, spill):
+    """The load checks every block before it copies; the ranges beyond read_cache_bytes wait
+    in the spill file, so the share is fetched once; without one, they are fetched again."""
+    url, sd = saved
+    wire = Requests(url)  # the same client: OPTIONS' fsspec part is the same
+    try:
+        back = {k: np.zeros_like(v) for k, v in sd.items()}
+        options = dict(OPTIONS, spill_dir=str(tmp_path) if spill else None)
+        paddle_dcp.load_state_dict(back, url, storage_options=options)
+        assert all(np.array_equal(back[k], sd[k]) for k in sd)
+        if spill:
+            assert SHARE <= wire.got < SHARE * 1.02, wire.got / SHARE
+        else:
+            assert wire.got > SHARE * 1.8, wire.got / SHARE
+    finally:
+        wire.close()
+    assert list(tmp_path.iterdir()) == []  # the spill file has no name

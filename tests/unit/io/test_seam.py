@@ -43,7 +43,7 @@ class MemoryFiles:
         out[:] = self._data(index)[offset : offset + len(out)]
 
     @contextmanager
-    def mapped(self, index: int, start: int, stop: int):
+    def mapped(self, index: int, start: int, stop: int, again: bool = False):
         yield np.frombuffer(self._data(index), np.uint8, count=stop - start, offset=start)
 
     def advise(self, index: int, start: int, length: int) -> None:
