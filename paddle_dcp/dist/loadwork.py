@@ -113,7 +113,7 @@ class LocalLoadWork:
         if not self.verify:
             return
         ops = self.local if self.checks is None else self.checks
-        for op in storage.read_ahead(self.files, ops):  # copied next (shared checks: in part)
+        for op in storage.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
             storage.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:

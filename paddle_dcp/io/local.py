@@ -360,7 +360,7 @@ class FileSet:
         """Open file ``index`` now and check its size."""
         self.fd(index)
 
-    def advise(self, index: int, start: int, length: int) -> None:
+    def advise(self, index: int, start: int, length: int, again: bool = False) -> None:
         """Ask the kernel to start reading these bytes (``posix_fadvise`` WILLNEED)."""
         advise = getattr(os, "posix_fadvise", None)
         if advise is None:

@@ -8,9 +8,9 @@ second copy of every range in flight).
 Memory of a load, bounded and documented (``docs/guide.md``, "Object storage"): the ranges
 fetched ahead of use and the one in use, at most ``read_ahead_bytes`` together (a single range
 larger than that alone), plus at most ``read_cache_bytes`` of ranges kept between the check of
-their checksums and their copy. With a spill directory (the default), the ranges checked beyond
-that wait in local spill files (page cache, not the process's memory; :mod:`paddle_dcp.io.spill`),
-so no byte is fetched twice.
+their checksums and their copy, that only without a spill directory: by default the ranges
+checked are fetched into local spill files (page cache, not the process's memory;
+:mod:`paddle_dcp.io.spill`), so no byte is fetched twice.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from ..core.metadata import Metadata
 from ..errors import IntegrityError
-from .spill import SpillFiles, spill_directory
+from .spill import NOTHING, SpillFiles, spill_directory
 
 if TYPE_CHECKING:
     from .objects import ObjectStorage
@@ -76,10 +76,13 @@ def _short(url: str, start: int, got: int, want: int, whose: str) -> IntegrityEr
 
 
 class _Fetch:
-    """One range being fetched into its buffer as chunk GETs on the pool."""
+    """One range being fetched into its buffer as chunk GETs on the pool: a mapped region of a
+    spill file when the range is read again (the bytes land where the copy finds them), else
+    memory."""
 
-    def __init__(self, files: "ObjectFiles", index: int, start: int, stop: int):
-        self.buf = np.empty(stop - start, dtype=np.uint8)
+    def __init__(self, files: "ObjectFiles", index: int, start: int, stop: int, again: bool):
+        self.region = files._spill.region(index, start, stop) if again and files._spill is not None else None
+        self.buf = self.region.buf if self.region is not None else np.empty(stop - start, dtype=np.uint8)
         chunk = files.store.options.read_chunk_bytes
         name = files.meta.files[index].name
         view = self.buf.data
@@ -109,14 +112,16 @@ class ObjectFiles:
     the bytes fetched ahead and in use stay within ``read_ahead_bytes``.
 
     A load reads its ranges twice: once to check their checksums before any tensor changes,
-    once to copy them. The ranges checked are kept for the copy: up to ``read_cache_bytes`` in
-    memory, the rest in local spill files (:mod:`paddle_dcp.io.spill`), so every byte costs
-    one GET; without a spill directory, the ranges beyond the cache are fetched again."""
+    once to copy them. The ranges checked are fetched into local spill files
+    (:mod:`paddle_dcp.io.spill`) and copied from there, so every byte costs one GET; without a
+    spill directory, up to ``read_cache_bytes`` of them are kept in memory, the rest fetched
+    again."""
 
     def __init__(self, store: "ObjectStorage", meta: Metadata):
         self.store, self.meta = store, meta
         self._infos: dict[int, tuple] = {}
         self._queue: deque[tuple[int, int, int]] = deque()  # advised, not started
+        self._queued: dict[tuple[int, int, int], bool] = {}  # the same, with their ``again``
         self._ahead: dict[tuple[int, int, int], _Fetch] = {}  # started or in use
         self._ahead_bytes = 0
         self._kept: dict[int, list[tuple[int, int, np.ndarray]]] = {}  # file -> (start, stop, bytes), sorted
@@ -163,13 +168,15 @@ class ObjectFiles:
         if got < len(out):
             raise _short(self.name(index), offset, got, len(out), "the metadata promises")
 
-    def advise(self, index: int, start: int, length: int) -> None:
-        """Queue a fetch of these bytes; it starts as soon as the bytes ahead allow."""
+    def advise(self, index: int, start: int, length: int, again: bool = False) -> None:
+        """Queue a fetch of these bytes; it starts as soon as the bytes ahead allow
+        (``again``: see :meth:`mapped`)."""
         key = (index, start, start + length)
-        if length <= 0 or key in self._ahead or key in self._queue or self._is_kept(key):
+        if length <= 0 or key in self._ahead or key in self._queued or self._is_kept(key):
             return
         self.open(index)
         self._queue.append(key)
+        self._queued[key] = again
         self._pump()
 
     def _pump(self) -> None:
@@ -179,10 +186,10 @@ class ObjectFiles:
             if self._ahead and self._ahead_bytes + key[2] - key[1] > limit:
                 return
             self._queue.popleft()
-            self._start(key)
+            self._start(key, self._queued.pop(key))
 
-    def _start(self, key: tuple[int, int, int]) -> _Fetch:
-        fetch = self._ahead[key] = _Fetch(self, *key)
+    def _start(self, key: tuple[int, int, int], again: bool) -> _Fetch:
+        fetch = self._ahead[key] = _Fetch(self, *key, again)
         self._ahead_bytes += key[2] - key[1]
         return fetch
 
@@ -201,8 +208,8 @@ class ObjectFiles:
     @contextmanager
     def mapped(self, index: int, start: int, stop: int, again: bool = False) -> Iterator[np.ndarray]:
         """The bytes [start, stop), fetched (or kept from an earlier read); ``again``: they are
-        read once more soon (the copy after the check), so they are kept: in memory within
-        ``read_cache_bytes``, else in the spill file when there is one."""
+        read once more soon (the copy after the check), so they are kept: fetched into the spill
+        file when there is one, else in memory within ``read_cache_bytes``."""
         self.open(index)
         key = (index, start, stop)
         kept = self._kept_range(index, start, stop)
@@ -215,9 +222,10 @@ class ObjectFiles:
             return
         fetch = self._ahead.get(key)
         if fetch is None:
-            if key in self._queue:
+            if key in self._queued:
                 self._queue.remove(key)
-            fetch = self._start(key)
+                again = self._queued.pop(key) or again
+            fetch = self._start(key, again)
         whole = False
         try:
             got = fetch.wait()
@@ -228,18 +236,18 @@ class ObjectFiles:
         finally:
             self._ahead.pop(key, None)
             self._ahead_bytes -= stop - start
-            if whole and again:
+            if fetch.region is not None:
+                fetch.buf = NOTHING
+                fetch.region.close(kept=whole)
+            elif whole and again:
                 self._keep(key, fetch.buf)
             self._pump()
 
     def _keep(self, key: tuple[int, int, int], data: np.ndarray) -> None:
-        """In memory within ``read_cache_bytes``, else in the spill files (where a range is
-        found whichever ranges kept its bytes)."""
+        """Without a spill file (or once it failed): in memory, within ``read_cache_bytes``."""
         if self._kept_bytes + len(data) <= self.store.options.read_cache_bytes:
             bisect.insort(self._kept.setdefault(key[0], []), (key[1], key[2], data), key=lambda e: e[:2])
             self._kept_bytes += len(data)
-        elif self._spill is not None:
-            self._spill.put(key[0], key[1], data)
 
     def check_unchanged(self) -> None:
         """Raise IntegrityError when an object read was replaced since it was opened (its size
@@ -253,16 +261,22 @@ class ObjectFiles:
                 )
 
     def close(self) -> None:
-        for fetch in self._ahead.values():
+        fetches = list(self._ahead.values())
+        for fetch in fetches:
             fetch.cancel()
         self._ahead.clear()
         self._queue.clear()
+        self._queued.clear()
         self._ahead_bytes = 0
         self._kept.clear()
         self._kept_bytes = 0
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        for fetch in fetches:  # no GET writes into their buffers any more
+            if fetch.region is not None:
+                fetch.buf = NOTHING
+                fetch.region.close(kept=False)
         self._infos.clear()
         if self._spill is not None:
             self._spill.close()

@@ -46,12 +46,11 @@ class ObjectOptions:
         read_chunk_bytes: the largest ranged GET (a longer range is fetched as several).
         read_ahead_bytes: bytes of ranges a load fetches ahead of use, the range in use
             included (a single longer range alone): the reads' memory in flight.
-        read_cache_bytes: bytes of ranges a load keeps in memory between checking their
-            checksums and copying them (beyond it, in the spill file).
-        spill_dir: a local directory where a load keeps the checked ranges beyond
-            ``read_cache_bytes`` until their copy, in an unnamed file (see
-            :mod:`paddle_dcp.io.spill`); "auto": the temporary directory unless it is in
-            memory; None or "": none (those ranges are fetched again for the copy).
+        read_cache_bytes: without a spill directory, bytes of ranges a load keeps in memory
+            between checking their checksums and copying them (the rest are fetched again).
+        spill_dir: a local directory where a load keeps the ranges it checked until their
+            copy, in unnamed files (see :mod:`paddle_dcp.io.spill`); "auto": the temporary
+            directory unless it is in memory; None or "": none.
         retries: attempts of each request in all, the first included.
         retry_deadline: seconds after a request's first attempt when no new attempt starts.
     """

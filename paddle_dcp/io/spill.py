@@ -3,20 +3,22 @@
 A verified load checks every block of its share before any tensor changes, then copies. From a
 local disk the copy re-reads the page cache; from object storage it would GET the share a second
 time (the share does not fit the memory bound). Instead the checked ranges are written to an
-unnamed files on a local disk (:class:`SpillFiles`) and the copy maps them from there: one GET per
-byte, the local disk's speed for the second pass, and process memory still bounded (the pages
-are the kernel's page cache, written back and dropped under pressure like any file's).
+unnamed files on a local disk (:class:`SpillFiles`; the GETs write straight into them) and the
+copy maps them from there: one GET per byte, the page cache's speed for the second pass, and
+process memory still bounded (the pages are the kernel's page cache, written back and dropped
+under pressure like any file's).
 
 Where: ``storage_options["spill_dir"]``; by default ("auto") the system's temporary directory
 unless it is a memory filesystem (tmpfs, ramfs: the pages would be memory after all) or too full.
 The files have no names (``tempfile.TemporaryFile``), so nothing is left behind by a killed load.
-A write that fails (a full disk) turns spilling off for the rest of the load with a warning:
+A region that cannot be allocated (a full disk) turns spilling off for the rest of the load with a warning:
 the ranges are then fetched again, as without a spill directory.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -29,6 +31,7 @@ from .local import map_range
 logger = logging.getLogger(__name__)
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+NOTHING = np.empty(0, dtype=np.uint8)  # a buffer once its mapping is gone
 MIN_FREE_BYTES = 1 << 30  # a spill never leaves less free space than this on its disk
 
 
@@ -70,7 +73,7 @@ def spill_directory(option: str | None) -> str | None:
 class Intervals:
     """A set of byte ranges [start, stop), kept as disjoint sorted runs."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.starts: list[int] = []
         self.stops: list[int] = []
 
@@ -86,36 +89,55 @@ class Intervals:
         return at >= 0 and self.stops[at] >= stop
 
 
+class Region:
+    """Bytes [start, stop) of a spill file mapped for writing (``buf``) until :meth:`close`."""
+
+    def __init__(self, runs: Intervals, start: int, stop: int, mm: mmap.mmap, base: int):
+        self.runs, self.start, self.stop, self.mm = runs, start, stop, mm
+        self.buf: np.ndarray = np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
+
+    def close(self, kept: bool) -> None:
+        """Unmap; ``kept``: the bytes are whole and may be read back (:meth:`SpillFiles.covers`)."""
+        if kept:
+            self.runs.add(self.start, self.stop)
+        self.buf = NOTHING
+        try:
+            self.mm.close()
+        except BufferError:  # a view still alive: unmapped when it is collected
+            pass
+
+
 class SpillFiles:
     """Bytes of data files kept in unnamed local files, one sparse file per data file with
-    every byte at its own offset, so a range is found whichever reads kept it."""
+    every byte at its own offset, so a range is found whichever reads kept it. A range is
+    fetched straight into a mapped region of its file (:meth:`region`): keeping it costs no copy,
+    and the copy reads it back from the page cache."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str) -> None:
         self.directory = directory
         self._files: dict[int, tuple[IO[bytes], Intervals]] = {}
         self.enabled = True
 
-    def put(self, index: int, start: int, data: np.ndarray) -> bool:
-        """Keep ``data`` (bytes from ``start`` of file ``index``); False when it could not be
-        kept (and, after a failure, nothing more is)."""
+    def region(self, index: int, start: int, stop: int) -> Region | None:
+        """Bytes [start, stop) of file ``index``'s spill file, allocated on the disk and mapped
+        for writing; None when they cannot be (and, after a failure, nothing more is). The
+        blocks are allocated first, so a full disk is an error here, not a SIGBUS later."""
         if not self.enabled:
-            return False
+            return None
         try:
-            if shutil.disk_usage(self.directory).free < len(data) + MIN_FREE_BYTES:
+            if shutil.disk_usage(self.directory).free < stop - start + MIN_FREE_BYTES:
                 raise OSError(f"less than {MIN_FREE_BYTES >> 20} MiB would stay free")
             if index not in self._files:
                 self._files[index] = (tempfile.TemporaryFile(dir=self.directory), Intervals())
-            f, kept = self._files[index]
-            view = data.data.cast("B")
-            done = 0
-            while done < len(view):
-                done += os.pwrite(f.fileno(), view[done:], start + done)
+            f, runs = self._files[index]
+            os.posix_fallocate(f.fileno(), start, stop - start)
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(f.fileno(), stop - base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
         except OSError as exc:
             logger.warning("spilling checked ranges into %s stopped (%s): the rest are fetched again", self.directory, exc)
             self.enabled = False
-            return False
-        kept.add(start, start + len(view))
-        return True
+            return None
+        return Region(runs, start, stop, mm, base)
 
     def covers(self, index: int, start: int, stop: int) -> bool:
         return index in self._files and self._files[index][1].covers(start, stop)

@@ -101,8 +101,9 @@ class DataFiles(Protocol):
         """The bytes [start, stop) of a file as a read-only uint8 array, valid inside the block;
         ``again``: the same range is read once more soon (a load's copy after its check)."""
 
-    def advise(self, index: int, start: int, length: int) -> None:
-        """A hint that these bytes are read soon (may do nothing)."""
+    def advise(self, index: int, start: int, length: int, again: bool = False) -> None:
+        """A hint that these bytes are read soon (may do nothing); ``again``: as for
+        :meth:`mapped`."""
 
     def check_unchanged(self) -> None:
         """Raise IntegrityError when a file was written since it was opened."""
@@ -334,18 +335,19 @@ def verify_segment(meta: Metadata, files: DataFiles, file: int, seg: Segment, da
             )
 
 
-def read_ahead(files: DataFiles, ops: Sequence, window: int = 128 << 20) -> Iterator:
+def read_ahead(files: DataFiles, ops: Sequence, window: int = 128 << 20, again: bool = False) -> Iterator:
     """Yield ``ops`` in order, having asked the kernel to start reading the byte ranges of the
     next ones (:meth:`DataFiles.advise`) while the current one is hashed or copied: a
     checkpoint on disk rather than in the page cache is then read in large requests ahead of
     use, not a page fault at a time. At most ``window`` bytes are asked for ahead of the op
-    being worked on; pages already cached cost a lookup."""
+    being worked on; pages already cached cost a lookup. ``again``: the ops are read once more
+    soon (see :meth:`DataFiles.mapped`)."""
     advised = done = 0  # bytes of ops asked for / finished
     following = 0  # first op not asked for yet
     for i, op in enumerate(ops):
         while following < len(ops) and (following <= i or advised - done < window):
             nxt = ops[following]
-            files.advise(nxt.file, nxt.start, nxt.stop - nxt.start)
+            files.advise(nxt.file, nxt.start, nxt.stop - nxt.start, again)
             advised += nxt.stop - nxt.start
             following += 1
         yield op

@@ -46,7 +46,7 @@ class MemoryFiles:
     def mapped(self, index: int, start: int, stop: int, again: bool = False):
         yield np.frombuffer(self._data(index), np.uint8, count=stop - start, offset=start)
 
-    def advise(self, index: int, start: int, length: int) -> None:
+    def advise(self, index: int, start: int, length: int, again: bool = False) -> None:
         pass
 
     def check_unchanged(self) -> None:

@@ -49,19 +49,31 @@ def test_intervals_merge_and_cover():
     assert list(zip(runs.starts, runs.stops)) == [(0, 100)]
 
 
-def test_ranges_come_back_exactly_whichever_puts_kept_them_and_leave_no_file(tmp_path):
+def _keep(kept: SpillFiles, index: int, start: int, data: np.ndarray) -> bool:
+    region = kept.region(index, start, start + len(data))
+    if region is None:
+        return False
+    region.buf[:] = data
+    region.close(kept=True)
+    return True
+
+
+def test_ranges_come_back_exactly_whichever_regions_kept_them_and_leave_no_file(tmp_path):
     rng = np.random.default_rng(0)
     data = {0: rng.integers(0, 256, 9000, dtype=np.uint8), 3: rng.integers(0, 256, 80000, dtype=np.uint8)}
     kept = SpillFiles(str(tmp_path))
     for index, cuts in ((0, (0, 5000, 9000)), (3, (4096, 30000, 74096))):
         for a, b in zip(cuts, cuts[1:]):
-            assert kept.put(index, a, data[index][a:b])
+            assert _keep(kept, index, a, data[index][a:b])
     assert list(tmp_path.iterdir()) == []
     for index, a, b in ((0, 0, 9000), (0, 4000, 6000), (3, 4096, 74096), (3, 20000, 40000)):
         assert kept.covers(index, a, b)
         with kept.mapped(index, a, b) as got:
             assert np.array_equal(got, data[index][a:b])
     assert not kept.covers(3, 0, 5000) and not kept.covers(1, 0, 1) and not kept.covers(0, 8000, 9001)
+    region = kept.region(0, 20000, 30000)  # a region not kept (its fetch failed) is not covered
+    region.close(kept=False)
+    assert not kept.covers(0, 20000, 20001)
     kept.close()
 
 
@@ -69,21 +81,21 @@ def test_a_full_disk_turns_spilling_off(tmp_path, monkeypatch, caplog):
     kept = SpillFiles(str(tmp_path))
     free = spill.MIN_FREE_BYTES + 100
     monkeypatch.setattr(spill.shutil, "disk_usage", lambda d: shutil._ntuple_diskusage(10 * free, 9 * free, free))
-    assert kept.put(0, 0, np.zeros(100, np.uint8))
-    assert not kept.put(0, 100, np.zeros(101, np.uint8))  # would leave less than the reserve
+    assert _keep(kept, 0, 0, np.ones(100, np.uint8))
+    assert kept.region(0, 100, 201) is None  # would leave less than the reserve
     assert "stopped" in caplog.text and not kept.enabled
-    assert not kept.put(0, 300, np.zeros(1, np.uint8))
+    assert kept.region(0, 300, 301) is None
     assert kept.covers(0, 0, 100) and not kept.covers(0, 100, 201)
     kept.close()
 
 
-def test_a_failing_write_turns_spilling_off(tmp_path, monkeypatch):
+def test_a_failing_allocation_turns_spilling_off(tmp_path, monkeypatch):
     kept = SpillFiles(str(tmp_path))
 
-    def broken(fd, data, offset):
-        raise OSError(5, "Input/output error")
+    def broken(fd, offset, length):
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(spill.os, "pwrite", broken)
-    assert not kept.put(0, 0, np.zeros(10, np.uint8)) and not kept.enabled
+    monkeypatch.setattr(spill.os, "posix_fallocate", broken)
+    assert kept.region(0, 0, 10) is None and not kept.enabled
     kept.close()
     assert os.listdir(tmp_path) == []
