@@ -535,7 +535,9 @@ def run_benchmark(args) -> dict:
                 server.append(bench_s3.server_speed(store, logical))
                 log(f"[{rep + 1}/{args.repeat}] S3 server, 1 / {bench_s3.STREAMS} streams: PUT "
                     f"{' / '.join(f'{v:.2f}' for v in server[-1]['put_gbps'].values())} GB/s, GET "
-                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps'].values())} GB/s")
+                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps'].values())} GB/s (s3fs "
+                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps_s3fs'].values())}, lean "
+                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps_lean'].values())})")
             checksum.append(checksum_speed())
             log(f"[{rep + 1}/{args.repeat}] xxh3_64: {checksum[-1]['whole_gbps']:.1f} GB/s in one call, "
                 f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {workload.human(checksum[-1]['block_bytes'])} blocks")
