@@ -231,7 +231,8 @@ class CheckpointManager:
 
     def _retain(self, comm: Comm, unfinished_only: bool = False) -> None:
         """Choose the steps to delete (coordinator), mark them, remove their metadata, then
-        every rank removes its own data files, then they leave the manifest."""
+        every rank removes its own data files (on object storage the coordinator removes them
+        all: one listing, batched deletes), then they leave the manifest."""
 
         def choose(manifest: Manifest):
             if unfinished_only:
@@ -251,9 +252,14 @@ class CheckpointManager:
         if not doomed:
             return
         with comm.step("retention: remove data files"):
-            for step in doomed:
-                storage.remove_data(self.store, step, comm.rank)
-                storage.remove_temporary(self.store, step, comm.rank)
+            if not self.store.seen_by_all:
+                for step in doomed:
+                    storage.remove_data(self.store, step, comm.rank)
+                    storage.remove_temporary(self.store, step, comm.rank)
+            elif comm.rank == comm.coordinator:  # one listing, batched deletes, for every rank
+                listing = self.store.list_checkpoints()
+                names = [n for step in doomed for n in listing.data_names(step) + storage.temporary_names(listing, step)]
+                self.store.remove(names)
         self._decide(comm, "retention: forget", lambda m: (m.without(doomed), None))
         logger.info("CheckpointManager %s: deleted steps %s", self.directory, doomed)
 

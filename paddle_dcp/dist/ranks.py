@@ -103,10 +103,18 @@ class LocalSaveRank:
         return next_id(self.store, self.listing)
 
     def prepare_id(self, uid: int) -> int:
+        """Remove what crashed saves of ``uid`` left; the newest generation of ``uid`` seen.
+        On storage every rank sees alike, the coordinator alone lists it (one LIST per save,
+        not one per rank) and removes every rank's leftovers."""
+        if self.store.seen_by_all and self.rank != self.coordinator:
+            return -1
         listing = self.listing = self.listing or self.store.list_checkpoints()
-        stale = storage.temporary_names(listing, uid, self.rank)
-        if self.rank == self.coordinator:
-            stale += storage.temporary_names(listing, uid, -1)
+        if self.store.seen_by_all:
+            stale = storage.temporary_names(listing, uid)
+        else:
+            stale = storage.temporary_names(listing, uid, self.rank)
+            if self.rank == self.coordinator:
+                stale += storage.temporary_names(listing, uid, -1)
         self.store.remove(stale)
         gens = listing.generations(uid)  # temporary files are no generation
         return max(gens) if gens else -1
@@ -147,7 +155,12 @@ class LocalSaveRank:
         self.store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), self.durable)
 
     def tidy(self, uid: int, generation: int) -> None:
-        storage.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
+        """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
+        coordinator alone, on storage every rank sees alike)."""
+        if not self.store.seen_by_all:
+            storage.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
+        elif self.rank == self.coordinator:
+            storage.remove_data(self.store, uid, None, keep_generation=generation, listing=self.listing)
 
 
 def write_pieces(

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 class LocalStorage:
     """The :class:`paddle_dcp.io.storage.Storage` of a directory on disk."""
 
+    seen_by_all = False  # a shared file system, or node-local disks: every rank lists its own
+
     def __init__(self, path: str):
         self.path = path
 

@@ -141,6 +141,9 @@ class Storage(Protocol):
     writes and removes them only through this."""
 
     path: str
+    # every rank sees the same files (object storage): one rank's listing and cleaning serve
+    # all. A local path may be a shared file system or a node-local disk: False.
+    seen_by_all: bool
 
     def create(self) -> None:
         """Make the directory, where the storage has directories (a save calls it first)."""
@@ -225,15 +228,15 @@ def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | N
 
 
 def remove_data(
-    store: Storage, unique_id: int, rank: int, keep_generation: int | None = None, listing: Listing | None = None
+    store: Storage, unique_id: int, rank: int | None, keep_generation: int | None = None, listing: Listing | None = None
 ) -> list[str]:
-    """Remove ``rank``'s data files of ``unique_id`` but the generation ``keep_generation``
-    (``listing``: the store's, when the caller has one; else it is listed)."""
+    """Remove ``rank``'s (None: every rank's) data files of ``unique_id`` but the generation
+    ``keep_generation`` (``listing``: the store's, when the caller has one; else it is listed)."""
     listing = listing or store.list_checkpoints()
     names = []
     for name in listing.data_names(unique_id):
         writer, _, generation = parse_data_name(name) or (-1, -1, -1)
-        if writer == rank and generation != keep_generation:
+        if (rank is None or writer == rank) and generation != keep_generation:
             names.append(name)
     return store.remove(names)
 

@@ -14,6 +14,14 @@ def test_manager_on_2_ranks(tmp_path):
     assert_passed(logs, CASES, 2)
 
 
+def test_manager_on_object_storage_2_ranks(tmp_path, s3_env):
+    """The launched ranks inherit s3_env's AWS_* variables."""
+    import uuid
+
+    logs = run_launch(script("manager.py"), 2, tmp_path, args=[s3_env.url(uuid.uuid4().hex), "s3"], timeout=240)
+    assert_passed(logs, ["object_storage"], 2)
+
+
 @pytest.mark.parametrize("scenario", ["async_keep1", "async_keep2", "retention"])
 def test_restore_after_a_rank_dies(tmp_path, scenario):
     """A rank dies (os._exit) mid-way through an async save (max_to_keep 1 and 2), or the

@@ -5,6 +5,7 @@ Usage:
   manager.py DIR crash SCENARIO        under launcher.spawn: a rank dies (os._exit) mid-way
   manager.py DIR resume SCENARIO       under paddle.distributed.launch: after the crash
   manager.py DIR exit                  under paddle.distributed.launch: exit with a save in flight
+  manager.py URL s3                    under paddle.distributed.launch: on object storage
 
 The state saved at step s is the oracle's variant s (values from positions), with the plain
 value "step": s; a restore is compared with the variant of the step it says it loaded.
@@ -227,6 +228,39 @@ def exit_in_flight() -> None:
     print(f"PASS returned rank={R}", flush=True)
 
 
+def object_storage() -> None:
+    """Retention on an s3:// URL: async saves, max_to_keep 2; the coordinator alone lists and
+    deletes (one listing, batched deletes, for both ranks), the other rank only writes."""
+    from paddle_dcp.io import open_storage
+
+    fs = open_storage(ROOT).fs
+    seen: list = []
+    hook = lambda model, **kwargs: seen.append(model.name)  # noqa: E731
+    fs.s3.meta.events.register("before-call.s3", hook)
+    try:
+        with CheckpointManager(ROOT, max_to_keep=2, async_save=True) as m:
+            for step in range(5):
+                assert m.save(step, state(step))
+            m.wait()
+            assert m.all_steps() == [3, 4], m.all_steps()
+            c.dist.barrier()
+            lists = seen.count("ListObjectsV2") + seen.count("ListMultipartUploads")
+            deletes = seen.count("DeleteObjects") + seen.count("DeleteObject")
+            if R == 0:
+                assert lists > 0 and deletes > 0, seen
+            else:
+                assert lists == 0 and deletes == 0, seen
+            names = sorted(n for n in open_storage(ROOT).sizes() if not n.startswith("paddle_dcp_manager"))
+            assert names == sorted([f"{r}_{s}.distcp" for s in (3, 4) for r in (0, 1)] + ["3.metadata", "4.metadata"]), names
+            check_restore(m, 4)
+    finally:
+        fs.s3.meta.events.unregister("before-call.s3", hook)
+    with CheckpointManager(ROOT, max_to_keep=2) as m:  # reopened: the record is read back
+        assert m.all_steps() == [3, 4] and m.latest_step() == 4
+        check_restore(m, 4)
+    print(f"PASS object_storage rank={R}", flush=True)
+
+
 if MODE == "cases":
     c.run_cases(
         {"interval_and_max_to_keep": interval_and_max_to_keep, "keep_every_n_steps": keep_every_n_steps,
@@ -239,3 +273,5 @@ elif MODE == "resume":
     resume(ARGS[0])
 elif MODE == "exit":
     exit_in_flight()
+elif MODE == "s3":
+    object_storage()

@@ -111,22 +111,32 @@ class Operations:
 
 
 def listings(mesh):
-    """Every rank lists the prefix once per save (and its open uploads once, to abort what a
-    crashed save left), once per load (and never its uploads), whichever rank coordinates."""
+    """The coordinator alone lists the prefix and its open uploads once per save (to choose
+    the id, find the generation, abort what a crashed save left, and tidy up for every rank:
+    all ranks see one bucket); every rank lists the prefix once per load (and never its
+    uploads). Replacing an id deletes the old generation's objects in one batch request."""
     leaves = c.mixed_layout(mesh, (("S", 0),))
     save(leaves, "lists")  # the client's first requests
     ops = Operations(open_storage(f"{URL}/lists", OPTIONS).fs)
+    coordinator = c.rank() == 0
     try:
-        for unique_id in (None, 1, 0):  # a new id, a new id given, an id replaced (a new generation)
+        for unique_id in (None, 1, 0):  # a new id (1), then ids 1 and 0 replaced (new generations)
             ops.seen.clear()
             save(leaves, "lists", unique_id=unique_id)
             lists = (ops.seen.count("ListObjectsV2"), ops.seen.count("ListMultipartUploads"))
-            assert lists == (1, 1), (unique_id, ops.seen)
+            assert lists == ((1, 1) if coordinator else (0, 0)), (unique_id, ops.seen)
+            deletes = (ops.seen.count("DeleteObjects"), ops.seen.count("DeleteObject"))
+            assert deletes == ((1, 0) if coordinator and unique_id is not None else (0, 0)), (unique_id, ops.seen)
         ops.seen.clear()
         load(leaves, "lists")
         assert (ops.seen.count("ListObjectsV2"), ops.seen.count("ListMultipartUploads")) == (1, 0), ops.seen
     finally:
         ops.close()
+    from paddle_dcp.io import open_storage as storage_of
+
+    names = sorted(storage_of(f"{URL}/lists", OPTIONS).sizes())
+    # ids 0 and 1, both replaced: generation 1 of both ranks' files, nothing of generation 0 left
+    assert names == ["0.metadata", "0_0.1.distcp", "0_1.1.distcp", "1.metadata", "1_0.1.distcp", "1_1.1.distcp"], names
 
 
 def main():

@@ -216,3 +216,27 @@ def test_a_verified_load_fetches_each_byte_once_when_it_can_spill(saved, tmp_pat
     finally:
         wire.close()
     assert list(tmp_path.iterdir()) == []  # the spill file has no name
+
+
+def test_objects_are_deleted_in_batches_and_a_refused_key_is_named(s3_env, monkeypatch):
+    from paddle_dcp.errors import StorageError
+    from paddle_dcp.io import objects, open_storage
+
+    store = open_storage(s3_env.url("batches"), OPTIONS)
+    names = [f"0_{i}.distcp" for i in range(5)]
+    for name in names:
+        store.fs.pipe_file(store.full(name), b"x")
+    monkeypatch.setattr(objects, "DELETE_BATCH", 2)
+    wire = Requests(s3_env.url("batches"))
+    try:
+        assert sorted(store.remove(names)) == names
+        assert wire.count("DeleteObjects") == 3 and wire.count("DeleteObject") == 0, wire.seen
+    finally:
+        wire.close()
+    assert store.sizes() == {}
+    store.fs.pipe_file(store.full("0_9.distcp"), b"x")
+    store.fs.pipe_file(store.full("0_8.distcp"), b"x")
+    refused = {"Errors": [{"Key": store.key_prefix + "0_9.distcp", "Code": "AccessDenied", "Message": "no"}]}
+    monkeypatch.setattr(store, "s3", lambda method, **kwargs: refused)
+    with pytest.raises(StorageError, match=r"batches/0_9.distcp: AccessDenied no \(1 of 2 objects not deleted\)"):
+        store.remove(["0_8.distcp", "0_9.distcp"])

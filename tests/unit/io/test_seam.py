@@ -95,6 +95,8 @@ class MemoryRanges:
 class MemoryStorage:
     """Every file a bytes value in a dict: a second implementation of ``storage.Storage``."""
 
+    seen_by_all = False
+
     def __init__(self, path: str, blobs: dict):
         self.path, self.blobs = path, blobs
 
