@@ -145,7 +145,8 @@ def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> Dc
     for name, start, stop in request:
         try:
             if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > wire.MAX_MESSAGE:
-                raise StorageError(f"rank {client} asked for a malformed range [{start}, {stop}) of {name!r}")
+                # the peer broke the protocol (a bug, or another version): no file is at fault
+                raise CollectiveError("exchange", {client: f"asked rank {comm.rank} for a malformed range [{start}, {stop}) of {name!r}"})
             buf = staging.get(stop - start)
             reader.read_into(str(name), start, memoryview(buf))
         except DcpError as exc:
@@ -204,7 +205,7 @@ def check_remote(
                                     type(at) is not int or type(n) is not int or type(seed) is not int
                                     or at < 0 or not 0 <= n <= wire.MAX_MESSAGE or not 0 <= seed < 1 << 64
                                 ):  # fmt: skip
-                                    raise StorageError(f"rank {peer} asked for a malformed range of {name!r}")
+                                    raise CollectiveError("verify remote", {peer: f"asked rank {me} for a malformed range of {name!r}"})
                                 buf = staging.get(n)
                                 reader.read_into(str(name), at, memoryview(buf))
                                 sums.append(checksum(memoryview(buf), seed))

@@ -93,3 +93,32 @@ def test_a_failing_answer_reaches_the_client_and_the_server():
     assert isinstance(results[0], DcpError) and "no such tensor" in str(results[0])
     for r in (1, 2):
         assert isinstance(results[r], DcpError) and "rank 0: DcpError: no such tensor" in str(results[r])
+
+
+def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
+    """A request no correct rank sends (a bug, another version) is the peer's failure, not a
+    storage error of the file: both sides raise a CollectiveError naming the asking rank."""
+    import json
+
+    from paddle_dcp.io.storage import Staging
+
+    class Reader:
+        def read_into(self, name, start, out):
+            raise AssertionError("no byte is read for a malformed request")
+
+        def close(self):
+            pass
+
+    def rank(comm):
+        if comm.rank == 0:
+            return exchange._serve(comm, 1, Reader(), Staging())
+        wire.send_message(comm, 0, json.dumps([["0_0.distcp", 5, 2]]).encode())
+        try:
+            wire.recv_message(comm, 0, "exchange")
+        except DcpError as exc:
+            return exc
+
+    results = ThreadWorld(2).run(rank)
+    assert isinstance(results[0], CollectiveError) and list(results[0].failures) == [1], results[0]
+    assert "malformed range [5, 2) of '0_0.distcp'" in str(results[0])
+    assert isinstance(results[1], CollectiveError) and "malformed range" in str(results[1])
