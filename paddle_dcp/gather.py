@@ -175,7 +175,13 @@ class GatherRank:
 
     def prepare(self) -> None:
         from .dist.placements import is_tensor
+        from .io import is_url
 
+        if self.is_root and not is_url(self.path) and os.path.isdir(self.path):
+            raise ArgumentError(
+                f"{self.path} is a directory: save_gathered writes one file; name it, e.g. "
+                f"{os.path.join(self.path, 'model.safetensors')}"
+            )
         self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
 
     def reduce(self) -> None:

@@ -248,3 +248,11 @@ def test_any_split_any_limit_round_trips(shape, nranks, dim, limit, root):
         e = header.entries[k]
         got = np.frombuffer(blob[e.begin : e.begin + e.nbytes], v.dtype).reshape(v.shape)
         assert np.array_equal(got, v), k
+
+
+def test_gathering_onto_a_directory_is_refused_before_any_byte_moves(tmp_path):
+    from paddle_dcp.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"is a directory: save_gathered writes one file; name it, e\.g\. .*model\.safetensors"):
+        gather.save_gathered({"w": np.arange(4, dtype=np.float32)}, str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # no temporary file left beside it
