@@ -292,6 +292,9 @@ class LoadRankProtocol(_Protocol):
         shares_targets: with an aoa_config, every rank's targets (``targets``) are gathered
             after ``inspect`` and handed to ``all_targets`` (paddle's engine needs them all:
             patterns on target names, shard counts of fused weights).
+        lists_for_all: every rank sees the same files (object storage): only the coordinator's
+            ``inspect`` lists them (for the latest id), every rank reads the metadata, and
+            there are no per-rank file lists to compare.
     """
 
     rank: int
@@ -300,6 +303,7 @@ class LoadRankProtocol(_Protocol):
     unique_id: int | None
     path: str
     shares_targets: bool
+    lists_for_all: bool
 
     def inspect(self) -> Any:
         """Flatten the state dict, describe its pieces, list the directory: a storage.Listing."""
@@ -334,6 +338,8 @@ def load(ctx: LoadRankProtocol) -> Protocol:
     def find_metadata():
         if uid < 0:
             raise FormatError(f"no complete checkpoint in {ctx.path}: no *.metadata file was found")
+        if ctx.lists_for_all:  # a missing metadata object fails this step on every rank
+            return ctx.read_metadata(uid), {}, 0
         meta = ctx.read_metadata(uid) if uid in listing.complete else None
         files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
         digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64

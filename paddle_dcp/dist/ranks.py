@@ -218,6 +218,9 @@ class LocalLoadRank:
         self.safetensors, self.near, self.verify, self.strict = safetensors, near, verify, strict
         self.store = store
         self.shares_targets = aoa_config is not None  # paddle's engine needs every rank's targets
+        # one store every rank sees alike (object storage): the coordinator alone lists it, and
+        # only to find the latest id (a directory of safetensors files needs every rank's list)
+        self.lists_for_all = bool(store.seen_by_all) and not safetensors
         self.flat: nested.Flat | None = None
         self.held: list[Held] = []
         self.directory = False  # a directory of safetensors files, without metadata of ours
@@ -228,6 +231,8 @@ class LocalLoadRank:
         check_id(self.unique_id)
         self.flat = nested.flatten(self.state_dict, is_tensor)
         self.held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
+        if self.lists_for_all and (self.rank != self.coordinator or self.unique_id is not None):
+            return storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
         listing = storage.list_files(self.store, temporary=False)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             self.directory = True
@@ -261,6 +266,8 @@ class LocalLoadRank:
         )
 
     def plan(self, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict]) -> LocalLoadWork:
+        if self.lists_for_all:  # every file the metadata names is there for every rank
+            listing = storage.listing_of(f.name for f in meta.files)
         remap = None
         if self.aoa_config is not None:
             from .aoa_paddle import Remap

@@ -197,6 +197,7 @@ class _SimLoadRank:
     unique_id = None
     path = "<simulated>"
     shares_targets = False
+    lists_for_all = False
 
     def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed):
         self.rank, self.ranks, self.coordinator = rank, ranks, coordinator

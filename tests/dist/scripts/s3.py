@@ -96,6 +96,21 @@ def ranged_gets(mesh):
         assert mine <= total <= mine + 64 * len(leaves), (verify, mine, total)
 
 
+def missing_id(mesh):
+    """A given id without its metadata object: every rank raises, naming the object (no rank
+    waits for another: each reads the metadata itself)."""
+    from paddle_dcp.errors import CollectiveError
+
+    leaves = c.mixed_layout(mesh, (("S", 0),))
+    try:
+        load(leaves, "s0", unique_id=99)
+    except CollectiveError as exc:
+        assert "has no metadata object" in str(exc) and "s0/99.metadata" in str(exc), exc
+        assert sorted(exc.failures) == [0, 1], exc.failures
+    else:
+        raise AssertionError("loading a missing id did not fail")
+
+
 class Operations:
     """The S3 operations this rank's client sends, by name (botocore's before-call event)."""
 
@@ -111,10 +126,10 @@ class Operations:
 
 
 def listings(mesh):
-    """The coordinator alone lists the prefix and its open uploads once per save (to choose
-    the id, find the generation, abort what a crashed save left, and tidy up for every rank:
-    all ranks see one bucket); every rank lists the prefix once per load (and never its
-    uploads). Replacing an id deletes the old generation's objects in one batch request."""
+    """All ranks see one bucket, so the coordinator alone lists: the prefix and its open uploads
+    once per save (to choose the id, find the generation, abort what a crashed save left, and
+    tidy up for every rank), the prefix once per load of the latest id and never for a load of
+    a given id. Replacing an id deletes the old generation's objects in one batch request."""
     leaves = c.mixed_layout(mesh, (("S", 0),))
     save(leaves, "lists")  # the client's first requests
     ops = Operations(open_storage(f"{URL}/lists", OPTIONS).fs)
@@ -128,8 +143,13 @@ def listings(mesh):
             deletes = (ops.seen.count("DeleteObjects"), ops.seen.count("DeleteObject"))
             assert deletes == ((1, 0) if coordinator and unique_id is not None else (0, 0)), (unique_id, ops.seen)
         ops.seen.clear()
-        load(leaves, "lists")
-        assert (ops.seen.count("ListObjectsV2"), ops.seen.count("ListMultipartUploads")) == (1, 0), ops.seen
+        load(leaves, "lists")  # the latest: the coordinator lists to find it; every rank GETs the metadata
+        lists = (ops.seen.count("ListObjectsV2"), ops.seen.count("ListMultipartUploads"))
+        assert lists == ((1, 0) if coordinator else (0, 0)), ops.seen
+        assert ops.seen.count("GetObject") > 1, ops.seen  # the metadata, then data ranges
+        ops.seen.clear()
+        load(leaves, "lists", unique_id=1)  # an id given: nobody lists
+        assert ops.seen.count("ListObjectsV2") == 0 and ops.seen.count("ListMultipartUploads") == 0, ops.seen
     finally:
         ops.close()
     from paddle_dcp.io import open_storage as storage_of
@@ -155,6 +175,7 @@ def main():
             "numbering": lambda: numbering(c.mixed_layout(m, S0)),
             "ranged_gets": lambda: ranged_gets(m),
             "listings": lambda: listings(m),
+            "missing_id": lambda: missing_id(m),
         }
     elif SCENARIO == "4":
         m2 = c.Mesh([[0, 1], [2, 3]])

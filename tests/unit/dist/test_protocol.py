@@ -175,6 +175,7 @@ class FakeLoadRank:
     unique_id = None
     path = "<test>"
     shares_targets = False
+    lists_for_all = False
 
     def __init__(self, rank: int, meta: Metadata, listing: storage.Listing, remote: dict | None = None):
         self.rank, self.ranks, self.coordinator = rank, tuple(range(SIZE)), 0

@@ -121,6 +121,9 @@ def test_a_save_and_a_load_list_the_prefix_once_and_uploads_only_when_saving(s3_
         assert wire.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 0, wire.seen
         assert all(np.array_equal(back[k], sd[k]) for k in sd)
         wire.seen.clear()
+        paddle_dcp.load_state_dict(back, url, storage_options=OPTIONS, unique_id=1)  # no listing needed
+        assert wire.count("ListObjectsV2") == 0 and wire.count("ListMultipartUploads") == 0, wire.seen
+        wire.seen.clear()
         assert paddle_dcp.read_metadata(url, storage_options=OPTIONS).unique_id == 2
         assert wire.seen.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 0, wire.seen
     finally:
