@@ -55,7 +55,7 @@ from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
 )
 from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
-from .io import open_file
+from .io import open_output
 from .io.storage import DataFileWriter
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class GatherRank:
     def open(self, assignment: bytes) -> None:
         """The gathering rank opens its file; every other rank reads what it must send."""
         if self.is_root:
-            self.writer = _open_output(self.path, self.plan.header, self.storage_options)
+            self.writer = open_output(self.path, self.plan.header, self.storage_options)
         else:
             self.sends = _parse_assignment(assignment, self.held, self.root)
 
@@ -406,11 +406,3 @@ def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: DataFileWriter) -
     return error
 
 
-def _open_output(path: str, header: bytes, storage_options: dict | None = None) -> DataFileWriter:
-    """A writer of ``path`` (its directory created) through its directory's storage (a URL:
-    the object storage's): the header first, then the groups back to back, each written
-    before the next is assembled (one group buffer); the file appears, whole, at the writer's
-    commit."""
-    store, name = open_file(path, follow=False, storage_options=storage_options)
-    store.create()
-    return store.data_writer(name, block_bytes=0, depth=0, header=header, alignment=1)

@@ -77,3 +77,13 @@ def is_file(path: str, storage_options: dict | None = None) -> bool:
         return False  # a bucket
     store, name = open_file(path, storage_options=storage_options)
     return bool(name) and store.size(name) is not None
+
+
+def open_output(path: str, header: bytes = b"", storage_options: dict | None = None):
+    """A writer of the single file ``path`` (a local path, its directory created, or a URL)
+    through its directory's storage: ``header`` first, then the bytes written back to back,
+    each before the next ``write`` returns, no checksums or padding; the file appears, whole,
+    at the writer's ``commit`` (a rename, or the end of a multipart upload)."""
+    store, name = open_file(path, follow=False, storage_options=storage_options)
+    store.create()
+    return store.data_writer(name, block_bytes=0, depth=0, header=header, alignment=1)

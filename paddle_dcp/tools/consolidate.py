@@ -12,19 +12,21 @@ tensor in memory, as pickle needs whole objects).
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
 import re
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..core import load_plan, nested
-from ..io import open_storage, storage
+from ..io import is_url, open_output, open_storage, storage
 from ..io.local import atomic_path
 from ..core.boxes import Box, split_region
 from ..core.dtypes import bf16_to_float32, storage_dtype
@@ -165,18 +167,33 @@ def counted_bytes(slabs: Iterator[np.ndarray], progress: Progress | None) -> Ite
             progress(slab.nbytes)
 
 
-def _open_output(path: str):
+@contextmanager
+def output_writer(out: str, header: bytes = b"") -> Iterator[storage.DataFileWriter]:
+    """The file ``out`` (a local path or a URL) being written through its storage's data
+    writer, ``header`` first, no checksums or padding: it appears, complete, when the block
+    ends (a rename, or the end of a multipart upload), and never when it raises."""
+    writer = open_output(out, header)
     try:
-        return open(path, "wb")
-    except OSError as exc:
-        raise StorageError(f"cannot create {path}: {exc}", path) from exc
+        yield writer
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
 
 
-def _write(f, data, path: str) -> None:
-    try:
-        f.write(data)
-    except OSError as exc:
-        raise StorageError(f"cannot write {path}: {exc}", path) from exc
+class _WriterFile(io.RawIOBase):
+    """A data writer as the write-only, unseekable file that zipfile writes to."""
+
+    def __init__(self, writer: storage.DataFileWriter):
+        self.writer = writer
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.writer.write(view, keep=data)
+        return len(view)
 
 
 # ------------------------------------------------------------------ safetensors
@@ -216,14 +233,11 @@ def write_safetensors(
         The output file's size, in bytes.
     """
     header = safetensors_header(meta, selection, bf16_as_float32)
-    with TensorReader(path, meta) as reader, atomic_path(out) as tmp:
-        with _open_output(tmp) as f:
-            _write(f, header, out)
-            written = len(header)
-            for key in selection.keys:
-                for data in output_bytes(reader, key, bf16_as_float32, progress):
-                    _write(f, data, out)
-                    written += len(data)
+    with TensorReader(path, meta) as reader, output_writer(out, header) as writer:
+        for key in selection.keys:
+            for data in output_bytes(reader, key, bf16_as_float32, progress):
+                writer.write(data, keep=data)
+        written = writer.offset
     logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, written)
     return written
 
@@ -267,9 +281,9 @@ def write_npz(
         "bfloat16": "float32 values" if bf16_as_float32 else "uint16 bit patterns",
         "values": {k: nested.json_plain(v) for k, v in selection.values.items()},
     }
-    with TensorReader(path, meta) as reader, atomic_path(out) as tmp:
+    with TensorReader(path, meta) as reader, output_writer(out) as writer:
         try:
-            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            with zipfile.ZipFile(_WriterFile(writer), "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
                 for key in selection.keys:
                     entry = meta.tensors[key]
                     dtype = storage_dtype(output_dtype(entry.dtype, bf16_as_float32))
@@ -283,7 +297,7 @@ def write_npz(
                     member.write(text.tobytes())
         except OSError as exc:
             raise StorageError(f"cannot write {out}: {exc}", out) from exc
-        size = os.path.getsize(tmp)
+        size = writer.offset
     logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, size)
     return size
 
@@ -320,6 +334,13 @@ def write_pdparams(
                 progress(array.nbytes)
             del array
     state.update(selection.values)
+    if is_url(out):  # paddle.save writes a path or a file object; the bytes go up in parts
+        buf = io.BytesIO()
+        paddle.save(state, buf)
+        del state
+        with output_writer(out) as writer:
+            writer.write(buf.getbuffer())
+        return writer.offset
     with atomic_path(out) as tmp:
         try:
             paddle.save(state, tmp)

@@ -9,7 +9,7 @@ from typing import Iterator
 
 from . import consolidate
 from ..errors import ArgumentError, DcpError, UnsupportedError
-from ..io import open_storage, storage
+from ..io import is_url, open_storage, storage
 from .console import EXIT_OK, ProgressBar, UsageError, _directory, _err, _one_line, _out, _progress_enabled, choose_id
 
 
@@ -47,7 +47,7 @@ def cmd_convert(args) -> int:
         return _convert_hf(path, args)
     if args.max_shard_size is not None or args.aoa_config is not None:
         raise UsageError(f"{'--max-shard-size' if args.max_shard_size is not None else '--aoa-config'} applies to --to hf only")
-    if os.path.isdir(args.out):
+    if not is_url(args.out) and os.path.isdir(args.out):
         raise UsageError(f"{args.out} is a directory; OUT is the file to write")
     listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)
@@ -78,7 +78,7 @@ def _convert_hf(path: str, args) -> int:
         max_bytes = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD)
     except DcpError:
         raise UsageError(f"--max-shard-size must be a size like 5GB, 512MB, 64K; got {args.max_shard_size!r}") from None
-    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+    if not is_url(args.out) and os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UsageError(f"{args.out} exists and is not an empty directory; --to hf writes a new directory")
     listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -31,7 +30,7 @@ from ..io import open_storage
 from ..core.boxes import Box, split_region
 from .consolidate import Progress, Selection, TensorReader, counted_bytes, key_filter, output_bytes, output_dtype
 from ..core.dtypes import bf16_to_float32, storage_dtype
-from ..errors import ArgumentError, MismatchError, StorageError
+from ..errors import ArgumentError, MismatchError
 from ..core.metadata import Metadata
 from ..format.hf_dir import INDEX_SUFFIX, SINGLE_FILE
 from ..format.safetensors import code_of, encode_header
@@ -174,12 +173,10 @@ def _write(
     then the index."""
     if max_shard_bytes <= 0:
         raise ArgumentError(f"the shard size must be positive, got {max_shard_bytes}")
-    try:
-        os.makedirs(out, exist_ok=True)
-        if os.listdir(out):
-            raise ArgumentError(f"{out} is not empty: export to a new directory")
-    except OSError as exc:
-        raise StorageError(f"cannot create {out}: {exc}", out) from exc
+    store = open_storage(out)  # a directory, or a URL prefix
+    store.create()
+    if store.list_checkpoints().files:
+        raise ArgumentError(f"{out} is not empty: export to a new directory")
     codes = {o.name: code_of(o.name, o.dtype) for o in outputs}
     shards = plan_shards(outputs, max_shard_bytes) or [[]]
     names, weight_map = [], {}
@@ -188,7 +185,7 @@ def _write(
             name = shard_name(i, len(shards))
             header = encode_header(((o.name, codes[o.name], o.shape, o.nbytes) for o in shard), SHARD_METADATA)
             # depth 0: each slab is written before the reader reuses its buffer
-            writer = open_storage(out).data_writer(name, 0, depth=0, header=header, alignment=1)
+            writer = store.data_writer(name, 0, depth=0, header=header, alignment=1)
             try:
                 for o in shard:
                     for data in produce(reader, o):
@@ -202,7 +199,7 @@ def _write(
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(o.nbytes for o in outputs)}, "weight_map": weight_map}
         index_name = "model" + INDEX_SUFFIX
-        open_storage(out).write_atomic(index_name, json.dumps(index, indent=2).encode())
+        store.write_atomic(index_name, json.dumps(index, indent=2).encode())
         names.append(index_name)
     logger.info("exported %d tensors to %s in %d shards", len(outputs), out, len(shards))
     return names

@@ -166,3 +166,42 @@ def test_s3_cli_storage_options_instead_of_the_environment(s3_env, monkeypatch, 
     assert "KEY=VALUE" in capsys.readouterr().err
     assert cli.main(["inspect", url, "--storage-option=retries=1"]) == 1  # the environment's endpoint: refused
     assert "127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_s3_cli_convert_writes_to_urls_and_never_a_local_directory(tmp_path, s3_env, monkeypatch, capsys):
+    """convert's OUT may be a URL too: a safetensors file, an npz (zip streamed without seeks),
+    a Hugging Face directory and a pdparams file land as objects, read back equal; nothing
+    local appears."""
+    import io
+
+    import numpy as np
+    from safetensors.numpy import load
+
+    import paddle_dcp
+    from paddle_dcp.io import open_storage
+    from paddle_dcp.tools import cli
+
+    monkeypatch.chdir(tmp_path)
+    url = s3_env.url(uuid.uuid4().hex)
+    paddle_dcp.save_state_dict(_state(2), url)
+    expected = _state(2)["model"]
+    out = f"{url}-out"
+    for args in (["convert", url, f"{out}/c.safetensors"], ["convert", url, f"{out}/c.npz"],
+                 ["convert", url, f"{out}/hf", "--to", "hf"]):
+        assert cli.main(args) == 0, capsys.readouterr()
+    store = open_storage(out)
+    got = load(store.fs.cat_file(store.full("c.safetensors")))
+    assert np.array_equal(got["model.w"], expected["w"]) and np.array_equal(got["model.b"], expected["b"])
+    with np.load(io.BytesIO(store.fs.cat_file(store.full("c.npz"))), allow_pickle=False) as npz:
+        assert np.array_equal(npz["model.w"], expected["w"]) and np.array_equal(npz["model.b"], expected["b"])
+    hf = open_storage(f"{out}/hf")
+    got = load(hf.fs.cat_file(hf.full("model.safetensors")))
+    assert np.array_equal(got["model.w"], expected["w"])
+    assert cli.main(["convert", url, f"{out}/c.pdparams"]) == 0
+    import paddle
+
+    state = paddle.load(io.BytesIO(store.fs.cat_file(store.full("c.pdparams"))))  # our own file: pickle is fine here
+    assert np.array_equal(state["model.w"].numpy(), expected["w"])
+    assert cli.main(["convert", url, f"{out}/hf", "--to", "hf"]) != 0  # not empty: refused
+    assert "not empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no "s3:" directory
