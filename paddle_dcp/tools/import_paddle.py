@@ -4,6 +4,7 @@ our metadata (written last). Unpickles paddle's files: for files you trust only.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -15,11 +16,13 @@ from ..core.boxes import Box, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
 from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned
 from ..core.naming import METADATA_RE, data_file_name, metadata_name
-from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
+from ..errors import ArgumentError, DcpError, FormatError, StorageError, UnsupportedError
 from ..format import safetensors
-from ..io import open_storage, storage
+from ..io import is_url, open_storage, storage
 from ..version import __version__
 from .console import ProgressBar, _ids, _one_line
+
+logger = logging.getLogger(__name__)
 
 _PADDLE_DATA_RE = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
 
@@ -94,21 +97,21 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
     pmeta, sdm, stm = _read_paddle_metadata(paddle, meta_file)
     info, local_shapes = _tensor_info(sdm, meta_file)
     by_file, ranks = _plan_pieces(stm, info, local_shapes, meta_file, uid)
-    written: list[str] = []
-    os.makedirs(out, exist_ok=True)
+    written: list[str] = []  # names of the data files written, removed if the import fails
+    store = open_storage(out)  # a directory, or a URL prefix
+    store.create()
     try:
-        pieces, files = _write_files(paddle, src, out, uid, info, by_file, ranks, written, progress)
+        pieces, files = _write_files(paddle, src, store, uid, info, by_file, ranks, written, progress)
         meta = _build_metadata(uid, info, pieces, files, ranks, getattr(pmeta, "flat_mapping", None))
         blob = meta.to_json()
         # validated as any reader will: pieces inside their tensors, tiling them exactly
         Metadata.from_json(blob, source=f"the metadata imported from {meta_file}")
-        open_storage(out).write_atomic(metadata_name(uid), blob)
+        store.write_atomic(metadata_name(uid), blob)
     except BaseException:
-        for full in written:
-            try:
-                os.unlink(full)
-            except OSError:
-                pass
+        try:
+            store.remove(written)
+        except DcpError as exc:  # the import's own failure is the one to report
+            logger.warning("could not remove the files of the failed import from %s: %s", out, exc)
         raise
     return meta
 
@@ -125,7 +128,7 @@ def _checked_id(src: str, out: str, unique_id: int | None) -> int:
     uid = max(ids) if unique_id is None else unique_id
     if uid not in ids:
         raise ArgumentError(f"{src} has no {metadata_name(uid)}; ids with metadata: {_ids(ids)}")
-    if os.path.realpath(src) == os.path.realpath(out):
+    if not is_url(out) and os.path.realpath(src) == os.path.realpath(out):
         raise ArgumentError("OUT must be another directory than PATH: paddle's files and ours have the same names")
     out_listing = open_storage(out).list_checkpoints()
     if uid in out_listing.complete or uid in out_listing.data:
@@ -212,7 +215,7 @@ _Row = Tuple[Tuple[int, ...], Tuple[int, ...], int, int, List[int]]  # box offse
 def _write_files(
     paddle: Any,
     src: str,
-    out: str,
+    store: storage.Storage,
     uid: int,
     info: _Info,
     by_file: dict[str, list[tuple]],
@@ -220,8 +223,8 @@ def _write_files(
     written: list[str],
     progress: bool,
 ) -> tuple[dict[str, list[_Row]], list[FileEntry]]:
-    """Our data files: the same pieces, rank by rank (their paths appended to ``written`` as
-    they are committed). Returns every key's pieces and the files."""
+    """Our data files in ``store``: the same pieces, rank by rank (their names appended to
+    ``written`` as they are committed). Returns every key's pieces and the files."""
     total = sum(
         ((fr[1] - fr[0]) if fr is not None else math.prod(loc)) * storage_dtype(info[k][0]).itemsize
         for items in by_file.values()
@@ -235,7 +238,7 @@ def _write_files(
             full = os.path.join(src, fname)
             arrays = _paddle_file_arrays(paddle, full)
             name = data_file_name(ranks[fname], uid)
-            writer = open_storage(out).data_writer(name, DEFAULT_BLOCK_BYTES)
+            writer = store.data_writer(name, DEFAULT_BLOCK_BYTES)
             try:
                 for key, offset, local, fr in sorted(by_file[fname], key=lambda it: (key_order[it[0]], it[1], it[3] or ())):
                     flat = _piece_array(full, key, arrays.get(key), storage_dtype(info[key][0]), local, fr)
@@ -245,7 +248,7 @@ def _write_files(
             except BaseException:
                 writer.abort()
                 raise
-            written.append(os.path.join(out, name))
+            written.append(name)
             files.append(FileEntry(name, size))
             del arrays
     return pieces, files

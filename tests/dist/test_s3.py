@@ -205,3 +205,33 @@ def test_s3_cli_convert_writes_to_urls_and_never_a_local_directory(tmp_path, s3_
     assert cli.main(["convert", url, f"{out}/hf", "--to", "hf"]) != 0  # not empty: refused
     assert "not empty" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no "s3:" directory
+
+
+def test_s3_import_paddle_into_a_url(tmp_path, s3_env, monkeypatch, capsys):
+    """import-paddle's OUT may be a URL: the data objects, then the metadata; loads back equal;
+    a second import of the id is refused; nothing local appears in the working directory."""
+    import numpy as np
+    import paddle
+
+    import paddle_dcp
+    from paddle_dcp.tools import cli
+
+    from unit.tools.test_cli import paddle_builtin_save
+
+    src = tmp_path / "paddle"
+    oracle = paddle_builtin_save(paddle, src)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    url = s3_env.url(uuid.uuid4().hex)
+    assert cli.main(["import-paddle", str(src), url, "--trust"]) == 0, capsys.readouterr()
+    assert cli.main(["verify", url]) == 0
+    state = {"model": {"w": np.zeros((4, 6), np.float32), "e": paddle.zeros([3, 5], dtype="bfloat16")},
+             "opt": {"n": np.zeros(5, np.int64)}}
+    paddle_dcp.load_state_dict(state, url)
+    assert np.array_equal(state["model"]["w"], oracle["model.w"]) and np.array_equal(state["opt"]["n"], oracle["opt.n"])
+    assert np.array_equal(state["model"]["e"].numpy(), oracle["model.e"])
+    capsys.readouterr()
+    assert cli.main(["import-paddle", str(src), url, "--trust"]) == 2
+    assert "already holds" in capsys.readouterr().err
+    assert list(work.iterdir()) == []
