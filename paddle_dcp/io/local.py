@@ -414,10 +414,15 @@ def map_range(fd: int, start: int, stop: int, name: str) -> Iterator[np.ndarray]
     try:
         yield np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
     finally:
-        try:
-            mm.close()
-        except BufferError:  # a view still alive: unmapped when it is collected
-            pass
+        unmap(mm)
+
+
+def unmap(mm: mmap.mmap) -> None:
+    """Close a mapping; while a view of it is still alive, it is unmapped when collected."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:

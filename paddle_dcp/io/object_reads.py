@@ -91,6 +91,13 @@ class _Fetch:
             for at in range(0, len(self.buf), chunk)
         ]
 
+    def release(self, kept: bool) -> None:
+        """Done with the buffer; a spill region is unmapped (``kept``: its bytes are whole and
+        may be read back)."""
+        if self.region is not None:
+            self.buf = NOTHING
+            self.region.close(kept)
+
     def wait(self) -> int:
         """The bytes received in a row from the start (raises the first failure)."""
         got = 0
@@ -236,11 +243,9 @@ class ObjectFiles:
         finally:
             self._ahead.pop(key, None)
             self._ahead_bytes -= stop - start
-            if fetch.region is not None:
-                fetch.buf = NOTHING
-                fetch.region.close(kept=whole)
-            elif whole and again:
+            if fetch.region is None and whole and again:
                 self._keep(key, fetch.buf)
+            fetch.release(kept=whole)
             self._pump()
 
     def _keep(self, key: tuple[int, int, int], data: np.ndarray) -> None:
@@ -274,9 +279,7 @@ class ObjectFiles:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         for fetch in fetches:  # no GET writes into their buffers any more
-            if fetch.region is not None:
-                fetch.buf = NOTHING
-                fetch.region.close(kept=False)
+            fetch.release(kept=False)
         self._infos.clear()
         if self._spill is not None:
             self._spill.close()

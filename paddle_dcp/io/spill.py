@@ -26,7 +26,7 @@ from typing import IO, ContextManager
 
 import numpy as np
 
-from .local import map_range
+from .local import map_range, unmap
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +101,7 @@ class Region:
         if kept:
             self.runs.add(self.start, self.stop)
         self.buf = NOTHING
-        try:
-            self.mm.close()
-        except BufferError:  # a view still alive: unmapped when it is collected
-            pass
+        unmap(self.mm)
 
 
 class SpillFiles:
