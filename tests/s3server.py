@@ -146,3 +146,50 @@ if __name__ == "__main__":  # a server for manual work: python tests/s3server.py
         srv.process.wait()
     except KeyboardInterrupt:
         srv.stop()
+
+
+class Requests:
+    """The S3 requests a client sends, seen by a botocore ``before-call`` hook (what goes on the
+    wire, whichever code sent it): operation names in order, the object names GETs ask for,
+    and the bytes of data objects (``.distcp``) asked for by ranged GETs.
+
+        with Requests(open_storage(url, options).fs) as wire:   # paddle_dcp's shared client
+            ...
+            wire.count("ListObjectsV2"), wire.gets, wire.got
+    """
+
+    def __init__(self, fs):
+        self.fs = fs
+        self.seen: list[str] = []
+        self.gets: list[str] = []  # the last part of each GET's key
+        self.got = 0
+        fs.s3.meta.events.register("before-call.s3", self._hook)
+
+    def _hook(self, model, params=None, **kwargs):
+        params = params or {}
+        self.seen.append(model.name)
+        if model.name != "GetObject":
+            return
+        path = params.get("url_path", "")
+        self.gets.append(path.rsplit("/", 1)[-1])
+        ranged = params.get("headers", {}).get("Range", "")
+        if path.endswith(".distcp") and ranged.startswith("bytes="):
+            first, last = ranged[len("bytes="):].split("-")
+            self.got += int(last) - int(first) + 1
+
+    def count(self, name: str) -> int:
+        return self.seen.count(name)
+
+    def clear(self) -> None:
+        self.seen.clear()
+        self.gets.clear()
+        self.got = 0
+
+    def close(self) -> None:
+        self.fs.s3.meta.events.unregister("before-call.s3", self._hook)
+
+    def __enter__(self) -> "Requests":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

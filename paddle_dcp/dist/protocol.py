@@ -293,8 +293,8 @@ class LoadRankProtocol(_Protocol):
             after ``inspect`` and handed to ``all_targets`` (paddle's engine needs them all:
             patterns on target names, shard counts of fused weights).
         lists_for_all: every rank sees the same files (object storage): only the coordinator's
-            ``inspect`` lists them (for the latest id), every rank reads the metadata, and
-            there are no per-rank file lists to compare.
+            ``inspect`` lists them (for the latest id) and reads the metadata (its bytes are
+            broadcast), and there are no per-rank file lists to compare.
     """
 
     rank: int
@@ -310,6 +310,12 @@ class LoadRankProtocol(_Protocol):
 
     def read_metadata(self, uid: int) -> Metadata:
         """The parsed metadata of ``uid`` (this rank sees the file)."""
+
+    def metadata_bytes(self, uid: int) -> bytes:
+        """The content of ``uid``'s metadata file (the coordinator, when ``lists_for_all``)."""
+
+    def parse_metadata(self, uid: int, data: bytes) -> Metadata:
+        """``uid``'s metadata parsed from ``data``, the content another rank read."""
 
     def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> Pairwise:
         """Pairwise work giving this rank the part of the metadata it needs (node-local disks)."""
@@ -335,11 +341,60 @@ def load(ctx: LoadRankProtocol) -> Protocol:
         mine = yield from local("describe targets", ctx.targets)
         ctx.all_targets((yield AllGather(mine)))
 
+    if ctx.lists_for_all:
+        meta = yield from _metadata_from_coordinator(ctx, uid)
+        statuses = [{"m": True, "h": 0}] * len(ctx.ranks)
+    else:
+        meta, statuses = yield from _metadata_of_each(ctx, uid, listing)
+
+    # with the plan's agreement: does any rank need bytes from another, and do all ranks read
+    # the same tensors of a checkpoint they all see (then they share the checksum work)
+    def plan_key(work):
+        digest, can_share = work.share_key
+        return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
+
+    work, (any_remote, high, neg_low, cannot) = yield from local_max(
+        "plan", lambda: ctx.plan(meta, uid, listing, statuses), plan_key, 4
+    )
+    if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
+        work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
+    clients = yield from route(ctx, work.remote, any_remote)
+    # every block is checked before any target changes: a damaged file leaves the state dict
+    # as it was on every rank
+    yield from local("verify", work.verify_local)
+    if clients is None:  # copying and finishing: one step, one agreement
+        yield from local("read", lambda: (work.read_local(), work.finish()))
+        return uid, work
+    yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
+    yield from local("read", work.read_local)
+    yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
+    yield from local("values", work.finish)
+    return uid, work
+
+
+def _check_found(uid: int, path: str) -> None:
+    if uid < 0:
+        raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
+
+
+def _metadata_from_coordinator(ctx: LoadRankProtocol, uid: int) -> Protocol:
+    """Every rank sees the same objects: the coordinator alone reads the metadata (a missing or
+    unreadable object fails this step on every rank) and broadcasts its bytes, which every rank
+    parses: one GET of it per load, not one per rank."""
+    def read():
+        _check_found(uid, ctx.path)
+        return ctx.metadata_bytes(uid) if ctx.rank == ctx.coordinator else b""
+
+    data = yield from local("read metadata", read)
+    data = yield Broadcast(data, ctx.coordinator)
+    return (yield from local("parse metadata", lambda: ctx.parse_metadata(uid, data)))
+
+
+def _metadata_of_each(ctx: LoadRankProtocol, uid: int, listing) -> Protocol:
+    """Every rank reads the metadata if it sees it; ranks that do not (node-local disks) get
+    their part from one that does. Returns (metadata, every rank's status)."""
     def find_metadata():
-        if uid < 0:
-            raise FormatError(f"no complete checkpoint in {ctx.path}: no *.metadata file was found")
-        if ctx.lists_for_all:  # a missing metadata object fails this step on every rank
-            return ctx.read_metadata(uid), {}, 0
+        _check_found(uid, ctx.path)
         meta = ctx.read_metadata(uid) if uid in listing.complete else None
         files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
         digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64
@@ -373,30 +428,7 @@ def load(ctx: LoadRankProtocol) -> Protocol:
         yield from local("check", check)
     if len(readers) < len(ctx.ranks):
         meta = yield ctx.metadata_from_helpers(readers, meta)
-
-    # with the plan's agreement: does any rank need bytes from another, and do all ranks read
-    # the same tensors of a checkpoint they all see (then they share the checksum work)
-    def plan_key(work):
-        digest, can_share = work.share_key
-        return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
-
-    work, (any_remote, high, neg_low, cannot) = yield from local_max(
-        "plan", lambda: ctx.plan(meta, uid, listing, statuses), plan_key, 4
-    )
-    if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
-        work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
-    clients = yield from route(ctx, work.remote, any_remote)
-    # every block is checked before any target changes: a damaged file leaves the state dict
-    # as it was on every rank
-    yield from local("verify", work.verify_local)
-    if clients is None:  # copying and finishing: one step, one agreement
-        yield from local("read", lambda: (work.read_local(), work.finish()))
-        return uid, work
-    yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
-    yield from local("read", work.read_local)
-    yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
-    yield from local("values", work.finish)
-    return uid, work
+    return meta, statuses
 
 
 def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:

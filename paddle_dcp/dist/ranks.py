@@ -254,6 +254,12 @@ class LocalLoadRank:
             return safetensors_files.directory_metadata(self.store, uid)
         return self.store.read_metadata(uid, lazy=True)
 
+    def metadata_bytes(self, uid: int) -> bytes:
+        return self.store.metadata_bytes(uid)
+
+    def parse_metadata(self, uid: int, data: bytes) -> Metadata:
+        return storage.metadata_from_bytes(data, uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
+
     def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
         if self.aoa_config is not None:  # every rank knows the readers: all raise the same error
             others = [r for r in self.ranks if r not in readers]

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import FormatError, IntegrityError, StorageError
 from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, aligned, check_member_name
 from ..core.naming import TMP_MARK, metadata_name
-from .storage import Listing, block_checksums, listing_of
+from .storage import Listing, block_checksums, listing_of, metadata_from_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class LocalStorage:
 
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
         return read_metadata(self.path, unique_id, lazy)
+
+    def metadata_bytes(self, unique_id: int) -> bytes:
+        return metadata_bytes(self.path, unique_id)
 
     def open_files(self, meta: Metadata) -> "FileSet":
         return FileSet(self.path, meta)
@@ -222,21 +225,23 @@ def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> No
 def read_metadata(path: str, unique_id: int, lazy: bool = False) -> Metadata:
     """Read and validate ``path/{unique_id}.metadata`` (tensor entries on first use when
     ``lazy``)."""
+    data = metadata_bytes(path, unique_id)
+    return metadata_from_bytes(data, unique_id, os.path.join(path, metadata_name(unique_id)), lazy)
+
+
+def metadata_bytes(path: str, unique_id: int) -> bytes:
+    """The content of ``path/{unique_id}.metadata``, size checked before it is read."""
     full = os.path.join(path, metadata_name(unique_id))
     try:
         with open(full, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_METADATA_BYTES:
                 raise FormatError(f"{full}: {size} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata")
-            data = f.read()
+            return f.read()
     except FileNotFoundError:
         raise StorageError(f"checkpoint {unique_id} has no metadata file {full}", full) from None
     except OSError as exc:
         raise StorageError(f"cannot read {full}: {exc}", full) from exc
-    meta = Metadata.from_json(data, source=full, lazy=lazy)
-    if meta.unique_id != unique_id:
-        raise FormatError(f"{full} describes checkpoint {meta.unique_id}, not {unique_id}")
-    return meta
 
 
 class DataWriter:

@@ -27,7 +27,7 @@ from ..core.naming import TMP_MARK, metadata_name
 from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from .object_reads import ObjectFiles, ObjectRangeReader
 from .retry import RetryPolicy, retrying
-from .storage import Listing, listing_of
+from .storage import Listing, listing_of, metadata_from_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,10 @@ class ObjectStorage:
         return int(info["size"]) if info.get("type", "file") == "file" else None
 
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
+        return metadata_from_bytes(self.metadata_bytes(unique_id), unique_id, self.resolve(metadata_name(unique_id)), lazy)
+
+    def metadata_bytes(self, unique_id: int) -> bytes:
+        """One GET, cut after the size limit."""
         url = self.resolve(metadata_name(unique_id))
         full = self.full(metadata_name(unique_id))
         try:
@@ -262,10 +266,7 @@ class ObjectStorage:
             raise StorageError(f"checkpoint {unique_id} has no metadata object {url}", url) from None
         if len(data) > MAX_METADATA_BYTES:
             raise FormatError(f"{url}: over the {MAX_METADATA_BYTES}-byte limit for metadata")
-        meta = Metadata.from_json(data, source=url, lazy=lazy)
-        if meta.unique_id != unique_id:
-            raise FormatError(f"{url} describes checkpoint {meta.unique_id}, not {unique_id}")
-        return meta
+        return data
 
     def open_files(self, meta: Metadata) -> "ObjectFiles":
         return ObjectFiles(self, meta)

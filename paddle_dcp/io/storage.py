@@ -18,12 +18,21 @@ import xxhash
 
 from ..core.boxes import Box, c_strides, element_span
 from ..core.dtypes import storage_dtype
-from ..errors import IntegrityError
+from ..errors import FormatError, IntegrityError
 from ..core.metadata import ALIGNMENT, Metadata, SavedPiece
 from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
 from ..core.load_plan import ReadOp, Segment
 
 logger = logging.getLogger(__name__)
+
+
+def metadata_from_bytes(data: bytes, unique_id: int, source: str, lazy: bool = False) -> Metadata:
+    """Checkpoint ``unique_id``'s metadata parsed and validated from ``data``, the content of
+    its file ``source`` (named in errors)."""
+    meta = Metadata.from_json(data, source=source, lazy=lazy)
+    if meta.unique_id != unique_id:
+        raise FormatError(f"{source} describes checkpoint {meta.unique_id}, not {unique_id}")
+    return meta
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,12 @@ class Storage(Protocol):
         name (a subdirectory is not a file)."""
 
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
-        """Read and validate checkpoint ``unique_id``'s metadata."""
+        """Read and validate checkpoint ``unique_id``'s metadata (:func:`metadata_from_bytes`
+        of :meth:`metadata_bytes`)."""
+
+    def metadata_bytes(self, unique_id: int) -> bytes:
+        """The content of checkpoint ``unique_id``'s metadata file, unparsed (StorageError when
+        there is none; FormatError over the size limit)."""
 
     def open_files(self, meta: Metadata) -> DataFiles:
         """The data files ``meta`` names, opened for reading."""

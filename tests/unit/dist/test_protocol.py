@@ -246,6 +246,64 @@ def test_load_of_an_empty_directory_fails_the_same_on_every_rank():
     assert all(len(e.failures) == SIZE for e in results.values())
 
 
+class ObjectStoreLoadRank(FakeLoadRank):
+    """A rank of a load from object storage (``lists_for_all``): only the coordinator lists, and
+    its ``metadata_bytes`` is the only read of the metadata; the others parse what it sent."""
+
+    lists_for_all = True
+
+    def __init__(self, rank: int, meta: Metadata, missing: bool = False):
+        seen = listing_of(meta) if rank == 0 else storage.Listing(frozenset(), {})
+        super().__init__(rank, meta, seen)
+        self.missing = missing
+        self.parsed: list[bytes] = []
+
+    def read_metadata(self, uid):
+        raise AssertionError("a rank of a load from object storage never reads the metadata itself")
+
+    def metadata_bytes(self, uid):
+        self.asked.append(uid)
+        if self.missing:
+            raise StorageError(f"checkpoint {uid} has no metadata object s3://b/{uid}.metadata", "s3://b")
+        return self.meta.to_json()
+
+    def parse_metadata(self, uid, data):
+        self.parsed.append(data)
+        parsed = storage.metadata_from_bytes(data, uid, "<from the coordinator>")
+        assert parsed.to_json() == self.meta.to_json()
+        return self.meta  # FakeLoadRank.plan checks it is this object
+
+
+def test_a_load_from_object_storage_reads_the_metadata_once_and_broadcasts_it():
+    meta = saved_metadata()
+    raw = meta.to_json()
+    ranks = {r: ObjectStoreLoadRank(r, meta) for r in range(SIZE)}
+    results = ThreadWorld(SIZE).run(lambda comm: protocol.run(comm, protocol.load(ranks[comm.rank])))
+    assert {results[r][0] for r in range(SIZE)} == {7}
+    assert [rank.asked for rank in ranks.values()] == [[7], [], []]
+    assert all(rank.parsed == [raw] for rank in ranks.values())
+    assert all(rank.log[-3:] == ["verify", "read", "finish"] for rank in ranks.values())
+
+    # the simulation runs the same steps; the metadata crosses the comm once per other rank
+    sim_ranks = {r: ObjectStoreLoadRank(r, meta) for r in range(SIZE)}
+    world = SimWorld(tuple(range(SIZE)), 0)
+    world.run({r: protocol.load(sim_ranks[r]) for r in range(SIZE)})
+    assert [rank.asked for rank in sim_ranks.values()] == [[7], [], []]
+    assert world.traffic[0].sent >= (SIZE - 1) * len(raw)
+    assert all(len(raw) <= world.traffic[r].received < len(raw) + 1024 for r in (1, 2))
+
+
+def test_a_missing_metadata_object_fails_the_load_on_every_rank_naming_it():
+    meta = saved_metadata()
+    ranks = {r: ObjectStoreLoadRank(r, meta, missing=True) for r in range(SIZE)}
+    results = ThreadWorld(SIZE).run(lambda comm: protocol.run(comm, protocol.load(ranks[comm.rank])))
+    assert {type(e) for e in results.values()} == {CollectiveError}
+    assert {e.step for e in results.values()} == {"read metadata"}
+    assert all(sorted(e.failures) == [0] for e in results.values())
+    assert all("s3://b/7.metadata" in str(e) for e in results.values())
+    assert not any(rank.parsed or rank.log for rank in ranks.values())
+
+
 class StagedRank(FakeSaveRank):
     """An async save's rank: staging memory for its pieces or not (``room``)."""
 

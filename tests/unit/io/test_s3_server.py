@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import paddle_dcp
+from s3server import Requests
 
 MiB = 1 << 20
 SHARE = 96 * MiB  # one process: the whole checkpoint is its share
@@ -75,55 +76,34 @@ def test_a_load_stays_within_the_disk_bound_plus_the_reads_in_flight(saved, veri
     assert all(np.array_equal(back[k], sd[k]) for k in sd)
 
 
-class Requests:
-    """The S3 operations the client sends, by name (a botocore event hook: what goes on the
-    wire, whichever code sent it)."""
+def requests_of(url: str) -> Requests:
+    """The requests of the client every call with OPTIONS shares (its fsspec part is the same)."""
+    from paddle_dcp.io import open_storage
 
-    def __init__(self, url: str):
-        from paddle_dcp.io import open_storage
-
-        self.fs = open_storage(url, OPTIONS).fs  # the client every call with OPTIONS shares
-        self.seen: list[str] = []
-        self.fs.s3.meta.events.register("before-call.s3", self._hook)
-
-    def _hook(self, model, params=None, **kwargs):
-        self.seen.append(model.name)
-        ranged = (params or {}).get("headers", {}).get("Range", "")
-        data = (params or {}).get("url_path", "").endswith(".distcp")
-        if model.name == "GetObject" and data and ranged.startswith("bytes="):
-            first, last = ranged[len("bytes="):].split("-")
-            self.got += int(last) - int(first) + 1
-
-    got = 0  # bytes of data objects asked for by ranged GETs
-
-    def count(self, name: str) -> int:
-        return self.seen.count(name)
-
-    def close(self) -> None:
-        self.fs.s3.meta.events.unregister("before-call.s3", self._hook)
+    return Requests(open_storage(url, OPTIONS).fs)
 
 
 def test_a_save_and_a_load_list_the_prefix_once_and_uploads_only_when_saving(s3_env):
     url = s3_env.url("requests")
     sd = {"w": np.arange(1000, dtype=np.float32), "b": np.ones((3, 4), np.int64)}
     paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)  # the client's first requests
-    wire = Requests(url)
+    wire = requests_of(url)
     try:
         # a new id; the same id again (a new generation, the old data object deleted); a new id
         for unique_id, deletes in ((None, 0), (1, 1), (None, 0)):
-            wire.seen.clear()
+            wire.clear()
             paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS, unique_id=unique_id)
             assert wire.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 1, (unique_id, wire.seen)
             assert wire.count("DeleteObject") == deletes, (unique_id, wire.seen)
-        wire.seen.clear()
+        wire.clear()
         back = {k: np.zeros_like(v) for k, v in sd.items()}
         paddle_dcp.load_state_dict(back, url, storage_options=OPTIONS)
         assert wire.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 0, wire.seen
         assert all(np.array_equal(back[k], sd[k]) for k in sd)
-        wire.seen.clear()
+        wire.clear()
         paddle_dcp.load_state_dict(back, url, storage_options=OPTIONS, unique_id=1)  # no listing needed
         assert wire.count("ListObjectsV2") == 0 and wire.count("ListMultipartUploads") == 0, wire.seen
-        wire.seen.clear()
+        wire.clear()
         assert paddle_dcp.read_metadata(url, storage_options=OPTIONS).unique_id == 2
         assert wire.seen.count("ListObjectsV2") == 1 and wire.count("ListMultipartUploads") == 0, wire.seen
     finally:
@@ -206,7 +186,7 @@ def test_a_verified_load_fetches_each_byte_once_when_it_can_spill(saved, tmp_pat
     """The load checks every block before it copies; the ranges beyond read_cache_bytes wait
     in the spill file, so the share is fetched once; without one, they are fetched again."""
     url, sd = saved
-    wire = Requests(url)  # the same client: OPTIONS' fsspec part is the same
+    wire = requests_of(url)
     try:
         back = {k: np.zeros_like(v) for k, v in sd.items()}
         options = dict(OPTIONS, spill_dir=str(tmp_path) if spill else None)
@@ -230,7 +210,7 @@ def test_objects_are_deleted_in_batches_and_a_refused_key_is_named(s3_env, monke
     for name in names:
         store.fs.pipe_file(store.full(name), b"x")
     monkeypatch.setattr(objects, "DELETE_BATCH", 2)
-    wire = Requests(s3_env.url("batches"))
+    wire = requests_of(s3_env.url("batches"))
     try:
         assert sorted(store.remove(names)) == names
         assert wire.count("DeleteObjects") == 3 and wire.count("DeleteObject") == 0, wire.seen

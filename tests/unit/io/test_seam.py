@@ -110,10 +110,13 @@ class MemoryStorage:
         return len(self.blobs[name]) if name in self.blobs else None
 
     def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
+        return storage.metadata_from_bytes(self.metadata_bytes(unique_id), unique_id, metadata_name(unique_id), lazy)
+
+    def metadata_bytes(self, unique_id: int) -> bytes:
         name = metadata_name(unique_id)
         if name not in self.blobs:
             raise StorageError(f"checkpoint {unique_id} has no metadata file {name}", name)
-        return Metadata.from_json(self.blobs[name], source=name, lazy=lazy)
+        return self.blobs[name]
 
     def open_files(self, meta: Metadata) -> MemoryFiles:
         return MemoryFiles(self.blobs, meta)
