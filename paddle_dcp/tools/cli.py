@@ -293,7 +293,11 @@ def _unique_id(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+ID_HELP = "the checkpoint id (default: the highest complete one)"
+
+
+def _shared_options() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(options of every command, the --progress option of the long ones), as parent parsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what is done (INFO)")
@@ -308,19 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="a progress bar on stderr (default: only when stderr is a terminal)",
     )
+    return common, progress
 
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Inspect, verify, convert and clean paddle_dcp checkpoints.",
-        epilog="Exit codes: 0 ok, 1 problems found, 2 bad usage. Run '%(prog)s COMMAND --help' for details.",
-    )
-    parser.add_argument("--version", action="version", version=f"paddle_dcp {__version__}")
-    parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks and debug logs")
-    parser.add_argument("-v", "--verbose", action="store_true", default=False, help="log what is done (INFO)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    id_help = "the checkpoint id (default: the highest complete one)"
 
+def _add_inspect(sub, common, progress) -> None:
+    """The ``inspect`` command."""
     p = sub.add_parser(
         "inspect", parents=[common], help="ids, tensors, files and values of a checkpoint",
         description="List the ids in PATH (complete, incomplete, temporary files) and describe one "
@@ -328,10 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         "its plain values; total bytes. Reads the metadata only.",
     )
     p.add_argument("path", metavar="PATH", help="checkpoint directory")
-    p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
+    p.add_argument("--unique-id", type=_unique_id, metavar="N", help=ID_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON document (non-finite floats as \"nan\", \"inf\")")
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_verify(sub, common, progress) -> None:
+    """The ``verify`` command."""
     p = sub.add_parser(
         "verify", parents=[common, progress], help="check every checksum, file size and tiling",
         description="Check a checkpoint against its metadata: every tensor entry (pieces inside "
@@ -341,10 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", metavar="PATH", help="checkpoint directory")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
+    which.add_argument("--unique-id", type=_unique_id, metavar="N", help=ID_HELP)
     which.add_argument("--all", action="store_true", help="every complete checkpoint in PATH")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_convert(sub, common, progress) -> None:
+    """The ``convert`` command."""
     p = sub.add_parser(
         "convert", parents=[common, progress], help="write full tensors to safetensors, pdparams, npz or a HF directory",
         description="Write the full (global) tensors of a checkpoint to one file, or with --to hf to "
@@ -372,10 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "backwards (paddle's AOA engine) and writes the HF names; needs paddle; model weights only")
     p.add_argument("--keys", metavar="REGEX", help="only keys (and values) matching REGEX (re.search); "
                    "with --aoa-config, the names written")
-    p.add_argument("--unique-id", type=_unique_id, metavar="N", help=id_help)
+    p.add_argument("--unique-id", type=_unique_id, metavar="N", help=ID_HELP)
     p.add_argument("--bf16-as-float32", action="store_true", help="write bfloat16 tensors as float32 (exact)")
     p.set_defaults(func=cmd_convert)
 
+
+def _add_import_paddle(sub, common, progress) -> None:
+    """The ``import-paddle`` command."""
     p = sub.add_parser(
         "import-paddle", parents=[common, progress],
         help="convert a checkpoint of paddle.distributed.save_state_dict into ours (needs --trust)",
@@ -392,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust", action="store_true", help="I trust these files: unpickling them may run code")
     p.set_defaults(func=cmd_import_paddle)
 
+
+def _add_clean(sub, common, progress) -> None:
+    """The ``clean`` command."""
     p = sub.add_parser(
         "clean", parents=[common], help="remove leftovers of crashed saves",
         description="Remove temporary files (*.tmp.*) of saves that crashed. With --incomplete, "
@@ -405,6 +413,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incomplete", action="store_true", help="also data files no metadata here uses (see WARNING)")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.set_defaults(func=cmd_clean)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common, progress = _shared_options()
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify, convert and clean paddle_dcp checkpoints.",
+        epilog="Exit codes: 0 ok, 1 problems found, 2 bad usage. Run '%(prog)s COMMAND --help' for details.",
+    )
+    parser.add_argument("--version", action="version", version=f"paddle_dcp {__version__}")
+    parser.add_argument("--debug", action="store_true", default=False, help="show tracebacks and debug logs")
+    parser.add_argument("-v", "--verbose", action="store_true", default=False, help="log what is done (INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for add in (_add_inspect, _add_verify, _add_convert, _add_import_paddle, _add_clean):
+        add(sub, common, progress)
     return parser
 
 
