@@ -321,6 +321,8 @@ class Run:
     rss_growth_at_return: list = field(default_factory=list)  # save-async: per rank, bytes
     later: dict = field(default_factory=dict)  # save-async: the same process's next saves, per rank
     cached: list = field(default_factory=list)  # loads: per rank, fraction of the checkpoint's pages cached at the start
+    cpu: list = field(default_factory=list)  # per rank, CPU seconds (user + system) of the timed call
+    server_cpu: float | None = None  # --storage s3: the server's CPU seconds during rank 0's timed call
 
     @property
     def slowest(self) -> float:
@@ -419,6 +421,8 @@ def launch(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str,
         run.patched = any(res.get("patched_gpu_staging") for res in done)
         run.rss_method = done[0].get("rss_method", "")
         run.cached = [res["cached_before"] for res in done if res.get("cached_before") is not None]
+        run.cpu = [res.get("cpu_seconds") for res in done]
+        run.server_cpu = done[0].get("server_cpu_seconds")
         if phase == "save-async":
             run.blocked = [res["blocked_seconds"] for res in done]
             run.rss_growth_at_return = [res["rss_growth_at_return"] for res in done]
@@ -627,6 +631,18 @@ def _wait_idle(limit: float) -> tuple:
 
 
 # ------------------------------------------------------------------------------ results
+def _cpu_use(run: Run) -> dict | None:
+    """CPU seconds of a run's timed calls (all ranks; the S3 server's, if any) against what the
+    machine's cores offer in the slowest call."""
+    if not run.cpu or None in run.cpu:
+        return None
+    ranks = sum(run.cpu)
+    used = ranks + (run.server_cpu or 0.0)
+    available = (os.cpu_count() or 1) * run.slowest
+    return {"ranks_seconds": ranks, "server_seconds": run.server_cpu, "available_seconds": available,
+            "busy_fraction": used / available if available else None}
+
+
 def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start, load_end,
               seconds, server=None):
     targets = bench_s3.TARGETS if args.storage == "s3" else TARGETS
@@ -646,7 +662,8 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
                     {"repeat": r.repeat, "ok": r.ok, "error": r.error, "seconds_per_rank": r.seconds,
                      "rss_growth_per_rank": r.rss_growth, "checked_bytes_per_rank": r.checked_bytes,
                      "gbps": logical / r.slowest / GB if r.ok else None, "launch_seconds": r.wall,
-                     "cached_fraction_per_rank": r.cached,
+                     "cached_fraction_per_rank": r.cached, "cpu_seconds_per_rank": r.cpu,
+                     "server_cpu_seconds": r.server_cpu,
                      **({"blocked_seconds_per_rank": r.blocked, "rss_growth_at_return_per_rank": r.rss_growth_at_return,
                          **{k + "_per_rank": v for k, v in r.later.items()}}
                         if phase == "save-async" else {})}
@@ -663,6 +680,7 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
                 stat.update(
                     best_gbps=max(rates), median_gbps=statistics.median(rates), best_seconds=best.slowest,
                     rss_growth_max_bytes=growth, rss_growth_fraction_of_share=growth / share,
+                    best_cpu=_cpu_use(best),
                 )
             entry["libs"][lib] = stat
         ours = entry["libs"].get("ours", {}).get("best_gbps")

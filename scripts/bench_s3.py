@@ -31,6 +31,7 @@ BUCKET = "ckpt"
 # what runs on object storage: paddle's built-in takes local paths only; the ours-only phases
 # (async, durable, no-verify) are local-disk questions
 LIBS = ("ours", "torch")
+LIB_NAMES = {"ours": "paddle_dcp", "torch": "torch DCP"}
 PHASES = ("save", "load", "reshard")
 # issue 17, point 6: ours / torch DCP at least this, per phase; and ours at least this fraction
 # of the server's own speed (PUT for a save, GET for a load), from the same run
@@ -63,6 +64,7 @@ class S3Store:
         t0 = time.perf_counter()
         server = S3Server.start(os.path.join(workdir, "weed"), bucket=BUCKET)
         os.environ.update(server.env)  # every launch inherits them: the way users configure it
+        os.environ[SERVER_PID_ENV] = str(server.process.pid)  # a worker measures the server's CPU
         store = cls(server, s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False))
         # the first writes to a fresh server allocate its volumes (seconds): not in any timed call
         store.fs.pipe_file(f"{BUCKET}/warm-up/object", bytes(2 * PART_BYTES), chunksize=PART_BYTES)
@@ -109,6 +111,15 @@ def _weed_version() -> str | None:
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError, TypeError):
         return None
+
+
+SERVER_PID_ENV = "PADDLE_DCP_BENCH_SERVER_PID"
+
+
+def server_cpu_seconds() -> float | None:
+    """The bench's S3 server's CPU seconds so far (None without one: a local-disk bench)."""
+    pid = os.environ.get(SERVER_PID_ENV)
+    return _cpu_seconds(int(pid)) if pid else None
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -258,6 +269,13 @@ def report_lines(entry: dict, server: dict) -> list:
                   if frac["at_least"] else "")
         lines.append(f"paddle_dcp at {100 * frac['fraction']:.0f}% of the server's best "
                      f"({frac['server_gbps']:.2f} GB/s){target}")
+    for lib, stat in entry["libs"].items():
+        cpu = stat.get("best_cpu")
+        if cpu and cpu.get("server_seconds") is not None:
+            lines.append(
+                f"CPU seconds in {LIB_NAMES.get(lib, lib)}'s best run: ranks {cpu['ranks_seconds']:.2f} + server "
+                f"{cpu['server_seconds']:.2f} of the {cpu['available_seconds']:.2f} the machine's cores offer "
+                f"in that time ({100 * cpu['busy_fraction']:.0f}% busy)")
     mem = entry["targets"].get("memory")
     if mem:
         lines.append(f"ours' memory limit (10% of share + 64 MiB + {in_flight(entry['phase'])[1]}): "

@@ -38,6 +38,7 @@ import traceback
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_s3  # noqa: E402  (the S3 server's CPU time, when the bench runs one)
 import bench_workload as workload  # noqa: E402
 
 PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
@@ -357,6 +358,7 @@ def _next_saves(lib, sd, ckpt) -> dict:
     for uid, name, options in ((1, "next_async", {"async_save": True}), (2, "next_full", {})):
         _settle(lib)
         memory = PeakRss()
+        cpu0, server0 = os.times(), bench_s3.server_cpu_seconds()
         with memory:
             t0 = time.perf_counter()
             handle = lib.save(sd, lib.checkpoint(ckpt, uid)[0], **options)
@@ -392,6 +394,7 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             lib.barrier()
             result["cached_before"] = cached_fraction(ckpt)
         memory = PeakRss()
+        cpu0, server0 = os.times(), bench_s3.server_cpu_seconds()
         with memory:
             t0 = time.perf_counter()
             if phase == "save-async":
@@ -408,7 +411,11 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             else:
                 lib.load(sd, ckpt)
             seconds = time.perf_counter() - t0
-        result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method)
+        cpu1, server1 = os.times(), bench_s3.server_cpu_seconds()
+        result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method,
+                      cpu_seconds=cpu1.user + cpu1.system - cpu0.user - cpu0.system)
+        if server0 is not None and server1 is not None:  # the S3 server's, during this rank's call
+            result["server_cpu_seconds"] = server1 - server0
         ids = [0]
         if phase == "save-async":
             # "seconds": until wait() returned; "blocked_seconds": until the call returned. The

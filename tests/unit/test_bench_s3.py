@@ -71,3 +71,33 @@ def test_a_loads_memory_bound_is_the_disk_bound_plus_its_reads_in_flight():
     for phase in ("load", "reshard"):
         assert bench_s3.memory_target(entry(phase, 0.1, 210)) == {"limit_bytes": limit, "met": True}
         assert bench_s3.memory_target(entry(phase, 0.1, 212))["met"] is False
+
+
+def test_the_cpu_the_ranks_and_the_server_spent_is_set_against_the_cores(monkeypatch):
+    import bench
+
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    run = bench.Run("ours", "load", 2, 0, ok=True, seconds=[1.0, 1.1], cpu=[0.5, 0.6], server_cpu=1.0)
+    use = bench._cpu_use(run)
+    assert use["ranks_seconds"] == pytest.approx(1.1) and use["server_seconds"] == 1.0
+    assert use["available_seconds"] == pytest.approx(2.2) and use["busy_fraction"] == pytest.approx(2.1 / 2.2)
+    assert bench._cpu_use(bench.Run("ours", "load", 2, 0, seconds=[1.0, 1.0], cpu=[0.5, None])) is None
+
+    e = entry("load", 1.0, 100)
+    e["libs"]["ours"]["best_cpu"] = use
+    e["libs"]["torch"] = {"best_cpu": dict(use, server_seconds=None)}  # no server figure: no line
+    server = bench_s3.best_server_speed([sample(0.2, 0.25, 0.5, 1.0)])
+    lines = [x for x in bench_s3.report_lines(e, server) if x.startswith("CPU seconds")]
+    assert lines == ["CPU seconds in paddle_dcp's best run: ranks 1.10 + server 1.00 of the 2.20 the "
+                     "machine's cores offer in that time (95% busy)"]
+
+
+def test_a_worker_reads_the_servers_cpu_time_from_its_pid(monkeypatch):
+    import os
+
+    monkeypatch.delenv(bench_s3.SERVER_PID_ENV, raising=False)
+    assert bench_s3.server_cpu_seconds() is None
+    monkeypatch.setenv(bench_s3.SERVER_PID_ENV, str(os.getpid()))
+    first = bench_s3.server_cpu_seconds()
+    sum(i * i for i in range(2_000_000))  # spend some CPU
+    assert first is not None and bench_s3.server_cpu_seconds() > first
