@@ -118,14 +118,25 @@ def remove_files(path: str, names: Iterable[str]) -> list[str]:
 
 
 def inside(path: str, name: str) -> str:
-    """``path/name`` for a validated plain ``name`` that resolves inside ``path``."""
+    """``path/name`` for a validated plain ``name`` that resolves inside ``path``, or, for a
+    snapshot of the Hugging Face hub cache (``models--org--name/snapshots/REV``), inside its
+    repository's ``blobs`` directory, where the snapshot's files link to."""
     check_member_name(name)
     full = os.path.join(path, name)
     real_dir = os.path.realpath(path)
     real = os.path.realpath(full)
-    if os.path.dirname(real) != real_dir:
+    where = os.path.dirname(real)
+    if where != real_dir and where != _hub_blobs(real_dir):
         raise FormatError(f"{full} resolves to {real}, outside the checkpoint directory {real_dir}")
     return full
+
+
+def _hub_blobs(real_dir: str) -> str | None:
+    """The ``blobs`` directory of the hub cache repository whose snapshot ``real_dir`` is."""
+    snapshots = os.path.dirname(real_dir)
+    if os.path.basename(snapshots) != "snapshots":
+        return None
+    return os.path.join(os.path.dirname(snapshots), "blobs")
 
 
 # ---------------------------------------------------------------------- writing
