@@ -21,6 +21,9 @@ Figures per rank count (seconds, bytes, MiB):
   load_plan_reshard_rank_s   one rank planning a load into tp/2 with dp doubled
   coord_load_s               everything the coordinator does in a load (parse included)
   rank_load_recv_bytes_max   the largest traffic any other rank receives in a load
+  coord_load_s3_s            the coordinator's load on object storage (it reads the metadata
+                             and broadcasts it)
+  rank_load_s3_recv_bytes_max  what any other rank receives then (the metadata, and the rest)
   cached_save_plan_s         the coordinator's work in a second save of the same layout
 """
 from __future__ import annotations
@@ -91,9 +94,12 @@ def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
 
     load = simulate_load(layouts, meta_json)
     log(f"[{ranks}] load simulated: coordinator {load.coordinator_seconds:.2f} s")
+    s3 = simulate_load(layouts, meta_json, object_storage=True)
+    log(f"[{ranks}] load from object storage simulated: coordinator {s3.coordinator_seconds:.2f} s")
     cached = simulate_save(layouts, values={"step": 2000, "lr": 3e-4}, cache=cache, unique_id=1)
     assert cached.plan_reused, "the second save of the same layout should reuse the plan"
     load_others = [load.traffic[r] for r in range(1, ranks)] or [load.traffic[0]]
+    s3_others = [s3.traffic[r] for r in range(1, ranks)] or [s3.traffic[0]]
     return {
         "ranks": ranks,
         "unique_pieces": unique,
@@ -109,6 +115,8 @@ def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
         "load_plan_reshard_rank_s": round(reshard_s, 3),
         "coord_load_s": round(load.coordinator_seconds, 3),
         "rank_load_recv_bytes_max": max(t.received for t in load_others),
+        "coord_load_s3_s": round(s3.coordinator_seconds, 3),
+        "rank_load_s3_recv_bytes_max": max(t.received for t in s3_others),
         "cached_save_plan_s": round(cached.coordinator_seconds, 3),
     }
 
@@ -119,7 +127,8 @@ COLUMNS = [
     ("rank_save_send_bytes_max", "rank send B"), ("metadata_bytes_per_piece", "md B/piece"),
     ("metadata_parse_s", "parse s"), ("metadata_validate_s", "validate s"), ("load_plan_rank_s", "plan s"),
     ("load_plan_reshard_rank_s", "reshard plan s"), ("coord_load_s", "coord load s"),
-    ("rank_load_recv_bytes_max", "load recv B"), ("cached_save_plan_s", "cached save s"),
+    ("rank_load_recv_bytes_max", "load recv B"), ("coord_load_s3_s", "s3 coord load s"),
+    ("rank_load_s3_recv_bytes_max", "s3 load recv B"), ("cached_save_plan_s", "cached save s"),
 ]
 
 

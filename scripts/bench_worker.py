@@ -358,7 +358,6 @@ def _next_saves(lib, sd, ckpt) -> dict:
     for uid, name, options in ((1, "next_async", {"async_save": True}), (2, "next_full", {})):
         _settle(lib)
         memory = PeakRss()
-        cpu0, server0 = os.times(), bench_s3.server_cpu_seconds()
         with memory:
             t0 = time.perf_counter()
             handle = lib.save(sd, lib.checkpoint(ckpt, uid)[0], **options)

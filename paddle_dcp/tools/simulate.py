@@ -190,26 +190,35 @@ def targets_of(layout: RankLayout) -> list[load_plan.TargetPiece]:
 
 
 class _SimLoadRank:
-    """A rank of a simulated load (a protocol.LoadRankProtocol) on a shared file system. With
-    a ``layout``, it parses the metadata and plans its reads for real; without, it reuses the
-    parsed ``shared`` metadata and plans nothing."""
+    """A rank of a simulated load (a protocol.LoadRankProtocol) on a shared file system, or on
+    object storage (``lists_for_all``: the coordinator alone lists and reads the metadata, whose
+    bytes it broadcasts). With a ``layout``, it parses the metadata and plans its reads for
+    real; without, it reuses the parsed ``shared`` metadata and plans nothing."""
 
     unique_id = None
     path = "<simulated>"
     shares_targets = False
-    lists_for_all = False
 
-    def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed):
+    def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed, lists_for_all):
         self.rank, self.ranks, self.coordinator = rank, ranks, coordinator
         self.listing, self.metadata_json, self.shared, self.layout, self.parsed = listing, metadata_json, shared, layout, parsed
+        self.lists_for_all = lists_for_all
 
     def inspect(self):
+        if self.lists_for_all and self.rank != self.coordinator:
+            return storage.Listing(frozenset(), {})
         return self.listing
 
     def read_metadata(self, uid: int) -> Metadata:
+        return self.parse_metadata(uid, self.metadata_json)
+
+    def metadata_bytes(self, uid: int) -> bytes:
+        return self.metadata_json
+
+    def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         if self.layout is None:
             return self.shared
-        self.parsed[self.rank] = Metadata.from_json(self.metadata_json, lazy=True)
+        self.parsed[self.rank] = Metadata.from_json(data, lazy=True)
         return self.parsed[self.rank]
 
     def metadata_from_helpers(self, readers, meta):
@@ -233,11 +242,13 @@ def simulate_load(
     coordinator: int = 0,
     unique_id: int = 0,
     plan_ranks: Sequence[int] = (),
+    object_storage: bool = False,
 ) -> LoadSim:
     """Run the load protocol for every rank of ``layouts`` on a shared file system (every rank
-    sees the metadata and every data file). The coordinator parses the metadata and plans its
-    reads for real (timed); so do the ranks in ``plan_ranks``; the others reuse the parsed
-    metadata and skip planning, which sends no message."""
+    sees the metadata and every data file), or with ``object_storage`` as on an s3:// URL (the
+    coordinator reads the metadata and broadcasts it). The coordinator parses the metadata and
+    plans its reads for real (timed); so do the ranks in ``plan_ranks``; the others reuse the
+    parsed metadata and skip planning, which sends no message."""
     ranks = tuple(sorted(layouts))
     world = SimWorld(ranks, coordinator)
     parsed: dict[str, Metadata] = {}
@@ -249,7 +260,8 @@ def simulate_load(
 
     def rank_ctx(r: int) -> _SimLoadRank:
         real = r == coordinator or r in plan_ranks
-        return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed)
+        return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
+                            object_storage)
 
     world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
     return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds)

@@ -75,13 +75,14 @@ def test_a_loads_memory_bound_is_the_disk_bound_plus_its_reads_in_flight():
 
 def test_the_cpu_the_ranks_and_the_server_spent_is_set_against_the_cores(monkeypatch):
     import bench
+    import bench_report
 
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench_report.os, "cpu_count", lambda: 2)
     run = bench.Run("ours", "load", 2, 0, ok=True, seconds=[1.0, 1.1], cpu=[0.5, 0.6], server_cpu=1.0)
-    use = bench._cpu_use(run)
+    use = bench_report._cpu_use(run)
     assert use["ranks_seconds"] == pytest.approx(1.1) and use["server_seconds"] == 1.0
     assert use["available_seconds"] == pytest.approx(2.2) and use["busy_fraction"] == pytest.approx(2.1 / 2.2)
-    assert bench._cpu_use(bench.Run("ours", "load", 2, 0, seconds=[1.0, 1.0], cpu=[0.5, None])) is None
+    assert bench_report._cpu_use(bench.Run("ours", "load", 2, 0, seconds=[1.0, 1.0], cpu=[0.5, None])) is None
 
     e = entry("load", 1.0, 100)
     e["libs"]["ours"]["best_cpu"] = use

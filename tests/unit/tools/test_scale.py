@@ -77,6 +77,11 @@ def test_a_save_at_4096_ranks_writes_each_piece_once_and_a_load_into_another_lay
     load = simulate_load(layouts, save.metadata_json, plan_ranks=(7,))
     # on a shared file system a rank receives a few all-reduced numbers, however many ranks
     assert max(load.traffic[r].received for r in range(1, dp * tp)) < 1024
+    # on object storage the coordinator alone reads the metadata: each other rank receives
+    # its bytes (and the same few numbers), the rank planning for real included
+    s3 = simulate_load(layouts, save.metadata_json, plan_ranks=(7,), object_storage=True)
+    size = len(save.metadata_json)
+    assert all(size <= s3.traffic[r].received < size + 1024 for r in range(1, dp * tp))
 
 
 def test_a_second_save_of_the_same_layout_reuses_the_plan_and_sends_no_summary():

@@ -1,0 +1,37 @@
+"""What scripts/bench.py measures, shared by its modules: the libraries, the phases, the
+targets, the units, and its log."""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import bench_workload as workload  # noqa: E402
+
+WORKER = os.path.join(HERE, "bench_worker.py")
+LIBS = ("ours", "paddle", "torch")
+PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
+# paddle_dcp's own options, measured against its plain save and load (no peer has them)
+OURS_ONLY = ("save-async", "save-durable", "load-noverify")
+# ...except that torch DCP's async_save runs in the save-async phase too, for comparison
+ASYNC_PEERS = ("torch",)
+SAVES = ("save", "save-async", "save-durable")
+LIB_TITLE = {
+    "ours": "paddle_dcp",
+    "paddle": "paddle built-in",
+    "torch": "torch DCP",
+}
+# issue 5, point 2: ours / peer at least this, per phase and peer
+TARGETS = {
+    "save": {"paddle": 3.0, "torch": 3.0},
+    "load": {"torch": 2.0},
+    "reshard": {"paddle": 4.0, "torch": 2.5},
+}
+GB = 1e9
+IO_BUFFER = 64 * workload.MiB
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
