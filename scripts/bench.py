@@ -72,7 +72,7 @@ import bench_workload as workload  # noqa: E402
 import bench_worker  # noqa: E402  (its file reading: the ranks do the same before a timed load)
 
 from bench_config import (  # noqa: E402
-    ASYNC_PEERS, GB, HERE, LIB_TITLE, LIBS, OURS_ONLY, PHASES, REPO, SAVES, WORKER, log,
+    ASYNC_PEERS, GB, HERE, LIB_TITLE, LIBS, OURS_ONLY, PHASES, REPO, SAVES, WORKER, log, parse_phases, parse_ranks,
 )
 from bench_machine import checksum_speed, machine_info, page_cache_speed  # noqa: E402
 from bench_report import format_report, summarize  # noqa: E402
@@ -215,27 +215,6 @@ def launch(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str,
 
 
 # ------------------------------------------------------------------------------ schedule
-def parse_phases(text: str, ranks: list) -> list:
-    """'save,load,reshard@4' -> [(ranks, phase)], in run order: every plain phase at each of
-    ``ranks``, a phase@R at R only."""
-    wanted = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        name, _, at = item.partition("@")
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r}; choose from {', '.join(PHASES)} (optionally @RANKS)")
-        for r in ([int(at)] if at else ranks):
-            if (r, name) not in wanted:
-                wanted.append((r, name))
-    return sorted(wanted, key=lambda rp: (rp[0], PHASES.index(rp[1])))
-
-
-def parse_ranks(text: str) -> list:
-    out = sorted({int(x) for x in text.split(",") if x.strip()})
-    if not out or out[0] < 1:
-        raise ValueError(f"--ranks {text!r}: give rank counts >= 1, e.g. 2 or 2,4")
-    return out
-
-
 def rotated(items: list, k: int) -> list:
     k %= max(len(items), 1)
     return items[k:] + items[:k]
@@ -255,12 +234,32 @@ def describe(run: Run, logical: int) -> str:
     return f"{gbps:6.3f} GB/s ({run.slowest:.3f} s), peak RSS growth {mib:.0f} MiB/rank{checked}{cached}"
 
 
-def run_benchmark(args) -> dict:
-    size = workload.parse_size(args.size)
-    specs = workload.build(size)
-    logical = workload.total_bytes(specs)
-    ranks_list = parse_ranks(args.ranks)
-    plan = parse_phases(args.phases, ranks_list)
+@dataclass
+class Session:
+    """One bench run: what it runs, where, and the runs so far."""
+
+    args: argparse.Namespace
+    size: int
+    logical: int
+    plan: list
+    libs: list
+    root: str
+    store: object  # bench_s3.S3Store for --storage s3, else None
+    timeout: float
+    runs: list = field(default_factory=list)
+    ready: dict = field(default_factory=dict)  # (lib, ranks) -> its plain save's checkpoint is there
+
+    def checkpoint(self, name: str) -> str:
+        return self.store.path(name) if self.store else os.path.join(self.root, "ckpt", name)
+
+    def log(self, rep: int, msg: str) -> None:
+        log(f"[{rep + 1}/{self.args.repeat}] {msg}")
+
+
+def _choose(args) -> tuple[list, list, list]:
+    """(plan, libs, notes) from the arguments: which (ranks, phase) of which libraries run,
+    and why some asked for do not; ValueError for a choice that runs nothing."""
+    plan = parse_phases(args.phases, parse_ranks(args.ranks))
     libs = [x.strip() for x in args.libs.split(",") if x.strip()]
     for lib in libs:
         if lib not in LIBS:
@@ -285,11 +284,86 @@ def run_benchmark(args) -> dict:
         libs.remove("torch")
         notes.append("torch is not installed in this Python: torch DCP skipped (pip install torch==2.13.0)")
         log(notes[-1])
+    return plan, libs, notes
+
+
+def _measure_limits(s: Session, rep: int, page_cache: dict, server: list, checksum: list) -> None:
+    """One repeat's measurements of the machine's limits: the page cache (local disk) or the S3
+    server's own speed, and the checksum's."""
+    for k in page_cache:
+        pc = page_cache_speed(os.path.join(s.root, "pagecache"), s.logical, k, s.args.settle)
+        page_cache[k].append(pc)
+        s.log(rep, f"page cache, {k} thread(s): write {pc['write_cold_gbps']:.2f} GB/s cold, "
+                   f"{pc['write_warm_gbps']:.2f} GB/s warm, {pc['write_direct_gbps'] or 0:.2f} GB/s O_DIRECT; "
+                   f"read {pc['read_gbps']:.2f} GB/s")
+    if s.store:
+        server.append(bench_s3.server_speed(s.store, s.logical))
+        speeds = {k: " / ".join(f"{v:.2f}" for v in server[-1][k].values())
+                  for k in ("put_gbps", "get_gbps", "get_gbps_s3fs", "get_gbps_lean")}
+        s.log(rep, f"S3 server, 1 / {bench_s3.STREAMS} streams: PUT {speeds['put_gbps']} GB/s, GET "
+                   f"{speeds['get_gbps']} GB/s (s3fs {speeds['get_gbps_s3fs']}, lean {speeds['get_gbps_lean']})")
+    checksum.append(checksum_speed())
+    s.log(rep, f"xxh3_64: {checksum[-1]['whole_gbps']:.1f} GB/s in one call, "
+               f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {workload.human(checksum[-1]['block_bytes'])} blocks")
+
+
+def _has_checkpoint(s: Session, rep: int, ranks: int, phase: str, lib: str, ckpt: str, run_dir: str) -> bool:
+    """Before a load: is ``lib``'s plain save there? A phase set without a save writes it once,
+    untimed; a failed save makes its loads fail ("no checkpoint") without a launch."""
+    if s.ready.get((lib, ranks)):
+        return True
+    if (ranks, "save") in s.plan or (lib, ranks) in s.ready:
+        run = Run(lib, phase, ranks, rep, error="no checkpoint: the save before it failed")
+        s.runs.append(run)
+        s.log(rep, f"{ranks} ranks {phase:13s} {lib:6s}: skipped, {run.error}")
+        return False
+    prep = launch(lib, "save", ranks, s.size, ckpt, run_dir + "_prep", s.timeout, rep, 0)
+    os.sync()
+    s.ready[(lib, ranks)] = prep.ok
+    s.log(rep, f"{ranks} ranks prepare {lib:6s}: {'ok' if prep.ok else 'FAILED: ' + prep.error}")
+    if not prep.ok:
+        s.runs.append(Run(lib, phase, ranks, rep, error=f"no checkpoint: {prep.error}"))
+    return prep.ok
+
+
+def _run_one(s: Session, rep: int, ranks: int, phase: str, lib: str) -> None:
+    """One launch of one phase of one library, recorded in ``s.runs``."""
+    # save-async and save-durable write a checkpoint of their own (checked by the worker
+    # itself, then deleted); the loads read the plain save's
+    own = phase in ("save-async", "save-durable")
+    ckpt = s.checkpoint(f"{lib}_{ranks}" + (f"_{phase}" if own else ""))
+    run_dir = os.path.join(s.root, "runs", f"r{rep}_{ranks}_{phase}_{lib}")
+    if phase in SAVES:
+        _remove(s.store, ckpt)
+    elif not _has_checkpoint(s, rep, ranks, phase, lib, ckpt, run_dir):
+        return
+    if phase not in SAVES and not s.store:
+        bench_worker.read_files(ckpt)
+    run = launch(lib, phase, ranks, s.size, ckpt, run_dir, s.timeout, rep, s.args.settle)
+    if s.store and phase in SAVES and run.ok and not s.store.holds(ckpt):
+        run.ok, run.error = False, f"the save wrote nothing to the server under {ckpt}"
+    s.runs.append(run)
+    if phase == "save":
+        s.ready[(lib, ranks)] = run.ok
+    if phase in SAVES:
+        os.sync()  # its dirty pages are not written back during the next phase
+    if own and not s.args.keep:
+        _remove(s.store, ckpt)
+    s.log(rep, f"{ranks} ranks {phase:13s} {lib:6s}: {describe(run, s.logical)} (launch {run.wall:.1f} s)")
+    if not run.ok:
+        log(_logs_tail(run_dir))
+    if run.ok and not s.args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_benchmark(args) -> dict:
+    size = workload.parse_size(args.size)
+    specs = workload.build(size)
+    logical = workload.total_bytes(specs)
+    plan, libs, notes = _choose(args)
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
-        root = tempfile.mkdtemp(prefix="paddle_dcp_bench.", dir=args.workdir)
-    else:
-        root = tempfile.mkdtemp(prefix="paddle_dcp_bench.")
+    root = tempfile.mkdtemp(prefix="paddle_dcp_bench.", dir=args.workdir or None)
     load_start = _wait_idle(args.wait_idle)
     info = machine_info(root)
     log(f"workdir {root}; {workload.human(logical)} logical in {len(specs)} tensors; "
@@ -299,83 +373,24 @@ def run_benchmark(args) -> dict:
         notes.append(f"the machine was busy at the start: load average {load_start[0]:.2f} (1 min)")
         log("warning: " + notes[-1])
     store = bench_s3.S3Store.start(root) if args.storage == "s3" else None
-    thread_counts = [] if store else sorted({1} | {r for r, _ in plan})
-    server: list = []
-    page_cache = {k: [] for k in thread_counts}
-    checksum: list = []
-    runs: list[Run] = []
-    ready: dict = {}
     timeout = args.timeout or (180 + 120 * size / workload.GiB * max(r for r, _ in plan))
+    s = Session(args, size, logical, plan, libs, root, store, timeout)
+    page_cache: dict = {k: [] for k in ([] if store else sorted({1} | {r for r, _ in plan}))}
+    server: list = []
+    checksum: list = []
     started = time.perf_counter()
     try:
         for rep in range(args.repeat):
-            for k in thread_counts:
-                pc = page_cache_speed(os.path.join(root, "pagecache"), logical, k, args.settle)
-                page_cache[k].append(pc)
-                log(f"[{rep + 1}/{args.repeat}] page cache, {k} thread(s): write {pc['write_cold_gbps']:.2f} GB/s "
-                    f"cold, {pc['write_warm_gbps']:.2f} GB/s warm, {pc['write_direct_gbps'] or 0:.2f} GB/s "
-                    f"O_DIRECT; read {pc['read_gbps']:.2f} GB/s")
-            if store:
-                server.append(bench_s3.server_speed(store, logical))
-                log(f"[{rep + 1}/{args.repeat}] S3 server, 1 / {bench_s3.STREAMS} streams: PUT "
-                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['put_gbps'].values())} GB/s, GET "
-                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps'].values())} GB/s (s3fs "
-                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps_s3fs'].values())}, lean "
-                    f"{' / '.join(f'{v:.2f}' for v in server[-1]['get_gbps_lean'].values())})")
-            checksum.append(checksum_speed())
-            log(f"[{rep + 1}/{args.repeat}] xxh3_64: {checksum[-1]['whole_gbps']:.1f} GB/s in one call, "
-                f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {workload.human(checksum[-1]['block_bytes'])} blocks")
-            order = rotated(libs, rep)
+            _measure_limits(s, rep, page_cache, server, checksum)
             for ranks, phase in plan:
-                for lib in order:
-                    if phase in OURS_ONLY and lib != "ours" and not (phase == "save-async" and lib in ASYNC_PEERS):
-                        continue
-                    # save-async and save-durable write a checkpoint of their own (checked by the
-                    # worker itself, then deleted); the loads read the plain save's
-                    own = phase in ("save-async", "save-durable")
-                    name = f"{lib}_{ranks}" + (f"_{phase}" if own else "")
-                    ckpt = store.path(name) if store else os.path.join(root, "ckpt", name)
-                    run_dir = os.path.join(root, "runs", f"r{rep}_{ranks}_{phase}_{lib}")
-                    if phase in SAVES:
-                        _remove(store, ckpt)
-                    elif not ready.get((lib, ranks)):
-                        if (ranks, "save") in plan or (lib, ranks) in ready:
-                            run = Run(lib, phase, ranks, rep, error="no checkpoint: the save before it failed")
-                            runs.append(run)
-                            log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:13s} {lib:6s}: skipped, {run.error}")
-                            continue
-                        # this phase set has no save: write the checkpoint once, untimed
-                        prep = launch(lib, "save", ranks, size, ckpt, run_dir + "_prep", timeout, rep, 0)
-                        os.sync()
-                        ready[(lib, ranks)] = prep.ok
-                        log(f"[{rep + 1}/{args.repeat}] {ranks} ranks prepare {lib:6s}: "
-                            f"{'ok' if prep.ok else 'FAILED: ' + prep.error}")
-                        if not prep.ok:
-                            runs.append(Run(lib, phase, ranks, rep, error=f"no checkpoint: {prep.error}"))
-                            continue
-                    if phase not in SAVES and not store:
-                        bench_worker.read_files(ckpt)
-                    run = launch(lib, phase, ranks, size, ckpt, run_dir, timeout, rep, args.settle)
-                    if store and phase in SAVES and run.ok and not store.holds(ckpt):
-                        run.ok, run.error = False, f"the save wrote nothing to the server under {ckpt}"
-                    runs.append(run)
-                    if phase == "save":
-                        ready[(lib, ranks)] = run.ok
-                    if phase in SAVES:
-                        os.sync()  # its dirty pages are not written back during the next phase
-                    if own and not args.keep:
-                        _remove(store, ckpt)
-                    log(f"[{rep + 1}/{args.repeat}] {ranks} ranks {phase:13s} {lib:6s}: "
-                        f"{describe(run, logical)} (launch {run.wall:.1f} s)")
-                    if not run.ok:
-                        log(_logs_tail(run_dir))
-                    if run.ok and not args.keep:
-                        shutil.rmtree(run_dir, ignore_errors=True)
+                for lib in rotated(libs, rep):
+                    if phase not in OURS_ONLY or lib == "ours" or (phase == "save-async" and lib in ASYNC_PEERS):
+                        _run_one(s, rep, ranks, phase, lib)
             if not args.keep:  # the next repeat saves afresh
                 for lib in libs:
                     for ranks in {r for r, p in plan if p == "save"}:
-                        _remove(store, store.path(f"{lib}_{ranks}") if store else os.path.join(root, "ckpt", f"{lib}_{ranks}"))
-                        ready.pop((lib, ranks), None)
+                        _remove(store, s.checkpoint(f"{lib}_{ranks}"))
+                        s.ready.pop((lib, ranks), None)
     finally:
         if store:
             store.close()
@@ -383,9 +398,8 @@ def run_benchmark(args) -> dict:
             log(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    load_end = os.getloadavg()
-    res = summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start,
-                    load_end, time.perf_counter() - started, bench_s3.best_server_speed(server))
+    res = summarize(args, info, specs, logical, plan, libs, s.runs, page_cache, checksum, notes, load_start,
+                    os.getloadavg(), time.perf_counter() - started, bench_s3.best_server_speed(server))
     if store:
         res["machine"]["storage"] = store.info()
     return res

@@ -1,5 +1,5 @@
-"""What scripts/bench.py measures, shared by its modules: the libraries, the phases, the
-targets, the units, and its log."""
+"""What scripts/bench.py measures, shared by its modules: the libraries, the phases (and
+--phases/--ranks parsed), the targets, the units, and its log."""
 from __future__ import annotations
 
 import os
@@ -35,3 +35,24 @@ IO_BUFFER = 64 * workload.MiB
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def parse_phases(text: str, ranks: list) -> list:
+    """'save,load,reshard@4' -> [(ranks, phase)], in run order: every plain phase at each of
+    ``ranks``, a phase@R at R only."""
+    wanted = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, at = item.partition("@")
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; choose from {', '.join(PHASES)} (optionally @RANKS)")
+        for r in ([int(at)] if at else ranks):
+            if (r, name) not in wanted:
+                wanted.append((r, name))
+    return sorted(wanted, key=lambda rp: (rp[0], PHASES.index(rp[1])))
+
+
+def parse_ranks(text: str) -> list:
+    out = sorted({int(x) for x in text.split(",") if x.strip()})
+    if not out or out[0] < 1:
+        raise ValueError(f"--ranks {text!r}: give rank counts >= 1, e.g. 2 or 2,4")
+    return out

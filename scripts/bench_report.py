@@ -21,6 +21,68 @@ def _cpu_use(run) -> dict | None:
             "busy_fraction": used / available if available else None}
 
 
+def _lib_stat(mine: list, phase: str, logical: int, share: float) -> dict:
+    """One library's runs of one phase: every run, and the best and median of the good ones."""
+    good = [r for r in mine if r.ok]
+    rates = [logical / r.slowest / GB for r in good]
+    stat = {
+        "runs": [
+            {"repeat": r.repeat, "ok": r.ok, "error": r.error, "seconds_per_rank": r.seconds,
+             "rss_growth_per_rank": r.rss_growth, "checked_bytes_per_rank": r.checked_bytes,
+             "gbps": logical / r.slowest / GB if r.ok else None, "launch_seconds": r.wall,
+             "cached_fraction_per_rank": r.cached, "cpu_seconds_per_rank": r.cpu,
+             "server_cpu_seconds": r.server_cpu,
+             **({"blocked_seconds_per_rank": r.blocked, "rss_growth_at_return_per_rank": r.rss_growth_at_return,
+                 **{k + "_per_rank": v for k, v in r.later.items()}}
+                if phase == "save-async" else {})}
+            for r in mine
+        ],
+        "ok_runs": len(good),
+        "gpu_staging_patched": any(r.patched for r in mine),
+        "rss_method": next((r.rss_method for r in mine if r.rss_method), ""),
+        "cached_fraction_min": min((min(r.cached) for r in good if r.cached), default=None),
+    }
+    if good:
+        best = max(good, key=lambda r: logical / r.slowest)
+        growth = max(max(r.rss_growth) for r in good)
+        stat.update(
+            best_gbps=max(rates), median_gbps=statistics.median(rates), best_seconds=best.slowest,
+            rss_growth_max_bytes=growth, rss_growth_fraction_of_share=growth / share,
+            best_cpu=_cpu_use(best),
+        )
+    return stat
+
+
+def _set_targets(entry: dict, entry_libs: list, targets: dict, server: dict | None) -> None:
+    """Ratios of ours over each peer, and every target of the phase, met or not."""
+    phase, share = entry["phase"], entry["share_bytes"]
+    ours = entry["libs"].get("ours", {}).get("best_gbps")
+    ours_median = entry["libs"].get("ours", {}).get("median_gbps")
+    entry["ratio_ours_over"] = {}
+    entry["ratio_ours_over_median"] = {}
+    entry["targets"] = {}
+    for lib in entry_libs:
+        peer = entry["libs"][lib].get("best_gbps")
+        peer_median = entry["libs"][lib].get("median_gbps")
+        if lib != "ours":
+            entry["ratio_ours_over"][lib] = ours / peer if ours and peer else None
+            entry["ratio_ours_over_median"][lib] = ours_median / peer_median if ours_median and peer_median else None
+        if lib in targets.get(phase, {}):
+            ratio = entry["ratio_ours_over"].get(lib)
+            entry["targets"][lib] = {"at_least": targets[phase][lib],
+                                     "met": None if ratio is None else ratio >= targets[phase][lib]}
+    if server and phase in ("save", "load", "reshard"):
+        limit = bench_s3.limit_targets(entry, server)
+        if limit:
+            entry["targets"]["server"] = limit
+    if server and phase in bench_s3.PHASES:
+        entry["targets"]["memory"] = bench_s3.memory_target(entry)
+    elif "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
+        limit = 0.1 * share + 64 * workload.MiB
+        entry["targets"]["memory"] = {"limit_bytes": limit,
+                                      "met": entry["libs"]["ours"]["rss_growth_max_bytes"] <= limit}
+
+
 def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start, load_end,
               seconds, server=None):
     targets = bench_s3.TARGETS if args.storage == "s3" else TARGETS
@@ -33,59 +95,8 @@ def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum
             entry_libs = ["ours"] + [lib for lib in libs if lib in ASYNC_PEERS]
         for lib in entry_libs:
             mine = [r for r in runs if r.lib == lib and r.phase == phase and r.ranks == ranks]
-            good = [r for r in mine if r.ok]
-            rates = [logical / r.slowest / GB for r in good]
-            stat = {
-                "runs": [
-                    {"repeat": r.repeat, "ok": r.ok, "error": r.error, "seconds_per_rank": r.seconds,
-                     "rss_growth_per_rank": r.rss_growth, "checked_bytes_per_rank": r.checked_bytes,
-                     "gbps": logical / r.slowest / GB if r.ok else None, "launch_seconds": r.wall,
-                     "cached_fraction_per_rank": r.cached, "cpu_seconds_per_rank": r.cpu,
-                     "server_cpu_seconds": r.server_cpu,
-                     **({"blocked_seconds_per_rank": r.blocked, "rss_growth_at_return_per_rank": r.rss_growth_at_return,
-                         **{k + "_per_rank": v for k, v in r.later.items()}}
-                        if phase == "save-async" else {})}
-                    for r in mine
-                ],
-                "ok_runs": len(good),
-                "gpu_staging_patched": any(r.patched for r in mine),
-                "rss_method": next((r.rss_method for r in mine if r.rss_method), ""),
-                "cached_fraction_min": min((min(r.cached) for r in good if r.cached), default=None),
-            }
-            if good:
-                best = max(good, key=lambda r: logical / r.slowest)
-                growth = max(max(r.rss_growth) for r in good)
-                stat.update(
-                    best_gbps=max(rates), median_gbps=statistics.median(rates), best_seconds=best.slowest,
-                    rss_growth_max_bytes=growth, rss_growth_fraction_of_share=growth / share,
-                    best_cpu=_cpu_use(best),
-                )
-            entry["libs"][lib] = stat
-        ours = entry["libs"].get("ours", {}).get("best_gbps")
-        ours_median = entry["libs"].get("ours", {}).get("median_gbps")
-        entry["ratio_ours_over"] = {}
-        entry["ratio_ours_over_median"] = {}
-        entry["targets"] = {}
-        for lib in entry_libs:
-            peer = entry["libs"][lib].get("best_gbps")
-            peer_median = entry["libs"][lib].get("median_gbps")
-            if lib != "ours":
-                entry["ratio_ours_over"][lib] = ours / peer if ours and peer else None
-                entry["ratio_ours_over_median"][lib] = ours_median / peer_median if ours_median and peer_median else None
-            if lib in targets.get(phase, {}):
-                ratio = entry["ratio_ours_over"].get(lib)
-                entry["targets"][lib] = {"at_least": targets[phase][lib],
-                                         "met": None if ratio is None else ratio >= targets[phase][lib]}
-        if server and phase in ("save", "load", "reshard"):
-            limit = bench_s3.limit_targets(entry, server)
-            if limit:
-                entry["targets"]["server"] = limit
-        if server and phase in bench_s3.PHASES:
-            entry["targets"]["memory"] = bench_s3.memory_target(entry)
-        elif "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
-            limit = 0.1 * share + 64 * workload.MiB
-            entry["targets"]["memory"] = {"limit_bytes": limit,
-                                          "met": entry["libs"]["ours"]["rss_growth_max_bytes"] <= limit}
+            entry["libs"][lib] = _lib_stat(mine, phase, logical, share)
+        _set_targets(entry, entry_libs, targets, server)
         phases.append(entry)
     _compare_variants(phases, torch_fsyncs=not args.torch_no_fsync)
     pc = {}
@@ -148,83 +159,105 @@ def _compare_variants(phases: list, torch_fsyncs: bool) -> None:
         plain_best = min((max(r["seconds_per_rank"]) for r in plain_runs), default=None)
         plain_median = statistics.median([max(r["seconds_per_rank"]) for r in plain_runs]) if plain_runs else None
         if e["phase"] == "save-async":
-            def slowest(key, runs=good):  # the slowest rank of each good run
-                return [max(r[key]) for r in runs if key in r]
-
-            def best_median(values):
-                return (min(values), statistics.median(values)) if values else (None, None)
-
-            blocked, total = slowest("blocked_seconds_per_rank"), slowest("seconds_per_rank")
-            nb, nt = slowest("next_async_blocked_seconds_per_rank"), slowest("next_async_seconds_per_rank")
-            nf = slowest("next_full_seconds_per_rank")
-            e["async"] = {
-                "what": "first: the first save of a fresh process (as the save phase), which also creates the "
-                        "background save's process group; next: a second async save in the same process, against "
-                        "a plain save after it in that process (as a training loop's later saves); blocked = until "
-                        "the call returned, until_wait = until wait() returned; slowest rank, best and median of "
-                        "the repeats",
-                "first_blocked_best_s": best_median(blocked)[0], "first_blocked_median_s": best_median(blocked)[1],
-                "first_until_wait_best_s": best_median(total)[0], "first_until_wait_median_s": best_median(total)[1],
-                "full_save_best_s": plain_best, "full_save_median_s": plain_median,
-                "full_save_rss_growth_max_bytes": plain.get("rss_growth_max_bytes"),
-                "first_blocked_over_full_save_best": _ratio(best_median(blocked)[0], plain_best),
-                "first_blocked_over_full_save_median": _ratio(best_median(blocked)[1], plain_median),
-                "next_blocked_best_s": best_median(nb)[0], "next_blocked_median_s": best_median(nb)[1],
-                "next_until_wait_best_s": best_median(nt)[0], "next_until_wait_median_s": best_median(nt)[1],
-                "next_full_save_best_s": best_median(nf)[0], "next_full_save_median_s": best_median(nf)[1],
-                "next_blocked_over_next_full_save_best": _ratio(best_median(nb)[0], best_median(nf)[0]),
-                "next_blocked_over_next_full_save_median": _ratio(best_median(nb)[1], best_median(nf)[1]),
-                "first_rss_growth_at_return_max_bytes": max(max(r["rss_growth_at_return_per_rank"]) for r in good),
-                "first_rss_growth_until_wait_max_bytes": ours["rss_growth_max_bytes"],
-                "next_rss_growth_at_return_max_bytes": max((max(r["next_async_rss_growth_at_return_per_rank"])
-                                                            for r in good if "next_async_rss_growth_at_return_per_rank" in r),
-                                                           default=None),
-                "next_rss_growth_until_wait_max_bytes": max((max(r["next_async_rss_growth_per_rank"]) for r in good
-                                                             if "next_async_rss_growth_per_rank" in r), default=None),
-                "next_full_save_rss_growth_max_bytes": max((max(r["next_full_rss_growth_per_rank"]) for r in good
-                                                            if "next_full_rss_growth_per_rank" in r), default=None),
-                "expected_rss_growth_bytes": e["share_bytes"],
-            }
-            for peer in ASYNC_PEERS:  # the peer's first and next async saves, blocked
-                peer_good = [r for r in e["libs"].get(peer, {}).get("runs", []) if r["ok"]]
-                if peer_good:
-                    pb = best_median(slowest("blocked_seconds_per_rank", peer_good))
-                    pn = best_median(slowest("next_async_blocked_seconds_per_rank", peer_good))
-                    e["async"][peer] = {"first_blocked_best_s": pb[0], "first_blocked_median_s": pb[1],
-                                        "next_blocked_best_s": pn[0], "next_blocked_median_s": pn[1],
-                                        "ours_next_blocked_over_peer_next_best": _ratio(best_median(nb)[0], pn[0]),
-                                        "ours_next_blocked_over_peer_next_median": _ratio(best_median(nb)[1], pn[1])}
+            e["async"] = _async_comparison(e, good, plain, plain_best, plain_median)
         elif e["phase"] == "save-durable":
-            e["durable"] = {
-                "default_save_best_gbps": plain.get("best_gbps"), "default_save_median_gbps": plain.get("median_gbps"),
-                "durable_over_default_gbps_best": _ratio(ours["best_gbps"], plain.get("best_gbps")),
-                "durable_over_default_gbps_median": _ratio(ours["median_gbps"], plain.get("median_gbps")),
-                "extra_seconds_best": ours["best_seconds"] - plain_best if plain_best else None,
-                "extra_seconds_median": (statistics.median([max(r["seconds_per_rank"]) for r in good]) - plain_median
-                                         if plain_median else None),
-            }
-            # like for like: both fsync (torch DCP's default sync_files=True) / not: ours without fsync
-            e["like_for_like"] = {}
-            for peer in ("torch", "paddle"):
-                p = base.get(peer, {})
-                if "best_gbps" not in p:
-                    continue
-                e["like_for_like"][peer] = {
-                    "peer_fsyncs": peer == "torch" and torch_fsyncs,
-                    "ours_durable_over_peer_default_best": _ratio(ours["best_gbps"], p["best_gbps"]),
-                    "ours_durable_over_peer_default_median": _ratio(ours["median_gbps"], p["median_gbps"]),
-                    "ours_default_over_peer_default_best": _ratio(plain.get("best_gbps"), p["best_gbps"]),
-                    "ours_default_over_peer_default_median": _ratio(plain.get("median_gbps"), p["median_gbps"]),
-                }
+            _durable_comparison(e, good, plain, plain_best, plain_median, base, torch_fsyncs)
         else:  # load-noverify
-            noverify = [max(r["seconds_per_rank"]) for r in good]
-            e["verify"] = {
-                "verified_load_best_gbps": plain.get("best_gbps"), "verified_load_median_gbps": plain.get("median_gbps"),
-                "noverify_over_verified_gbps_best": _ratio(ours["best_gbps"], plain.get("best_gbps")),
-                "noverify_over_verified_gbps_median": _ratio(ours["median_gbps"], plain.get("median_gbps")),
-                "verify_extra_seconds_best": plain_best - min(noverify) if plain_best else None,
-                "verify_extra_seconds_median": plain_median - statistics.median(noverify) if plain_median else None,
-            }
+            _verify_comparison(e, good, plain, plain_best, plain_median)
+
+
+def _async_comparison(e: dict, good: list, plain: dict, plain_best, plain_median) -> dict:
+    """save-async: the time blocked, first in a process and later, against the full save's time
+    (ours and the async peers'), and the memory held."""
+    ours = e["libs"]["ours"]
+
+    def slowest(key, runs=good):  # the slowest rank of each good run
+        return [max(r[key]) for r in runs if key in r]
+
+    def best_median(values):
+        return (min(values), statistics.median(values)) if values else (None, None)
+
+    blocked, total = slowest("blocked_seconds_per_rank"), slowest("seconds_per_rank")
+    nb, nt = slowest("next_async_blocked_seconds_per_rank"), slowest("next_async_seconds_per_rank")
+    nf = slowest("next_full_seconds_per_rank")
+    out = {
+        "what": "first: the first save of a fresh process (as the save phase), which also creates the "
+                "background save's process group; next: a second async save in the same process, against "
+                "a plain save after it in that process (as a training loop's later saves); blocked = until "
+                "the call returned, until_wait = until wait() returned; slowest rank, best and median of "
+                "the repeats",
+        "first_blocked_best_s": best_median(blocked)[0], "first_blocked_median_s": best_median(blocked)[1],
+        "first_until_wait_best_s": best_median(total)[0], "first_until_wait_median_s": best_median(total)[1],
+        "full_save_best_s": plain_best, "full_save_median_s": plain_median,
+        "full_save_rss_growth_max_bytes": plain.get("rss_growth_max_bytes"),
+        "first_blocked_over_full_save_best": _ratio(best_median(blocked)[0], plain_best),
+        "first_blocked_over_full_save_median": _ratio(best_median(blocked)[1], plain_median),
+        "next_blocked_best_s": best_median(nb)[0], "next_blocked_median_s": best_median(nb)[1],
+        "next_until_wait_best_s": best_median(nt)[0], "next_until_wait_median_s": best_median(nt)[1],
+        "next_full_save_best_s": best_median(nf)[0], "next_full_save_median_s": best_median(nf)[1],
+        "next_blocked_over_next_full_save_best": _ratio(best_median(nb)[0], best_median(nf)[0]),
+        "next_blocked_over_next_full_save_median": _ratio(best_median(nb)[1], best_median(nf)[1]),
+        "first_rss_growth_at_return_max_bytes": max(max(r["rss_growth_at_return_per_rank"]) for r in good),
+        "first_rss_growth_until_wait_max_bytes": ours["rss_growth_max_bytes"],
+        "next_rss_growth_at_return_max_bytes": max((max(r["next_async_rss_growth_at_return_per_rank"])
+                                                    for r in good if "next_async_rss_growth_at_return_per_rank" in r),
+                                                   default=None),
+        "next_rss_growth_until_wait_max_bytes": max((max(r["next_async_rss_growth_per_rank"]) for r in good
+                                                     if "next_async_rss_growth_per_rank" in r), default=None),
+        "next_full_save_rss_growth_max_bytes": max((max(r["next_full_rss_growth_per_rank"]) for r in good
+                                                    if "next_full_rss_growth_per_rank" in r), default=None),
+        "expected_rss_growth_bytes": e["share_bytes"],
+    }
+    for peer in ASYNC_PEERS:  # the peer's first and next async saves, blocked
+        peer_good = [r for r in e["libs"].get(peer, {}).get("runs", []) if r["ok"]]
+        if peer_good:
+            pb = best_median(slowest("blocked_seconds_per_rank", peer_good))
+            pn = best_median(slowest("next_async_blocked_seconds_per_rank", peer_good))
+            out[peer] = {"first_blocked_best_s": pb[0], "first_blocked_median_s": pb[1],
+                         "next_blocked_best_s": pn[0], "next_blocked_median_s": pn[1],
+                         "ours_next_blocked_over_peer_next_best": _ratio(best_median(nb)[0], pn[0]),
+                         "ours_next_blocked_over_peer_next_median": _ratio(best_median(nb)[1], pn[1])}
+    return out
+
+
+def _durable_comparison(e: dict, good: list, plain: dict, plain_best, plain_median, base: dict,
+                        torch_fsyncs: bool) -> None:
+    """save-durable: its speed against the default save's, and like for like against the peers'."""
+    ours = e["libs"]["ours"]
+    e["durable"] = {
+        "default_save_best_gbps": plain.get("best_gbps"), "default_save_median_gbps": plain.get("median_gbps"),
+        "durable_over_default_gbps_best": _ratio(ours["best_gbps"], plain.get("best_gbps")),
+        "durable_over_default_gbps_median": _ratio(ours["median_gbps"], plain.get("median_gbps")),
+        "extra_seconds_best": ours["best_seconds"] - plain_best if plain_best else None,
+        "extra_seconds_median": (statistics.median([max(r["seconds_per_rank"]) for r in good]) - plain_median
+                                 if plain_median else None),
+    }
+    # like for like: both fsync (torch DCP's default sync_files=True) / not: ours without fsync
+    e["like_for_like"] = {}
+    for peer in ("torch", "paddle"):
+        p = base.get(peer, {})
+        if "best_gbps" not in p:
+            continue
+        e["like_for_like"][peer] = {
+            "peer_fsyncs": peer == "torch" and torch_fsyncs,
+            "ours_durable_over_peer_default_best": _ratio(ours["best_gbps"], p["best_gbps"]),
+            "ours_durable_over_peer_default_median": _ratio(ours["median_gbps"], p["median_gbps"]),
+            "ours_default_over_peer_default_best": _ratio(plain.get("best_gbps"), p["best_gbps"]),
+            "ours_default_over_peer_default_median": _ratio(plain.get("median_gbps"), p["median_gbps"]),
+        }
+
+
+def _verify_comparison(e: dict, good: list, plain: dict, plain_best, plain_median) -> None:
+    """load-noverify: the cost of the checksums, against the verified load."""
+    ours = e["libs"]["ours"]
+    noverify = [max(r["seconds_per_rank"]) for r in good]
+    e["verify"] = {
+        "verified_load_best_gbps": plain.get("best_gbps"), "verified_load_median_gbps": plain.get("median_gbps"),
+        "noverify_over_verified_gbps_best": _ratio(ours["best_gbps"], plain.get("best_gbps")),
+        "noverify_over_verified_gbps_median": _ratio(ours["median_gbps"], plain.get("median_gbps")),
+        "verify_extra_seconds_best": plain_best - min(noverify) if plain_best else None,
+        "verify_extra_seconds_median": plain_median - statistics.median(noverify) if plain_median else None,
+    }
 
 
 def _workload_summary(specs, logical) -> dict:
@@ -241,6 +274,22 @@ def _workload_summary(specs, logical) -> dict:
 
 
 def format_report(res: dict) -> str:
+    out = _report_header(res)
+    for entry in res["phases"]:
+        if entry["phase"] in OURS_ONLY:
+            out.extend(_format_variant(entry))
+            continue
+        out.extend(_phase_table(entry))
+        if res["config"].get("storage") == "s3":
+            out.extend(bench_s3.report_lines(entry, res.get("server") or {}))
+        else:
+            out.extend(_local_limits(entry, res))
+    out.extend(_report_footer(res))
+    return "\n".join(out)
+
+
+def _report_header(res: dict) -> list:
+    """The machine, the commit, the workload and the checksum's speed."""
     out = []
     m = res["machine"]
     w = res["workload"]
@@ -265,71 +314,83 @@ def format_report(res: dict) -> str:
         out.append(f"checksums: xxh3_64 (xxhash {sample['xxhash']}), one thread, {workload.human(sample['bytes'])} in memory: "
                    f"{ck['whole_gbps']:.1f} GB/s in one call, {ck['blocks_gbps']:.1f} GB/s in the library's "
                    f"{workload.human(sample['block_bytes'])} blocks")
+    return out
+
+
+def _phase_table(entry: dict) -> list:
+    """One phase's table: every library's best and median, ratios, targets, memory."""
+    ranks, phase = entry["ranks"], entry["phase"]
+    out = []
+    title = {"save": "save", "load": "load, same layout", "reshard": "load into another layout (Shard(0) -> Shard(1))"}[phase]
+    out.append("")
+    out.append(f"== {title}: {ranks} ranks, share per rank {workload.human(entry['share_bytes'])}")
+    header = (f"{'library':16s} {'GB/s best':>9s} {'(median)':>9s} {'s slowest':>9s} {'ours/this':>9s} {'(median)':>9s} "
+              f"{'target':>9s} {'RSS MiB/rank':>12s} {'% share':>8s}  runs")
+    out.append(header)
+    out.append("-" * len(header))
+    for lib, stat in entry["libs"].items():
+        name = LIB_TITLE[lib] + ("*" if stat.get("gpu_staging_patched") and phase != "save" else "")
+        ok = f"{stat['ok_runs']}/{len(stat['runs'])} ok"
+        if "best_gbps" not in stat:
+            err = next((r["error"] for r in stat["runs"] if r["error"]), "no run")
+            out.append(f"{name:16s} {'n/a':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>12s} {'':>8s}  "
+                       f"{ok}: {err[:160]}")
+            continue
+        ratio = entry["ratio_ours_over"].get(lib)
+        ratio_median = entry["ratio_ours_over_median"].get(lib)
+        target = entry["targets"].get(lib)
+        tgt = ""
+        if target:
+            tgt = f">={target['at_least']:g}x" + ("" if target["met"] is None else (" ok" if target["met"] else " no"))
+        fails = [r["error"] for r in stat["runs"] if not r["ok"]]
+        out.append(
+            f"{name:16s} {stat['best_gbps']:9.3f} {'(' + format(stat['median_gbps'], '.3f') + ')':>9s} "
+            f"{stat['best_seconds']:9.3f} {'' if ratio is None else format(ratio, '.2f') + 'x':>9s} "
+            f"{'' if ratio_median is None else '(' + format(ratio_median, '.2f') + 'x)':>9s} {tgt:>9s} "
+            f"{stat['rss_growth_max_bytes'] / workload.MiB:12.0f} {100 * stat['rss_growth_fraction_of_share']:7.1f}%  "
+            f"{ok}" + (f"; failed: {fails[0][:120]}" if fails else "")
+        )
+    return out
+
+
+def _local_limits(entry: dict, res: dict) -> list:
+    """Under a phase on the local disk: how torch saved, the memory limit, the page cache."""
+    ranks, phase = entry["ranks"], entry["phase"]
     pc = res["page_cache"]
-    for entry in res["phases"]:
-        ranks, phase = entry["ranks"], entry["phase"]
-        if phase in OURS_ONLY:
-            out.extend(_format_variant(entry))
-            continue
-        title = {"save": "save", "load": "load, same layout", "reshard": "load into another layout (Shard(0) -> Shard(1))"}[phase]
-        out.append("")
-        out.append(f"== {title}: {ranks} ranks, share per rank {workload.human(entry['share_bytes'])}")
-        header = (f"{'library':16s} {'GB/s best':>9s} {'(median)':>9s} {'s slowest':>9s} {'ours/this':>9s} {'(median)':>9s} "
-                  f"{'target':>9s} {'RSS MiB/rank':>12s} {'% share':>8s}  runs")
-        out.append(header)
-        out.append("-" * len(header))
-        for lib, stat in entry["libs"].items():
-            name = LIB_TITLE[lib] + ("*" if stat.get("gpu_staging_patched") and phase != "save" else "")
-            ok = f"{stat['ok_runs']}/{len(stat['runs'])} ok"
-            if "best_gbps" not in stat:
-                err = next((r["error"] for r in stat["runs"] if r["error"]), "no run")
-                out.append(f"{name:16s} {'n/a':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>12s} {'':>8s}  "
-                           f"{ok}: {err[:160]}")
-                continue
-            ratio = entry["ratio_ours_over"].get(lib)
-            ratio_median = entry["ratio_ours_over_median"].get(lib)
-            target = entry["targets"].get(lib)
-            tgt = ""
-            if target:
-                tgt = f">={target['at_least']:g}x" + ("" if target["met"] is None else (" ok" if target["met"] else " no"))
-            fails = [r["error"] for r in stat["runs"] if not r["ok"]]
-            out.append(
-                f"{name:16s} {stat['best_gbps']:9.3f} {'(' + format(stat['median_gbps'], '.3f') + ')':>9s} "
-                f"{stat['best_seconds']:9.3f} {'' if ratio is None else format(ratio, '.2f') + 'x':>9s} "
-                f"{'' if ratio_median is None else '(' + format(ratio_median, '.2f') + 'x)':>9s} {tgt:>9s} "
-                f"{stat['rss_growth_max_bytes'] / workload.MiB:12.0f} {100 * stat['rss_growth_fraction_of_share']:7.1f}%  "
-                f"{ok}" + (f"; failed: {fails[0][:120]}" if fails else "")
-            )
-        if res["config"].get("storage") == "s3":
-            out.extend(bench_s3.report_lines(entry, res.get("server") or {}))
-            continue
-        if phase == "save" and "torch" in entry["libs"] and "best_gbps" in entry["libs"]["torch"]:
-            fsync = not res["config"].get("torch_sync_files", True)
-            out.append("ours/torch above: paddle_dcp's default save (no fsync) against torch DCP's default save "
-                       + ("(sync_files=False here: --torch-no-fsync)" if fsync else
-                          "(sync_files=True: fsyncs every data file); like for like, both fsyncing: "
-                          "paddle_dcp durable=True against it, in \"save, durable=True\" below"))
-        mem = entry["targets"].get("memory")
-        if mem:
-            out.append(f"ours' memory limit (10% of share + 64 MiB): {mem['limit_bytes'] / workload.MiB:.0f} MiB/rank"
-                       f" -> {'ok' if mem['met'] else 'over'}")
-        counts = ["1"] + ([str(ranks)] if ranks != 1 else [])
-        if phase == "save":
-            cold = " / ".join(f"{pc[k]['write_cold_gbps']:.2f}" for k in counts)
-            warm = " / ".join(f"{pc[k]['write_warm_gbps']:.2f}" for k in counts)
-            out.append(f"page cache write GB/s from {' / '.join(counts)} thread(s): {cold} into fresh memory"
-                       f" (cold), {warm} into memory just freed (warm)")
-            if all(pc[k]["write_direct_gbps"] for k in counts):
-                direct = " / ".join(f"{pc[k]['write_direct_gbps']:.2f}" for k in counts)
-                out.append(f"disk write with O_DIRECT (no page cache) GB/s from {' / '.join(counts)} thread(s): {direct}")
-        else:
-            read = " / ".join(f"{pc[k]['read_gbps']:.2f}" for k in counts)
-            out.append(f"page cache read GB/s from {' / '.join(counts)} thread(s): {read}")
-            cached = [(LIB_TITLE[lib], stat["cached_fraction_min"]) for lib, stat in entry["libs"].items()
-                      if stat.get("cached_fraction_min") is not None]
-            if cached:
-                out.append("checkpoint pages in the page cache when the timed call started, lowest of the runs: "
-                           + ", ".join(f"{title} {100 * f:.1f}%" for title, f in cached))
+    out = []
+    if phase == "save" and "torch" in entry["libs"] and "best_gbps" in entry["libs"]["torch"]:
+        fsync = not res["config"].get("torch_sync_files", True)
+        out.append("ours/torch above: paddle_dcp's default save (no fsync) against torch DCP's default save "
+                   + ("(sync_files=False here: --torch-no-fsync)" if fsync else
+                      "(sync_files=True: fsyncs every data file); like for like, both fsyncing: "
+                      "paddle_dcp durable=True against it, in \"save, durable=True\" below"))
+    mem = entry["targets"].get("memory")
+    if mem:
+        out.append(f"ours' memory limit (10% of share + 64 MiB): {mem['limit_bytes'] / workload.MiB:.0f} MiB/rank"
+                   f" -> {'ok' if mem['met'] else 'over'}")
+    counts = ["1"] + ([str(ranks)] if ranks != 1 else [])
+    if phase == "save":
+        cold = " / ".join(f"{pc[k]['write_cold_gbps']:.2f}" for k in counts)
+        warm = " / ".join(f"{pc[k]['write_warm_gbps']:.2f}" for k in counts)
+        out.append(f"page cache write GB/s from {' / '.join(counts)} thread(s): {cold} into fresh memory"
+                   f" (cold), {warm} into memory just freed (warm)")
+        if all(pc[k]["write_direct_gbps"] for k in counts):
+            direct = " / ".join(f"{pc[k]['write_direct_gbps']:.2f}" for k in counts)
+            out.append(f"disk write with O_DIRECT (no page cache) GB/s from {' / '.join(counts)} thread(s): {direct}")
+    else:
+        read = " / ".join(f"{pc[k]['read_gbps']:.2f}" for k in counts)
+        out.append(f"page cache read GB/s from {' / '.join(counts)} thread(s): {read}")
+        cached = [(LIB_TITLE[lib], stat["cached_fraction_min"]) for lib, stat in entry["libs"].items()
+                  if stat.get("cached_fraction_min") is not None]
+        if cached:
+            out.append("checkpoint pages in the page cache when the timed call started, lowest of the runs: "
+                       + ", ".join(f"{title} {100 * f:.1f}%" for title, f in cached))
+    return out
+
+
+def _report_footer(res: dict) -> list:
+    """Notes on the peers' setup, the run's notes, its duration."""
+    out = []
     if any(s.get("gpu_staging_patched") for e in res["phases"] for s in e["libs"].values()):
         out.append("")
         out.append("* paddle built-in with its GPU staging patched out (Tensor.cuda returns the tensor itself,"
@@ -346,7 +407,7 @@ def format_report(res: dict) -> str:
     for note in res["notes"]:
         out.append(f"note: {note}")
     out.append(f"({res['seconds']:.0f} s in all; load average {res['load_average']['end'][0]:.2f} at the end)")
-    return "\n".join(out)
+    return out
 
 
 def _x(v, paren=False) -> str:

@@ -371,6 +371,34 @@ def _next_saves(lib, sd, ckpt) -> dict:
     return out
 
 
+def _timed_call(lib, phase: str, sd: dict, ckpt: str, result: dict) -> None:
+    """The phase's one timed call; its seconds, peak memory growth and CPU seconds (the S3
+    server's too, when the bench runs one) go into ``result``."""
+    memory = PeakRss()
+    cpu0, server0 = os.times(), bench_s3.server_cpu_seconds()
+    with memory:
+        t0 = time.perf_counter()
+        if phase == "save-async":
+            handle = lib.save(sd, lib.checkpoint(ckpt, 0)[0], async_save=True)
+            # "seconds": until wait() returned; "blocked_seconds": until the call returned
+            result.update(blocked_seconds=time.perf_counter() - t0, rss_growth_at_return=memory.growth_so_far())
+            handle.wait()
+        elif phase == "save-durable":
+            lib.save(sd, ckpt, durable=True)
+        elif phase == "save":
+            lib.save(sd, ckpt)
+        elif phase == "load-noverify":
+            lib.load(sd, ckpt, verify=False)
+        else:
+            lib.load(sd, ckpt)
+        seconds = time.perf_counter() - t0
+    cpu1, server1 = os.times(), bench_s3.server_cpu_seconds()
+    result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method,
+                  cpu_seconds=cpu1.user + cpu1.system - cpu0.user - cpu0.system)
+    if server0 is not None and server1 is not None:  # the S3 server's, during this rank's call
+        result["server_cpu_seconds"] = server1 - server0
+
+
 def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int:
     started = time.perf_counter()
     lib = TorchLib() if lib_name == "torch" else PaddleLib(lib_name)
@@ -392,36 +420,12 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             read_files(ckpt, lib.rank, lib.ranks)
             lib.barrier()
             result["cached_before"] = cached_fraction(ckpt)
-        memory = PeakRss()
-        cpu0, server0 = os.times(), bench_s3.server_cpu_seconds()
-        with memory:
-            t0 = time.perf_counter()
-            if phase == "save-async":
-                handle = lib.save(sd, lib.checkpoint(ckpt, 0)[0], async_save=True)
-                blocked = time.perf_counter() - t0
-                growth_at_return = memory.growth_so_far()
-                handle.wait()
-            elif phase == "save-durable":
-                lib.save(sd, ckpt, durable=True)
-            elif phase == "save":
-                lib.save(sd, ckpt)
-            elif phase == "load-noverify":
-                lib.load(sd, ckpt, verify=False)
-            else:
-                lib.load(sd, ckpt)
-            seconds = time.perf_counter() - t0
-        cpu1, server1 = os.times(), bench_s3.server_cpu_seconds()
-        result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method,
-                      cpu_seconds=cpu1.user + cpu1.system - cpu0.user - cpu0.system)
-        if server0 is not None and server1 is not None:  # the S3 server's, during this rank's call
-            result["server_cpu_seconds"] = server1 - server0
+        _timed_call(lib, phase, sd, ckpt, result)
         ids = [0]
         if phase == "save-async":
-            # "seconds": until wait() returned; "blocked_seconds": until the call returned. The
-            # first save of a process also creates the background save's process group; the
-            # next ones (as in a training loop) do not: time one more async save, then a plain
-            # save, in this same process.
-            result.update(blocked_seconds=blocked, rss_growth_at_return=growth_at_return)
+            # the first save of a process also creates the background save's process group;
+            # the next ones (as in a training loop) do not: time one more async save, then a
+            # plain save, in this same process
             result.update(_next_saves(lib, sd, ckpt))
             ids = [0, 1, 2]
         t1 = time.perf_counter()
