@@ -11,7 +11,9 @@ and, for the first ``count`` requests that match a rule, injects that rule's fau
   one (a PUT or POST: half of it is read, then a reset), else of the response's (the status,
   the headers and half of the body are sent, then the connection is closed; a HEAD's: reset);
 - ``slow``: the request waits ``delay`` seconds before it is forwarded (no byte of the response
-  before that).
+  before that);
+- ``trickle``: the response's status and headers come at once, then its body 1 KiB every
+  ``delay`` seconds (a connection that never goes quiet long enough for a read timeout).
 
 A rule (a dict, or a JSON object in a plan) matches on ``method`` (e.g. "PUT"), ``op`` (the S3
 operation: see :func:`operation`) and ``path`` (a regular expression searched in the request
@@ -52,7 +54,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-FAULTS = ("slowdown", "internal", "reset", "cut", "slow")
+FAULTS = ("slowdown", "internal", "reset", "cut", "slow", "trickle")
+TRICKLE = 1024  # bytes of a trickled body at a time
 CONTROL = "/__faultproxy__/"
 CHUNK = 1 << 20
 # hop-by-hop headers: the proxy speaks for itself on each connection
@@ -185,10 +188,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         op = operation(self.command, self.path, self.headers)
         rule = self.server.state.decide(self.command, op, self.path, object_of(self.command, self.path, self.headers))
         body = self._body_reader()
-        if rule is None or rule.fault == "slow":
-            if rule is not None:
+        if rule is None or rule.fault in ("slow", "trickle"):
+            if rule is not None and rule.fault == "slow":
                 time.sleep(rule.delay)
-            return self._forward(body)
+            return self._forward(body, trickle=rule.delay if rule is not None and rule.fault == "trickle" else None)
         if rule.fault == "cut" and body.length != 0:
             body.drain(limit=max(body.length // 2, 1) if body.length > 0 else CHUNK)
             raise _Reset()
@@ -248,7 +251,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.upstream = http.client.HTTPConnection(host, port, timeout=self.server.upstream_timeout)
         return self.upstream
 
-    def _forward(self, body: "_Body", cut: bool = False) -> None:
+    def _forward(self, body: "_Body", cut: bool = False, trickle: float | None = None) -> None:
         try:
             try:
                 resp = self._send_upstream(body)
@@ -265,7 +268,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if body.left:  # the client's body is not read to its end: this connection is unusable
                 raise _Reset() from exc
             return self._error(502, "Bad Gateway", "BadGateway", f"upstream: {exc}")
-        self._relay(resp, cut)
+        self._relay(resp, cut, trickle)
 
     def _send_upstream(self, body: "_Body") -> http.client.HTTPResponse:
         conn = self._connect()
@@ -283,9 +286,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn.send(b"0\r\n\r\n")
         return conn.getresponse()
 
-    def _relay(self, resp: http.client.HTTPResponse, cut: bool) -> None:
+    def _relay(self, resp: http.client.HTTPResponse, cut: bool, trickle: float | None = None) -> None:
         """The upstream's answer to the client: its body as it comes (chunked when it was), all
-        of it, or, for ``cut``, half of it and then a close."""
+        of it, or, for ``cut``, half of it and then a close; with ``trickle``, TRICKLE bytes
+        every ``trickle`` seconds."""
         length = resp.getheader("Content-Length")
         no_body = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
         if cut and no_body:  # no body to cut in either direction: a reset before the response
@@ -304,7 +308,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if cut:  # an unknown length: half a chunk's worth
             left = max(int(length) // 2, 1) if length is not None else CHUNK // 2
         while not no_body and left != 0:
-            want = CHUNK if left is None else min(CHUNK, left)
+            want = TRICKLE if trickle is not None else CHUNK if left is None else min(CHUNK, left)
+            if trickle is not None:
+                self.wfile.flush()
+                time.sleep(trickle)
             piece = resp.read(want) if resp.chunked else resp.read1(want)
             if not piece:
                 break

@@ -149,7 +149,7 @@ class MultipartWriter(_Pieces):
         if self.upload_id is None:  # smaller than one part: one PUT
             body = bytes(memoryview(self._buf)[: self._fill])
             full = self.store.full(self.name)
-            self.store.call(f"PUT {self.url}", lambda: self.store.fs.pipe_file(full, body))
+            self.store.call(f"PUT {self.url}", lambda: self.store.fs.pipe_file(full, body, **self.store.limit))
             self._buf, self._fill, self._free = bytearray(), 0, []
             return self.offset
         if self._fill or not self._parts:
@@ -173,7 +173,7 @@ class MultipartWriter(_Pieces):
         """The object exists with this file's size (else the upload is lost: StorageError)."""
         full = self.store.full(self.name)
         try:
-            size = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True)).get("size")
+            size = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True, **self.store.limit)).get("size")
         except FileNotFoundError:
             size = None
         if size != self.offset:

@@ -59,10 +59,10 @@ def get_into(store: "ObjectStorage", name: str, start: int, out: memoryview) -> 
         from fsspec.asyn import sync
 
         bucket, _, key = full.partition("/")
-        fn = lambda: sync(store.fs.loop, _get_into_async, store.fs, bucket, key, start, out)  # noqa: E731
+        fn = lambda: sync(store.fs.loop, _get_into_async, store.fs, bucket, key, start, out, **store.limit)  # noqa: E731
     else:
         def fn() -> int:
-            data = store.fs.cat_file(full, start=start, end=start + len(out))
+            data = store.fs.cat_file(full, start=start, end=start + len(out), **store.limit)
             out[: len(data)] = data
             return len(data)
     try:
@@ -149,7 +149,7 @@ class ObjectFiles:
         """The object's size and ETag (None when it is missing)."""
         full = self.store.full(self.meta.files[index].name)
         try:
-            return self.store.call(f"HEAD {self.name(index)}", lambda: self.store.fs.info(full, refresh=True))
+            return self.store.call(f"HEAD {self.name(index)}", lambda: self.store.fs.info(full, refresh=True, **self.store.limit))
         except FileNotFoundError:
             return None
 

@@ -53,7 +53,9 @@ class ObjectOptions:
             copy, in unnamed files (see :mod:`paddle_dcp.io.spill`); "auto": the temporary
             directory unless it is in memory; None or "": none.
         retries: attempts of each request in all, the first included.
-        retry_deadline: seconds after a request's first attempt when no new attempt starts.
+        retry_deadline: seconds after a request's first attempt when no new attempt starts;
+            also the longest one attempt may last (on asynchronous fsspec filesystems such as
+            s3fs), so a request ends within twice this.
     """
 
     part_size: int = 32 << 20
@@ -164,6 +166,10 @@ class ObjectStorage:
         self.is_s3 = protocol in S3_PROTOCOLS
         self._uploads: dict[str, tuple[str, str]] = {}  # temporary name -> (key, upload id)
         self._present: set[str] | None = None  # the objects of the last listing, less those removed since
+        # no attempt of a request outlasts retry_deadline (fsspec's timeout of its asynchronous
+        # filesystems, s3fs's among them): a read timeout only bounds the silences, and a server
+        # that trickles a few bytes at a time would hold an attempt for ever
+        self.limit: dict = {"timeout": float(options.retry_deadline)} if getattr(fs, "async_impl", False) else {}
 
     # ------------------------------------------------------------------ names and requests
     def full(self, name: str) -> str:
@@ -181,7 +187,7 @@ class ObjectStorage:
     def s3(self, method: str, **kwargs) -> Any:
         """One S3 API call (through s3fs's client) on this storage's bucket."""
         bucket = self.root.split("/", 1)[0]
-        return self.fs.call_s3(method, Bucket=bucket, **kwargs)
+        return self.fs.call_s3(method, Bucket=bucket, **self.limit, **kwargs)
 
     @property
     def key_prefix(self) -> str:
@@ -199,7 +205,7 @@ class ObjectStorage:
         objects count: a "directory" entry (a longer prefix with objects under it, or one that
         had some: SeaweedFS keeps listing a prefix after its last object is deleted) is none."""
         try:
-            entries = self.call(f"LIST {self.path}/", lambda: self.fs.ls(self.root, detail=True, refresh=True))
+            entries = self.call(f"LIST {self.path}/", lambda: self.fs.ls(self.root, detail=True, refresh=True, **self.limit))
         except FileNotFoundError:
             entries = []
         out = {}
@@ -248,7 +254,7 @@ class ObjectStorage:
                 return None
             return int(reply["ContentLength"])
         try:
-            info = self.call(f"HEAD {self.resolve(name)}", lambda: self.fs.info(full, refresh=True))
+            info = self.call(f"HEAD {self.resolve(name)}", lambda: self.fs.info(full, refresh=True, **self.limit))
         except FileNotFoundError:
             return None
         return int(info["size"]) if info.get("type", "file") == "file" else None
@@ -261,7 +267,7 @@ class ObjectStorage:
         url = self.resolve(metadata_name(unique_id))
         full = self.full(metadata_name(unique_id))
         try:
-            data = self.call(f"GET {url}", lambda: self.fs.cat_file(full, start=0, end=MAX_METADATA_BYTES + 1))
+            data = self.call(f"GET {url}", lambda: self.fs.cat_file(full, start=0, end=MAX_METADATA_BYTES + 1, **self.limit))
         except FileNotFoundError:
             raise StorageError(f"checkpoint {unique_id} has no metadata object {url}", url) from None
         if len(data) > MAX_METADATA_BYTES:
@@ -278,13 +284,13 @@ class ObjectStorage:
         """One PUT: the object appears whole or not at all (``durable`` changes nothing: a
         completed PUT is durable)."""
         full = self.full(name)
-        self.call(f"PUT {self.resolve(name)}", lambda: self.fs.pipe_file(full, bytes(data)))
+        self.call(f"PUT {self.resolve(name)}", lambda: self.fs.pipe_file(full, bytes(data), **self.limit))
 
     def read_file(self, name: str) -> bytes | None:
         """One GET of a small object (a manager's manifest); None when there is none."""
         full = self.full(name)
         try:
-            return self.call(f"GET {self.resolve(name)}", lambda: self.fs.cat_file(full))
+            return self.call(f"GET {self.resolve(name)}", lambda: self.fs.cat_file(full, **self.limit))
         except FileNotFoundError:
             return None
 
@@ -324,7 +330,7 @@ class ObjectStorage:
         if not self.is_s3 or len(names) == 1:
             for name in names:
                 full = self.full(name)
-                self.call(f"DELETE {self.resolve(name)}", lambda: self.fs.rm_file(full))
+                self.call(f"DELETE {self.resolve(name)}", lambda: self.fs.rm_file(full, **self.limit))
             return
         for at in range(0, len(names), DELETE_BATCH):
             batch = names[at : at + DELETE_BATCH]

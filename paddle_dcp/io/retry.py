@@ -92,7 +92,8 @@ def describe_failure(exc: BaseException) -> tuple[bool, str]:
             return transient, text
     for e in _causes(exc):
         if type(e).__name__ in TRANSIENT_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
-            return True, f"{type(e).__name__}: {e}"
+            said = str(e) or ("no answer within the attempt's time limit" if "Timeout" in type(e).__name__ else "")
+            return True, f"{type(e).__name__}: {said}" if said else type(e).__name__
     return False, f"{type(exc).__name__}: {exc}"
 
 

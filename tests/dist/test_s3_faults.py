@@ -32,6 +32,6 @@ def test_retries_get_past_throttling_errors_resets_and_slow_answers(tmp_path, th
 
 
 def test_past_the_limit_every_rank_raises_storage_error_and_nothing_is_committed(tmp_path, through_proxy):
-    cases = ["save_past_the_limit", "deadline_bounds_the_retries", "load_past_the_limit"]
+    cases = ["save_past_the_limit", "deadline_bounds_the_retries", "load_past_the_limit", "a_trickle_is_cut_at_the_deadline"]
     logs = run_launch(script("s3faults.py"), 2, tmp_path, args=[tmp_path / "work", *cases], timeout=240)
     assert_passed(logs, cases, 2)

@@ -245,6 +245,23 @@ def test_slow_responses_wait_before_the_first_byte(s3_server):
     assert slow_seconds >= 0.8 and fast_seconds < 0.4, (slow_seconds, fast_seconds)
 
 
+def test_a_trickled_body_comes_whole_and_slowly(s3_server):
+    """``trickle`` sends the status and headers, then the body 1 KiB at a time."""
+    name, data = key(), bytes(range(256)) * 16  # 4 KiB: four pieces
+    s3 = client(s3_server.endpoint)
+    s3.put_object(Bucket=s3_server.bucket, Key=name, Body=data)
+    with FaultProxy(s3_server.endpoint, [{"fault": "trickle", "count": 1, "delay": 0.2, "op": "get_object"}]) as proxy:
+        s3 = client(proxy.url)
+        t0 = time.monotonic()
+        resp = s3.get_object(Bucket=s3_server.bucket, Key=name)
+        headers_seconds = time.monotonic() - t0
+        assert resp["Body"].read() == data
+        body_seconds = time.monotonic() - t0
+        assert s3.get_object(Bucket=s3_server.bucket, Key=name)["Body"].read() == data  # count 1: once
+        assert proxy.counts()["faults"] == {"trickle": 1}
+    assert headers_seconds < 0.4 <= 0.8 <= body_seconds, (headers_seconds, body_seconds)
+
+
 def test_bad_rules_are_refused():
     with pytest.raises(ValueError, match="fault"):
         faultproxy.Rule.of({"fault": "teapot"})

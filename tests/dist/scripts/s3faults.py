@@ -19,6 +19,10 @@ Cases:
   2 s: the save raises the same way within seconds, having retried, far fewer than 1000 times.
 - load_past_the_limit: every GET of a data object answers 500: the load raises on every rank
   a StorageError naming a data object and the status 500, within a bounded time.
+- a_trickle_is_cut_at_the_deadline: every GET of a data object answers at once and then sends
+  its body 1 KiB every 50 ms (a read timeout never fires; a whole range would take minutes);
+  with "retry_deadline" 2 s each attempt is cut after 2 s: the load raises on every rank a
+  StorageError naming a data object and the timeout, within seconds.
 """
 import os
 import sys
@@ -200,9 +204,25 @@ def load_past_the_limit():
     plan([])
 
 
+def a_trickle_is_cut_at_the_deadline():
+    url = f"{BASE}/trickle"
+    plan([])
+    paddle_dcp.save_state_dict(c.build(LEAVES, 0), url)
+    plan([{"fault": "trickle", "count": -1, "method": "GET", "path": r"\.distcp", "delay": 0.05}])
+    bucket, prefix = bucket_prefix(url)
+    sd = c.build(LEAVES, 0, target=True)
+    options = {"retries": 2, "retry_deadline": 2.0}
+    seconds = storage_failure(lambda: paddle_dcp.load_state_dict(sd, url, storage_options=options),
+                              f"s3://{bucket}/{prefix}", ".distcp", "Timeout")
+    assert seconds < 30.0, seconds  # two cut attempts and the ranks agreeing, not minutes of trickle
+    assert counts()["faults"].get("trickle", 0) >= 2
+    plan([])
+
+
 c.run_cases({
     "retries_succeed": retries_succeed,
     "save_past_the_limit": save_past_the_limit,
     "deadline_bounds_the_retries": deadline_bounds_the_retries,
     "load_past_the_limit": load_past_the_limit,
+    "a_trickle_is_cut_at_the_deadline": a_trickle_is_cut_at_the_deadline,
 })

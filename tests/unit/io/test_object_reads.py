@@ -18,6 +18,7 @@ class FakeStore:
     """One object "f" of ``data``; every ranged read recorded (start, stop)."""
 
     is_s3 = False
+    limit: dict = {}  # no time limit per attempt (a synchronous filesystem)
 
     def __init__(self, data: bytes, **options):
         self.data, self.options = data, ObjectOptions(**options)

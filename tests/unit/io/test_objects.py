@@ -103,6 +103,15 @@ def test_classification():
     assert describe_failure(ClientError(404, "NoSuchKey"))[0] is False
     assert describe_failure(ClientError(501, "NotImplemented"))[0] is False
     assert describe_failure(type("EndpointConnectionError", (Exception,), {})("refused"))[0] is True
+    from fsspec.exceptions import FSTimeoutError  # an attempt cut at its time limit
+
+    assert describe_failure(FSTimeoutError()) == (True, "FSTimeoutError: no answer within the attempt's time limit")
+
+
+def test_an_attempt_is_cut_at_the_retry_deadline_on_asynchronous_filesystems(s3_env):
+    s3 = open_storage(s3_env.url("limit"), {"retry_deadline": 7.5})
+    assert s3.limit == {"timeout": 7.5}
+    assert open_storage("memory://b/limit").limit == {}  # fsspec cannot cut a synchronous call
 
 
 @pytest.mark.parametrize("kwargs", [{"attempts": 0}, {"deadline": 0}])
@@ -249,6 +258,8 @@ def test_remove_and_resolve_on_memory(url):
 class FakeS3:
     """The calls a MultipartWriter makes, recorded; parts held until ``release`` when
     ``gate`` is set (to count the parts in flight)."""
+
+    limit: dict = {}  # no time limit per attempt
 
     def __init__(self, part_size: int, in_flight: int, fail_part: int | None = None):
         import threading
