@@ -173,7 +173,8 @@ class MultipartWriter(_Pieces):
         """The object exists with this file's size (else the upload is lost: StorageError)."""
         full = self.store.full(self.name)
         try:
-            size = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True, **self.store.limit)).get("size")
+            info = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True, **self.store.limit))
+            size = info.get("size")
         except FileNotFoundError:
             size = None
         if size != self.offset:
