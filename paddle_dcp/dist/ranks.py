@@ -18,7 +18,7 @@ from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
 from ..core.keys import match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
-from ..errors import ArgumentError, DcpError, UnsupportedError
+from ..errors import ArgumentError, UnsupportedError
 from ..format import hf_dir
 from ..io import safetensors_files, storage
 from ..version import __version__
@@ -218,12 +218,13 @@ class LocalLoadRank:
         self.safetensors, self.near, self.verify, self.strict = safetensors, near, verify, strict
         self.store = store
         self.shares_targets = aoa_config is not None  # paddle's engine needs every rank's targets
-        # one store every rank sees alike (object storage): the coordinator alone lists it, and
-        # only to find the latest id (a directory of safetensors files needs every rank's list)
-        self.lists_for_all = bool(store.seen_by_all) and not safetensors
+        # one store every rank sees alike (object storage): the coordinator alone lists it, to
+        # find the latest id or, with safetensors, whether it is a directory of safetensors files
+        self.lists_for_all = bool(store.seen_by_all)
         self.flat: nested.Flat | None = None
         self.held: list[Held] = []
         self.directory = False  # a directory of safetensors files, without metadata of ours
+        self.shards: tuple[list[str], dict | None] = ([], None)  # its files and index (shard_names)
         self.every_target: Any = None
         self.work: LocalLoadWork | None = None
 
@@ -231,14 +232,15 @@ class LocalLoadRank:
         check_id(self.unique_id)
         self.flat = nested.flatten(self.state_dict, is_tensor)
         self.held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
-        if self.lists_for_all and (self.rank != self.coordinator or self.unique_id is not None):
+        given = self.unique_id is not None and not self.safetensors
+        if self.lists_for_all and (self.rank != self.coordinator or given):
             return storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
         listing = storage.list_files(self.store, temporary=False)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             self.directory = True
-            names, _ = safetensors_files.shard_names(self.store)
+            self.shards = safetensors_files.shard_names(self.store, listing.files)
             uid = self.unique_id if self.unique_id is not None else 0
-            return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
+            return storage.Listing(frozenset({uid}), {}, names=frozenset(self.shards[0]))
         return listing
 
     def targets(self) -> bytes:
@@ -251,14 +253,25 @@ class LocalLoadRank:
 
     def read_metadata(self, uid: int) -> Metadata:
         if self.directory:
-            return safetensors_files.directory_metadata(self.store, uid)
+            return safetensors_files.metadata_from_blob(self._directory_blob(), self.store.path, uid)
         return self.store.read_metadata(uid, lazy=True)
 
+    def _directory_blob(self) -> bytes:
+        return safetensors_files.directory_blob(self.store, *self.shards)
+
     def metadata_bytes(self, uid: int) -> bytes:
-        return self.store.metadata_bytes(uid)
+        """Our metadata file's bytes after b"M", or a directory of safetensors files'
+        description after b"D" (the mark is ours, not the file's: no file can make a rank take
+        a checkpoint of ours for a directory whose files carry no checksums)."""
+        if self.directory:
+            return b"D" + self._directory_blob()
+        return b"M" + self.store.metadata_bytes(uid)
 
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
-        return storage.metadata_from_bytes(data, uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
+        if data[:1] == b"D":
+            self.directory = True
+            return safetensors_files.metadata_from_blob(memoryview(data)[1:], self.store.path, uid)
+        return storage.metadata_from_bytes(data[1:], uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
 
     def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
         if self.aoa_config is not None:  # every rank knows the readers: all raise the same error
@@ -273,7 +286,11 @@ class LocalLoadRank:
 
     def plan(self, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict]) -> LocalLoadWork:
         if self.lists_for_all:  # every file the metadata names is there for every rank
-            listing = storage.listing_of(f.name for f in meta.files)
+            names = [f.name for f in meta.files]
+            if self.directory:
+                listing = storage.Listing(frozenset({uid}), {}, names=frozenset(names))
+            else:
+                listing = storage.listing_of(names)
         remap = None
         if self.aoa_config is not None:
             from .aoa_paddle import Remap

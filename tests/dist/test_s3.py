@@ -7,7 +7,7 @@ import pytest
 
 from launcher import assert_passed, launch, run_launch, run_single, script
 
-CASES_2 = ["save_s0", "s0_into_s1", "s0_into_replicate", "s0_into_numpy", "numbering", "ranged_gets", "listings", "missing_id"]
+CASES_2 = ["save_s0", "s0_into_s1", "s0_into_replicate", "s0_into_numpy", "numbering", "ranged_gets", "listings", "missing_id", "hf_directory"]
 CASES_4 = ["save_2d", "2d_into_1d_s1", "2d_into_replicate"]
 
 

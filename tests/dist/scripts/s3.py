@@ -5,7 +5,8 @@ Usage (under paddle.distributed.launch): s3.py URL SCENARIO [case ...]
   2       2 ranks: save Shard(0) (with a tensor large enough for multipart uploads of 5 MiB
           parts), load into other layouts, unique_id=None numbering, a replaced id, a load
           that sends only ranged GETs (counted on the wire by a botocore event hook), and the
-          LISTs of a save and a load (counted the same way).
+          LISTs of a save and a load (counted the same way), a Hugging Face directory in the
+          bucket loaded with safetensors=True (its index and headers read by the coordinator).
   4       4 ranks: a [2, 2] mesh save loaded into 1-D layouts and replicated.
   crash   2 ranks: checkpoint 0 saved; during the save of checkpoint 1, rank 1 exits after
           its first part is uploaded (os._exit: no cleanup runs).
@@ -147,6 +148,42 @@ def listings(mesh):
     assert names == ["0.metadata", "0_0.1.distcp", "0_1.1.distcp", "1.metadata", "1_0.1.distcp", "1_1.1.distcp"], names
 
 
+def hf_directory(mesh):
+    """A Hugging Face directory (an index and two shards, written by the safetensors package)
+    in the bucket loads with safetensors=True into Shard(0) and Shard(1), the oracle's slices
+    exactly; the coordinator alone lists the prefix and reads the index and the headers (it
+    broadcasts them); every rank GETs only ranges of the shards for its tensors' bytes."""
+    import json
+
+    from safetensors.numpy import save as to_bytes
+
+    tensors = {"embed.weight": ((8, 6), "float32", 0), "layers.0.w": ((6, 10), "int64", 1), "layers.0.b": ((4, 2), "float64", 2)}
+    shards = {"model-00001-of-00002.safetensors": ["embed.weight"], "model-00002-of-00002.safetensors": ["layers.0.w", "layers.0.b"]}
+    arrays = {k: c.global_array(shape, dtype, variant=v) for k, (shape, dtype, v) in tensors.items()}
+    fs = open_storage(f"{URL}/hf", OPTIONS).fs
+    root = f"{URL}/hf".split("://", 1)[1]
+    if c.rank() == 0:
+        for name, keys in shards.items():
+            fs.pipe_file(f"{root}/{name}", to_bytes({k: arrays[k] for k in keys}))
+        weight_map = {k: name for name, keys in shards.items() for k in keys}
+        fs.pipe_file(f"{root}/model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": weight_map}).encode())
+    import paddle.distributed as dist
+
+    dist.barrier()
+    for spec in ((("S", 0),), (("S", 1),)):
+        sd = {k: c.make(arrays[k], tensors[k][1], mesh, spec, fill=0) for k in tensors}
+        with Requests(open_storage(f"{URL}/hf", OPTIONS).fs) as wire:
+            paddle_dcp.load_state_dict(sd, f"{URL}/hf", storage_options=OPTIONS, safetensors=True)
+        for k, (shape, dtype, _) in tensors.items():
+            c.check_tensor(sd[k], arrays[k], dtype, mesh, spec, c.rank(), f"{spec}: {k}")
+        lists = wire.count("ListObjectsV2")
+        assert lists == (1 if c.rank() == 0 else 0), (spec, wire.seen)
+        assert ("model.safetensors.index.json" in wire.gets) == (c.rank() == 0), (spec, wire.gets)
+        assert set(wire.gets) <= set(shards) | {"model.safetensors.index.json"}, wire.gets
+        if c.rank() != 0:  # its own tensors' bytes only: one GET per shard it reads, no header reads
+            assert len(wire.gets) <= len(shards), (spec, wire.gets)
+
+
 def main():
     import paddle.distributed as dist
 
@@ -164,6 +201,7 @@ def main():
             "ranged_gets": lambda: ranged_gets(m),
             "listings": lambda: listings(m),
             "missing_id": lambda: missing_id(m),
+            "hf_directory": lambda: hf_directory(m),
         }
     elif SCENARIO == "4":
         m2 = c.Mesh([[0, 1], [2, 3]])
