@@ -152,3 +152,29 @@ def test_a_checkpoint_of_ours_claiming_no_checksums_is_refused():
     with pytest.raises(Exception, match="unknown checksum algorithm 'none'"):
         ctx.parse_metadata(0, b"M" + meta.to_json())
     assert ctx.directory is False
+
+
+def test_a_checkpoint_of_ours_saved_with_safetensors_loads_with_safetensors_from_shared_storage(monkeypatch):
+    """safetensors=True on a checkpoint of ours (rank files in safetensors format, metadata of
+    ours) on storage every rank sees: the coordinator's listing finds the metadata, so it is
+    no directory; its bytes are broadcast and checked as any checkpoint's."""
+    import paddle_dcp
+    from paddle_dcp import api
+
+    blobs: dict[str, bytes] = {}
+    stores: list[SharedStorage] = []
+
+    def shared(path, storage_options=None):
+        stores.append(SharedStorage(blobs))
+        return stores[-1]
+
+    monkeypatch.setattr(api, "open_storage", shared)
+    want = {k: oracle(k) for k in SHAPES}
+    paddle_dcp.save_state_dict({"embed": {"weight": want["embed.weight"]},
+                                "layers": {"0": {"w": want["layers.0.w"], "b": want["layers.0.b"]}}}, "shared-ckpt", safetensors=True)
+    assert "0.metadata" in blobs and any(n.endswith(".safetensors") for n in blobs), sorted(blobs)
+    sd = targets()
+    paddle_dcp.load_state_dict(sd, "shared-ckpt", safetensors=True, unique_id=0)
+    assert np.array_equal(sd["embed"]["weight"], want["embed.weight"])
+    assert np.array_equal(sd["layers"]["0"]["w"], want["layers.0.w"]) and np.array_equal(sd["layers"]["0"]["b"], want["layers.0.b"])
+    assert stores[-1].calls.count("list") == 1 and "metadata" in stores[-1].calls, stores[-1].calls
