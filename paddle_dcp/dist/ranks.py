@@ -239,8 +239,7 @@ class LocalLoadRank:
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             self.directory = True
             self.shards = safetensors_files.shard_names(self.store, listing.files)
-            uid = self.unique_id if self.unique_id is not None else 0
-            return storage.Listing(frozenset({uid}), {}, names=frozenset(self.shards[0]))
+            return _directory_listing(self.unique_id if self.unique_id is not None else 0, self.shards[0])
         return listing
 
     def targets(self) -> bytes:
@@ -287,10 +286,7 @@ class LocalLoadRank:
     def plan(self, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict]) -> LocalLoadWork:
         if self.lists_for_all:  # every file the metadata names is there for every rank
             names = [f.name for f in meta.files]
-            if self.directory:
-                listing = storage.Listing(frozenset({uid}), {}, names=frozenset(names))
-            else:
-                listing = storage.listing_of(names)
+            listing = _directory_listing(uid, names) if self.directory else storage.listing_of(names)
         remap = None
         if self.aoa_config is not None:
             from .aoa_paddle import Remap
@@ -305,6 +301,11 @@ class LocalLoadRank:
         work.state_dict = self.state_dict
         self.work = work
         return work
+
+
+def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:
+    """A directory of safetensors files seen as checkpoint ``uid`` holding ``names``."""
+    return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
 
 
 def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Metadata:

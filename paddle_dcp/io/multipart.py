@@ -147,9 +147,7 @@ class MultipartWriter(_Pieces):
         """Upload what is left and complete the upload: the object appears, whole; returns
         its size."""
         if self.upload_id is None:  # smaller than one part: one PUT
-            body = bytes(memoryview(self._buf)[: self._fill])
-            full = self.store.full(self.name)
-            self.store.call(f"PUT {self.url}", lambda: self.store.fs.pipe_file(full, body, **self.store.limit))
+            self.store.write_atomic(self.name, bytes(memoryview(self._buf)[: self._fill]))
             self._buf, self._fill, self._free = bytearray(), 0, []
             return self.offset
         if self._fill or not self._parts:
@@ -171,12 +169,7 @@ class MultipartWriter(_Pieces):
 
     def _check_completed(self) -> None:
         """The object exists with this file's size (else the upload is lost: StorageError)."""
-        full = self.store.full(self.name)
-        try:
-            info = self.store.call(f"HEAD {self.url}", lambda: self.store.fs.info(full, refresh=True, **self.store.limit))
-            size = info.get("size")
-        except FileNotFoundError:
-            size = None
+        size = self.store.size(self.name)
         if size != self.offset:
             raise StorageError(f"COMPLETE UPLOAD {self.url} failed: the upload is gone and the object has "
                                f"{size} bytes, not {self.offset}", self.url)

@@ -14,9 +14,9 @@ from ..format.safetensors import MAX_HEADER_BYTES, Header, header_from
 from .storage import Storage, read_range
 
 
-def where(store: Storage, name: str) -> str:
-    """File ``name`` of ``store`` as messages name it."""
-    return f"{store.path.rstrip('/')}/{name}"
+def where(path: str, name: str) -> str:
+    """File ``name`` of the directory ``path`` as messages name it."""
+    return f"{path.rstrip('/')}/{name}"
 
 
 def head_bytes(store: Storage, name: str, size: int) -> bytes:
@@ -42,7 +42,7 @@ def read_header(store: Storage, name: str, source: str | None = None) -> Header:
     Raises:
         FormatError: a malformed or truncated file. StorageError: it cannot be read.
     """
-    source = source or where(store, name)
+    source = source or where(store.path, name)
     size = store.size(name)
     if size is None:
         raise FormatError(f"{source}: no such file")
@@ -64,7 +64,7 @@ def shard_names(store: Storage, files: Iterable[str] | None = None) -> tuple[lis
         return hf_dir.shard_files(names, store.path), None
     size = store.size(index) or 0
     raw = read_range(store, index, 0, min(size, hf_dir.MAX_INDEX_BYTES + 1))
-    weight_map = hf_dir.parse_index(raw, where(store, index))
+    weight_map = hf_dir.parse_index(raw, where(store.path, index))
     return sorted(set(weight_map.values())), weight_map
 
 
@@ -84,7 +84,7 @@ def directory_blob(store: Storage, names: list[str], weight_map: dict[str, str] 
         if size is None:
             if weight_map is not None:
                 raise FormatError(f"{store.path}: the index names {name}, which is missing")
-            raise FormatError(f"{where(store, name)}: no such file")
+            raise FormatError(f"{where(store.path, name)}: no such file")
         sizes.append(size)
         heads.append(head_bytes(store, name, size))
     doc = json.dumps({"names": names, "weight_map": weight_map, "sizes": sizes, "heads": [len(h) for h in heads]})
@@ -108,7 +108,7 @@ def metadata_from_blob(blob: bytes, path: str, unique_id: int = 0) -> Metadata:
         raise FormatError(f"{path}: the description of its safetensors files is malformed ({exc})") from None
     headers, at = [], 8 + n
     for name, size, length in zip(names, sizes, lengths):
-        headers.append(_header_of(bytes(blob[at:at + length]), size, f"{path.rstrip('/')}/{name}"))
+        headers.append(_header_of(bytes(blob[at:at + length]), size, where(path, name)))
         at += length
     return hf_dir.headers_metadata(path, names, headers, weight_map, unique_id)
 

@@ -269,6 +269,8 @@ class FakeS3:
         self.options = ObjectOptions(part_size=part_size, parts_in_flight=in_flight)
         self.key_prefix, self.calls, self.parts, self.puts = "run/", [], {}, {}
         self.fail_part = fail_part
+        self.lost_reply = False  # the completion succeeds and its reply is lost: the retry finds no upload
+        self.objects: dict[str, bytes] = {}
         self.lock = threading.Lock()
         self.active = self.most = 0
         self.fs = self
@@ -282,8 +284,11 @@ class FakeS3:
     def call(self, what, fn, fatal=()):
         return fn()
 
-    def pipe_file(self, full, body):
-        self.puts[full] = bytes(body)
+    def write_atomic(self, name, data, durable=False):
+        self.puts[self.full(name)] = bytes(data)
+
+    def size(self, name):
+        return len(self.objects[name]) if name in self.objects else None
 
     def abort_upload(self, key, upload_id, raising=False):
         self.calls.append(("abort", key, upload_id))
@@ -307,6 +312,8 @@ class FakeS3:
             return {"ETag": f"e{kw['PartNumber']}"}
         if method == "complete_multipart_upload":
             assert [p["PartNumber"] for p in kw["MultipartUpload"]["Parts"]] == sorted(self.parts)
+            if self.lost_reply:
+                raise FileNotFoundError("NoSuchUpload")
             return {}
         raise AssertionError(method)
 
@@ -367,3 +374,23 @@ def test_a_failed_part_aborts_the_upload():
     w.abort()
     assert ("abort", "run/0_0.distcp", "u1") in fake.calls
     assert not any(c[0] == "complete_multipart_upload" for c in fake.calls)
+
+
+@pytest.mark.parametrize("found", ["whole", "short", "missing"])
+def test_a_completion_whose_reply_was_lost_is_checked_by_the_object_size(found):
+    from paddle_dcp.io.multipart import MultipartWriter
+
+    fake = FakeS3(part_size=100, in_flight=2)
+    fake.lost_reply = True
+    w = MultipartWriter(fake, "0_0.distcp", block_bytes=0)
+    for p in _pieces([100] * 3):
+        w.write(memoryview(p))
+    if found != "missing":
+        fake.objects["0_0.distcp"] = bytes(300 if found == "whole" else 299)
+    if found == "whole":
+        assert w.commit() == 300
+        w.abort()  # nothing to abort: the upload completed
+        assert not any(c[0] == "abort" for c in fake.calls)
+    else:
+        with pytest.raises(StorageError, match="upload is gone and the object has (299|None) bytes, not 300"):
+            w.commit()
