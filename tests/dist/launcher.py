@@ -95,8 +95,10 @@ def _env() -> dict:
     """The environment of a launch (as :func:`launch` builds it): the scripts and the
     repository importable."""
     env = dict(os.environ)
+    # under the fake GPU (scripts/test.sh --fake-gpu) every worker installs it at start-up
+    site = [str(REPO / "tests" / "fakegpu_site")] if env.get("PADDLE_DCP_FAKE_GPU") == "1" else []
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        site + [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -121,8 +123,10 @@ def launch(script: str, nproc: int, tmp_path, args=(), timeout: float = 180) -> 
         script, *[str(a) for a in args],
     ]
     env = dict(os.environ)
+    # under the fake GPU (scripts/test.sh --fake-gpu) every worker installs it at start-up
+    site = [str(REPO / "tests" / "fakegpu_site")] if env.get("PADDLE_DCP_FAKE_GPU") == "1" else []
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        site + [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,347 @@
+"""A fake GPU for paddle's CPU wheel: tensors report a GPU place, and paddle's GPU rules hold.
+
+``install()`` patches paddle at its own level, so paddle's code and ours see the same places:
+
+* ``paddle.Tensor.place`` reports ``Place(gpu:N)`` for every tensor, except those made in host
+  memory by paddle's own calls: ``_copy_to`` a CPU or pinned place (``cpu()``, ``pin_memory()``,
+  ``to("cpu")``), a creation call given ``CPUPlace()`` / ``CUDAPinnedPlace()`` (``empty``,
+  ``zeros``, ``full``, ``to_tensor`` ...), or ``from_dlpack`` of host memory. The bytes live in
+  host memory whatever the place says; the rules below keep the code honest about them.
+* Pinning: only into ``CUDAPinnedPlace()`` (or from a GPU place); ``pin_memory=True`` with a CPU
+  place raises paddle's own ``Pinning memory is not supported`` error.
+* No host view of device memory: ``data_ptr()`` of a tensor on the GPU raises.
+* NCCL: the job's process group and every group ``new_group`` makes stand for NCCL groups: they
+  accept only tensors on the GPU, and only from the thread that made them (NCCL collectives stay
+  on the caller's thread). Groups made with ``core.ProcessGroupGloo.create`` are gloo groups and
+  take host tensors, from any thread.
+* Accounting: bytes on the device made by creation calls and copies to the device, pinned bytes,
+  current and peak (freed when the tensor is collected), and the bytes copied each way.
+  ``paddle.device.cuda.max_memory_allocated()`` and friends report it. Tensors that paddle's
+  operators produce are not counted (only what creation calls and copies make).
+
+What it does not prove: timing, streams, real device memory limits, NCCL's own behaviour.
+Enabled in processes started with ``PADDLE_DCP_FAKE_GPU=1`` and ``tests/fakegpu_site`` on
+``PYTHONPATH`` (``sitecustomize`` there calls :func:`install`), or by calling :func:`install`.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+ENV = "PADDLE_DCP_FAKE_GPU"
+_MARK = "_fakegpu_kind"  # in a tensor's __dict__: "cpu" or "pinned"; absent: on the GPU
+
+
+class Accounting:
+    """Bytes the fake device and the pinned host memory hold now and at their peak."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.current = {"gpu": 0, "pinned": 0}
+        self.peak = {"gpu": 0, "pinned": 0}
+        self.copied = {"d2h": 0, "h2d": 0}
+        self.allocations = {"gpu": 0, "pinned": 0}
+
+    def reset_peak(self) -> None:
+        with self.lock:
+            self.peak = dict(self.current)
+
+    def alloc(self, tensor, kind: str) -> None:
+        if kind not in self.current:
+            return
+        nbytes = _nbytes(tensor)
+        with self.lock:
+            self.current[kind] += nbytes
+            self.peak[kind] = max(self.peak[kind], self.current[kind])
+            self.allocations[kind] += 1
+        weakref.finalize(tensor, self._free, kind, nbytes)
+
+    def _free(self, kind: str, nbytes: int) -> None:
+        with self.lock:
+            self.current[kind] -= nbytes
+
+    def copy(self, src: str, dst: str, nbytes: int) -> None:
+        if src == "gpu" and dst != "gpu":
+            self.copied["d2h"] += nbytes
+        elif src != "gpu" and dst == "gpu":
+            self.copied["h2d"] += nbytes
+
+
+ACCOUNT = Accounting()
+_STATE: dict = {}
+
+
+def _nbytes(tensor) -> int:
+    try:
+        return int(tensor._numel()) * int(tensor.element_size())
+    except Exception:  # noqa: BLE001 - an uninitialized tensor
+        return 0
+
+
+class FakePlace:
+    """A place paddle's Python code takes for a GPU or pinned place."""
+
+    kind = "gpu"
+
+    def __init__(self, device_id: int = 0):
+        self.device_id = int(device_id)
+
+    def is_gpu_place(self) -> bool:
+        return self.kind == "gpu"
+
+    def is_cuda_pinned_place(self) -> bool:
+        return self.kind == "pinned"
+
+    def is_cpu_place(self) -> bool:
+        return False
+
+    def is_xpu_place(self) -> bool:
+        return False
+
+    is_xpu_pinned_place = is_custom_place = is_ipu_place = is_xpu_place
+
+    def gpu_device_id(self) -> int:
+        return self.device_id
+
+    get_device_id = gpu_device_id
+
+    def _equals(self, other) -> bool:
+        return kind_of_place(other) == self.kind and getattr(other, "device_id", self.device_id) == self.device_id
+
+    def __eq__(self, other) -> bool:
+        return self._equals(other)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.device_id))
+
+    def __repr__(self) -> str:
+        return f"Place(gpu:{self.device_id})" if self.kind == "gpu" else "Place(gpu_pinned)"
+
+
+class FakeCUDAPlace(FakePlace):
+    kind = "gpu"
+
+
+class FakeCUDAPinnedPlace(FakePlace):
+    kind = "pinned"
+
+    def __init__(self):
+        super().__init__(0)
+
+
+def kind_of_place(place) -> str:
+    """"gpu", "pinned" or "cpu" for any place paddle takes (a place object or a string)."""
+    if place is None:
+        return "gpu"
+    if isinstance(place, FakePlace):
+        return place.kind
+    if isinstance(place, str):
+        name = place.lower().replace("cuda", "gpu")
+        return "pinned" if name == "gpu_pinned" else ("gpu" if name.startswith("gpu") else "cpu")
+    return "cpu"
+
+
+def kind_of(tensor) -> str:
+    return tensor.__dict__.get(_MARK, "gpu") if hasattr(tensor, "__dict__") else "gpu"
+
+
+def mark(tensor, kind: str, count: bool = True):
+    """Record where ``tensor`` lives (a tensor made in host memory by paddle's own calls)."""
+    if kind != "gpu":
+        tensor.__dict__[_MARK] = kind
+    else:
+        tensor.__dict__.pop(_MARK, None)
+    if count:
+        ACCOUNT.alloc(tensor, kind)
+    return tensor
+
+
+def device_id() -> int:
+    return int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")) or 0)
+
+
+def _place_of(self):
+    kind = kind_of(self)
+    if kind == "cpu":
+        return _STATE["place"].__get__(self)
+    return FakeCUDAPinnedPlace() if kind == "pinned" else FakeCUDAPlace(device_id())
+
+
+def _data_ptr(self):
+    if kind_of(self) == "gpu":
+        raise RuntimeError(
+            "fake GPU: data_ptr() of a tensor on Place(gpu) is a device address; host code must not "
+            "read it (copy to host memory with paddle's calls first)"
+        )
+    return _STATE["data_ptr"](self)
+
+
+def _copy_to(self, place, blocking=True):
+    import paddle
+
+    dst = kind_of_place(place)
+    out = _STATE["_copy_to"](self, paddle.CPUPlace(), blocking)
+    ACCOUNT.copy(kind_of(self), dst, _nbytes(out))
+    return mark(out, dst)
+
+
+def _numpy(self, *args, **kwargs):
+    out = _STATE["numpy"](self, *args, **kwargs)
+    if kind_of(self) == "gpu":
+        ACCOUNT.copy("gpu", "cpu", out.nbytes)
+    return out
+
+
+def _creation(fn, place_arg: str, position: int | None, like: bool = False):
+    """Wrap a paddle creation call: a fake place becomes a host allocation marked as such;
+    pin_memory follows paddle's rule (only into a pinned or GPU place). Without a place, the
+    current device (the GPU), or for ``*_like`` calls the place of the tensor given."""
+
+    def create(*args, **kwargs):
+        import paddle
+
+        args = list(args)
+        if position is not None and len(args) > position:
+            device = args.pop(position)
+        else:
+            device = kwargs.pop(place_arg, None)
+        pin = bool(kwargs.pop("pin_memory", False))
+        if device is None and like:
+            kind = kind_of(args[0] if args else kwargs["x"])
+        else:
+            kind = kind_of_place(device)
+        if pin and kind == "cpu":
+            raise RuntimeError(f"Pinning memory is not supported for {device}.")
+        kind = "pinned" if pin else kind
+        kwargs[place_arg] = paddle.CPUPlace()
+        out = fn(*args, **kwargs)
+        return mark(out, kind)
+
+    create.__wrapped__ = fn
+    return create
+
+
+def _from_dlpack(dlpack):
+    return mark(_STATE["from_dlpack"](dlpack), "cpu", count=False)
+
+
+class NcclGuard:
+    """A process group standing for an NCCL group: device tensors only, one thread only."""
+
+    _CHECKED_NAMES = ("rank", "size", "name")
+
+    def __init__(self, pg):
+        self._pg = pg
+        self._thread = threading.get_ident()
+
+    def __getattr__(self, name):
+        attr = getattr(self._pg, name)
+        if name in self._CHECKED_NAMES or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if threading.get_ident() != self._thread:
+                raise RuntimeError(
+                    f"fake GPU: NCCL collective {name} called from thread {threading.current_thread().name}, "
+                    "not the thread that uses the group (NCCL collectives stay on the caller's thread)"
+                )
+            for tensor in _tensors(list(args) + list(kwargs.values())):
+                if kind_of(tensor) != "gpu":
+                    raise RuntimeError(
+                        f"fake GPU: NCCL collective {name} given a tensor in host memory ({tensor.place}); "
+                        "NCCL takes device tensors only"
+                    )
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _tensors(values):
+    import paddle
+
+    for v in values:
+        if isinstance(v, paddle.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+
+
+def guard_group(group):
+    """Make a paddle Group stand for an NCCL group (idempotent)."""
+    if group is not None and not isinstance(group._pg, NcclGuard):
+        group._pg = NcclGuard(group._pg)
+    return group
+
+
+def _patch_groups():
+    import paddle.distributed as dist
+    from paddle.distributed import collective, parallel
+
+    init = dist.init_parallel_env
+
+    def init_parallel_env(*args, **kwargs):
+        out = init(*args, **kwargs)
+        guard_group(collective._get_global_group())
+        return out
+
+    dist.init_parallel_env = parallel.init_parallel_env = init_parallel_env
+    if collective._group_map:  # already initialized
+        guard_group(collective._get_global_group())
+    impl = collective._new_process_group_impl
+
+    def new_process_group_impl(*args, **kwargs):
+        return NcclGuard(impl(*args, **kwargs))
+
+    collective._new_process_group_impl = new_process_group_impl
+
+
+def _patch_device_queries():
+    import paddle
+
+    count = int(os.environ.get("PADDLE_DCP_FAKE_GPU_COUNT", "8"))
+    cuda = paddle.device.cuda
+    paddle.is_compiled_with_cuda = paddle.device.is_compiled_with_cuda = lambda: True
+    cuda.device_count = lambda: count
+    paddle.get_device = paddle.device.get_device = lambda: f"gpu:{device_id()}"
+    cuda.memory_allocated = lambda device=None: ACCOUNT.current["gpu"]
+    cuda.max_memory_allocated = lambda device=None: ACCOUNT.peak["gpu"]
+    cuda.reset_max_memory_allocated = lambda device=None: ACCOUNT.reset_peak()
+    cuda.synchronize = lambda device=None: None
+
+
+def install() -> None:
+    """Patch paddle (imported here) so that this process runs as on a GPU; idempotent."""
+    if _STATE:
+        return
+    import paddle
+    import paddle.utils.dlpack as dlpack
+    from paddle.base import core
+
+    tensor = paddle.Tensor
+    _STATE.update(
+        place=tensor.__dict__["place"], data_ptr=tensor.data_ptr, _copy_to=tensor._copy_to, numpy=tensor.numpy,
+        from_dlpack=dlpack.from_dlpack,
+    )
+    tensor.place = property(_place_of)
+    tensor.data_ptr = _data_ptr
+    tensor._copy_to = _copy_to
+    tensor.numpy = _numpy
+    dlpack.from_dlpack = paddle.from_dlpack = _from_dlpack
+    for module in (paddle, core, paddle.base, paddle.framework):
+        module.CUDAPlace = FakeCUDAPlace
+        module.CUDAPinnedPlace = FakeCUDAPinnedPlace
+    for name in ("empty", "zeros", "ones", "full"):
+        setattr(paddle, name, _creation(getattr(paddle, name), "device", None))
+    for name in ("empty_like", "zeros_like", "ones_like", "full_like"):
+        setattr(paddle, name, _creation(getattr(paddle, name), "device", None, like=True))
+    paddle.to_tensor = _creation(paddle.to_tensor, "place", 2)
+    _patch_device_queries()
+    _patch_groups()
+
+
+def installed() -> bool:
+    return bool(_STATE)
