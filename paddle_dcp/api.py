@@ -196,8 +196,9 @@ def load_state_dict(
         process_group: the group of ranks that load; default: all ranks.
         coordinator_rank: global rank that coordinates.
         unique_id: which checkpoint; default: the highest complete one in ``path``.
-        offload: put every loaded tensor in CPU memory (on a GPU, the state dict's tensors are
-            replaced by CPU ones; on the CPU nothing changes).
+        offload: keep the checkpoint's data in host memory until it is copied into the state
+            dict's tensors, in place, with no pinned memory (paddle's meaning; the tensors stay
+            where they are; on the CPU nothing changes).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back,
             as paddle.distributed does.
         aoa_config: paddle's AOA statements (``{"aoa_statements": [...]}``) saying how the
@@ -216,7 +217,7 @@ def load_state_dict(
         comm_method: paddle's names of its reshard transfers, all accepted: ``"send_recv"``,
             ``"grouped_send_recv"``, ``"broadcast"``, ``"multi_group_broadcast"``,
             ``"parallel_broadcast"``. paddle_dcp moves checkpoint bytes between ranks only when
-            a rank cannot read a file, and then point to point over a group of the two ranks,
+            a rank cannot read a file, and then point to point over a connection of the two ranks,
             each receiving only its byte ranges, whichever value is given: a broadcast would
             send the same bytes to ranks that read them from storage themselves. Any other
             value raises ArgumentError (a ValueError) naming these.

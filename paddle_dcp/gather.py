@@ -23,7 +23,7 @@ The four steps run as a protocol (:func:`save_steps`, on :mod:`paddle_dcp.dist.p
 machinery): steps 1 and 2 are collectives of the group, each local step ending with an
 agreement; steps 3 and 4 are one pairwise step. The plan is
 :mod:`paddle_dcp.dist.gather_plan`'s. The transfer and the final reports travel point to point
-(``comm.send`` / ``comm.recv_into``, over a process group of the two ranks, framed by
+(``comm.send`` / ``comm.recv_into``, over a connection of the two ranks (:mod:`~paddle_dcp.dist.p2p`), framed by
 :mod:`paddle_dcp.dist.wire`), never the job's group: gloo's collectives on the job's group give
 up after 30 s, and ranks whose pieces are sent early may wait far longer while the gathering
 rank writes. Only once every rank knows the outcome does the pairwise step's agreement run.
@@ -301,7 +301,7 @@ class _HostPieces:
 
     def __init__(self, held: dict):
         self.held = held
-        self._key, self._array = None, None
+        self._key, self._bytes = None, None
 
     def region(self, key: str, box: Box) -> np.ndarray:
         """The elements of ``box`` (global coordinates) of this rank's piece of ``key``."""
@@ -309,10 +309,10 @@ class _HostPieces:
 
         h = self.held[key]
         if key != self._key:
-            self._key, self._array = None, None  # the previous copy goes first
-            self._array = host_bytes(h.local).array
+            self._key, self._bytes = None, None  # the previous copy goes first
+            self._bytes = host_bytes(h.local)  # kept whole: it owns the host copy its array views
             self._key = key
-        return _sub(self._array, box.relative_to(h.piece.box))
+        return _sub(self._bytes.array, box.relative_to(h.piece.box))
 
 
 def _sub(array: np.ndarray, box: Box) -> np.ndarray:

@@ -61,7 +61,7 @@ def load_file(
     Args:
         state_dict: nested dicts / lists / tuples of tensors and plain values.
         path: the file.
-        offload: put every loaded tensor in CPU memory (see :func:`paddle_dcp.load_state_dict`).
+        offload: stage without pinned memory (see :func:`paddle_dcp.load_state_dict`).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back.
         strict: a state-dict key the file lacks raises MismatchError; ``False`` warns.
         storage_options: for a URL ``path``, as in :func:`paddle_dcp.save_state_dict`.
@@ -83,7 +83,7 @@ def load_file(
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
     keys = _reconcile(flat, header, path, mw_name_compatibility, strict)
     work = _checked(held, header, keys.match)  # every check before any byte moves
-    nbytes = _read(store, name, header, work, flat, state_dict, offload)
+    nbytes = _read(store, name, header, work, flat, offload)
     for value_path, node in keys.plain:
         nested.assign_subtree(state_dict, value_path, node)
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
@@ -119,19 +119,21 @@ def _checked(held, header: Header, match) -> list[tuple[object, Entry]]:
 
 
 def _read(
-    store: storage.Storage, name: str, header: Header, work, flat: nested.Flat, state_dict: dict, offload: bool
+    store: storage.Storage, name: str, header: Header, work, flat: nested.Flat, offload: bool
 ) -> int:
     """Read every box of ``work`` from file ``name`` of ``store`` into its target's buffer (the load's own buffers: see
     dist.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's
     metadata, the read ops that fill a box (bounded reads) and the storage's data files. One
     tensor at a time, its buffer finished before the next is read (on a GPU, one host buffer
     at a time); returns the bytes read."""
+    from .dist.device import PinnedStage
     from .dist.loadwork import target_buffer
     from .dist.placements import partial_fill
 
     meta = hf_dir.files_metadata([(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work})
     files = store.open_files(meta)
     staging = storage.Staging()
+    stage = PinnedStage()
     nbytes = 0
     try:
         for h, entry in work:
@@ -146,12 +148,11 @@ def _read(
                 nbytes += view.nbytes
             else:
                 buffer.fill(fill)
-            buffer.finish()
-            if buffer.replacement is not None:
-                nested.set_tensor(state_dict, flat.paths[h.piece.key], buffer.replacement)
+            buffer.finish(stage)
         files.check_unchanged()
     finally:
         files.close()
+        stage.close()
     return nbytes
 
 

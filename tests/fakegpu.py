@@ -180,13 +180,19 @@ def _data_ptr(self):
     return _STATE["data_ptr"](self)
 
 
-def _copy_to(self, place, blocking=True):
-    import paddle
+def _copy_to_of(original):
+    """``_copy_to`` of a tensor class (parameters have their own): the copy is made in host
+    memory and marked with the place asked for."""
 
-    dst = kind_of_place(place)
-    out = _STATE["_copy_to"](self, paddle.CPUPlace(), blocking)
-    ACCOUNT.copy(kind_of(self), dst, _nbytes(out))
-    return mark(out, dst)
+    def _copy_to(self, place, blocking=True):
+        import paddle
+
+        dst = kind_of_place(place)
+        out = original(self, paddle.CPUPlace(), blocking)
+        ACCOUNT.copy(kind_of(self), dst, _nbytes(out))
+        return mark(out, dst)
+
+    return _copy_to
 
 
 def _numpy(self, *args, **kwargs):
@@ -225,29 +231,51 @@ def _creation(fn, place_arg: str, position: int | None, like: bool = False):
     return create
 
 
+# Tensor methods whose result lives where their input does (views, or copies on the same
+# place): paddle's operators on a host tensor give host tensors on a GPU build too.
+_SAME_PLACE = ("__getitem__", "reshape", "view", "flatten", "detach", "clone", "contiguous", "astype", "cast",
+               "squeeze", "unsqueeze", "transpose")
+
+
+def _same_place(method):
+    def call(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        kind = kind_of(self)
+        if kind != "gpu" and hasattr(out, "__dict__") and out is not self:
+            mark(out, "cpu" if kind == "pinned" and method.__name__ not in ("__getitem__", "reshape", "view") else kind,
+                 count=False)
+        return out
+
+    call.__name__ = getattr(method, "__name__", "method")
+    return call
+
+
 def _from_dlpack(dlpack):
     return mark(_STATE["from_dlpack"](dlpack), "cpu", count=False)
 
 
 class NcclGuard:
-    """A process group standing for an NCCL group: device tensors only, one thread only."""
+    """A process group standing for an NCCL group: device tensors only, and only from the
+    main thread (NCCL collectives stay on the caller's thread: a second thread issuing them
+    beside the training loop's can deadlock). ``CALLS`` counts the collectives run on such
+    groups, by name."""
 
-    _CHECKED_NAMES = ("rank", "size", "name")
+    CALLS: dict = {}
+    _QUERIES = ("rank", "size", "name")
 
     def __init__(self, pg):
         self._pg = pg
-        self._thread = threading.get_ident()
 
     def __getattr__(self, name):
         attr = getattr(self._pg, name)
-        if name in self._CHECKED_NAMES or not callable(attr):
+        if name in self._QUERIES or not callable(attr):
             return attr
 
         def call(*args, **kwargs):
-            if threading.get_ident() != self._thread:
+            if threading.current_thread() is not threading.main_thread():
                 raise RuntimeError(
-                    f"fake GPU: NCCL collective {name} called from thread {threading.current_thread().name}, "
-                    "not the thread that uses the group (NCCL collectives stay on the caller's thread)"
+                    f"fake GPU: NCCL collective {name} called from thread {threading.current_thread().name}; "
+                    "NCCL collectives stay on the caller's (main) thread"
                 )
             for tensor in _tensors(list(args) + list(kwargs.values())):
                 if kind_of(tensor) != "gpu":
@@ -255,9 +283,20 @@ class NcclGuard:
                         f"fake GPU: NCCL collective {name} given a tensor in host memory ({tensor.place}); "
                         "NCCL takes device tensors only"
                     )
+            NcclGuard.CALLS[name] = NcclGuard.CALLS.get(name, 0) + 1
             return attr(*args, **kwargs)
 
         return call
+
+
+class FakeProcessGroupNCCL:
+    """``core.ProcessGroupNCCL``: a gloo group underneath, guarded as NCCL."""
+
+    @staticmethod
+    def create(store, rank, world_size, group_id, *options):
+        from paddle.base import core
+
+        return NcclGuard(core.ProcessGroupGloo.create(store, rank, world_size, group_id))
 
 
 def _tensors(values):
@@ -278,25 +317,29 @@ def guard_group(group):
 
 
 def _patch_groups():
+    """The job's group and every group new_group makes are NCCL groups (gloo underneath)."""
     import paddle.distributed as dist
+    from paddle.base import core
     from paddle.distributed import collective, parallel
 
+    core.ProcessGroupNCCL = FakeProcessGroupNCCL
     init = dist.init_parallel_env
 
     def init_parallel_env(*args, **kwargs):
         out = init(*args, **kwargs)
-        guard_group(collective._get_global_group())
+        _as_nccl_job()
         return out
 
     dist.init_parallel_env = parallel.init_parallel_env = init_parallel_env
     if collective._group_map:  # already initialized
-        guard_group(collective._get_global_group())
-    impl = collective._new_process_group_impl
+        _as_nccl_job()
 
-    def new_process_group_impl(*args, **kwargs):
-        return NcclGuard(impl(*args, **kwargs))
 
-    collective._new_process_group_impl = new_process_group_impl
+def _as_nccl_job():
+    from paddle.distributed import collective
+
+    guard_group(collective._get_global_group())
+    collective._default_backend = "nccl"
 
 
 def _patch_device_queries():
@@ -311,6 +354,12 @@ def _patch_device_queries():
     cuda.max_memory_allocated = lambda device=None: ACCOUNT.peak["gpu"]
     cuda.reset_max_memory_allocated = lambda device=None: ACCOUNT.reset_peak()
     cuda.synchronize = lambda device=None: None
+    core = paddle.base.core  # paddle's host-memory counter: pinned bytes, the part the fake knows of
+    core.host_memory_stat_peak_value = lambda stat, device: ACCOUNT.peak["pinned"]
+    core.host_memory_stat_current_value = lambda stat, device: ACCOUNT.current["pinned"]
+    core.host_memory_stat_reset_peak_value = lambda stat, device: ACCOUNT.reset_peak()
+    if not hasattr(paddle.base.core, "get_cuda_device_count"):  # paddle.seed seeds no CUDA generator
+        paddle.base.core.get_cuda_device_count = lambda: 0
 
 
 def install() -> None:
@@ -323,13 +372,19 @@ def install() -> None:
 
     tensor = paddle.Tensor
     _STATE.update(
-        place=tensor.__dict__["place"], data_ptr=tensor.data_ptr, _copy_to=tensor._copy_to, numpy=tensor.numpy,
+        place=tensor.__dict__["place"], data_ptr=tensor.data_ptr, numpy=tensor.numpy,
         from_dlpack=dlpack.from_dlpack,
     )
     tensor.place = property(_place_of)
     tensor.data_ptr = _data_ptr
-    tensor._copy_to = _copy_to
+    tensor._copy_to = _copy_to_of(tensor._copy_to)
+    param = paddle.base.framework.EagerParamBase
+    if "_copy_to" in param.__dict__:
+        param._copy_to = _copy_to_of(param._copy_to)
     tensor.numpy = _numpy
+    for name in _SAME_PLACE:
+        if hasattr(tensor, name):
+            setattr(tensor, name, _same_place(getattr(tensor, name)))
     dlpack.from_dlpack = paddle.from_dlpack = _from_dlpack
     for module in (paddle, core, paddle.base, paddle.framework):
         module.CUDAPlace = FakeCUDAPlace

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -22,6 +23,7 @@ import numpy as np
 import xxhash
 
 from . import requests as p
+from .p2p import Transport, host_address
 from .wire import pad as _pad, unpad as _unpad
 from ..errors import ArgumentError, CollectiveError, DcpError, collective_error, failure_line
 
@@ -137,6 +139,9 @@ class Comm:
         """Receive exactly ``len(out)`` bytes from ``peer`` into the uint8 array ``out``."""
         raise NotImplementedError
 
+    def end_pairwise(self) -> None:
+        """A pairwise step is over: release what its point-to-point messages used."""
+
     # -- agreement
     def agree(self, step: str, error: BaseException | None, values: Sequence[int] = ()) -> list[int]:
         """Return the maximum over the ranks of ``values`` when no rank failed; else raise
@@ -187,6 +192,8 @@ class Comm:
                 value, error = request.fn(self), None
             except Exception as exc:  # noqa: BLE001 - agreed on below
                 value, error = None, exc
+            finally:
+                self.end_pairwise()
             self.agree(request.step, error)
             return value
         step = type(request).__name__.lower()
@@ -323,15 +330,21 @@ class SimWorld:
 
 
 class PaddleComm(Comm):
-    """Collectives over a paddle.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """Collectives over a gloo process group of paddle_dcp's own, with the members of the
+    paddle process group it is given (the job's when None), on host memory.
 
-    def __init__(self, group=None, coordinator: int = 0):
+    Control traffic (ids, plans, metadata, agreements) never runs on an NCCL group: that takes
+    device tensors only, and its collectives must stay on the caller's thread (an async save's
+    run on the writer thread). In a gloo job the caller's thread uses the given group itself;
+    otherwise, and for an async save's writer thread always, a gloo group is made once per
+    process for those members and purpose (see :data:`GROUPS`); ``purpose`` keeps an async
+    save's group (``"background"``) apart from the caller's (``"control"``): gloo matches
+    messages by a counter per group, so two threads must never share one.
+    """
+
+    def __init__(self, group=None, coordinator: int = 0, purpose: str = "control"):
         import paddle.distributed as dist
 
-        from . import device
-
-        self._dist = dist
-        self._tensor = device.message_tensor
         self.group = group
         self.rank = dist.get_rank()
         if group is None:
@@ -343,96 +356,150 @@ class PaddleComm(Comm):
         if coordinator not in self.ranks:
             raise ArgumentError(f"coordinator_rank {coordinator} is not a member of the process group {self.ranks}")
         self.coordinator = coordinator
+        self.purpose = purpose
         self.traffic = Traffic()
+        given = _gloo_group(group) if purpose == "control" else None
+        self._pg = given if given is not None else GROUPS.get(self.rank, self.ranks, purpose)
+
+    def _index(self, rank: int) -> int:
+        return self.ranks.index(rank)
 
     def _all_max(self, values):
-        t = self._tensor(np.asarray(values, dtype=np.int64))
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
-        return [int(x) for x in t.numpy()]
+        from paddle.base import core
+
+        array = np.asarray(values, dtype=np.int64)
+        self._pg.all_reduce(host_tensor(array), core.ReduceOp.MAX, True).wait()
+        return [int(x) for x in array]
 
     def _gather(self, buf, root):
-        gather_list = [self._tensor(np.zeros_like(buf)) for _ in self.ranks] if self.rank == root else []
-        self._dist.gather(self._tensor(buf), gather_list, dst=root, group=self.group)
-        return [t.numpy() for t in gather_list] if self.rank == root else None
+        is_root = self.rank == root
+        outs = [np.zeros_like(buf) for _ in self.ranks] if is_root else [buf] * self.size
+        self._pg.gather(host_tensor(buf), [host_tensor(o) for o in outs], self._index(root), True).wait()
+        return outs if is_root else None
 
     def _scatter(self, bufs, width, root):
-        out = self._tensor(np.zeros(width + 8, np.uint8))
-        tensors = [self._tensor(b) for b in bufs] if self.rank == root else None
-        self._dist.scatter(out, tensors, src=root, group=self.group)
-        return out.numpy()
+        out = np.zeros(width + 8, np.uint8)
+        ins = bufs if self.rank == root else [out] * self.size
+        self._pg.scatter(host_tensor(out), [host_tensor(b) for b in ins], self._index(root), True).wait()
+        return out
 
     def _broadcast(self, buf, root):
-        t = self._tensor(buf)
-        self._dist.broadcast(t, src=root, group=self.group)
-        return t.numpy()
+        buf = np.array(buf, copy=True)
+        self._pg.broadcast(host_tensor(buf), self._index(root), True).wait()
+        return buf
 
     def _all_gather(self, buf):
-        out = []
-        self._dist.all_gather(out, self._tensor(buf), group=self.group)
-        return [t.numpy() for t in out]
-
-    def _pair(self, peer: int):
-        """(process group of this rank and ``peer`` alone, peer's index in it).
-
-        Point-to-point messages go through such pair groups, never through the shared group:
-        gloo matches messages by a counter of operations per group, so traffic between two
-        ranks must not advance the counter of a group that others use. Each pair group has a
-        store of its own (hosted by the lower rank, announced through the job's store), since
-        gloo groups created at the same time through one store can connect to wrong peers.
-        """
-        a, b = sorted((self.rank, peer))
-        return _group(self.rank, (a, b)), (1 if self.rank == a else 0)
+        outs = [np.empty_like(buf) for _ in self.ranks]
+        self._pg.all_gather([host_tensor(o) for o in outs], host_tensor(buf), True).wait()
+        return outs
 
     def private(self) -> "PaddleComm":
-        """A comm over the same ranks through a process group of their own (a background
-        save's collectives must not interleave with the caller's on a shared group)."""
+        """A comm over the same ranks through a gloo group of their own (a background
+        save's collectives must not interleave with the caller's)."""
         from paddle.distributed.communication.group import Group
 
-        members = tuple(sorted(self.ranks))
-        group = Group(members.index(self.rank), _GROUP_GID_BASE - 1, list(members), pg=_group(self.rank, members, "background"),
-                      name="paddle_dcp_background")
-        return PaddleComm(group, self.coordinator)
+        members = list(self.ranks)
+        group = Group(members.index(self.rank), _GROUP_GID_BASE - 1, members, name="paddle_dcp_background")
+        return PaddleComm(group, self.coordinator, purpose="background")
 
-    def reduce_among(self, members: Sequence[int], tensor, op: str) -> None:
-        """All-reduce ``tensor`` in place among the ranks ``members`` (this rank included),
-        with ``op`` one of sum, max, min, prod, over a group of those ranks alone."""
+    def reduce_among(self, members: Sequence[int], array: np.ndarray, op: str) -> None:
+        """All-reduce the host ``array`` in place among the ranks ``members`` (this rank
+        included), with ``op`` one of sum, max, min, prod, over a gloo group of those ranks."""
         from paddle.base import core
 
         members = tuple(sorted(members))
         if len(members) == 1:
             return
         ops = {"sum": core.ReduceOp.SUM, "max": core.ReduceOp.MAX, "min": core.ReduceOp.MIN, "prod": core.ReduceOp.PRODUCT}
-        _group(self.rank, members).all_reduce(tensor, ops[op], True).wait()
+        GROUPS.get(self.rank, members, "reduce").all_reduce(host_tensor(array), ops[op], True).wait()
 
     def send(self, peer, data):
-        from . import device
-
-        group, index = self._pair(peer)
-        group.send(device.wire_tensor(data), index, True).wait()
+        GROUPS.transport(self.rank).send(peer, self.purpose, data)
 
     def recv_into(self, peer, out):
-        from . import device
+        GROUPS.transport(self.rank).recv_into(peer, self.purpose, out)
 
-        group, index = self._pair(peer)
-        with device.wire_buffer(out) as t:
-            group.recv(t, index, True).wait()
-
-
-def _host() -> str:
-    endpoint = os.environ.get("PADDLE_CURRENT_ENDPOINT", "")
-    return endpoint.rsplit(":", 1)[0] if ":" in endpoint else "127.0.0.1"
+    def end_pairwise(self) -> None:
+        GROUPS.transport(self.rank).end_step(self.purpose)
 
 
-def _group(rank: int, members: tuple[int, ...], purpose: str = ""):
-    """A process group of ``members`` alone (sorted global ranks), made by those ranks only,
-    with a store of its own hosted by the lowest member and announced through the job's
-    store: gloo groups created at the same time through one store can connect to wrong
-    peers. Cached for the life of the process, one per (members, purpose): a background
-    save's group (purpose "background") is never the one the caller's thread uses."""
-    name = "-".join(map(str, members)) + (f"/{purpose}" if purpose else "")
-    group = _GROUPS.get(name)
-    if group is not None:
+def _gloo_group(group):
+    """The process group of ``group`` (the job's when None) when it is a gloo group, which
+    the caller's thread may use for control traffic as it is (a gloo job: no group to make);
+    None for an NCCL group (or any other backend)."""
+    from paddle.base import core
+    from paddle.distributed import collective
+
+    pg = (collective._get_global_group() if group is None else group).process_group
+    return pg if isinstance(pg, core.ProcessGroupGloo) else None
+
+
+def host_tensor(array: np.ndarray):
+    """A paddle tensor over ``array``'s own host memory (zero copy), for a gloo collective."""
+    import paddle
+
+    if not array.flags.writeable:  # numpy < 2 cannot export read-only memory through DLPack
+        array = array.copy()
+    return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(array))
+
+
+class Groups:
+    """The gloo process groups and the point-to-point endpoint paddle_dcp made in this process.
+
+    Groups, one per (members, purpose): per process group handed to paddle_dcp, one control
+    group and, once it saves asynchronously, one background group; and one per line of a
+    Partial mesh dim it reduces along. Each is made by its members only, with a store of its
+    own hosted by the lowest member and announced through the job's store (gloo groups created
+    at the same time through one store can connect to wrong peers). Bytes between two ranks
+    (node-local loads, save_gathered) travel over :mod:`~paddle_dcp.dist.p2p` connections, no
+    group per pair. :meth:`close` releases them all (made again when needed; paddle keeps each
+    group's communication context registered until the process exits).
+    """
+
+    def __init__(self):
+        self._groups: dict[str, object] = {}
+        self._made: dict[str, int] = {}  # name -> groups of that name made so far (store keys differ)
+        self._transport: Transport | None = None
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def names(self) -> list[str]:
+        return sorted(self._groups)
+
+    def get(self, rank: int, members: tuple[int, ...], purpose: str):
+        name = "-".join(map(str, members)) + f"/{purpose}"
+        with self._lock:  # held for the lookup only: making a group waits for other ranks
+            group = self._groups.get(name)
+            generation = self._made.get(name, 0)
+        if group is None:  # one thread per purpose: never two makers of one name
+            full = f"{name}/{generation}"
+            group = _make_group(rank, members, full, _group_id(full))
+            with self._lock:
+                self._groups[name] = group
+                self._made[name] = generation + 1
         return group
+
+    def transport(self, rank: int) -> Transport:
+        """The point-to-point endpoint of this process (made on first use)."""
+        with self._lock:
+            if self._transport is None:
+                from paddle.distributed import collective
+
+                self._transport = Transport(rank, collective._default_store)
+            return self._transport
+
+    def close(self) -> None:
+        """Release every group and point-to-point connection of this process."""
+        with self._lock:
+            self._groups.clear()
+            transport = self._transport
+        if transport is not None:
+            transport.close()
+
+
+def _make_group(rank: int, members: tuple[int, ...], name: str, gid: int):
     from paddle.base import core
     from paddle.distributed import collective
 
@@ -440,7 +507,7 @@ def _group(rank: int, members: tuple[int, ...], purpose: str = ""):
     key = "paddle_dcp/group/" + name
     timeout = int(os.environ.get("PADDLE_DCP_GROUP_TIMEOUT", "600"))
     if rank == members[0]:
-        host = _host()
+        host = host_address()
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -449,33 +516,20 @@ def _group(rank: int, members: tuple[int, ...], purpose: str = ""):
     else:
         host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
         store = core.TCPStore(host, int(port), False, len(members), timeout)
-    index = members.index(rank)
-    gid = _group_id(members, name, purpose)
-    if collective._default_backend == "nccl":
-        from paddle.distributed.parallel import _get_global_env
-
-        group = core.ProcessGroupNCCL.create(store, index, len(members), gid, _get_global_env().pg_timeout, 0, None)
-    else:
-        group = core.ProcessGroupGloo.create(store, index, len(members), gid)
-    _GROUPS[name] = group
-    return group
+    logger.debug("made gloo group %s", name)
+    return core.ProcessGroupGloo.create(store, members.index(rank), len(members), gid)
 
 
-_GROUPS: dict[str, object] = {}
+GROUPS = Groups()
 _GROUP_GID_BASE, _GROUP_GID_SPAN = 1 << 30, 1 << 29
 
 
-def _group_id(members: tuple[int, ...], name: str, purpose: str) -> int:
-    """paddle keeps one communication context per group id in a process: every group of ours
-    needs its own id, and its members must agree on it without talking: derive it from them.
-    A pair (a < b) gets an id of its own, b(b-1)/2 + a (a gathering rank talks to every other
-    rank); any other group a hash of its name, in a range of its own."""
-    if len(members) == 2 and not purpose:
-        a, b = members
-        pair = b * (b - 1) // 2 + a
-        if pair < _GROUP_GID_SPAN:
-            return _GROUP_GID_BASE + pair
-    return _GROUP_GID_BASE + _GROUP_GID_SPAN + xxhash.xxh3_64_intdigest(name.encode()) % (_GROUP_GID_SPAN - 1)
+def _group_id(name: str) -> int:
+    """paddle keeps one communication context per group id in a process, for the life of the
+    process (``close`` does not remove it): every group of ours needs its own id, and its
+    members must agree on it without talking: a hash of its name (members, purpose and
+    generation), in a range of ids paddle's own groups do not reach."""
+    return _GROUP_GID_BASE + xxhash.xxh3_64_intdigest(name.encode()) % _GROUP_GID_SPAN
 
 
 def make_comm(process_group=None, coordinator_rank: int = 0) -> Comm:

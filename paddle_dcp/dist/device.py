@@ -1,8 +1,12 @@
-"""Where bytes meet paddle's memory: host views of tensors, device copies, message tensors.
+"""Where bytes meet paddle's memory: host views of tensors, copies between host and device.
 
-The only module with device-specific lines. A CPU tensor is viewed in place (no copy); a
-tensor on a GPU is copied to host memory once, whole (pinned where paddle offers it), and a
-loaded piece is assembled in host memory and copied to the target's place once.
+The only module with device-specific lines, following paddle's GPU rules as its Python sources
+state them: host code views only host memory (``data_ptr()`` of a CPU or pinned tensor, never
+of a device tensor); pinned memory is made only in ``paddle.CUDAPinnedPlace()`` (paddle refuses
+``CPUPlace`` with ``pin_memory=True``); the caller's tensors are filled in place with paddle's
+copy calls (``copy_``, slice assignment), never replaced. A CPU tensor is viewed in place (no
+copy); a tensor on a GPU is copied to host memory once, whole, to pinned memory; a loaded piece
+is assembled in host memory and copied into its tensor through a bounded, reused pinned area.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import ctypes
 import functools
 import logging
 import math
+import os
 
 import numpy as np
 
@@ -87,6 +92,12 @@ def host_bytes(tensor) -> HostBytes:
     else:
         host = tensor.contiguous()
     return HostBytes(_view(host, name), host)
+
+
+def needs_host_copy(value) -> bool:
+    """True when writing ``value`` (a local tensor, staged bytes or an array) copies it to
+    host memory first (a tensor on a device)."""
+    return not isinstance(value, (np.ndarray, HostBytes)) and not is_host(value)
 
 
 def staged_copy(tensor):
@@ -214,9 +225,12 @@ def _split_sizes(tensors: list, align: int) -> tuple[int, list[tuple]]:
 
 
 def _pinned_empty(shape: tuple, dtype):
+    """Host memory for a device copy: pinned (paddle pins only into CUDAPinnedPlace) where the
+    build has a GPU, else pageable."""
     import paddle
 
-    return paddle.empty(list(shape), dtype=dtype, device=paddle.CPUPlace(), pin_memory=_has_pinned())
+    place = paddle.CUDAPinnedPlace() if _has_pinned() else paddle.CPUPlace()
+    return paddle.empty(list(shape), dtype=dtype, device=place)
 
 
 def _aligned(n: int, align: int) -> int:
@@ -224,95 +238,115 @@ def _aligned(n: int, align: int) -> int:
 
 
 def _on_device(tensor) -> bool:
-    return not isinstance(tensor, np.ndarray) and not is_host(tensor)
+    return needs_host_copy(tensor)
 
 
 class TargetBuffer:
     """The host array a load fills for one target tensor, and how it reaches the tensor.
 
-    On the CPU the array is the tensor's own memory. Elsewhere it is a host buffer whose
-    contents are copied to the tensor's place by :meth:`finish`; with ``offload`` the host
-    tensor itself becomes the loaded value (``replacement``, made a dist tensor again by
-    ``wrap`` when the target was one).
+    On the CPU the array is the tensor's own memory. Elsewhere (a tensor on a GPU, or a host
+    tensor that is not contiguous) it is pageable host memory, copied into the caller's tensor
+    in place by :meth:`finish`: through a bounded, reused pinned area (:class:`PinnedStage`),
+    or straight from pageable memory with ``offload`` (no pinned memory at all). The tensor
+    stays where it is: never replaced, never copied whole to the device a second time.
     """
 
-    def __init__(self, tensor, offload: bool = False, wrap=None):
+    def __init__(self, tensor, offload: bool = False):
         self.tensor = tensor
-        self.replacement = None
-        name = dtype_name(tensor)
-        if is_host(tensor) and tensor.is_contiguous():
-            self.host = tensor
+        self.offload = offload
+        self.name = dtype_name(tensor)
+        self.in_place = is_host(tensor) and tensor.is_contiguous()  # the array is the tensor's memory
+        if self.in_place:
+            self.array = _view(tensor, self.name)
         else:  # assembled in host memory, never in device memory
-            import paddle
-
-            pinned = _has_pinned() and not offload
-            self.host = paddle.empty(tensor.shape, dtype=tensor.dtype, device=paddle.CPUPlace(), pin_memory=pinned)
-            if offload:
-                self.replacement = wrap(self.host) if wrap is not None else self.host
-        self.array = _view(self.host, name)
+            self.array = np.empty(tuple(int(s) for s in tensor.shape), dtype=storage_dtype(self.name))
 
     def fill(self, value) -> None:
         """Set every element to ``value`` (in the tensor's dtype, bfloat16 included)."""
         import paddle
 
-        constant = paddle.full(self.host.shape, value, dtype=self.host.dtype)
-        self.array[...] = _view(constant, dtype_name(constant))
+        constant = paddle.full([1], value, dtype=self.tensor.dtype, device=paddle.CPUPlace())
+        self.array[...] = _view(constant, self.name)[0]
 
-    def finish(self) -> None:
-        """Copy the filled host buffer to the tensor's place, when it is not the tensor."""
-        if self.host is self.tensor or self.replacement is not None:
+    def finish(self, stage: "PinnedStage | None" = None) -> None:
+        """Copy the filled host array into the tensor, in place, when it is not the tensor."""
+        if self.array.size == 0 or self.in_place:
             return
-        self.tensor.copy_(self.host.to(self.tensor.place), False)
+        if stage is None or self.offload or not _has_pinned():
+            _copy_rows(self.tensor, _host_tensor(self.array, self.tensor.dtype))
+        else:
+            stage.copy_into(self.tensor, self.array)
+
+
+class PinnedStage:
+    """A bounded pinned host area a load copies its pieces through to the device, reused
+    from one piece to the next and freed by :meth:`close` (or when collected).
+
+    A piece larger than the area goes in runs of whole rows of its first dimension (one row
+    at least), so no copy on the device is larger than the area. The size is
+    ``PADDLE_DCP_PINNED_STAGING_MB`` (default 64 MiB)."""
+
+    DEFAULT_MB = 64
+
+    def __init__(self, nbytes: int | None = None):
+        if nbytes is None:
+            nbytes = int(float(os.environ.get("PADDLE_DCP_PINNED_STAGING_MB", self.DEFAULT_MB)) * (1 << 20))
+        self.nbytes = max(1, int(nbytes))
+        self.areas: dict = {}  # dtype -> a pinned 1-D tensor of self.nbytes bytes
+
+    def _area(self, dtype, count: int):
+        area = self.areas.get(dtype)
+        if area is None or int(area.shape[0]) < count:
+            self.areas.pop(dtype, None)
+            itemsize = storage_dtype(str(dtype).replace("paddle.", "")).itemsize
+            area = _pinned_empty((max(count, self.nbytes // itemsize),), dtype)
+            self.areas[dtype] = area
+        return area
+
+    def copy_into(self, tensor, array: np.ndarray) -> None:
+        """Copy the host ``array`` (storage dtype, ``tensor``'s shape) into ``tensor``."""
+        rows = array.reshape(array.shape[0] if array.ndim else 1, -1)
+        step = max(1, self.nbytes // max(1, rows[0].nbytes))
+        name = dtype_name(tensor)
+        for start in range(0, rows.shape[0], step):
+            part = rows[start : start + step]
+            chunk = self._area(tensor.dtype, part.size)[: part.size]
+            _view(chunk, name)[...] = part.reshape(-1)
+            shape = list(tensor.shape) if len(part) == len(rows) else [len(part)] + list(tensor.shape[1:])
+            _copy_rows(tensor, chunk.reshape(shape), start)
+
+    def close(self) -> None:
+        self.areas = {}
+
+    def __enter__(self) -> "PinnedStage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _host_tensor(array: np.ndarray, dtype):
+    """A pageable host paddle tensor of ``dtype`` holding a copy of ``array`` (storage dtype)."""
+    import paddle
+
+    out = paddle.empty(list(array.shape), dtype=dtype, device=paddle.CPUPlace())
+    _view(out, dtype_name(out))[...] = array
+    return out
+
+
+def _copy_rows(tensor, source, start: int = 0) -> None:
+    """Copy the host tensor ``source`` into ``tensor`` in place, at rows ``start`` on of its
+    first dimension (the whole tensor when the shapes agree): paddle's own copy calls."""
+    import paddle
+
+    if list(source.shape) == list(tensor.shape):
+        tensor.copy_(source, True)
+        return
+    with paddle.no_grad():
+        tensor[start : start + int(source.shape[0])] = source
 
 
 def _has_pinned() -> bool:
     import paddle
 
     return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
-
-
-def _on_gpu() -> bool:
-    import paddle
-
-    return "gpu" in str(paddle.get_device())
-
-
-def wire_tensor(array: np.ndarray):
-    """A tensor to send ``array``'s bytes: the array's own memory on the CPU (zero copy),
-    a device copy for NCCL."""
-    import paddle
-
-    if _on_gpu():
-        return paddle.to_tensor(array)
-    if not array.flags.writeable:  # numpy < 2 cannot export read-only memory through DLPack
-        array = array.copy()
-    return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(array))
-
-
-class wire_buffer:
-    """A tensor to receive into ``out`` (uint8): ``out``'s own memory on the CPU; on a GPU a
-    device buffer copied into ``out`` when the context ends."""
-
-    def __init__(self, out: np.ndarray):
-        self.out = out
-
-    def __enter__(self):
-        import paddle
-
-        if _on_gpu():
-            self.tensor = paddle.empty([len(self.out)], dtype="uint8")
-        else:
-            self.tensor = paddle.utils.dlpack.from_dlpack(self.out)
-        return self.tensor
-
-    def __exit__(self, *exc):
-        if exc[0] is None and _on_gpu():
-            self.out[...] = self.tensor.numpy()
-        return False
-
-
-def message_tensor(array: np.ndarray):
-    """A paddle tensor for a collective: on the CPU for gloo, on the current GPU for NCCL."""
-    import paddle
-
-    return paddle.to_tensor(array)

@@ -1,7 +1,7 @@
 """Moving checkpoint bytes between ranks when a rank cannot read a file itself.
 
 On clusters whose disks are local to each node, a rank may lack the metadata file or some data
-files. Ranks then talk in pairs, over a process group of the two (see ``PaddleComm._pair``):
+files. Ranks then talk in pairs, over a connection of the two (see :mod:`paddle_dcp.dist.p2p`):
 
 * a rank without the metadata sends its targets to a helper that has it, and receives only
   the part of the metadata its targets need (:func:`ask_for_metadata`);

@@ -17,8 +17,8 @@ import xxhash
 
 from . import exchange, wire
 from .comm import Comm
-from .device import TargetBuffer
-from .placements import is_sharded_weight, partial_fill, rewrap
+from .device import PinnedStage, TargetBuffer
+from .placements import partial_fill
 from ..core import aoa, load_plan, nested
 from ..core.keys import reconcile, report
 from ..core.boxes import Box
@@ -141,21 +141,14 @@ class LocalLoadWork:
             self.files.close()
 
     def finish(self) -> None:
-        """Fill constants, copy host buffers to their devices, put offloaded tensors and the
-        checkpoint's plain values into the state dict."""
+        """Fill constants, copy host buffers into the caller's tensors (through one bounded
+        pinned area, reused), put the checkpoint's plain values into the state dict."""
         aoa.apply(self.staged, self.arrays)
-        for buffer, fill in zip(self.buffers, self.fills):
-            if fill is not None:
-                buffer.fill(fill)
-            buffer.finish()
-        for key, buffer in zip(self.flat.tensors, self.buffers):
-            if buffer.replacement is None:
-                continue
-            value = self.flat.tensors[key]
-            if is_sharded_weight(value):  # the ShardedWeight stays, holding the offloaded tensor
-                value.local_tensor = buffer.replacement
-            else:
-                nested.set_tensor(self.state_dict, self.flat.paths[key], buffer.replacement)
+        with PinnedStage() as stage:
+            for buffer, fill in zip(self.buffers, self.fills):
+                if fill is not None:
+                    buffer.fill(fill)
+                buffer.finish(stage)
         for path, node in self.plain:
             nested.assign_subtree(self.state_dict, path, node)
 
@@ -243,16 +236,15 @@ def target_buffer(held, value: Any, offload: bool) -> "NumpyTarget | TargetBuffe
     a paddle tensor's host buffer (:class:`~paddle_dcp.dist.device.TargetBuffer`)."""
     if isinstance(held.local, np.ndarray):
         return NumpyTarget(held.local, held.piece.key)
-    return TargetBuffer(held.local, offload, rewrap(value))
+    return TargetBuffer(held.local, offload)
 
 
 class NoTarget:
     """The buffer of a tensor this rank loads nothing into."""
 
     array = None
-    replacement = None
 
-    def finish(self):
+    def finish(self, stage=None):
         pass
 
 
@@ -263,10 +255,9 @@ class NumpyTarget:
         if not array.flags.c_contiguous or not array.flags.writeable:
             raise MismatchError(f"{key}: numpy arrays loaded in place must be C-contiguous and writable")
         self.array = array
-        self.replacement = None
 
     def fill(self, value) -> None:
         self.array[...] = value
 
-    def finish(self) -> None:
+    def finish(self, stage=None) -> None:
         pass

@@ -214,7 +214,8 @@ def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
     if int(np.prod(local.shape)) == 0:
         return local
     wide = {"float16": "float32", "bfloat16": "float32", "bool": "int32"}.get(dtype)
-    work = local.astype(wide) if wide else local.clone()
+    # reduced in host memory over gloo (never on the job's NCCL group): one copy off the device
+    work = (local.astype(wide) if wide else local).numpy()
     for mesh_dim, kind in partial:
         line = list(coord)
         line[mesh_dim] = slice(None)
@@ -224,8 +225,9 @@ def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
             raise PlanError(f"{key}: Partial reduce type {kind!r} is not supported")
         comm.reduce_among(members, work, op)
         if kind == "avg":
-            work = work / len(members) if work.dtype in (paddle.float32, paddle.float64) else work // len(members)
-    return work.astype(local.dtype) if wide else work
+            work = work / len(members) if work.dtype.kind == "f" else work // len(members)
+    host = paddle.to_tensor(work, place=paddle.CPUPlace())
+    return host.astype(local.dtype) if wide else host
 
 
 def partial_fill(held: Held) -> int | None:
@@ -246,14 +248,3 @@ def has_partial(value: Any) -> bool:
     import paddle.distributed as dist
 
     return dist.get_rank() in value.process_mesh.process_ids and any(p.is_partial() for p in value.placements)
-
-
-def rewrap(value: Any):
-    """A function turning a local tensor into a dist tensor laid out as ``value`` (for offload,
-    whose loaded local values live in host memory); None for plain tensors."""
-    if isinstance(value, np.ndarray) or is_sharded_weight(value) or not value.is_dist():
-        return None
-    from paddle.distributed.auto_parallel.api import dtensor_from_local
-
-    mesh, placements = value.process_mesh, value.placements
-    return lambda local: dtensor_from_local(local, mesh, placements)

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import exchange, protocol, wire
 from .comm import Comm
-from .device import StagingArena, host_bytes, staged_copy
+from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, plan_load, visible_files
 from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
@@ -171,17 +171,21 @@ def write_pieces(
     if not len(chosen):
         return 0, []
     sums: list[int] = []
+    # a piece on a device is copied to host memory whole: one copy alive at a time (its write
+    # ends before the next copy), where host pieces overlap their writes with the next checksums
+    depth = 0 if any(needs_host_copy(held[rows[row][0]].local) for row in chosen.tolist()) else 2
     if safetensors:
         pieces = [rows[row][1] for row in chosen.tolist()]
         header = hf_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
-        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, header=header, alignment=1)
+        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, depth=depth, header=header, alignment=1)
     else:
-        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES)
+        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, depth=depth)
     last, data = None, None
     try:
         for row in chosen.tolist():
             i, piece, at = rows[row]
             if i != last:  # the pieces of a flattened ShardedWeight share one host copy
+                data = None  # the previous copy goes first
                 last, data = i, host_bytes(held[i].local)
             array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
             seed = storage.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)

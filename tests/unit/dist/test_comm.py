@@ -30,8 +30,8 @@ def test_a_read_only_message_can_be_sent():
     DLPack: the wire tensor must still carry their bytes (node-local loads hung without it)."""
     import numpy as np
 
-    from paddle_dcp.dist import device
+    from paddle_dcp.dist.comm import host_tensor
 
     message = np.frombuffer(b"paddle_dcp", dtype=np.uint8)
     assert not message.flags.writeable
-    assert device.wire_tensor(message).numpy().tobytes() == b"paddle_dcp"
+    assert host_tensor(message).numpy().tobytes() == b"paddle_dcp"

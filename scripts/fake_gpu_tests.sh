@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The multi-process suite on the fake GPU (called by `scripts/test.sh --fake-gpu`, inside its
+# virtualenv): every launched worker installs tests/fakegpu.py at start-up and records the
+# coverage of paddle_dcp/dist/device.py, reported at the end. Fails when a test fails or a line
+# of the device module did not run (except lines marked `# pragma: real GPU`).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cov="$(mktemp -d)"
+trap 'rm -rf "$cov"' EXIT
+cat > "$cov/rc" <<RC
+[run]
+parallel = True
+data_file = $cov/data
+source = $(pwd)/paddle_dcp/dist
+include = */paddle_dcp/dist/device.py
+[report]
+exclude_lines =
+    pragma: real GPU
+show_missing = True
+RC
+export PADDLE_DCP_FAKE_GPU=1 COVERAGE_PROCESS_START="$cov/rc"
+python -m pytest -q -p no:cacheprovider --durations=10 "$@" tests/dist
+status=$?
+python -m coverage combine --rcfile="$cov/rc" -q "$cov" >/dev/null 2>&1
+echo "line coverage of the device module under the fake GPU:"
+python -m coverage report --rcfile="$cov/rc" --fail-under=100
+covered=$?
+[ "$status" -ne 0 ] && exit "$status"
+exit "$covered"
