@@ -17,7 +17,7 @@ from . import async_save as background_saves
 from .async_save import AsyncSave, wait_async_save
 from .core import aoa
 from .dist import protocol
-from .dist.comm import make_comm
+from .dist.comm import GROUPS, make_comm
 from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
@@ -282,3 +282,12 @@ def read_metadata(path: str, unique_id: int | None = None, *, storage_options: d
             raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
         unique_id = listing.latest
     return store.read_metadata(unique_id)
+
+
+def close() -> None:
+    """Release what paddle_dcp keeps in this process between calls: wait for its async saves
+    (raising the first error), free their staging memory (pinned on a GPU), and release the
+    gloo groups and point-to-point connections it made. The next call makes what it needs
+    again. Every rank of a group calls it (a group made again is made by all its members)."""
+    background_saves.release_staging()
+    GROUPS.close()

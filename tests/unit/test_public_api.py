@@ -12,6 +12,7 @@ EXPECTED = {
     "load_state_dict",
     "read_metadata",
     "wait_async_save",
+    "close",
     "AsyncSave",
     "CheckpointManager",
     "save_gathered",

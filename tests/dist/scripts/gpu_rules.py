@@ -18,7 +18,6 @@ import fakegpu
 import paddle
 import paddle.distributed as dist
 import paddle_dcp
-from paddle_dcp.dist.comm import GROUPS
 from fakegpu import ACCOUNT, NcclGuard
 
 ROOT = c.init()
@@ -127,14 +126,16 @@ def groups_of_an_nccl_job():
     communicator, no import of paddle internals that moved): one control group, one background
     group, one per Partial line, whatever the number of pairs that exchanged bytes (they talk
     over connections closed after each step). Released by close, made again when needed."""
+    from paddle_dcp.dist.comm import GROUPS
+
     lv = leaves((("S", 0),), (("S", 1),))
     paddle_dcp.save_gathered(c.build(lv, 0), os.path.join(ROOT, "gathered.safetensors"))  # rank 0 <- every rank
     everyone = "-".join(str(r) for r in range(dist.get_world_size()))
     assert set(GROUPS.names()) <= {f"{everyone}/{p}" for p in ("control", "background", "reduce")}, GROUPS.names()
     assert f"{everyone}/control" in GROUPS.names()
     assert GROUPS.transport(R).open_connections() == 0
-    GROUPS.close()
-    assert len(GROUPS) == 0
+    paddle_dcp.close()
+    assert len(GROUPS) == 0 and GROUPS.transport(R).open_connections() == 0
     paddle_dcp.save_state_dict(c.build(lv, 1), os.path.join(ROOT, "after_close"))  # made again, new store keys
     target = c.build(lv, 1, target=True)
     paddle_dcp.load_state_dict(target, os.path.join(ROOT, "after_close"))
