@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The multi-process suite on the fake GPU (called by `scripts/test.sh --fake-gpu`, inside its
-# virtualenv): every launched worker installs tests/fakegpu.py at start-up and records the
-# coverage of paddle_dcp/dist/device.py, reported at the end. Fails when a test fails or a line
+# virtualenv): the device module's unit tests on the fake in a process of their own
+# (tests/fakegpu_unit), then tests/dist with every launched worker installing tests/fakegpu.py
+# at start-up; the coverage of paddle_dcp/dist/device.py over both is reported at the end. Fails when a test fails or a line
 # of the device module did not run (except lines marked `# pragma: real GPU`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,6 @@ cat > "$cov/rc" <<RC
 [run]
 parallel = True
 data_file = $cov/data
-source = $(pwd)/paddle_dcp/dist
 include = */paddle_dcp/dist/device.py
 [report]
 exclude_lines =
@@ -19,8 +19,12 @@ exclude_lines =
 show_missing = True
 RC
 export PADDLE_DCP_FAKE_GPU=1 COVERAGE_PROCESS_START="$cov/rc"
+# the device module's own paths, in a process of their own (the fake patches paddle in-process)
+PADDLE_DCP_FAKE_GPU_INPROCESS=1 python -m coverage run --rcfile="$cov/rc" -m pytest -q -p no:cacheprovider tests/fakegpu_unit
+unit=$?
 python -m pytest -q -p no:cacheprovider --durations=10 "$@" tests/dist
 status=$?
+[ "$unit" -ne 0 ] && status=$unit
 python -m coverage combine --rcfile="$cov/rc" -q "$cov" >/dev/null 2>&1
 echo "line coverage of the device module under the fake GPU:"
 python -m coverage report --rcfile="$cov/rc" --fail-under=100

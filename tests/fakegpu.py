@@ -289,6 +289,14 @@ class NcclGuard:
         return call
 
 
+class FakeNCCLConfig:
+    """``core.NCCLConfig`` (fleet builds one per hybrid group): options a gloo group ignores."""
+
+    @staticmethod
+    def create(**options):
+        return None
+
+
 class FakeProcessGroupNCCL:
     """``core.ProcessGroupNCCL``: a gloo group underneath, guarded as NCCL."""
 
@@ -323,6 +331,10 @@ def _patch_groups():
     from paddle.distributed import collective, parallel
 
     core.ProcessGroupNCCL = FakeProcessGroupNCCL
+    if not hasattr(core, "NCCLConfig"):
+        core.NCCLConfig = FakeNCCLConfig
+    if not hasattr(core, "nccl_version"):  # NCCL 2.0: too old for paddle's avg reduce (gloo has none)
+        core.nccl_version = lambda: 2000
     init = dist.init_parallel_env
 
     def init_parallel_env(*args, **kwargs):
@@ -353,7 +365,7 @@ def _patch_device_queries():
     cuda.memory_allocated = lambda device=None: ACCOUNT.current["gpu"]
     cuda.max_memory_allocated = lambda device=None: ACCOUNT.peak["gpu"]
     cuda.reset_max_memory_allocated = lambda device=None: ACCOUNT.reset_peak()
-    cuda.synchronize = lambda device=None: None
+    cuda.synchronize = paddle.device.synchronize = lambda device=None: None
     core = paddle.base.core  # paddle's host-memory counter: pinned bytes, the part the fake knows of
     core.host_memory_stat_peak_value = lambda stat, device: ACCOUNT.peak["pinned"]
     core.host_memory_stat_current_value = lambda stat, device: ACCOUNT.current["pinned"]
@@ -386,6 +398,8 @@ def install() -> None:
         if hasattr(tensor, name):
             setattr(tensor, name, _same_place(getattr(tensor, name)))
     dlpack.from_dlpack = paddle.from_dlpack = _from_dlpack
+    equals = core.Place._equals  # a real (CPU) place compared with a fake one: never equal
+    core.Place._equals = lambda self, other: False if isinstance(other, FakePlace) else equals(self, other)
     for module in (paddle, core, paddle.base, paddle.framework):
         module.CUDAPlace = FakeCUDAPlace
         module.CUDAPinnedPlace = FakeCUDAPinnedPlace

@@ -55,7 +55,8 @@ def is_host(tensor) -> bool:
 
 
 def _view(tensor, dtype_name_: str) -> np.ndarray:
-    """A writable numpy view of a host tensor's own memory, in storage dtype."""
+    """A writable numpy view of a host tensor's own memory, in storage dtype, which keeps the
+    tensor alive (a host copy of a device tensor lives as long as any view of it)."""
     dtype = storage_dtype(dtype_name_)
     shape = tuple(int(s) for s in tensor.shape)
     count = math.prod(shape)
@@ -64,6 +65,7 @@ def _view(tensor, dtype_name_: str) -> np.ndarray:
     if not tensor.is_contiguous():
         raise ValueError("tensor is not contiguous")
     raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(tensor.data_ptr())
+    raw.owner = tensor  # the view keeps the tensor's memory alive, however it is sliced or passed on
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 

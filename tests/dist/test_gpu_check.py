@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import REPO, _kill, _tail
+from launcher import REPO, _env, _kill, _tail
 
 GPU_CHECK = REPO / "scripts" / "gpu_check.py"
 LINE = re.compile(r"^(PASS|FAIL) (\S+) gpus=(\d) time=\d+\.\d\ds peak_gpu=(\S+) peak_pinned=(\S+)(.*)$", re.M)
@@ -29,7 +29,7 @@ TWO = ["save_load", "async_in_a_row", "offload_into_model", "nodelocal", "manage
 def run_check(tmp_path: Path, args: list, env: dict | None = None, timeout: float = 100) -> tuple[int, str]:
     """``python scripts/gpu_check.py ARGS`` in its own session; (exit code, output). On a
     timeout its process group and the processes it started, and nothing else, are killed."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_DCP_GPU_CHECK_")}
+    e = {k: v for k, v in _env().items() if not k.startswith("PADDLE_DCP_GPU_CHECK_")}  # the fake GPU's too
     e.update({"PADDLE_DCP_GPU_CHECK_ALLOW_CPU": "1", "PYTHONUNBUFFERED": "1"})
     e.update(env or {})
     proc = subprocess.Popen([sys.executable, str(GPU_CHECK), *map(str, args)], cwd=str(tmp_path), env=e,

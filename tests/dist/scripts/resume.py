@@ -447,20 +447,27 @@ def warnings_name_keys():
 
 
 # ------------------------------------------------------------------------------ offload
-def on_cpu(t) -> bool:
-    if isinstance(t, np.ndarray):
-        return True
-    local = t._local_value() if t.is_dist() else t
-    return bool(local.place.is_cpu_place())
+def local_tensor(t):
+    return t if isinstance(t, np.ndarray) else (t._local_value() if t.is_dist() else t)
 
 
 def offload(leaves, name):
-    """offload=True: every loaded tensor is in CPU memory (a dist tensor's local value), dist
+    """offload=True, paddle's meaning: the state dict's own tensors are filled in place and stay
+    where they are (the same objects, on the same place: on the fake GPU, the device), dist
     tensors keep their mesh and placements, and the values are the oracle's."""
-    sd = load(leaves, name, offload=True)
+    sd = c.build(leaves, 0, {"tag": "", "epoch": 0}, target=True)
+    before = {}
     for leaf in leaves:
         t = c.get(sd, leaf.path)
-        assert on_cpu(t), (leaf.key, t.place)
+        before[leaf.key] = (t, None if isinstance(t, np.ndarray) else str(local_tensor(t).place))
+    paddle_dcp.load_state_dict(sd, ck(name), offload=True)
+    c.check_state(sd, leaves, 0, R)
+    for leaf in leaves:
+        t = c.get(sd, leaf.path)
+        tensor, place = before[leaf.key]
+        assert t is tensor, f"{leaf.key}: the state dict's tensor was replaced"
+        if not isinstance(t, np.ndarray):
+            assert str(local_tensor(t).place) == place, (leaf.key, local_tensor(t).place, place)
         if leaf.spec is not None:
             assert t.is_dist() and spec_of(t) == tuple(leaf.spec), (leaf.key, t.placements, leaf.spec)
             assert list(t.process_mesh.process_ids) == leaf.mesh.ids.reshape(-1).tolist(), leaf.key
