@@ -35,8 +35,8 @@ Peak memory, per case and rank (the largest rank is printed), since a reset at t
   versions); else ``paddle.base.core.host_memory_stat_peak_value("Allocated", 0)`` (reset with
   ``host_memory_stat_reset_peak_value``): paddle's allocator counts pinned host memory
   (``CUDAPinnedPlace``) and its ordinary CPU tensors there together, so on 3.3.1 the number is
-  an upper bound of the pinned memory (it includes, e.g., the CPU tensors ``offload=True``
-  loads into).
+  an upper bound of the pinned memory (it includes, e.g., the pageable host buffers a load
+  assembles its pieces in).
 
 Without a GPU, ``PADDLE_DCP_GPU_CHECK_ALLOW_CPU=1`` runs the same cases on the CPU (``gpus=N``
 then counts CPU processes, gloo instead of NCCL; peak memory is printed as ``n/a``): that is

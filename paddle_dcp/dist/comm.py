@@ -368,15 +368,19 @@ class PaddleComm(Comm):
         return [int(x) for x in array]
 
     def _gather(self, buf, root):
-        is_root = self.rank == root
-        outs = [np.zeros_like(buf) for _ in self.ranks] if is_root else [buf] * self.size
-        self._pg.gather(host_tensor(buf), [host_tensor(o) for o in outs], self._index(root), True).wait()
-        return outs if is_root else None
+        mine = host_tensor(buf)
+        if self.rank != root:  # the list is paddle's shape only: one tensor, never filled
+            self._pg.gather(mine, [mine] * self.size, self._index(root), True).wait()
+            return None
+        outs = [np.zeros_like(buf) for _ in self.ranks]
+        self._pg.gather(mine, [host_tensor(o) for o in outs], self._index(root), True).wait()
+        return outs
 
     def _scatter(self, bufs, width, root):
         out = np.zeros(width + 8, np.uint8)
-        ins = bufs if self.rank == root else [out] * self.size
-        self._pg.scatter(host_tensor(out), [host_tensor(b) for b in ins], self._index(root), True).wait()
+        mine = host_tensor(out)
+        ins = [host_tensor(b) for b in bufs] if self.rank == root else [mine] * self.size
+        self._pg.scatter(mine, ins, self._index(root), True).wait()
         return out
 
     def _broadcast(self, buf, root):

@@ -185,7 +185,7 @@ def write_pieces(
         for row in chosen.tolist():
             i, piece, at = rows[row]
             if i != last:  # the pieces of a flattened ShardedWeight share one host copy
-                data = None  # the previous copy goes first
+                data = array = None  # the previous copy (and every view of it) goes first
                 last, data = i, host_bytes(held[i].local)
             array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
             seed = storage.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)

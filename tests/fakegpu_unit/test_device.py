@@ -34,8 +34,8 @@ def test_an_empty_tensor_views_as_an_empty_array():
 
 
 def test_a_non_contiguous_host_tensor_is_refused_as_a_view_and_copied_for_writing():
-    t = host_tensor(np.arange(12, dtype=np.float32).reshape(3, 4)).T
-    assert not t.is_contiguous()
+    t = fakegpu.mark(host_tensor(np.arange(12, dtype=np.float32).reshape(3, 4)).T, "cpu", count=False)
+    assert not t.is_contiguous() and t.place.is_cpu_place()
     with pytest.raises(ValueError, match="not contiguous"):
         device._view(t, "float32")
     np.testing.assert_array_equal(device.host_bytes(t).array, np.arange(12, dtype=np.float32).reshape(3, 4).T)
@@ -50,6 +50,8 @@ def test_host_bytes_of_a_device_tensor_is_one_pinned_copy_that_outlives_its_hold
     np.testing.assert_array_equal(array, expected)
     del array
     assert ACCOUNT.current["pinned"] == 0
+    staged = device.host_bytes(np.arange(3))
+    assert device.host_bytes(staged) is staged  # staged bytes are written as they are
 
 
 def test_staged_copies_of_every_kind_hold_the_values_at_the_call():
@@ -68,6 +70,9 @@ def test_staged_copies_of_every_kind_hold_the_values_at_the_call():
 def test_the_staging_arena_reuses_its_pinned_buffers_and_copies_fresh_when_busy():
     arena = device.StagingArena()
     tensors = [gpu_tensor(np.full((3, 4), 1.5, np.float32)), host_tensor(np.arange(5.0))]
+    np.testing.assert_array_equal(arena.stage(tensors)[0].numpy(), np.full((3, 4), 1.5, np.float32))  # unreserved
+    arena.done()
+    arena.release()
     arena.reserve(tensors)
     assert arena.fits(tensors)
     ACCOUNT.reset()
@@ -139,9 +144,20 @@ def test_a_scalar_and_an_empty_device_target():
     assert list(empty.shape) == [0, 3]
 
 
+def test_a_host_target_is_its_own_buffer(monkeypatch):
+    target = host_tensor(np.zeros((2, 3), np.int32))
+    buffer = device.TargetBuffer(target)
+    assert buffer.in_place
+    buffer.array[...] = np.arange(6, dtype=np.int32).reshape(2, 3)
+    buffer.finish(device.PinnedStage())
+    np.testing.assert_array_equal(target.numpy(), np.arange(6, dtype=np.int32).reshape(2, 3))
+    monkeypatch.setattr(device, "host_only_build", lambda: True)  # the CPU wheel: no place asked
+    assert device.is_host(gpu_tensor(np.zeros(1)))
+
+
 def test_a_non_contiguous_host_target_is_copied_back_whole():
     base = host_tensor(np.zeros((3, 4), np.float32))
-    target = base.T
+    target = fakegpu.mark(base.T, "cpu", count=False)
     buffer = device.TargetBuffer(target)
     assert not buffer.in_place
     buffer.array[...] = np.arange(12, dtype=np.float32).reshape(4, 3)
