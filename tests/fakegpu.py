@@ -225,6 +225,8 @@ def _creation(fn, place_arg: str, position: int | None, like: bool = False):
         kind = "pinned" if pin else kind
         kwargs[place_arg] = paddle.CPUPlace()
         out = fn(*args, **kwargs)
+        if place_arg == "place" and kind == "gpu":  # to_tensor of host data: a copy to the device
+            ACCOUNT.copy("cpu", "gpu", _nbytes(out))
         return mark(out, kind)
 
     create.__wrapped__ = fn

@@ -60,6 +60,7 @@ class Transport:
         self._listener: socket.socket | None = None
         self._conns: dict[tuple[int, str], socket.socket] = {}
         self._waiting: dict[tuple[int, str], socket.socket] = {}  # accepted, not yet asked for
+        self._addresses: dict[int, tuple[str, int]] = {}
         self._lock = threading.Lock()
         self._accepting = threading.Lock()
 
@@ -86,8 +87,7 @@ class Transport:
             return conn
         listener = self._listen()  # announced before anything waits on a peer
         if self.rank < peer:
-            host, port = bytes(self._store.get(self._key(peer))).decode().rsplit(":", 1)
-            conn = socket.create_connection((host, int(port)), timeout=_timeout())
+            conn = socket.create_connection(self._address(peer), timeout=_timeout())
             conn.sendall(_HELLO.pack(self.rank, channel.encode()))
         else:
             conn = self._accept(listener, key)
@@ -96,6 +96,18 @@ class Transport:
         with self._lock:
             self._conns[key] = conn
         return conn
+
+    def _address(self, peer: int) -> tuple[str, int]:
+        """Where ``peer`` listens: asked of the job's store once (a get costs ~90 ms there),
+        then remembered (a listener lives as long as its process)."""
+        with self._lock:
+            address = self._addresses.get(peer)
+        if address is None:
+            host, port = bytes(self._store.get(self._key(peer))).decode().rsplit(":", 1)
+            address = (host, int(port))
+            with self._lock:
+                self._addresses[peer] = address
+        return address
 
     def _accept(self, listener: socket.socket, key: tuple[int, str]) -> socket.socket:
         """Accept connections until ``key``'s arrives (others wait for their own askers)."""
