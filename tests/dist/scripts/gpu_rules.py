@@ -126,10 +126,14 @@ def groups_of_an_nccl_job():
     communicator, no import of paddle internals that moved): one control group, one background
     group, one per Partial line, whatever the number of pairs that exchanged bytes (they talk
     over connections closed after each step). Released by close, made again when needed."""
+    lv = leaves((("S", 0),), (("S", 1),))
+    sd = c.build(lv, 0)
+    ACCOUNT.reset_peak()
+    base = ACCOUNT.current["gpu"]
+    paddle_dcp.save_gathered(sd, os.path.join(ROOT, "gathered.safetensors"))  # rank 0 <- every rank
+    assert ACCOUNT.peak["gpu"] == base, f"bytes between ranks took {ACCOUNT.peak['gpu'] - base} bytes of device memory"
     from paddle_dcp.dist.comm import GROUPS
 
-    lv = leaves((("S", 0),), (("S", 1),))
-    paddle_dcp.save_gathered(c.build(lv, 0), os.path.join(ROOT, "gathered.safetensors"))  # rank 0 <- every rank
     everyone = "-".join(str(r) for r in range(dist.get_world_size()))
     assert set(GROUPS.names()) <= {f"{everyone}/{p}" for p in ("control", "background", "reduce")}, GROUPS.names()
     assert f"{everyone}/control" in GROUPS.names()
