@@ -5,7 +5,8 @@ What :func:`patch_paddle` replaces, in every module loaded when it is called:
 - paddle's ``save_state_dict`` (defined in ``paddle.distributed.flex_checkpoint.dcp.save_state_dict``,
   re-exported as ``paddle.distributed.save_state_dict``) -> :func:`paddle_dcp.save_state_dict`;
 - paddle's ``load_state_dict`` (defined in ``paddle.distributed.flex_checkpoint.dcp.load_state_dict``,
-  re-exported as ``paddle.distributed.load_state_dict``) -> :func:`paddle_dcp.load_state_dict`;
+  re-exported as ``paddle.distributed.load_state_dict``) -> :func:`paddle_dcp.load_state_dict`
+  with paddle's contract for keys the checkpoint lacks (``patch_paddle(strict=True)``: ours);
 - ``paddle.load`` (defined in ``paddle.framework.io``) -> the same function, except that a
   paddle_dcp ``{id}.metadata`` file (JSON, where paddle's is a pickle) gives
   :func:`read_state_dict_metadata` instead of failing to unpickle.
@@ -41,7 +42,7 @@ _SAVE = ("paddle.distributed.flex_checkpoint.dcp.save_state_dict", "save_state_d
 _LOAD = ("paddle.distributed.flex_checkpoint.dcp.load_state_dict", "load_state_dict")
 _PADDLE_LOAD = ("paddle.framework.io", "load")
 _ORIGINALS: dict[tuple[str, str], Any] = {}  # paddle's own functions, found once
-_REPLACEMENTS: dict[tuple[str, str], Any] = {}
+_REPLACEMENTS: dict[tuple[tuple[str, str], bool], Any] = {}  # (route, strict) -> ours, made once
 
 
 # ============================================================ the metadata without pickle
@@ -156,7 +157,25 @@ def _paddle_load_routed(original):
     return load
 
 
-def _routes() -> dict[tuple[str, str], tuple[Any, Any]]:
+def _load_routed(strict: bool):
+    """paddle's ``load_state_dict`` as routed: :func:`paddle_dcp.load_state_dict` with paddle's
+    contract for keys the checkpoint lacks (a warning naming them, those targets unchanged)
+    unless the patch asked for ``strict``; a caller's own ``strict=`` wins."""
+    from . import api
+
+    def load_state_dict(state_dict, path, *args, **kwargs):
+        kwargs.setdefault("strict", strict)
+        return api.load_state_dict(state_dict, path, *args, **kwargs)
+
+    load_state_dict.__wrapped__ = api.load_state_dict
+    load_state_dict.__doc__ = (
+        f"paddle_dcp.load_state_dict routed from paddle's name, strict={strict} by default "
+        "(paddle_dcp.patch_paddle); see paddle_dcp.load_state_dict."
+    )
+    return load_state_dict
+
+
+def _routes(strict: bool = False) -> dict[tuple[str, str], tuple[Any, Any]]:
     """(defining module, name) -> (paddle's function, its replacement)."""
     import importlib
 
@@ -165,10 +184,11 @@ def _routes() -> dict[tuple[str, str], tuple[Any, Any]]:
     if not _ORIGINALS:
         for route in (_SAVE, _LOAD, _PADDLE_LOAD):
             _ORIGINALS[route] = getattr(importlib.import_module(route[0]), route[1])
-        _REPLACEMENTS[_SAVE] = api.save_state_dict
-        _REPLACEMENTS[_LOAD] = api.load_state_dict
-        _REPLACEMENTS[_PADDLE_LOAD] = _paddle_load_routed(_ORIGINALS[_PADDLE_LOAD])
-    return {route: (_ORIGINALS[route], _REPLACEMENTS[route]) for route in _ORIGINALS}
+    if (_LOAD, strict) not in _REPLACEMENTS:
+        _REPLACEMENTS[(_SAVE, strict)] = api.save_state_dict
+        _REPLACEMENTS[(_LOAD, strict)] = _load_routed(strict)
+        _REPLACEMENTS[(_PADDLE_LOAD, strict)] = _paddle_load_routed(_ORIGINALS[_PADDLE_LOAD])
+    return {route: (_ORIGINALS[route], _REPLACEMENTS[(route, strict)]) for route in _ORIGINALS}
 
 
 class PaddlePatch:
@@ -198,25 +218,33 @@ class PaddlePatch:
         self.undo()
 
 
-def patch_paddle() -> PaddlePatch:
+def patch_paddle(strict: bool = False) -> PaddlePatch:
     """Point paddle.distributed's and flex_checkpoint's save/load (and ``paddle.load`` of a
     paddle_dcp metadata file) at paddle_dcp, in every module loaded now.
 
     Replaced, wherever a loaded module binds them under their own names (see the module
     docstring for what is and is not reached):
     paddle's ``save_state_dict`` -> :func:`paddle_dcp.save_state_dict`, paddle's
-    ``load_state_dict`` -> :func:`paddle_dcp.load_state_dict`, and ``paddle.load`` -> itself
+    ``load_state_dict`` -> :func:`paddle_dcp.load_state_dict` keeping paddle's contract for
+    keys of the state dict that the checkpoint lacks (a warning naming them, those targets
+    unchanged: code written for paddle expects it; ``strict=True`` makes them a
+    ``MismatchError`` on every rank, paddle_dcp's own default), and ``paddle.load`` -> itself
     except for a paddle_dcp ``{id}.metadata`` file, which gives
     :func:`read_state_dict_metadata` (what PaddleFormers' Trainer reads from paddle's pickled
     metadata before it resumes). Modules imported later that take the names from paddle get
     paddle_dcp's. Call it before building objects that keep a reference (PaddleFormers'
     Trainer keeps ``dist.load_state_dict`` in ``_load_ckpt_func`` when it is built).
 
+    Args:
+        strict: what routed loads do with keys the checkpoint lacks: False (paddle's
+            contract: warn, leave unchanged) or True (raise, as direct calls of
+            :func:`paddle_dcp.load_state_dict` do). A routed call's own ``strict=`` wins.
+
     Returns:
         a :class:`PaddlePatch`: ``undo()`` restores paddle's functions; also a context
         manager (``with paddle_dcp.patch_paddle(): ...``) that restores them on exit.
     """
-    routes = _routes()
+    routes = _routes(bool(strict))
     changes = []
     for module in list(sys.modules.values()):
         names = getattr(module, "__dict__", None)

@@ -137,7 +137,7 @@ def _read(
     nbytes = 0
     try:
         for h, entry in work:
-            buffer = target_buffer(h, flat.tensors[h.piece.key], offload)
+            buffer = target_buffer(h, offload)
             fill = partial_fill(h)
             if fill is None:
                 target = load_plan.TargetPiece(entry.key, entry.dtype, entry.shape, h.piece.box)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -183,8 +182,7 @@ def plan_load(
             buffers.append(NoTarget())
             fills.append(None)
             continue
-        value = flat.tensors[h.piece.key]
-        buffer = target_buffer(h, value, offload)
+        buffer = target_buffer(h, offload)
         buffers.append(buffer)
         fill = partial_fill(h)
         fills.append(fill)
@@ -231,7 +229,7 @@ def key_targets(held, buffer) -> list[tuple[Box, np.ndarray]]:
     return [(box, buffer.array.reshape(box.shape))]
 
 
-def target_buffer(held, value: Any, offload: bool) -> "NumpyTarget | TargetBuffer":
+def target_buffer(held, offload: bool) -> "NumpyTarget | TargetBuffer":
     """Where this rank's part of one state-dict tensor is loaded: the numpy array itself, or
     a paddle tensor's host buffer (:class:`~paddle_dcp.dist.device.TargetBuffer`)."""
     if isinstance(held.local, np.ndarray):

@@ -24,6 +24,11 @@ PADDLE_LOAD = paddle_load_mod.load_state_dict
 PADDLE_PLAIN_LOAD = paddle.framework.io.load
 
 
+def routed_load(strict: bool = False):
+    """What a patch puts in place of paddle's load_state_dict (one function per strictness)."""
+    return patching._routes(strict)[patching._LOAD][1]
+
+
 def paddles_names():
     """Every name this test expects to be replaced, with paddle's function behind it."""
     return {
@@ -53,13 +58,13 @@ def test_every_name_is_routed_and_restored(user_module):
     with paddle_dcp.patch_paddle() as patch:
         assert dist.save_state_dict is paddle_dcp.save_state_dict
         assert paddle_save_mod.save_state_dict is paddle_dcp.save_state_dict
-        assert dist.load_state_dict is paddle_dcp.load_state_dict
-        assert paddle_load_mod.load_state_dict is paddle_dcp.load_state_dict
+        assert dist.load_state_dict is routed_load()
+        assert paddle_load_mod.load_state_dict is routed_load()
         assert paddle.load is paddle.framework.load is paddle.framework.io.load
         assert paddle.load is not PADDLE_PLAIN_LOAD and paddle.load.__wrapped__ is PADDLE_PLAIN_LOAD
         # imported by name before the patch: replaced too
         assert user_module.save_state_dict is paddle_dcp.save_state_dict
-        assert user_module.load_state_dict is paddle_dcp.load_state_dict
+        assert user_module.load_state_dict is routed_load()
         assert user_module.load is paddle.load
         assert user_module.unrelated is len
         assert user_module.builtin_load is PADDLE_LOAD
@@ -77,7 +82,7 @@ def test_a_module_imported_under_the_patch_gets_ours():
     try:
         from paddle.distributed import load_state_dict, save_state_dict
 
-        assert save_state_dict is paddle_dcp.save_state_dict and load_state_dict is paddle_dcp.load_state_dict
+        assert save_state_dict is paddle_dcp.save_state_dict and load_state_dict is routed_load()
     finally:
         patch.undo()
     assert dist.load_state_dict is PADDLE_LOAD
@@ -98,7 +103,7 @@ def test_undo_twice_nested_patches_and_names_set_since_are_left_alone(user_modul
         outer.undo()
         assert dist.load_state_dict is PADDLE_LOAD
         assert user_module.load_state_dict == "set by the user"
-        assert late.load_state_dict is paddle_dcp.load_state_dict  # its own patch still holds it
+        assert late.load_state_dict is routed_load()  # its own patch still holds it
         again.undo()
         assert late.load_state_dict is PADDLE_LOAD
     finally:
@@ -171,3 +176,36 @@ def test_paddleformers_picks_a_comm_method_we_take():
     picked = "parallel_broadcast" if "parallel_broadcast" in source else "broadcast"
     assert picked in api.COMM_METHODS
     assert api._worker_peers([None, None], picked) == frozenset()
+
+
+def test_routed_loads_keep_paddles_contract_for_missing_keys(tmp_path, caplog):
+    """Code written for paddle (its load_state_dict, reached through the patch) gets paddle's
+    contract: a key the checkpoint lacks is a warning naming it and that target is left as it
+    was; patch_paddle(strict=True) opts into our error, a call's own strict= wins, and a direct
+    call of paddle_dcp.load_state_dict stays strict."""
+    arrays = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    save_checkpoint(str(tmp_path), arrays, {"w": "float32"}, (1,), {"w": [None]})
+
+    def target():
+        return {"model": {"w": paddle.zeros([2, 3]), "extra": paddle.full([2], 5.0)}}
+
+    with paddle_dcp.patch_paddle():
+        assert dist.load_state_dict.__wrapped__ is paddle_dcp.load_state_dict
+        sd = target()
+        with caplog.at_level("WARNING"):
+            dist.load_state_dict(sd, str(tmp_path))
+        assert "model.extra" in caplog.text and "left unchanged" in caplog.text
+        np.testing.assert_array_equal(sd["model"]["w"].numpy(), arrays["w"])
+        np.testing.assert_array_equal(sd["model"]["extra"].numpy(), [5.0, 5.0])
+        with pytest.raises(paddle_dcp.MismatchError, match="model.extra"):
+            dist.load_state_dict(target(), str(tmp_path), strict=True)
+        with pytest.raises(paddle_dcp.MismatchError, match="model.extra"):
+            paddle_dcp.load_state_dict(target(), str(tmp_path))
+    with paddle_dcp.patch_paddle(strict=True) as patch:
+        assert "paddle.distributed.load_state_dict" in patch.replaced
+        with pytest.raises(paddle_dcp.MismatchError, match="model.extra"):
+            dist.load_state_dict(target(), str(tmp_path))
+        sd = target()
+        dist.load_state_dict(sd, str(tmp_path), strict=False)
+        np.testing.assert_array_equal(sd["model"]["w"].numpy(), arrays["w"])
+    assert dist.load_state_dict is PADDLE_LOAD
