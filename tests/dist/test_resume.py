@@ -11,8 +11,8 @@ FIRST2 = [
     "dtypes_save_s0", "dtypes_s0_into_replicate", "dtypes_s0_into_s1", "dtypes_s0_into_swapped_s1",
     "dtypes_s0_into_swapped_s0", "save_two", "train_save", "train_into_other_layout",
     "train_into_static_mw_spelling", "mw_save", "mw_dynamic_into_static", "mw_static_into_dynamic",
-    "mw_off_leaves_keys_and_warns", "warnings_name_keys", "offload_dist_s1", "offload_dtypes_s1",
-    "offload_plain",
+    "mw_off_leaves_keys_and_warns", "mw_off_through_paddles_call", "warnings_name_keys", "offload_dist_s1",
+    "offload_dtypes_s1", "offload_plain",
 ]
 THEN4 = [
     "two_into_2d", "two_into_1d_s1", "dtypes_s0_into_2d", "dtypes_save_2d", "dtypes_2d_into_1d_of_2_low",

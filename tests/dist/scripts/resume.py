@@ -421,6 +421,33 @@ def mw_off():
     assert not named(messages, "opt.m"), messages
 
 
+def mw_off_through_paddles_call():
+    """Code written for paddle, routed by patch_paddle(): paddle's contract. With
+    mw_name_compatibility=False the master weights' keys do not match, and a key a static
+    program adds (``learning_rate_0``) is not in the checkpoint: no error, a warning naming
+    each, those targets unchanged, the rest loaded. patch_paddle(strict=True): our error."""
+    leaves = mw_leaves("static", (S1,))
+    sd = c.build(leaves, 0, {"tag": "", "epoch": 0}, target=True)
+    sd["learning_rate_0"] = paddle.full([1], 0.25)
+    before = {leaf.key: c.snapshot(c.get(sd, leaf.path)) for leaf in leaves[:2]}
+    with paddle_dcp.patch_paddle():
+        with Records() as rec:
+            dist.load_state_dict(sd, ck("mw_dynamic"), mw_name_compatibility=False)
+    for leaf in leaves[:2]:
+        c.assert_unchanged(c.get(sd, leaf.path), before[leaf.key], leaf.key)
+    leaves[2].check(sd["opt"]["m"], 0, R)
+    assert sd["learning_rate_0"].numpy().tolist() == [0.25] and sd["tag"] == "mw_dynamic"
+    messages = rec.warnings()
+    for name in [f"opt.{p}_fp32_master_0" for p in MW_NAMES] + ["learning_rate_0"]:
+        assert named(messages, name), (name, messages)
+    with paddle_dcp.patch_paddle(strict=True):
+        try:
+            dist.load_state_dict(sd, ck("mw_dynamic"), mw_name_compatibility=False)
+            raise AssertionError("patch_paddle(strict=True) let missing keys pass")
+        except paddle_dcp.MismatchError as exc:
+            assert "learning_rate_0" in str(exc), str(exc)
+
+
 def warnings_name_keys():
     """With strict=False, a key of the state dict missing from the checkpoint (a tensor and a
     value) is left as it was and a warning names it; a checkpoint key absent from the state dict (a tensor and a
@@ -492,6 +519,7 @@ if SCENARIO == "first2":
         "mw_dynamic_into_static": case(mw_load, "static", "mw_dynamic"),
         "mw_static_into_dynamic": case(mw_load, "dynamic", "mw_static"),
         "mw_off_leaves_keys_and_warns": mw_off,
+        "mw_off_through_paddles_call": mw_off_through_paddles_call,
         "warnings_name_keys": warnings_name_keys,
         "offload_dist_s1": case(offload, layout(swapped, (S1,)), "two"),
         "offload_dtypes_s1": case(offload, dt_leaves(M2, (S1,)), "dt_s0"),
