@@ -16,6 +16,7 @@ import time
 from . import async_save as background_saves
 from .async_save import AsyncSave, wait_async_save
 from .core import aoa
+from .core.keys import MissingKeys
 from .dist import protocol
 from .dist.comm import GROUPS, make_comm
 from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
@@ -178,6 +179,7 @@ def load_state_dict(
     *,
     verify: bool = True,
     strict: bool = True,
+    allow_missing: str | list[str] | None = None,
     storage_options: dict | None = None,
 ) -> None:
     """Fill a (nested) state dict in place from a checkpoint, on any layout.
@@ -225,6 +227,9 @@ def load_state_dict(
             damaged bytes would be loaded silently.
         strict: a state-dict key the checkpoint lacks raises MismatchError (the default);
             ``False`` warns and leaves it unchanged, as paddle.distributed does.
+        allow_missing: regular expressions (one or a list), each searched in the flat key:
+            keys they match may be missing from the checkpoint (a warning, left unchanged)
+            while ``strict`` holds for every other key; e.g. ``"inv_freq$"``.
         storage_options: for a URL ``path``, as in :func:`save_state_dict`.
 
     Raises:
@@ -233,23 +238,24 @@ def load_state_dict(
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
     """
     near = _check_load_arguments(path, aoa_config, worker_groups, comm_method, storage_options)
+    missing = MissingKeys.of(strict, allow_missing)
     if is_file(path, storage_options):  # one safetensors file (save_gathered): each process reads its own part
-        return _load_one_file(state_dict, path, offload, mw_name_compatibility, strict, storage_options)
+        return _load_one_file(state_dict, path, offload, mw_name_compatibility, missing, storage_options)
     path, started = os.fspath(path), time.perf_counter()
     rank = LocalLoadRank(
         make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id,
         offload=offload, mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors,
-        near=near, verify=verify, strict=strict,
+        near=near, verify=verify, missing=missing,
     )
     uid, work = protocol.run(rank.comm, protocol.load(rank))
     _LAST_TRAFFIC["load"] = rank.comm.traffic
     _log_loaded(uid, rank.path, sum(op.nbytes for op in work.ops), started)
 
 
-def _load_one_file(state_dict, path, offload: bool, mw: bool, strict: bool, storage_options) -> None:
+def _load_one_file(state_dict, path, offload: bool, mw: bool, missing: MissingKeys, storage_options) -> None:
     from .singlefile import load_file
 
-    load_file(state_dict, path, offload=offload, mw_name_compatibility=mw, strict=strict, storage_options=storage_options)
+    load_file(state_dict, path, offload=offload, mw_name_compatibility=mw, missing=missing, storage_options=storage_options)
 
 
 def _log_loaded(uid: int, path: str, nbytes: int, started: float) -> None:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from .core import load_plan, nested
-from .core.keys import Reconciled, reconcile, report
+from .core.keys import MissingKeys, Reconciled, reconcile, report
 from .dist.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
 from .errors import MismatchError
 from .format import hf_dir
@@ -44,7 +44,7 @@ def load_file(
     path: str,
     offload: bool = False,
     mw_name_compatibility: bool = True,
-    strict: bool = True,
+    missing: MissingKeys = MissingKeys(),
     *,
     storage_options: dict | None = None,
 ) -> None:
@@ -63,7 +63,7 @@ def load_file(
         path: the file.
         offload: stage without pinned memory (see :func:`paddle_dcp.load_state_dict`).
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back.
-        strict: a state-dict key the file lacks raises MismatchError; ``False`` warns.
+        missing: what a state-dict key the file lacks is (see :class:`~paddle_dcp.core.keys.MissingKeys`).
         storage_options: for a URL ``path``, as in :func:`paddle_dcp.save_state_dict`.
 
     Raises:
@@ -81,7 +81,7 @@ def load_file(
     flat = nested.flatten(state_dict, is_tensor)
     rank = _rank(flat)
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
-    keys = _reconcile(flat, header, path, mw_name_compatibility, strict)
+    keys = _reconcile(flat, header, path, mw_name_compatibility, missing)
     work = _checked(held, header, keys.match)  # every check before any byte moves
     nbytes = _read(store, name, header, work, flat, offload)
     for value_path, node in keys.plain:
@@ -89,11 +89,13 @@ def load_file(
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
 
 
-def _reconcile(flat: nested.Flat, header: Header, path: str, mw: bool, strict: bool) -> Reconciled:
+def _reconcile(flat: nested.Flat, header: Header, path: str, mw: bool, missing: MissingKeys) -> Reconciled:
     """The state dict's keys against the file's: raise on (or warn of) missing ones."""
+    from .dist.placements import buffer_like
+
     structure = header.structure if header.structure is not None else {"d": []}
     keys = reconcile(list(flat.tensors), flat.skeleton, list(header.entries), structure, mw, "file")
-    report(keys.missing, keys.unexpected, path, strict, logger)
+    report(keys.missing, keys.unexpected, path, missing, logger, buffer_like(flat.tensors, keys.missing))
     return keys
 
 

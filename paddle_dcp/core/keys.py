@@ -4,12 +4,12 @@ plain subtrees restored whole, and the message of a strict load's missing keys.
 from __future__ import annotations
 
 import logging
-
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
 from . import nested
-from ..errors import MismatchError
+from ..errors import ArgumentError, MismatchError
 
 
 def mw_compatible_name(key: str) -> str | None:
@@ -122,26 +122,83 @@ def reconcile(
     return Reconciled(match, tuple(missing), tuple(match.unexpected) + tuple(unexpected), tuple(plain))
 
 
+@dataclass(frozen=True)
+class MissingKeys:
+    """What a load does with keys of the state dict that the checkpoint lacks.
+
+    Attributes:
+        strict: True: such a key is a MismatchError on every rank, unless ``allowed`` names
+            it; False: a warning, and the target is left as it was (paddle's contract).
+        allowed: regular expressions, each searched in the flat key: keys they match may be
+            missing (a warning) while ``strict`` holds for the rest.
+    """
+
+    strict: bool = True
+    allowed: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, strict: bool, allow_missing: "str | Sequence[str] | None") -> "MissingKeys":
+        """From ``load_state_dict``'s arguments: ``allow_missing`` is None, a regular
+        expression or a sequence of them (each checked here: a bad one is an ArgumentError)."""
+        if allow_missing is None:
+            patterns: tuple[str, ...] = ()
+        elif isinstance(allow_missing, str):
+            patterns = (allow_missing,)
+        elif isinstance(allow_missing, (list, tuple, set, frozenset)):
+            patterns = tuple(allow_missing)
+        else:
+            raise ArgumentError(f"allow_missing takes a regular expression or a list of them, got {allow_missing!r}")
+        for pattern in patterns:
+            if not isinstance(pattern, str):
+                raise ArgumentError(f"allow_missing takes regular expressions (str), got {type(pattern).__name__}")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ArgumentError(f"allow_missing: {pattern!r} is not a regular expression: {exc}") from exc
+        return cls(bool(strict), patterns)
+
+    def allows(self, key: str) -> bool:
+        return any(re.search(p, key) for p in self.allowed)
+
+
 def report(
-    missing: Sequence[str], unexpected: Sequence[str], where: str, strict: bool, log: logging.Logger
+    missing: Sequence[str], unexpected: Sequence[str], where: str, policy: MissingKeys, log: logging.Logger,
+    buffers: Sequence[str] = (),
 ) -> None:
-    """What a load says of keys on one side only: with ``strict`` a state-dict key the
-    checkpoint lacks is a MismatchError, else a warning; a checkpoint key the state dict lacks
-    is a warning (on ``log``, the calling module's logger)."""
-    if missing and strict:
-        raise MismatchError(missing_message(missing, where))
+    """What a load says of keys on one side only: a state-dict key the checkpoint lacks is a
+    MismatchError under a strict ``policy`` unless it allows the key, else a warning; a
+    checkpoint key the state dict lacks is a warning (on ``log``, the calling module's logger).
+    ``buffers``: keys of the state dict that look like buffers (the error says so)."""
+    refused = [k for k in missing if policy.strict and not policy.allows(k)]
+    if refused:
+        raise MismatchError(missing_message(refused, where, [k for k in refused if k in set(buffers)]))
     if missing:
         log.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(missing))
     if unexpected:
         log.warning("keys of %s not in the state_dict (not loaded): %s", where, list(unexpected))
 
 
-def missing_message(missing: Sequence[str], where: str) -> str:
+_ANY_PREFIX = r"(^|\.)"  # a key's last component, at the top level or under any prefix
+
+
+def missing_message(missing: Sequence[str], where: str, buffers: Sequence[str] = ()) -> str:
     """The error of a strict load whose state dict has keys the checkpoint lacks."""
     shown = ", ".join(missing[:20])
     more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-    return (
+    text = (
         f"{len(missing)} key(s) of the state_dict are not in {where}: {shown}{more}. A load "
-        f"leaves no tensor of a state dict unloaded silently; pass strict=False to leave these "
-        f"keys unchanged (with a warning), or check the checkpoint and the key names"
+        f"leaves no tensor of a state dict unloaded silently; pass allow_missing=[regular "
+        f"expressions] to let the keys they match be missing while the rest stays strict, "
+        f"strict=False to leave every missing key unchanged (with a warning), or check the "
+        f"checkpoint and the key names"
     )
+    if buffers:
+        patterns = [_ANY_PREFIX + re.escape(n) + "$" for n in sorted({k.rsplit(".", 1)[-1] for k in buffers})]
+        text += (
+            f". {len(buffers)} of them look like buffers, not parameters ({', '.join(buffers[:5])}): a "
+            f"buffer the model declared non-persistable is in the state dict of a model made "
+            f"parallel with paddle's dist.shard_layer (which registers every buffer as persistable) "
+            f"and not in one saved on one process; if that is so, allow them: allow_missing="
+            f"{patterns!r}"
+        )
+    return text

@@ -17,9 +17,9 @@ import xxhash
 from . import exchange, wire
 from .comm import Comm
 from .device import PinnedStage, TargetBuffer
-from .placements import partial_fill
+from .placements import buffer_like, partial_fill
 from ..core import aoa, load_plan, nested
-from ..core.keys import reconcile, report
+from ..core.keys import MissingKeys, reconcile, report
 from ..core.boxes import Box
 from ..core.metadata import Metadata
 from ..errors import DcpError, FormatError, MismatchError, PlanError, StorageError
@@ -162,7 +162,7 @@ def plan_load(
     offload: bool,
     mw: bool,
     verify: bool = True,
-    strict: bool = True,
+    missing: MissingKeys = MissingKeys(),
     visible: set[str] = frozenset(),
     remap=None,
 ) -> LocalLoadWork:
@@ -173,7 +173,7 @@ def plan_load(
     match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
     where = f"checkpoint {meta.unique_id} in {path}"
     # a part of the metadata lists only what this rank asked for: nothing there is unexpected
-    report(keys.missing, () if meta.subset else unexpected, where, strict, logger)
+    report(keys.missing, () if meta.subset else unexpected, where, missing, logger, buffer_like(flat.tensors, keys.missing))
     meta.prefetch(list(match.source.values()) + sorted(used))
     targets, slots, buffers, fills, views, remapped = [], [], [], [], [], []
     for h in held:

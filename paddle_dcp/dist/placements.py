@@ -248,3 +248,22 @@ def has_partial(value: Any) -> bool:
     import paddle.distributed as dist
 
     return dist.get_rank() in value.process_mesh.process_ids and any(p.is_partial() for p in value.placements)
+
+
+_OPTIMIZER_STATE = re.compile(r"moment|beta\d_pow|master|learning_rate|LR_Scheduler|velocity|accumulat", re.I)
+
+
+def buffer_like(tensors: dict, keys) -> list[str]:
+    """Those of ``keys`` whose value looks like a layer's buffer: a paddle tensor that is not a
+    parameter, in a state dict that holds parameters, not named like an optimizer's state."""
+    if not keys or all(isinstance(v, np.ndarray) for v in tensors.values()):  # no paddle needed
+        return []
+    from paddle.base.framework import EagerParamBase
+
+    if not any(isinstance(v, EagerParamBase) for v in tensors.values()):
+        return []
+    return [
+        k for k in keys
+        if not isinstance(tensors[k], (np.ndarray, EagerParamBase)) and not is_sharded_weight(tensors[k])
+        and not _OPTIMIZER_STATE.search(k)
+    ]

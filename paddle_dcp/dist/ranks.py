@@ -16,7 +16,7 @@ from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, plan_load, visible_files
 from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
-from ..core.keys import match_keys, reconcile
+from ..core.keys import MissingKeys, match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
 from ..errors import ArgumentError, UnsupportedError
 from ..format import hf_dir
@@ -214,12 +214,12 @@ class LocalLoadRank:
         safetensors: bool = False,
         near: frozenset = frozenset(),
         verify: bool = True,
-        strict: bool = True,
+        missing: MissingKeys = MissingKeys(),
     ):
         self.comm, self.state_dict, self.path, self.unique_id = comm, state_dict, path, unique_id
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
         self.offload, self.mw, self.aoa_config = offload, mw_name_compatibility, aoa_config
-        self.safetensors, self.near, self.verify, self.strict = safetensors, near, verify, strict
+        self.safetensors, self.near, self.verify, self.missing = safetensors, near, verify, missing
         self.store = store
         self.shares_targets = aoa_config is not None  # paddle's engine needs every rank's targets
         # one store every rank sees alike (object storage): the coordinator alone lists it, to
@@ -298,7 +298,7 @@ class LocalLoadRank:
             remap = Remap(self.aoa_config, aoa.source_shards(meta), self.every_target)
         checks = self.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
         work = plan_load(
-            self.comm, self.flat, self.held, meta, self.path, self.store, self.offload, self.mw, checks, self.strict,
+            self.comm, self.flat, self.held, meta, self.path, self.store, self.offload, self.mw, checks, self.missing,
             visible_files(listing, uid), remap,
         )
         work.split(self.comm, uid, listing, statuses, self.near)

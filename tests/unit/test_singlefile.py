@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp import singlefile
 from paddle_dcp.core import load_plan
+from paddle_dcp.core.keys import MissingKeys
 from paddle_dcp.format import hf_dir
 from paddle_dcp.io import open_storage, storage
 from paddle_dcp.core.boxes import Box
@@ -100,7 +101,7 @@ def test_keys_on_one_side_only_are_warned_about(tmp_path, caplog):
     path = write(tmp_path / "f", {"a": ("F32", np.ones(2, np.float32)), "extra": ("F32", np.ones(1, np.float32))})
     sd = {"a": np.zeros(2, np.float32), "missing": np.zeros(1, np.float32)}
     with caplog.at_level(logging.WARNING, logger="paddle_dcp.singlefile"):
-        singlefile.load_file(sd, str(path), strict=False)
+        singlefile.load_file(sd, str(path), missing=MissingKeys(strict=False))
     assert np.array_equal(sd["a"], np.ones(2)) and not sd["missing"].any()
     text = caplog.text
     assert "missing" in text and "extra" in text
@@ -114,7 +115,7 @@ def test_master_weight_spellings(tmp_path):
     sd = {"opt": {"w_fp32_master_0": np.zeros(2, np.float32)}}
     with pytest.raises(MismatchError, match="opt.w_fp32_master_0"):
         singlefile.load_file(sd, str(path), mw_name_compatibility=False)
-    singlefile.load_file(sd, str(path), mw_name_compatibility=False, strict=False)
+    singlefile.load_file(sd, str(path), mw_name_compatibility=False, missing=MissingKeys(strict=False))
     assert not sd["opt"]["w_fp32_master_0"].any()
 
 
