@@ -9,9 +9,13 @@ What :func:`patch_paddle` replaces, in every module loaded when it is called:
   with paddle's contract for keys the checkpoint lacks (``patch_paddle(strict=True)``: ours);
 - ``paddle.load`` (defined in ``paddle.framework.io``) -> the same function, except that a
   paddle_dcp ``{id}.metadata`` file (JSON, where paddle's is a pickle) gives
-  :func:`read_state_dict_metadata` instead of failing to unpickle.
+  :func:`read_state_dict_metadata` instead of failing to unpickle;
+- ``paddle.distributed.shard_layer`` (defined in ``paddle.distributed.auto_parallel.api``) ->
+  the same function, except that buffers a layer declared non-persistable stay so (paddle's
+  registers every buffer again as persistable), so the model has the same state-dict keys on
+  every layout.
 
-Every module attribute named ``save_state_dict``, ``load_state_dict`` or ``load`` that holds
+Every module attribute named ``save_state_dict``, ``load_state_dict``, ``load`` or ``shard_layer`` that holds
 paddle's function of that name is replaced (``paddle.distributed.load_state_dict``,
 ``paddle.load``, ``paddle.framework.load``, a ``from paddle.distributed import
 load_state_dict`` in user code...), so code that looks the name up at call time (PaddleFormers'
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 _SAVE = ("paddle.distributed.flex_checkpoint.dcp.save_state_dict", "save_state_dict")
 _LOAD = ("paddle.distributed.flex_checkpoint.dcp.load_state_dict", "load_state_dict")
 _PADDLE_LOAD = ("paddle.framework.io", "load")
+_SHARD_LAYER = ("paddle.distributed.auto_parallel.api", "shard_layer")
 _ORIGINALS: dict[tuple[str, str], Any] = {}  # paddle's own functions, found once
 _REPLACEMENTS: dict[tuple[tuple[str, str], bool], Any] = {}  # (route, strict) -> ours, made once
 
@@ -157,6 +162,25 @@ def _paddle_load_routed(original):
     return load
 
 
+def _shard_layer_routed(original):
+    """paddle's ``dist.shard_layer``, keeping the buffers each layer declared non-persistable
+    non-persistable: paddle's re-registers every buffer with ``register_buffer(key, ...)``,
+    persistable by default, so a tensor-parallel model's state dict gained keys (a rotary
+    embedding's ``inv_freq``) that the same model's on one process does not have, and a
+    checkpoint saved on one layout no longer loaded strictly on the other."""
+
+    def shard_layer(layer, *args, **kwargs):
+        declared = [(sub, set(sub._non_persistable_buffer_names_set)) for sub in layer.sublayers(include_self=True)]
+        out = original(layer, *args, **kwargs)
+        for sub, names in declared:
+            sub._non_persistable_buffer_names_set.update(n for n in names if n in sub._buffers)
+        return out
+
+    shard_layer.__wrapped__ = original
+    shard_layer.__doc__ = "paddle.distributed.shard_layer, keeping non-persistable buffers so (paddle_dcp.patch_paddle)."
+    return shard_layer
+
+
 def _load_routed(strict: bool):
     """paddle's ``load_state_dict`` as routed: :func:`paddle_dcp.load_state_dict` with paddle's
     contract for keys the checkpoint lacks (a warning naming them, those targets unchanged)
@@ -182,12 +206,13 @@ def _routes(strict: bool = False) -> dict[tuple[str, str], tuple[Any, Any]]:
     from . import api
 
     if not _ORIGINALS:
-        for route in (_SAVE, _LOAD, _PADDLE_LOAD):
+        for route in (_SAVE, _LOAD, _PADDLE_LOAD, _SHARD_LAYER):
             _ORIGINALS[route] = getattr(importlib.import_module(route[0]), route[1])
     if (_LOAD, strict) not in _REPLACEMENTS:
         _REPLACEMENTS[(_SAVE, strict)] = api.save_state_dict
         _REPLACEMENTS[(_LOAD, strict)] = _load_routed(strict)
         _REPLACEMENTS[(_PADDLE_LOAD, strict)] = _paddle_load_routed(_ORIGINALS[_PADDLE_LOAD])
+        _REPLACEMENTS[(_SHARD_LAYER, strict)] = _shard_layer_routed(_ORIGINALS[_SHARD_LAYER])
     return {route: (_ORIGINALS[route], _REPLACEMENTS[(route, strict)]) for route in _ORIGINALS}
 
 
@@ -231,9 +256,11 @@ def patch_paddle(strict: bool = False) -> PaddlePatch:
     ``MismatchError`` on every rank, paddle_dcp's own default), and ``paddle.load`` -> itself
     except for a paddle_dcp ``{id}.metadata`` file, which gives
     :func:`read_state_dict_metadata` (what PaddleFormers' Trainer reads from paddle's pickled
-    metadata before it resumes). Modules imported later that take the names from paddle get
-    paddle_dcp's. Call it before building objects that keep a reference (PaddleFormers'
-    Trainer keeps ``dist.load_state_dict`` in ``_load_ckpt_func`` when it is built).
+    metadata before it resumes), and ``dist.shard_layer`` -> itself keeping the buffers a
+    layer declared non-persistable so (the same state-dict keys on every layout). Modules
+    imported later that take the names from paddle get paddle_dcp's. Call it before building
+    objects that keep a reference (PaddleFormers' Trainer keeps ``dist.load_state_dict`` in
+    ``_load_ckpt_func`` when it is built) and before ``dist.shard_layer``.
 
     Args:
         strict: what routed loads do with keys the checkpoint lacks: False (paddle's
