@@ -80,3 +80,11 @@ def test_trainer_resume_same_layout_and_other_tensor_parallel_degree_dcp(tmp_pat
 def test_trainer_resume_same_layout_and_other_tensor_parallel_degree_builtin(tmp_path):
     root = phases(tmp_path, "builtin", ["train", "resume", "tp_reshard", "resume_tp", "hf_load"])
     check_trainer_files(root)
+
+
+def test_one_layout_into_shard_layer_tensor_parallel(tmp_path):
+    """A model saved whole, loaded into the same model made tensor-parallel with dist.shard_layer:
+    paddle's shard_layer adds its rotary buffers to the keys (the error says so and how to allow
+    them); under patch_paddle the keys are the same and a strict load fills every parameter."""
+    logs = run_launch(script("shard_layer_keys.py"), 2, tmp_path, args=[tmp_path / "work"], timeout=240)
+    assert_passed(logs, ["paddles_shard_layer", "patched_shard_layer"], 2)
