@@ -415,11 +415,47 @@ def _add_clean(sub, common, progress) -> None:
     p.set_defaults(func=cmd_clean)
 
 
+def cmd_run(args) -> int:
+    """Run a training script unchanged, with paddle's checkpoint calls routed to paddle_dcp."""
+    import runpy
+
+    import paddle_dcp
+
+    paddle_dcp.patch_paddle(strict=args.strict)
+    sys.argv = [args.script, *args.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as exc:  # the script's own exit code
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception:  # noqa: BLE001 - the script's error, shown as python would
+        traceback.print_exc(file=sys.stderr)
+        return EXIT_PROBLEMS
+    return 0
+
+
+def _add_run(sub, common, progress) -> None:
+    """The ``run`` command."""
+    p = sub.add_parser(
+        "run", help="run a script with paddle's checkpoint calls routed to paddle_dcp",
+        description="Run SCRIPT (with its ARGS) as python would, after paddle_dcp.patch_paddle(): "
+        "its paddle.distributed.save_state_dict / load_state_dict, paddle.load of a paddle_dcp "
+        "metadata file and dist.shard_layer go to paddle_dcp, with paddle's contract for missing "
+        "keys (--strict: paddle_dcp's error). Under paddle's launcher: python -m "
+        "paddle.distributed.launch --nproc_per_node N paddle-dcp run train.py ARGS.",
+    )
+    p.add_argument("--strict", action="store_true", help="a key the checkpoint lacks is an error, not a warning")
+    p.add_argument("script", metavar="SCRIPT", help="the python script to run, unchanged")
+    p.add_argument("args", metavar="ARGS", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(func=cmd_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common, progress = _shared_options()
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect, verify, convert and clean paddle_dcp checkpoints.",
+        description="Inspect, verify, convert and clean paddle_dcp checkpoints; run a script with paddle's "
+        "checkpoint calls routed to paddle_dcp.",
         epilog="Exit codes: 0 ok, 1 problems found, 2 bad usage. Run '%(prog)s COMMAND --help' for details.",
     )
     parser.add_argument("--version", action="version", version=f"paddle_dcp {__version__}")
@@ -427,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", default=False, help="log what is done (INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for add in (_add_inspect, _add_verify, _add_convert, _add_import_paddle, _add_clean):
+    for add in (_add_inspect, _add_verify, _add_convert, _add_import_paddle, _add_clean, _add_run):
         add(sub, common, progress)
     return parser
 

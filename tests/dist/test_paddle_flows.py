@@ -1,0 +1,32 @@
+"""A script written for paddle.distributed alone, run unchanged under ``paddle-dcp run`` (the
+patch applied from outside it, as a user's training script would be), through the flows
+Paddle's own semi-auto save/load tests exercise: save on 2 and on 4 ranks, load on 1 (no
+launcher), 2 and 4, into another layout, every value against numpy; a key the checkpoint
+lacks keeps paddle's contract (scripts/paddle_flow.py)."""
+import json
+import sys
+from pathlib import Path
+
+from launcher import assert_passed, run_launch, run_single, script
+
+PADDLE_DCP = str(Path(sys.executable).parent / "paddle-dcp")  # the console script pip installed
+FLOW = script("paddle_flow.py")
+
+
+def run(nproc: int, root: Path, phase: str, tmp_path: Path) -> None:
+    args = ["run", FLOW, root, phase]
+    if nproc == 1:
+        out = run_single(PADDLE_DCP, tmp_path, args=args, timeout=120)
+        assert f"PASS {phase} rank=0" in out, out
+    else:
+        assert_passed(run_launch(PADDLE_DCP, nproc, tmp_path, args=args, timeout=180), [phase], nproc)
+
+
+def test_save_on_2_and_4_load_on_1_2_and_4(tmp_path):
+    for saved_on in (2, 4):
+        root = tmp_path / f"saved_on_{saved_on}"
+        run(saved_on, root, "save", tmp_path)
+        meta = json.loads((root / "flow" / "0.metadata").read_text())  # paddle_dcp's JSON, not paddle's pickle
+        assert "format_version" in meta
+        for load_on in (1, 2, 4):
+            run(load_on, root, "load", tmp_path)
