@@ -38,6 +38,8 @@ def leaves(layout: str):
             spec = ("R",) if name == "b" else (("S", 0),)
         else:
             spec = (("S", len(shape) - 1),)
+        if spec is not None and not c.paddle_accepts(shape, MESH.shape, spec):  # too few columns for N
+            spec = ("R",)
         out.append(c.Leaf(("model", name), shape, dtype, MESH, spec, index=i))
     return out
 
