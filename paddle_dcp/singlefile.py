@@ -83,7 +83,7 @@ def load_file(
     held = [describe(k, v, rank) for k, v in flat.tensors.items()]
     keys = _reconcile(flat, header, path, mw_name_compatibility, missing)
     work = _checked(held, header, keys.match)  # every check before any byte moves
-    nbytes = _read(store, name, header, work, flat, offload)
+    nbytes = _read(store, name, header, work, offload)
     for value_path, node in keys.plain:
         nested.assign_subtree(state_dict, value_path, node)
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
@@ -121,7 +121,7 @@ def _checked(held, header: Header, match) -> list[tuple[object, Entry]]:
 
 
 def _read(
-    store: storage.Storage, name: str, header: Header, work, flat: nested.Flat, offload: bool
+    store: storage.Storage, name: str, header: Header, work, offload: bool
 ) -> int:
     """Read every box of ``work`` from file ``name`` of ``store`` into its target's buffer (the load's own buffers: see
     dist.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's

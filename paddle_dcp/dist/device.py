@@ -141,7 +141,7 @@ class StagingArena:
             return [staged_copy(t) for t in tensors]
         self.busy = True
         try:
-            sources = [None if _on_device(t) else host_bytes(t).array for t in tensors]
+            sources = [None if needs_host_copy(t) else host_bytes(t).array for t in tensors]
             total = sum(_aligned(a.nbytes, self.ALIGN) for a in sources if a is not None)
             if len(self.buf) < total:
                 self.buf = np.empty(total, dtype=np.uint8)  # the old one goes once unreferenced
@@ -218,7 +218,7 @@ def _split_sizes(tensors: list, align: int) -> tuple[int, list[tuple]]:
     """(arena bytes the host tensors take, the (shape, dtype) of every device tensor)."""
     host, device = 0, []
     for t in tensors:
-        if _on_device(t):
+        if needs_host_copy(t):
             device.append(_device_key(t))
         else:
             name = name_of_numpy(t.dtype) if isinstance(t, np.ndarray) else dtype_name(t)
@@ -237,10 +237,6 @@ def _pinned_empty(shape: tuple, dtype):
 
 def _aligned(n: int, align: int) -> int:
     return -(-n // align) * align
-
-
-def _on_device(tensor) -> bool:
-    return needs_host_copy(tensor)
 
 
 class TargetBuffer:
