@@ -364,9 +364,13 @@ def memory_bound():
         if R == 0:
             print(f"MEMORY rank=0 limit={label} checkpoint={total // MIB}MiB peak_rss_growth="
                   f"{peak.growth / MIB:.1f}MiB (vmhwm={'yes' if peak.hwm else 'no'})", flush=True)
-    if R == 0:
+    # on the fake GPU "device" tensors (paddle's own temporaries included) live in host memory
+    # too, so the resident set is no measure of host memory there: its bounds are checked by
+    # the fake's own accounting (scripts gpu_rules.py); the file's contents are checked below
+    if R == 0 and os.environ.get("PADDLE_DCP_FAKE_GPU") != "1":
         assert results["16M"] < 3 * 16 * MIB + 16 * MIB, results  # one group + staging + slack
         assert results["1G"] >= 0.95 * total, results              # the one group is the whole file
+    if R == 0:
         from safetensors import safe_open
 
         with safe_open(os.path.join(ROOT, "mem_16M.safetensors"), framework="numpy") as f:
