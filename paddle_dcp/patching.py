@@ -168,12 +168,11 @@ def _shard_layer_routed(original):
     persistable by default, so a tensor-parallel model's state dict gained keys (a rotary
     embedding's ``inv_freq``) that the same model's on one process does not have, and a
     checkpoint saved on one layout no longer loaded strictly on the other."""
+    from .dist.buffers import restore
 
     def shard_layer(layer, *args, **kwargs):
-        declared = [(sub, set(sub._non_persistable_buffer_names_set)) for sub in layer.sublayers(include_self=True)]
         out = original(layer, *args, **kwargs)
-        for sub, names in declared:
-            sub._non_persistable_buffer_names_set.update(n for n in names if n in sub._buffers)
+        restore(layer)
         return out
 
     shard_layer.__wrapped__ = original

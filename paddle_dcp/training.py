@@ -124,10 +124,24 @@ def _optim_entries(model, optimizer) -> tuple[dict[str, Any], dict[str, str], di
     return out, paddle_key, master_of
 
 
+def model_state(model) -> dict:
+    """``model.state_dict()`` without the buffers the model declared non-persistable and
+    paddle's ``shard_layer`` made persistable (:mod:`paddle_dcp.dist.buffers`)."""
+    from .dist.buffers import forgotten_keys
+
+    state = model.state_dict()
+    for key in forgotten_keys(model) & set(state):
+        del state[key]
+    return state
+
+
 def get_state_dict(model, optimizer=None) -> dict:
     """The state of a model and its optimizer, keyed by names that survive a change of layout.
 
-    Returns ``{"model": model.state_dict(), "optim": {...}}``: the optimizer's states keyed
+    Returns ``{"model": ..., "optim": {...}}``: the model's state dict without the buffers it
+    declared non-persistable (paddle's ``dist.shard_layer`` registers them again as
+    persistable; they are left out all the same, so every layout gives the same keys), and the
+    optimizer's states keyed
     by the parameter's structured name plus the kind (``"fc1.weight.moment1"``,
     ``"fc1.weight.master_weight"``), and its other entries (``"LR_Scheduler"``) as they are.
     The tensors are the live ones: ``paddle_dcp.load_state_dict`` fills them in place and
@@ -142,7 +156,7 @@ def get_state_dict(model, optimizer=None) -> dict:
     Raises:
         StateDictError: two states map to the same key.
     """
-    out = {"model": model.state_dict()}
+    out = {"model": model_state(model)}
     if optimizer is not None:
         _ensure_accumulators(optimizer)
         out["optim"] = _optim_entries(model, optimizer)[0]
@@ -167,7 +181,7 @@ def set_state_dict(model, optimizer, state: dict) -> None:
     Raises:
         MismatchError: a tensor whose shape or dtype differs, or a dist tensor of another mesh.
     """
-    live_model = model.state_dict()
+    live_model = model_state(model)
     _copy_all("model", live_model, state.get("model", {}))
     if optimizer is None:
         return
