@@ -31,10 +31,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .core.naming import METADATA_RE
+from .core.nested import flat_key, walk
 from .errors import ArgumentError, DcpError
 from .io import is_file, open_file
 from .io.storage import read_range
@@ -79,10 +80,14 @@ class StateDictMetadata:
     Attributes:
         state_dict_metadata: flat key -> its saved pieces, as paddle's attribute of that name.
         unique_id: the checkpoint's id.
+        flat_mapping: flat key -> its path in the nested state dict that was saved
+            (``"model.w"`` -> ``("model", "w")``), as paddle's attribute of that name; a list
+            index is an int.
     """
 
     state_dict_metadata: dict[str, list[TensorPieceMetadata]]
     unique_id: int
+    flat_mapping: dict[str, tuple] = field(default_factory=dict)
 
 
 def state_dict_metadata(meta) -> StateDictMetadata:
@@ -100,7 +105,8 @@ def state_dict_metadata(meta) -> StateDictMetadata:
             )
             for i in range(pieces.count)
         ]
-    return StateDictMetadata(out, meta.unique_id)
+    mapping = {flat_key(path): tuple(path) for path, tag, _ in walk(meta.structure) if tag == "t"}
+    return StateDictMetadata(out, meta.unique_id, mapping)
 
 
 def read_state_dict_metadata(path: str, unique_id: int | None = None) -> StateDictMetadata:

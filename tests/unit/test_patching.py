@@ -142,6 +142,7 @@ def test_paddle_load_of_our_metadata_is_pickle_free_and_shaped_like_paddles(tmp_
         ((0,), (5,), "int64", (5,)),
     ]
     assert all(not m.is_flattened and m.flattened_range is None for m in w)
+    assert got.flat_mapping == {"model.w": ("model", "w"), "model.b": ("model", "b")}  # paddle's attribute
     # the same from the directory, and the directory with an id
     assert paddle_dcp.read_state_dict_metadata(str(tmp_path)) == got
     assert paddle_dcp.read_state_dict_metadata(str(tmp_path), 0) == got

@@ -254,8 +254,10 @@ def train():
             with on_host():
                 BUILTIN["save_state_dict"](sd, theirs_dir)
             dist.barrier()
-            ours = paddle.load(os.path.join(ckpt, part, "0.metadata")).state_dict_metadata
-            theirs = BUILTIN["load"](os.path.join(theirs_dir, "0.metadata")).state_dict_metadata  # a pickle
+            ours_meta = paddle.load(os.path.join(ckpt, part, "0.metadata"))
+            theirs_meta = BUILTIN["load"](os.path.join(theirs_dir, "0.metadata"))  # a pickle
+            ours, theirs = ours_meta.state_dict_metadata, theirs_meta.state_dict_metadata
+            assert ours_meta.flat_mapping == theirs_meta.flat_mapping, part
 
             def geometry(sdm):
                 return {k: {(tuple(m.global_offset), tuple(m.local_shape), m.dtype, tuple(m.global_shape)) for m in v}
