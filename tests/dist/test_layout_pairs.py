@@ -16,7 +16,11 @@ BY_RANKS = {1: ["one"], 2: ["tp2", "stage1", "stage2", "stage3"], 4: ["dp2tp2"]}
 
 def phase(name: str, nproc: int, root, tmp_path) -> None:
     layouts = BY_RANKS[nproc]
-    cases = [f"{name}_{layout}" for layout in layouts]
+    everyone = [n for group in BY_RANKS.values() for n in group]
+    if name == "save":
+        cases = [f"save_{layout}" for layout in layouts]
+    else:  # every pair of (this layout, a saved one)
+        cases = [f"load_{layout}_from_{source}" for layout in layouts for source in everyone]
     if name == "save" and "stage3" in layouts:
         cases.append("stage3_tied_weights_refused")
     args = [root, name, *layouts]

@@ -7,9 +7,9 @@ argv: ROOT PHASE LAYOUT [LAYOUT ...]
   ``get_state_dict(model, opt)`` is set to the oracle's value of its key (this rank's slice of
   a numpy array, from the tensor's placements), saved under ``ROOT/<layout>``, and the flat
   keys written to ``ROOT/<layout>.keys.json``.
-- ``load``: for each layout named, its keys must equal those of every layout saved under ROOT;
-  every checkpoint there is loaded strictly into a fresh model and optimizer on this layout
-  and every tensor compared with the oracle, bit for bit.
+- ``load``: one case per pair (layout named, layout saved under ROOT): a fresh model and
+  optimizer on the first has the keys the second saved, loads its checkpoint strictly, and
+  every tensor equals the oracle, bit for bit.
 
 Layouts (ranks): ``one`` (1; no mesh, paddle's own AdamW), ``tp2`` (2; paddle's own
 ``dist.shard_layer``, every Linear's weight split by columns, its rotary buffers made
@@ -156,26 +156,30 @@ def saved_layouts() -> list:
     return sorted(n for n in RANKS if os.path.isfile(os.path.join(ROOT, f"{n}.keys.json")))
 
 
-def load(layout: str) -> None:
-    sources = saved_layouts()
-    assert len(sources) == len(RANKS), f"saved: {sources}"
-    for source in sources:
-        model, opt = build(layout)
-        state = paddle_dcp.get_state_dict(model, opt)
-        with open(os.path.join(ROOT, f"{source}.keys.json")) as f:
-            keys = json.load(f)
-        assert sorted(tensors(state)) == keys, (layout, source, sorted(set(tensors(state)) ^ set(keys)))
-        paddle_dcp.load_state_dict(state, os.path.join(ROOT, source))  # strict: paddle_dcp's default
-        for key, t in tensors(state).items():
-            check_oracle(key, t, source)
-        live = tensors(paddle_dcp.get_state_dict(model, opt))  # filled in place: the live tensors
-        for key, t in live.items():
-            check_oracle(key, t, f"{source} (live)")
+def load(layout: str, source: str) -> None:
+    """A fresh model and optimizer on ``layout``: the same keys as ``source`` saved, and its
+    checkpoint loaded strictly, every tensor (and the live ones behind them) as the oracle."""
+    model, opt = build(layout)
+    state = paddle_dcp.get_state_dict(model, opt)
+    with open(os.path.join(ROOT, f"{source}.keys.json")) as f:
+        keys = json.load(f)
+    assert sorted(tensors(state)) == keys, (layout, source, sorted(set(tensors(state)) ^ set(keys)))
+    paddle_dcp.load_state_dict(state, os.path.join(ROOT, source))  # strict: paddle_dcp's default
+    for key, t in tensors(state).items():
+        check_oracle(key, t, source)
+    live = tensors(paddle_dcp.get_state_dict(model, opt))  # filled in place: the live tensors
+    for key, t in live.items():
+        check_oracle(key, t, f"{source} (live)")
 
 
 for name in NAMES:
     assert RANKS[name] == dist.get_world_size(), (name, dist.get_world_size())
-CASES = {f"{PHASE}_{name}": (lambda n=name: (save if PHASE == "save" else load)(n)) for name in NAMES}
+if PHASE == "save":
+    CASES = {f"save_{name}": (lambda n=name: save(n)) for name in NAMES}
+else:  # one case per (target, source) pair
+    assert saved_layouts() == sorted(RANKS), f"saved: {saved_layouts()}"
+    CASES = {f"load_{name}_from_{source}": (lambda n=name, s=source: load(n, s))
+             for name in NAMES for source in saved_layouts()}
 if PHASE == "save" and "stage3" in NAMES:
     CASES["stage3_tied_weights_refused"] = stage3_tied_weights_refused
 c.run_cases(CASES, [])
