@@ -126,7 +126,8 @@ def save(layout: str) -> None:
     model, opt = build(layout)
     state = paddle_dcp.get_state_dict(model, opt)
     flat = tensors(state)
-    assert not [k for k in flat if "inv_freq" in k], sorted(flat)  # declared non-persistable
+    buffers = [k for k in flat if "inv_freq" in k]
+    assert not buffers, f"{layout}: buffers declared non-persistable in the state: {buffers}"
     for key, t in flat.items():
         set_oracle(key, t)
     paddle_dcp.save_state_dict(state, os.path.join(ROOT, layout))
