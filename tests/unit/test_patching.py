@@ -215,26 +215,3 @@ def test_routed_loads_keep_paddles_contract_for_missing_keys(tmp_path, caplog):
         dist.load_state_dict(sd, str(tmp_path), strict=False)
         np.testing.assert_array_equal(sd["model"]["w"].numpy(), arrays["w"])
     assert dist.load_state_dict is PADDLE_LOAD
-
-
-class Rotary(paddle.nn.Layer):
-    def __init__(self):
-        super().__init__()
-        self.fc = paddle.nn.Linear(4, 3)
-        self.register_buffer("inv_freq", paddle.arange(4, dtype="float32"), persistable=False)
-        self.register_buffer("steps", paddle.ones([2]))
-
-
-def test_shard_layer_keeps_non_persistable_buffers_so_under_the_patch():
-    """paddle's shard_layer makes every buffer persistable (the state dict of a sharded model
-    gains inv_freq); under the patch the model has the same keys on every layout, and the
-    buffers still move to the mesh."""
-    mesh = dist.ProcessMesh([0], dim_names=["x"])
-    one_process = sorted(Rotary().state_dict())
-    assert one_process == ["fc.bias", "fc.weight", "steps"]
-    assert "inv_freq" in PADDLE_SHARD_LAYER(Rotary(), mesh).state_dict()  # paddle's own
-    with paddle_dcp.patch_paddle():
-        model = dist.shard_layer(Rotary(), mesh)
-        assert sorted(model.state_dict()) == one_process
-        assert model.inv_freq.is_dist() and model.steps.is_dist()
-    assert dist.shard_layer is PADDLE_SHARD_LAYER

@@ -80,8 +80,13 @@ def test_set_state_dict_takes_the_same_keys(caplog):
 
 
 def test_patched_shard_layer_marks_them_non_persistable_again():
+    """Under patch_paddle, model.state_dict() itself has the same keys on every layout (paddle's
+    own save and load see them too); the buffers still move to the mesh."""
+    paddles = dist.shard_layer
     with paddle_dcp.patch_paddle():
+        assert dist.shard_layer is not paddles
         model = dist.shard_layer(Model(), MESH)
+    assert dist.shard_layer is paddles
     assert sorted(model.state_dict()) == ONE_PROCESS
     assert model.rotary.inv_freq.is_dist() and model.rotary.steps.is_dist()
     assert buffers.forgotten_keys(model) == frozenset()
