@@ -42,7 +42,7 @@ for candidate in (HERE.parent.parent / "shared" / "scale", HERE.parent / "shared
         sys.path.insert(0, str(candidate))
         break
 
-from paddle_dcp.core.metadata import Metadata  # noqa: E402
+from paddle_dcp.core.metadata_parse import parse_metadata  # noqa: E402
 from paddle_dcp.tools.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of  # noqa: E402
 
 try:
@@ -72,21 +72,21 @@ def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
     log(f"[{ranks}] save simulated: coordinator {save.coordinator_seconds:.2f} s, {unique} pieces")
 
     t0 = time.perf_counter()
-    Metadata.from_json(meta_json, lazy=True)
+    parse_metadata(meta_json, lazy=True)
     parse_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    Metadata.from_json(meta_json)
+    parse_metadata(meta_json)
     validate_s = time.perf_counter() - t0
 
     # one rank of the middle pipeline stage plans its reads, from a fresh parse
     rank = ranks // 2
-    meta = Metadata.from_json(meta_json, lazy=True)
+    meta = parse_metadata(meta_json, lazy=True)
     t0 = time.perf_counter()
     ops = plan_rank(meta, targets_of(layouts[rank]))
     plan_s = time.perf_counter() - t0
     reshard_job = Job(model, ranks, max(1, tp // 2), pp)
     target = RankLayout.flat(reshard_job.pieces(rank))
-    meta = Metadata.from_json(meta_json, lazy=True)
+    meta = parse_metadata(meta_json, lazy=True)
     t0 = time.perf_counter()
     reshard_ops = plan_rank(meta, targets_of(target))
     reshard_s = time.perf_counter() - t0

@@ -158,6 +158,20 @@ def blocks_of(nbytes: np.ndarray | int, block_bytes: int) -> np.ndarray:
     return np.maximum(1, -(-np.asarray(nbytes, dtype=np.int64) // block_bytes))
 
 
+@dataclass(frozen=True)
+class DigestVerdict:
+    """What parsing found of a metadata file's digest (the xxh3_64 of its other bytes).
+
+    Attributes:
+        matches: True (it matches), False (the file was edited or damaged after it was
+            written), None (no digest: built in memory, or a file written without one).
+        source: the file, as errors name it.
+    """
+
+    matches: bool | None = None
+    source: str = "metadata"
+
+
 @dataclass(frozen=True, eq=False)
 class Metadata:
     """Everything a load needs to know about a checkpoint but its tensor bytes.
@@ -176,6 +190,8 @@ class Metadata:
             when a rank cannot read the metadata file; never written to disk).
         replicas: saved with ``save_replicas``: a piece may have several copies (rows with
             exactly equal boxes, each in another file); any one of them may be read.
+        digest: what parsing found of the file's digest (never written: ``to_json`` computes
+            a new one).
     """
 
     unique_id: int
@@ -189,6 +205,7 @@ class Metadata:
     format_version: int = FORMAT_VERSION
     subset: bool = False
     replicas: bool = False
+    digest: DigestVerdict = DigestVerdict()
 
     def values(self) -> dict[str, Any]:
         """Flat key -> plain (non-tensor) value saved in the checkpoint."""
@@ -198,10 +215,9 @@ class Metadata:
         """Raise FormatError when the file's digest does not match its bytes: the metadata was
         edited or damaged after it was written (checked after the structure, so a malformed
         file is named for what is malformed). Files without a digest pass."""
-        state, source = getattr(self, "_digest", (None, "metadata"))
-        if state is False:
+        if self.digest.matches is False:
             raise FormatError(
-                f"{source}: the metadata's digest does not match its contents: the file was edited "
+                f"{self.digest.source}: the metadata's digest does not match its contents: the file was edited "
                 f"or damaged after it was written"
             )
 
@@ -256,31 +272,6 @@ class Metadata:
             doc["subset"] = True
         return with_digest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
-    @classmethod
-    def from_json(
-        cls, data: bytes | str, source: str = "metadata", allow_subset: bool = False, lazy: bool = False
-    ) -> "Metadata":
-        """Parse and validate metadata.
-
-        Args:
-            allow_subset: accept the partial metadata ranks send each other (``subset``);
-                never for a file read from disk.
-            lazy: validate each tensor entry when it is first used instead of now (a load
-                uses a few of a large checkpoint's tensors; errors name the key either way,
-                and come before anything is read or allocated from the entry).
-
-        Raises:
-            FormatError: naming ``source`` and what is wrong, for anything malformed, out of
-                bounds, or of an unsupported version.
-        """
-        if len(data) > MAX_METADATA_BYTES:
-            raise FormatError(
-                f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata"
-            )
-        from .metadata_parse import parse_json  # the parser builds these classes
-
-        return parse_json(data, source, allow_subset, lazy)
-
 
 _DIGEST_HEAD = b',"digest":"'
 _DIGEST_LEN = len(_DIGEST_HEAD) + 16 + 2
@@ -293,7 +284,7 @@ def with_digest(body: bytes) -> bytes:
     return body[:-1] + _DIGEST_HEAD + digest + b'"}'
 
 
-def _digest_state(data: bytes, doc: Any) -> bool | None:
+def digest_matches(data: bytes, doc: Any) -> bool | None:
     """True: the digest matches; False: it does not; None: the file has none."""
     if not isinstance(doc, dict) or "digest" not in doc:
         return None

@@ -33,15 +33,38 @@ from .metadata import (
     Metadata,
     PieceTable,
     TensorEntry,
-    _digest_state,
+    DigestVerdict,
+    digest_matches,
     _frozen,
     blocks_of,
     check_file_name,
 )
 
 
-def parse_json(data: bytes | str, source: str, allow_subset: bool, lazy: bool) -> Metadata:
-    """The body of :meth:`Metadata.from_json` (see there), once the size is checked."""
+def parse_metadata(
+    data: bytes | str, source: str = "metadata", allow_subset: bool = False, lazy: bool = False
+) -> Metadata:
+    """Parse and validate metadata (the inverse of :meth:`Metadata.to_json`).
+
+    The digest's verdict is part of the value returned (``Metadata.digest``); a full parse
+    raises on a mismatch, a lazy one leaves that to :meth:`Metadata.check_digest`, which a
+    load calls once the entries it uses have been validated.
+
+    Args:
+        data: the file's bytes.
+        source: the file, as errors name it.
+        allow_subset: accept the partial metadata ranks send each other (``subset``);
+            never for a file read from disk.
+        lazy: validate each tensor entry when it is first used instead of now (a load
+            uses a few of a large checkpoint's tensors; errors name the key either way,
+            and come before anything is read or allocated from the entry).
+
+    Raises:
+        FormatError: naming ``source`` and what is wrong, for anything malformed, out of
+            bounds, or of an unsupported version.
+    """
+    if len(data) > MAX_METADATA_BYTES:
+        raise FormatError(f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata")
     if isinstance(data, str):
         data = data.encode()
     try:
@@ -49,8 +72,8 @@ def parse_json(data: bytes | str, source: str, allow_subset: bool, lazy: bool) -
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise FormatError(f"{source}: not valid JSON ({exc})") from None
     try:
-        meta = _parse(doc, source, allow_subset, full=not lazy, size=len(data))
-        object.__setattr__(meta, "_digest", (_digest_state(data, doc), source))
+        digest = DigestVerdict(digest_matches(data, doc), source)
+        meta = _parse(doc, source, allow_subset, full=not lazy, size=len(data), digest=digest)
         if lazy:
             return meta
         meta.validate()
@@ -105,7 +128,10 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
     return value
 
 
-def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: int = MAX_METADATA_BYTES) -> Metadata:
+def _parse(
+    doc: Any, source: str, allow_subset: bool, full: bool = True, size: int = MAX_METADATA_BYTES,
+    digest: DigestVerdict = DigestVerdict(),
+) -> Metadata:
     """The metadata of the JSON document ``doc``: header, files and structure validated now,
     tensor entries when first used (all of them at once by :meth:`Metadata.validate`)."""
     version = _check_format(doc, source)
@@ -159,6 +185,7 @@ def _parse(doc: Any, source: str, allow_subset: bool, full: bool = True, size: i
         format_version=version,
         subset=subset,
         replicas=replicas,
+        digest=digest,
     )
 
 

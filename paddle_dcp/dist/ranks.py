@@ -18,6 +18,7 @@ from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
 from ..core.keys import MissingKeys, match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
+from ..core.metadata_parse import parse_metadata
 from ..errors import ArgumentError, UnsupportedError
 from ..format import hf_dir
 from ..io import safetensors_files, storage
@@ -337,5 +338,5 @@ def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Me
 
     reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
     if reply is not None:
-        meta = Metadata.from_json(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
+        meta = parse_metadata(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
     return meta

@@ -20,6 +20,7 @@ from ..core.boxes import Box, c_strides, element_span
 from ..core.dtypes import storage_dtype
 from ..errors import FormatError, IntegrityError
 from ..core.metadata import ALIGNMENT, Metadata, SavedPiece
+from ..core.metadata_parse import parse_metadata
 from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
 from ..core.load_plan import ReadOp, Segment
 
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 def metadata_from_bytes(data: bytes, unique_id: int, source: str, lazy: bool = False) -> Metadata:
     """Checkpoint ``unique_id``'s metadata parsed and validated from ``data``, the content of
     its file ``source`` (named in errors)."""
-    meta = Metadata.from_json(data, source=source, lazy=lazy)
+    meta = parse_metadata(data, source=source, lazy=lazy)
     if meta.unique_id != unique_id:
         raise FormatError(f"{source} describes checkpoint {meta.unique_id}, not {unique_id}")
     return meta

@@ -333,7 +333,8 @@ def _add_verify(sub, common, progress) -> None:
     """The ``verify`` command."""
     p = sub.add_parser(
         "verify", parents=[common, progress], help="check every checksum, file size and tiling",
-        description="Check a checkpoint against its metadata: every tensor entry (pieces inside "
+        description="Check a checkpoint against its metadata, everything a load checks: the "
+        "metadata's digest (edited or damaged after it was written), every tensor entry (pieces inside "
         "the tensor and tiling it exactly), every data file's presence and size, and the checksum "
         "of every block of every piece (read in windows of bounded size). Exit 0 when all is "
         "good, 1 listing each problem with its file and key.",

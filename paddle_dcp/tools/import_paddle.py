@@ -15,6 +15,7 @@ import numpy as np
 from ..core.boxes import Box, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
 from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned
+from ..core.metadata_parse import parse_metadata
 from ..core.naming import METADATA_RE, data_file_name, metadata_name
 from ..errors import ArgumentError, DcpError, FormatError, StorageError, UnsupportedError
 from ..format import safetensors
@@ -105,7 +106,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
         meta = _build_metadata(uid, info, pieces, files, ranks, getattr(pmeta, "flat_mapping", None))
         blob = meta.to_json()
         # validated as any reader will: pieces inside their tensors, tiling them exactly
-        Metadata.from_json(blob, source=f"the metadata imported from {meta_file}")
+        parse_metadata(blob, source=f"the metadata imported from {meta_file}")
         store.write_atomic(metadata_name(uid), blob)
     except BaseException:
         try:

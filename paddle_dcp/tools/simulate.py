@@ -22,6 +22,7 @@ from ..io import storage
 from ..core.boxes import Box
 from ..dist.comm import SimWorld, Traffic
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata, blocks_of
+from ..core.metadata_parse import parse_metadata
 from ..core.dtypes import itemsize
 
 
@@ -218,7 +219,7 @@ class _SimLoadRank:
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         if self.layout is None:
             return self.shared
-        self.parsed[self.rank] = Metadata.from_json(data, lazy=True)
+        self.parsed[self.rank] = parse_metadata(data, lazy=True)
         return self.parsed[self.rank]
 
     def metadata_from_helpers(self, readers, meta):
@@ -253,7 +254,7 @@ def simulate_load(
     world = SimWorld(ranks, coordinator)
     parsed: dict[str, Metadata] = {}
     t0 = time.perf_counter()
-    shared = Metadata.from_json(metadata_json, lazy=True)
+    shared = parse_metadata(metadata_json, lazy=True)
     parse_seconds = time.perf_counter() - t0
     writers = [storage.parse_data_name(f.name) for f in shared.files]
     listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset((r, g) for r, _, g in writers)})

@@ -73,9 +73,9 @@ class _FileChecker:
 
 
 def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tuple[list[str], dict]:
-    """Check a checkpoint against its metadata: every tensor entry (types, bounds, pieces that
-    tile the tensor exactly), every data file's presence and size, and every checksum block of
-    every piece, reading with bounded memory.
+    """Check a checkpoint against its metadata: the metadata's digest, every tensor entry
+    (types, bounds, pieces that tile the tensor exactly), every data file's presence and size,
+    and every checksum block of every piece, reading with bounded memory.
 
     Returns:
         (problems, counts): one line per problem, naming the file and key; counts of tensors,
@@ -89,6 +89,10 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     except (FormatError, StorageError) as exc:
         return [_located(meta_file, exc)], counts
     problems: list[str] = []
+    try:  # what a load checks before it moves a byte, so verify says OK only where a load would
+        meta.check_digest()
+    except FormatError as exc:
+        problems.append(_located(meta_file, exc))
     entries: dict[str, TensorEntry] = {}
     for key in meta.tensors:
         try:

@@ -20,7 +20,7 @@ from paddle_dcp.core import load_plan, nested, save_plan
 from paddle_dcp.dist import wire
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
-from paddle_dcp.core.metadata import Metadata
+from paddle_dcp.core.metadata_parse import parse_metadata
 
 # No example database: the suite leaves no .hypothesis directory behind and runs the same way
 # on a fresh clone.
@@ -211,7 +211,7 @@ def load_rank(path: str, unique_id: int, targets: Sequence[load_plan.TargetPiece
     meta = local.read_metadata(path, unique_id)
     if restrict:
         part = load_plan.restrict(meta, targets)
-        meta = Metadata.from_json(part.to_json(), source="part", allow_subset=True)
+        meta = parse_metadata(part.to_json(), source="part", allow_subset=True)
         assert meta.subset and len(meta.files) <= len(part.files)
     ops = load_plan.plan_reads(meta, targets, **plan_kw)
     out = [garbage_like(t.box.shape, t.dtype) for t in targets]

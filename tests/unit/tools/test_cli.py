@@ -287,6 +287,49 @@ def test_verify_names_file_key_and_problem(ck, capsys, damage, what):
     assert "problem" in out.splitlines()[-1]
 
 
+def edit_value(path, key):
+    """A plain value changed by hand in the metadata, which stays valid JSON of a valid
+    checkpoint: only its digest tells."""
+    name = os.path.join(path, "0.metadata")
+    with open(name, "rb") as f:
+        data = f.read()
+    assert data.count(b'"run-1"') == 1
+    with open(name, "wb") as f:
+        f.write(data.replace(b'"run-1"', b'"run-2"'))
+    return name
+
+
+def remove_metadata(path, key):
+    name = os.path.join(path, "0.metadata")
+    os.unlink(name)
+    return name
+
+
+@pytest.mark.parametrize("damage, verify_says, load_raises", [
+    (edit_value, "digest does not match", "digest does not match"),
+    (flip_byte, "checksum", "checksum"),
+    (truncate, "bytes, the metadata says", "model.w"),
+    (remove, "missing", "model.w"),
+    (remove_metadata, "no *.metadata file (incomplete ids: 0)", "no complete checkpoint"),
+])  # fmt: skip
+def test_each_damage_is_caught_by_verify_and_by_a_load(ck, capsys, damage, verify_says, load_raises):
+    """What a load refuses, verify reports (it said OK to an edited metadata value that the
+    load refused), and the other way round."""
+    import paddle_dcp
+
+    paddle_dcp.load_state_dict({"model": {"w": np.zeros((6, 10), np.float32)}}, ck)  # sound before
+    name = damage(ck, "model.w")
+    code, out, err = run(capsys, "verify", ck)
+    assert code == 1, out + err
+    assert verify_says in out + err, out + err
+    assert name in out or damage is remove_metadata, out  # the file, where one is damaged
+    target = {"model": {"w": np.zeros((6, 10), np.float32)}}
+    with pytest.raises(paddle_dcp.DcpError) as info:
+        paddle_dcp.load_state_dict(target, ck, unique_id=None if damage is remove_metadata else 0)
+    assert load_raises in str(info.value), str(info.value)
+    assert not target["model"]["w"].any()  # nothing loaded
+
+
 def test_verify_lists_every_problem_and_reads_in_small_windows(ck, capsys, monkeypatch):
     monkeypatch.setattr(consolidate, "SLAB_BYTES", 64)  # one checksum block per read
     flipped = flip_byte(ck, "model.w")

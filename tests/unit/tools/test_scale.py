@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from paddle_dcp.core import load_plan, save_plan
-from paddle_dcp.core.metadata import Metadata
+from paddle_dcp.core.metadata_parse import parse_metadata
 from paddle_dcp.tools.simulate import RankLayout, simulate_load, simulate_save, targets_of
 
 
@@ -50,7 +50,7 @@ def test_a_save_at_4096_ranks_writes_each_piece_once_and_a_load_into_another_lay
     dp, tp = 512, 8
     layouts = _job(dp, tp, TENSORS)
     save = simulate_save(layouts, values={"epoch": 3})
-    meta = Metadata.from_json(save.metadata_json)  # every entry validated: pieces tile each tensor
+    meta = parse_metadata(save.metadata_json)  # every entry validated: pieces tile each tensor
     # each distinct piece exactly once: the counts follow from the layouts by hand
     def nonempty(n, k):
         return sum(1 for i in range(k) if _chunk(n, k, i)[1] > _chunk(n, k, i)[0])
@@ -70,7 +70,7 @@ def test_a_save_at_4096_ranks_writes_each_piece_once_and_a_load_into_another_lay
     # a load into tp 4 with dp doubled covers every target exactly (plan_reads checks that)
     target = _job(2 * dp, tp // 2, TENSORS)
     for rank in (0, 1, 2049, 4095):
-        lazy = Metadata.from_json(save.metadata_json, lazy=True)
+        lazy = parse_metadata(save.metadata_json, lazy=True)
         ops = load_plan.plan_reads(lazy, targets_of(target[rank]))
         got = sum(c.region_in_target.volume for op in ops for s in op.segments for c in s.copies)
         assert got == sum(t.box.volume for t in targets_of(target[rank]))
@@ -93,7 +93,7 @@ def test_a_second_save_of_the_same_layout_reuses_the_plan_and_sends_no_summary()
     for r in range(1, 256):
         assert second.traffic[r].sent < first.traffic[r].sent
     # same pieces, same writers
-    a, b = Metadata.from_json(first.metadata_json), Metadata.from_json(second.metadata_json)
+    a, b = parse_metadata(first.metadata_json), parse_metadata(second.metadata_json)
     for key in a.tensors:
         pa, pb = a.tensors[key].pieces, b.tensors[key].pieces
         assert np.array_equal(pa.offsets, pb.offsets) and np.array_equal(pa.files, pb.files)
