@@ -351,6 +351,11 @@ class LazyTensors(Mapping):
         if todo and self._parse_many is not None:
             self._done.update(self._parse_many(todo))
 
+    @property
+    def parsed_count(self) -> int:
+        """How many entries have been parsed so far."""
+        return len(self._done)
+
     def __getitem__(self, key: str) -> TensorEntry:
         entry = self._done.get(key)
         if entry is None:

@@ -11,7 +11,10 @@ longest one with an 8-byte length in front, which is what the byte counts includ
 """
 from __future__ import annotations
 
+import gc
 import logging
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -33,10 +36,12 @@ def describe_error(exc: BaseException) -> str:
 @dataclass
 class Traffic:
     """Bytes this rank sent to and received from other ranks in planning messages and
-    agreements (payload bytes of each collective; point-to-point data not included)."""
+    agreements (payload bytes of each collective; point-to-point data not included), and the
+    number of collectives it took part in (counted by the simulation)."""
 
     sent: int = 0
     received: int = 0
+    collectives: int = 0
 
     def add(self, sent: int, received: int) -> None:
         self.sent += sent
@@ -245,35 +250,72 @@ class SimWorld:
         self.coordinator = coordinator
         self.traffic = {r: Traffic() for r in self.ranks}
         self.seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
+        # of ``seconds``, the time Python's cyclic collector ran: at thousands of simulated
+        # ranks the process holds millions of objects, and a full collection (seconds) lands
+        # in whichever step happens to allocate when it is due
+        self.gc_seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
+        # Python and C function calls made in each timed rank's steps (run(count_calls=True))
+        self.calls: dict[int, int] = {r: 0 for r in self.ranks}
 
-    def run(self, protocols: dict[int, "object"], timed: Sequence[int] = ()):
+    def run(self, protocols: dict[int, "object"], timed: Sequence[int] = (), count_calls: bool = False):
         """Drive ``protocols`` (rank -> generator) to the end; returns rank -> value. Ranks in
-        ``timed`` have the time spent in their own steps added up in ``seconds``."""
-        import time
-
+        ``timed`` have the time spent in their own steps added up in ``seconds``, the part of
+        it the garbage collector took in ``gc_seconds`` and, with ``count_calls``, the
+        function calls made in ``calls`` (a measure of work that does not depend on the
+        machine; profiling slows the steps, so their seconds mean little then)."""
         results = {r: None for r in self.ranks}
         done: dict[int, object] = {}
-        while len(done) < len(self.ranks):
-            requests = {}
-            for r in self.ranks:
-                if r in done:
-                    continue
-                t0 = time.perf_counter() if r in timed else 0.0
-                try:
-                    requests[r] = protocols[r].send(results[r])
-                except StopIteration as stop:
-                    done[r] = stop.value
-                if r in timed:
-                    self.seconds[r] += time.perf_counter() - t0
-            if not requests:
-                break
-            if done:
-                raise RuntimeError(f"ranks finished at different steps: {sorted(done)} done, {sorted(requests)} not")
-            kinds = {type(q) for q in requests.values()}
-            if len(kinds) != 1:
-                raise RuntimeError(f"ranks disagree on the next collective: {sorted(k.__name__ for k in kinds)}")
-            results = self._execute(requests, kinds.pop())
+        timing: list = [None, 0.0]  # the timed rank whose step runs, when the collector started
+
+        def collector(phase: str, info: dict) -> None:
+            if timing[0] is None:
+                return
+            if phase == "start":
+                timing[1] = time.perf_counter()
+            else:
+                self.gc_seconds[timing[0]] += time.perf_counter() - timing[1]
+
+        def profile(frame, event: str, arg) -> None:
+            if timing[0] is not None and event in ("call", "c_call"):
+                self.calls[timing[0]] += 1
+
+        gc.callbacks.append(collector)
+        if count_calls:
+            sys.setprofile(profile)
+        try:
+            while len(done) < len(self.ranks):
+                requests = self._step(protocols, results, done, timed, timing)
+                if not requests:
+                    break
+                if done:
+                    raise RuntimeError(f"ranks finished at different steps: {sorted(done)} done, {sorted(requests)} not")
+                kinds = {type(q) for q in requests.values()}
+                if len(kinds) != 1:
+                    raise RuntimeError(f"ranks disagree on the next collective: {sorted(k.__name__ for k in kinds)}")
+                results = self._execute(requests, kinds.pop())
+        finally:
+            if count_calls:
+                sys.setprofile(None)
+            gc.callbacks.remove(collector)
         return done
+
+    def _step(self, protocols, results, done, timed, timing) -> dict:
+        """Advance every unfinished rank to its next collective; returns rank -> request."""
+        requests = {}
+        for r in self.ranks:
+            if r in done:
+                continue
+            t0 = time.perf_counter() if r in timed else 0.0
+            timing[0] = r if r in timed else None
+            try:
+                requests[r] = protocols[r].send(results[r])
+            except StopIteration as stop:
+                done[r] = stop.value
+            finally:
+                timing[0] = None
+            if r in timed:
+                self.seconds[r] += time.perf_counter() - t0
+        return requests
 
     def _add(self, rank: int, cost: tuple[int, int]) -> None:
         self.traffic[rank].add(*cost)
@@ -284,6 +326,8 @@ class SimWorld:
         return max(lengths.values())
 
     def _execute(self, requests: dict, kind) -> dict:
+        for r in requests:
+            self.traffic[r].collectives += 1
         size = len(self.ranks)
         first = next(iter(requests.values()))
         if kind is p.Agree:

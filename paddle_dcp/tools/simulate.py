@@ -21,7 +21,7 @@ from ..dist import protocol
 from ..io import storage
 from ..core.boxes import Box
 from ..dist.comm import SimWorld, Traffic
-from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata, blocks_of
+from ..core.metadata import DEFAULT_BLOCK_BYTES, LazyTensors, Metadata, blocks_of
 from ..core.metadata_parse import parse_metadata
 from ..core.dtypes import itemsize
 
@@ -53,6 +53,7 @@ class SaveSim:
     coordinator_seconds: float
     peak_rss_growth_mib: float
     plan_reused: bool
+    coordinator_gc_seconds: float = 0.0  # of coordinator_seconds, in the garbage collector
 
 
 def _peak_rss_mib() -> float:
@@ -144,14 +145,22 @@ def simulate_save(
         coordinator_seconds=world.seconds[coordinator],
         peak_rss_growth_mib=max(0.0, _peak_rss_mib() - before),
         plan_reused=results[coordinator].plan_reused,
+        coordinator_gc_seconds=world.gc_seconds[coordinator],
     )
 
 
 @dataclass
 class LoadSim:
+    """A simulated load: every rank's traffic, the coordinator's time in its steps (of which
+    ``coordinator_gc_seconds`` was Python's garbage collector), the metadata's parse time, and
+    how many tensor entries the coordinator parsed (its own targets' only)."""
+
     traffic: dict[int, Traffic]
     coordinator_seconds: float
     metadata_parse_seconds: float
+    coordinator_gc_seconds: float = 0.0
+    coordinator_entries_parsed: int = 0
+    coordinator_calls: int = 0  # function calls in the coordinator's steps (count_calls=True)
 
 
 class _NoWork:
@@ -244,12 +253,14 @@ def simulate_load(
     unique_id: int = 0,
     plan_ranks: Sequence[int] = (),
     object_storage: bool = False,
+    count_calls: bool = False,
 ) -> LoadSim:
     """Run the load protocol for every rank of ``layouts`` on a shared file system (every rank
     sees the metadata and every data file), or with ``object_storage`` as on an s3:// URL (the
     coordinator reads the metadata and broadcasts it). The coordinator parses the metadata and
     plans its reads for real (timed); so do the ranks in ``plan_ranks``; the others reuse the
-    parsed metadata and skip planning, which sends no message."""
+    parsed metadata and skip planning, which sends no message. ``count_calls`` counts the
+    function calls of the coordinator's steps (slower)."""
     ranks = tuple(sorted(layouts))
     world = SimWorld(ranks, coordinator)
     parsed: dict[str, Metadata] = {}
@@ -264,5 +275,8 @@ def simulate_load(
         return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
                             object_storage)
 
-    world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
-    return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds)
+    world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,), count_calls=count_calls)
+    tensors = parsed[coordinator].tensors
+    entries = tensors.parsed_count if isinstance(tensors, LazyTensors) else len(tensors)
+    return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds, world.gc_seconds[coordinator], entries,
+                   world.calls[coordinator])
