@@ -22,7 +22,7 @@ from .dist.comm import GROUPS, make_comm
 from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
-from .io import is_file, open_storage, storage
+from .io import is_file, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ def read_metadata(path: str, unique_id: int | None = None, *, storage_options: d
     path = os.fspath(path)
     check_id(unique_id)
     store = open_storage(path, storage_options)
-    listing = storage.list_files(store, temporary=False)
+    listing = store.list_checkpoints(temporary=False)
     if unique_id is None:
         if listing.latest is None:
             raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")

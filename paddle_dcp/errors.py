@@ -15,9 +15,13 @@
       UnsupportedError   a layout or value this version refuses (also a ValueError)
 
 Every message says what went wrong, where (key, file, rank) and, where it helps, what to do.
+A rank's failure crosses to other ranks as a :class:`Failure` (its class and message, as
+data), never as text to parse.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Mapping
 
 
@@ -64,6 +68,63 @@ class UnsupportedError(DcpError, ValueError):
     """An argument, layout or value paddle_dcp refuses (rather than ignoring it silently)."""
 
 
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure as it crosses to other ranks: structured, never text to parse.
+
+    Attributes:
+        kind: the exception's class name (``"IntegrityError"``); empty for what a rank saw of
+            another (``"closed the connection"``), which is no exception of its own.
+        message: the exception's message.
+        mismatch: the exception is a :class:`MismatchError` (when every failure of a step is
+            one, every rank raises :class:`CollectiveMismatchError`).
+        also: the paddle_dcp class a reader may look for besides ``kind`` (a StateDictError
+            is also the FormatError earlier releases raised).
+    """
+
+    kind: str
+    message: str
+    mismatch: bool = False
+    also: str = ""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Failure":
+        also = FormatError.__name__ if isinstance(exc, StateDictError) else ""
+        return cls(type(exc).__name__, str(exc), isinstance(exc, MismatchError), also)
+
+    def line(self) -> str:
+        """"Type: message", the form of ``CollectiveError.failures``."""
+        if not self.kind:
+            return self.message
+        name = f"{self.kind} ({self.also})" if self.also else self.kind
+        return f"{name}: {self.message}"
+
+    def as_dict(self, limit: int = 4000) -> dict:
+        """The failure as a JSON-ready dict, its message cut to ``limit`` characters."""
+        return {"kind": self.kind, "message": self.message[:limit], "mismatch": self.mismatch, "also": self.also}
+
+    @classmethod
+    def from_dict(cls, doc: object) -> "Failure":
+        """The failure :meth:`as_dict` gave; what is not one is reported as it came."""
+        try:
+            assert isinstance(doc, dict)
+            return cls(str(doc["kind"]), str(doc["message"]), doc["mismatch"] is True, str(doc.get("also", "")))
+        except (AssertionError, KeyError, TypeError):
+            return cls("", f"a malformed failure report: {str(doc)[:200]}")
+
+    def encode(self, limit: int = 4000) -> bytes:
+        """The failure as JSON bytes, its message cut to ``limit`` characters."""
+        return json.dumps(self.as_dict(limit)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Failure":
+        """The failure :meth:`encode` gave; what does not decode is reported as it came."""
+        try:
+            return cls.from_dict(json.loads(data))
+        except ValueError:
+            return cls("", f"a malformed failure report: {bytes(data[:200])!r}")
+
+
 class CollectiveError(DcpError):
     """A step of a collective save or load failed on one or more ranks.
 
@@ -72,11 +133,13 @@ class CollectiveError(DcpError):
     Attributes:
         step: name of the step that failed (e.g. ``"write"``).
         failures: rank -> "ErrorType: message" for every rank that failed.
+        errors: rank -> :class:`Failure`, the same as data.
     """
 
-    def __init__(self, step: str, failures: Mapping[int, str]):
+    def __init__(self, step: str, failures: Mapping[int, "Failure | str"]):
         self.step = step
-        self.failures = dict(sorted(failures.items()))
+        self.errors = {r: f if isinstance(f, Failure) else Failure("", str(f)) for r, f in sorted(failures.items())}
+        self.failures = {r: f.line() for r, f in self.errors.items()}
         shown = list(self.failures.items())[:8]
         lines = [f"rank {r}: {msg}" for r, msg in shown]
         if len(self.failures) > len(shown):
@@ -86,7 +149,7 @@ class CollectiveError(DcpError):
         )
 
     def __reduce__(self):  # keep the exception picklable for multiprocessing users
-        return (type(self), (self.step, self.failures))
+        return (type(self), (self.step, self.errors))
 
 
 class CollectiveMismatchError(CollectiveError, MismatchError):
@@ -95,24 +158,9 @@ class CollectiveMismatchError(CollectiveError, MismatchError):
     catches it on every rank."""
 
 
-def failure_line(exc: BaseException) -> str:
-    """One rank's failure as "Type: message", the form of ``CollectiveError.failures``.
-
-    A StateDictError is written "StateDictError (FormatError): ...": it is also a FormatError,
-    the class earlier releases raised for it, and readers of the line may look for that name.
-    """
-    name = type(exc).__name__
-    if isinstance(exc, StateDictError):
-        name = f"{name} ({FormatError.__name__})"
-    return f"{name}: {exc}"
-
-
-_MISMATCH_NAMES = (MismatchError.__name__, StateDictError.__name__)
-
-
-def collective_error(step: str, failures: Mapping[int, str]) -> CollectiveError:
-    """The CollectiveError every rank raises for ``failures`` (rank -> "Type: message")."""
-    names = [m.split(":", 1)[0].split(" ", 1)[0] for m in failures.values()]
-    if names and all(name in _MISMATCH_NAMES for name in names):
+def collective_error(step: str, failures: Mapping[int, Failure]) -> CollectiveError:
+    """The CollectiveError every rank raises for ``failures``: a CollectiveMismatchError when
+    every one of them is a MismatchError."""
+    if failures and all(f.mismatch for f in failures.values()):
         return CollectiveMismatchError(step, failures)
     return CollectiveError(step, failures)

@@ -43,7 +43,7 @@ from .core import nested
 from .core.boxes import Box, element_span, is_contiguous
 from .core.dtypes import itemsize, storage_dtype
 from .dist import protocol, wire
-from .dist.comm import Comm, describe_error, make_comm
+from .dist.comm import Comm, make_comm
 from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
     GatherPlan,
     Group,
@@ -53,7 +53,7 @@ from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
     _summary,
     plan_gather,
 )
-from .errors import ArgumentError, CollectiveError, FormatError
+from .errors import ArgumentError, CollectiveError, Failure, FormatError, collective_error
 from .format.safetensors import MAX_HEADER_BYTES
 from .io import open_output
 from .io.storage import DataFileWriter
@@ -146,7 +146,7 @@ def save_gathered(
     if failures:
         if comm.size == 1 and error is not None:
             raise error
-        raise CollectiveError("gather save", failures) from error
+        raise collective_error("gather save", failures) from error
     if rank.is_root:
         plan = rank.plan
         logger.info(
@@ -220,14 +220,15 @@ class GatherRank:
         else:
             self.sends = _parse_assignment(assignment, self.held, self.root)
 
-    def transfer(self, comm: Comm) -> tuple[BaseException | None, dict[int, str]]:
+    def transfer(self, comm: Comm) -> tuple[BaseException | None, dict[int, Failure]]:
         """Steps 3 and 4: this rank's part of the transfer and of the final reports; returns
-        (this rank's failure, every failing rank's message), the same failures on every rank."""
+        (this rank's failure, every failing rank's Failure), the same failures on every rank."""
         if self.is_root:
             return _gather_and_commit(comm, self, self.durable)
         error = _send_all(comm, self.root, self.sends, self.held)
-        wire.send_message(comm, self.root, describe_error(error).encode()[:_MAX_REPORT] if error is not None else b"")
-        return error, {int(r): m for r, m in json.loads(wire.recv_message(comm, self.root, "gather save")).items()}
+        wire.send_message(comm, self.root, Failure.of(error).encode(_MAX_REPORT) if error is not None else b"")
+        verdict = json.loads(wire.recv_message(comm, self.root, "gather save"))
+        return error, {int(r): Failure.from_dict(f) for r, f in verdict.items()}
 
 
 def save_steps(rank: GatherRank) -> protocol.Protocol:
@@ -256,24 +257,24 @@ def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[Bas
         raise
     if error is not None:
         writer.abort()
-    failures = {}
+    failures: dict[int, Failure] = {}
     if error is not None:
-        failures[comm.rank] = describe_error(error)
+        failures[comm.rank] = Failure.of(error)
     for r in comm.ranks:
         if r != rank.root:
             report = wire.recv_message(comm, r, "gather save")
             if report:
-                failures[r] = report.decode(errors="replace")
+                failures[r] = Failure.decode(report)
     if not failures:
         try:
             writer.commit(durable)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
-            failures[comm.rank] = describe_error(exc)
+            failures[comm.rank] = Failure.of(exc)
             writer.abort()
     elif error is None:
         writer.abort()
-    verdict = json.dumps({str(r): m for r, m in failures.items()}).encode()
+    verdict = json.dumps({str(r): f.as_dict() for r, f in failures.items()}).encode()
     for r in comm.ranks:
         if r != rank.root:
             wire.send_message(comm, r, verdict)

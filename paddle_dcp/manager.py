@@ -21,13 +21,14 @@ import os
 import socket
 from typing import Any, Callable
 
+from .io import cleanup
 from . import async_save as background_saves
 from .api import load_state_dict, save_state_dict
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
 from .dist.comm import Comm, make_comm
 from .errors import ArgumentError, FormatError
-from .io import is_url, open_storage, storage
+from .io import is_url, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class CheckpointManager:
             self.store.write_atomic(MANIFEST_NAME, manifest.to_json())
             for step in doomed:  # no metadata, no checkpoint: from here on it is never loaded
                 self.store.remove([metadata_name(step)])
-                storage.remove_temporary(self.store, step, -1)
+                cleanup.remove_temporary(self.store, step, -1)
             return manifest, doomed
 
         doomed = self._decide(comm, "retention: choose", choose, write=False)
@@ -254,11 +255,11 @@ class CheckpointManager:
         with comm.step("retention: remove data files"):
             if not self.store.seen_by_all:
                 for step in doomed:
-                    storage.remove_data(self.store, step, comm.rank)
-                    storage.remove_temporary(self.store, step, comm.rank)
+                    cleanup.remove_data(self.store, step, comm.rank)
+                    cleanup.remove_temporary(self.store, step, comm.rank)
             elif comm.rank == comm.coordinator:  # one listing, batched deletes, for every rank
                 listing = self.store.list_checkpoints()
-                names = [n for step in doomed for n in listing.data_names(step) + storage.temporary_names(listing, step)]
+                names = [n for step in doomed for n in listing.data_names(step) + cleanup.temporary_names(listing, step)]
                 self.store.remove(names)
         self._decide(comm, "retention: forget", lambda m: (m.without(doomed), None))
         logger.info("CheckpointManager %s: deleted steps %s", self.directory, doomed)

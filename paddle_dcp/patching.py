@@ -38,7 +38,7 @@ from .core.naming import METADATA_RE
 from .core.nested import flat_key, walk
 from .errors import ArgumentError, DcpError
 from .io import is_file, open_file
-from .io.storage import read_range
+from .io.reads import read_range
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from .io import reads
 from .core import load_plan, nested
 from .core.keys import MissingKeys, Reconciled, reconcile, report
 from .dist.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
@@ -134,7 +135,7 @@ def _read(
 
     meta = hf_dir.files_metadata([(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work})
     files = store.open_files(meta)
-    staging = storage.Staging()
+    staging = reads.Staging()
     stage = PinnedStage()
     nbytes = 0
     try:
@@ -145,8 +146,8 @@ def _read(
                 target = load_plan.TargetPiece(entry.key, entry.dtype, entry.shape, h.piece.box)
                 view = buffer.array.reshape(h.piece.box.shape)
                 ops = load_plan.plan_reads(meta, [target])
-                for op in storage.read_ahead(files, ops):
-                    storage.execute_op(op, files, [view], staging, verify=False)
+                for op in reads.read_ahead(files, ops):
+                    reads.execute_op(op, files, [view], staging, verify=False)
                 nbytes += view.nbytes
             else:
                 buffer.fill(fill)

@@ -93,3 +93,10 @@ SAFETENSORS_CODES = {
     "complex64": "C64",
 }
 DTYPE_OF_SAFETENSORS_CODE = {code: name for name, code in SAFETENSORS_CODES.items()}
+
+
+def as_bytes(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    if not array.flags.c_contiguous:
+        raise ValueError("array must be C-contiguous")
+    return array.reshape(-1).view(np.uint8).data

@@ -225,9 +225,8 @@ class Metadata:
         """Parse and validate the entries of ``keys`` now, in one vectorised pass (a load
         uses a few hundred entries at once); any entry that pass cannot take is parsed, and
         any error worded, on first use."""
-        prefetch = getattr(self.tensors, "prefetch", None)
-        if prefetch is not None:
-            prefetch(keys)
+        if isinstance(self.tensors, LazyTensors):  # a dict's entries are parsed already
+            self.tensors.prefetch(keys)
 
     def validate(self) -> "Metadata":
         """Parse and validate every tensor entry now (they are otherwise checked on first use)."""

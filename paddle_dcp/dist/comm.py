@@ -24,13 +24,9 @@ import numpy as np
 from . import requests as p
 from .groups import GROUPS
 from .wire import pad as _pad, unpad as _unpad
-from ..errors import ArgumentError, CollectiveError, DcpError, collective_error, failure_line
+from ..errors import ArgumentError, CollectiveError, DcpError, Failure, collective_error
 
 logger = logging.getLogger(__name__)
-
-
-def describe_error(exc: BaseException) -> str:
-    return failure_line(exc)
 
 
 @dataclass
@@ -155,9 +151,9 @@ class Comm:
         maxima = self._collective(step, lambda: self.all_max([1 if error is not None else 0, *values]))
         if not maxima[0]:
             return list(maxima[1:])
-        message = describe_error(error).encode()[:4000] if error is not None else b""
-        messages = self._collective(step, lambda: self.all_gather(message))
-        failures = {self.ranks[i]: m.decode(errors="replace") for i, m in enumerate(messages) if m}
+        report = Failure.of(error).encode() if error is not None else b""
+        reports = self._collective(step, lambda: self.all_gather(report))
+        failures = {self.ranks[i]: Failure.decode(m) for i, m in enumerate(reports) if m}
         raise collective_error(step, failures) from error
 
     @contextmanager
@@ -177,7 +173,7 @@ class Comm:
             raise
         except Exception as exc:  # a dead peer, a timeout of the backend
             raise CollectiveError(
-                step, {self.rank: f"communication failed ({describe_error(exc)}); another rank may have died"}
+                step, {self.rank: f"communication failed ({Failure.of(exc).line()}); another rank may have died"}
             ) from exc
 
     def call(self, step: str, fn):

@@ -26,10 +26,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import wire
-from .comm import Comm, describe_error
-from ..errors import CollectiveError, DcpError, StorageError
+from .comm import Comm
+from ..errors import CollectiveError, DcpError, Failure, StorageError
 from ..core.load_plan import ReadOp
-from ..io.storage import RangeSource, Staging, Storage
+from ..io.reads import Staging
+from ..io.storage import RangeSource, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def ask_for_metadata(
                 try:
                     wire.send_message(comm, peer, answer(peer, question))
                 except Exception as exc:  # noqa: BLE001 - sent back, not left hanging
-                    wire.send_message(comm, peer, describe_error(exc).encode(), wire.FAILED)
+                    wire.send_failure(comm, peer, exc)
                     error = error or exc
     if error is not None:
         raise error
@@ -114,9 +115,10 @@ def fetch_remote(
                                 msg = np.zeros(length, np.uint8)
                                 if length:
                                     comm.recv_into(peer, msg)
+                                why = (Failure.decode(msg.tobytes()).line() if status == wire.FAILED
+                                       else f"it sent {length} bytes where {len(out)} were expected")
                                 raise StorageError(
-                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of "
-                                    f"{file_name(op.file)}: {msg.tobytes().decode(errors='replace')}"
+                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of {file_name(op.file)}: {why}"
                                 )
                             comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
 
@@ -150,7 +152,7 @@ def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> Dc
             buf = staging.get(stop - start)
             reader.read_into(str(name), start, memoryview(buf))
         except DcpError as exc:
-            wire.send_message(comm, client, describe_error(exc).encode(), wire.FAILED)
+            wire.send_failure(comm, client, exc)
             error = error or exc
             continue
         wire.send_message(comm, client, buf)
@@ -169,7 +171,7 @@ def check_remote(
     compare them with the metadata's, and answer the same question for this rank's clients.
     Raises IntegrityError naming the file and range of the first mismatch."""
     from ..errors import IntegrityError
-    from ..io.storage import checksum
+    from ..core.checksums import checksum
 
     me = comm.rank
     reader = store.range_reader()
@@ -211,7 +213,7 @@ def check_remote(
                                 sums.append(checksum(memoryview(buf), seed))
                         wire.send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
                     except DcpError as exc:
-                        wire.send_message(comm, peer, describe_error(exc).encode(), wire.FAILED)
+                        wire.send_failure(comm, peer, exc)
                         error = error or exc
     finally:
         reader.close()

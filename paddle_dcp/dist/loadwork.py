@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
 
+from ..core import checksums
+from ..io import reads
 from . import exchange, wire
 from .comm import Comm
 from .device import PinnedStage, TargetBuffer
@@ -37,7 +40,7 @@ def visible_files(listing, uid: int) -> set[str]:
 class LocalLoadWork:
     """One rank's load: read ops, the buffers they fill, and what finishes each buffer.
 
-    ``buffers`` / ``fills`` are per state-dict tensor; ``views`` are the arrays the ops'
+    ``buffers`` (each a :class:`LoadTarget`) / ``fills`` are per state-dict tensor; ``views`` are the arrays the ops'
     copies name (one per target box, views of the buffers), followed by one staging array
     per ``staged`` part of an aoa_config mapping."""
 
@@ -45,7 +48,7 @@ class LocalLoadWork:
         self.flat, self.meta = flat, meta
         self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
         self.verify = verify
-        self.staging = storage.Staging()
+        self.staging = reads.Staging()
         self.local, self.remote = list(ops), {}
         self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = None
@@ -53,7 +56,7 @@ class LocalLoadWork:
         self.store: storage.Storage | None = None  # where ``files`` are (ranges served to others)
         self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
         self.arrays = list(views) + aoa.staging_arrays(self.staged)
-        self.run = lambda op, fetch: storage.execute_op(op, files, self.arrays, self.staging, verify, fetch)
+        self.run = lambda op, fetch: reads.execute_op(op, files, self.arrays, self.staging, verify, fetch)
 
     def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
         """Ops on files this rank can read, and the others by the rank that will serve them
@@ -112,22 +115,22 @@ class LocalLoadWork:
         if not self.verify:
             return
         ops = self.local if self.checks is None else self.checks
-        for op in storage.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
-            storage.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
+        for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
+            reads.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
         if not self.verify:
             return
-        blocks = lambda op: [b for seg in op.segments for b in storage.segment_blocks(self.meta, seg)]  # noqa: E731
+        blocks = lambda op: [b for seg in op.segments for b in checksums.segment_blocks(self.meta, seg)]  # noqa: E731
         exchange.check_remote(comm, self.store, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
 
     def read_local(self) -> None:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
         not hashed again; a file written since it was opened is refused once the copy ends."""
         try:
-            for op in storage.read_ahead(self.files, self.local):
-                storage.execute_op(op, self.files, self.arrays, self.staging, verify=False)
+            for op in reads.read_ahead(self.files, self.local):
+                reads.execute_op(op, self.files, self.arrays, self.staging, verify=False)
             self.files.check_unchanged()
         finally:
             if not self.remote:
@@ -229,7 +232,21 @@ def key_targets(held, buffer) -> list[tuple[Box, np.ndarray]]:
     return [(box, buffer.array.reshape(box.shape))]
 
 
-def target_buffer(held, offload: bool) -> "NumpyTarget | TargetBuffer":
+class LoadTarget(Protocol):
+    """Where one state-dict tensor of this rank is loaded: ``array``, the host buffer the
+    reads fill (None: this rank loads nothing into it); ``fill``, a constant instead of read
+    bytes (a Partial tensor's other ranks); ``finish``, the buffer handed to the caller's
+    tensor once every read is done. :class:`NoTarget`, :class:`NumpyTarget` and
+    :class:`~paddle_dcp.dist.device.TargetBuffer` are the kinds."""
+
+    array: np.ndarray | None
+
+    def fill(self, value: Any) -> None: ...
+
+    def finish(self, stage: PinnedStage | None = None) -> None: ...
+
+
+def target_buffer(held, offload: bool) -> LoadTarget:
     """Where this rank's part of one state-dict tensor is loaded: the numpy array itself, or
     a paddle tensor's host buffer (:class:`~paddle_dcp.dist.device.TargetBuffer`)."""
     if isinstance(held.local, np.ndarray):
@@ -242,7 +259,10 @@ class NoTarget:
 
     array = None
 
-    def finish(self, stage=None):
+    def fill(self, value: Any) -> None:
+        pass
+
+    def finish(self, stage: PinnedStage | None = None) -> None:
         pass
 
 
@@ -254,8 +274,8 @@ class NumpyTarget:
             raise MismatchError(f"{key}: numpy arrays loaded in place must be C-contiguous and writable")
         self.array = array
 
-    def fill(self, value) -> None:
+    def fill(self, value: Any) -> None:
         self.array[...] = value
 
-    def finish(self, stage=None) -> None:
+    def finish(self, stage: PinnedStage | None = None) -> None:
         pass

@@ -10,6 +10,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..core import checksums
+from ..io import cleanup
+from ..core.dtypes import as_bytes
 from . import exchange, protocol, wire
 from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
@@ -111,11 +114,11 @@ class LocalSaveRank:
             return -1
         listing = self.listing = self.listing or self.store.list_checkpoints()
         if self.store.seen_by_all:
-            stale = storage.temporary_names(listing, uid)
+            stale = cleanup.temporary_names(listing, uid)
         else:
-            stale = storage.temporary_names(listing, uid, self.rank)
+            stale = cleanup.temporary_names(listing, uid, self.rank)
             if self.rank == self.coordinator:
-                stale += storage.temporary_names(listing, uid, -1)
+                stale += cleanup.temporary_names(listing, uid, -1)
         self.store.remove(stale)
         gens = listing.generations(uid)  # temporary files are no generation
         return max(gens) if gens else -1
@@ -159,9 +162,9 @@ class LocalSaveRank:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
         coordinator alone, on storage every rank sees alike)."""
         if not self.store.seen_by_all:
-            storage.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
+            cleanup.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
         elif self.rank == self.coordinator:
-            storage.remove_data(self.store, uid, None, keep_generation=generation, listing=self.listing)
+            cleanup.remove_data(self.store, uid, None, keep_generation=generation, listing=self.listing)
 
 
 def write_pieces(
@@ -189,8 +192,8 @@ def write_pieces(
                 data = array = None  # the previous copy (and every view of it) goes first
                 last, data = i, host_bytes(held[i].local)
             array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
-            seed = storage.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)
-            sums.extend(writer.write(storage.as_bytes(array), keep=data, seed=seed))
+            seed = checksums.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)
+            sums.extend(writer.write(as_bytes(array), keep=data, seed=seed))
         return writer.commit(durable), sums
     except BaseException:
         writer.abort()
@@ -240,7 +243,7 @@ class LocalLoadRank:
         given = self.unique_id is not None and not self.safetensors
         if self.lists_for_all and (self.rank != self.coordinator or given):
             return storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
-        listing = storage.list_files(self.store, temporary=False)
+        listing = self.store.list_checkpoints(temporary=False)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             self.directory = True
             self.shards = safetensors_files.shard_names(self.store, listing.files)

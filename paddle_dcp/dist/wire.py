@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CollectiveError, FormatError, collective_error
+from ..errors import CollectiveError, Failure, FormatError, collective_error
 from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
@@ -163,6 +163,17 @@ def send_message(comm, peer: int, data: bytes | np.ndarray, status: int = OK) ->
         comm.send(peer, arr)
 
 
+def send_failure(comm, peer: int, exc: BaseException) -> None:
+    """Tell ``peer``, which waits for a message, that this rank failed with ``exc`` (as a
+    :class:`~paddle_dcp.errors.Failure`: its class and message, as data)."""
+    send_message(comm, peer, Failure.of(exc).encode(), FAILED)
+
+
+def recv_failure(data: bytes, step: str, peer: int) -> CollectiveError:
+    """The error of ``step`` that a FAILED message from ``peer`` carries."""
+    return collective_error(step, {peer: Failure.decode(data)})
+
+
 def recv_message(comm, peer: int, step: str = "message") -> bytes:
     """The next message from ``peer``; a failure it reported is raised as the CollectiveError
     of ``step`` naming it (a CollectiveMismatchError for a MismatchError)."""
@@ -171,5 +182,5 @@ def recv_message(comm, peer: int, step: str = "message") -> bytes:
     if length:
         comm.recv_into(peer, buf)
     if status == FAILED:
-        raise collective_error(step, {peer: buf.tobytes().decode(errors="replace")})
+        raise recv_failure(buf.tobytes(), step, peer)
     return buf.tobytes()

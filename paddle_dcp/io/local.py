@@ -22,7 +22,8 @@ import numpy as np
 from ..errors import FormatError, IntegrityError, StorageError
 from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, aligned, check_member_name
 from ..core.naming import TMP_MARK, metadata_name
-from .storage import Listing, block_checksums, listing_of, metadata_from_bytes
+from ..core.checksums import block_checksums
+from .storage import Listing, listing_of, metadata_from_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"cannot create the directory {self.path}: {exc}", self.path) from exc
 
-    def list_checkpoints(self) -> Listing:
-        return list_checkpoints(self.path)
+    def list_checkpoints(self, temporary: bool = True) -> Listing:
+        return list_checkpoints(self.path)  # temporary files are listed with the rest, at no cost
 
     def size(self, name: str) -> int | None:
         full = os.path.join(self.path, name)

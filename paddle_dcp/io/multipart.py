@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..core.metadata import aligned
 from ..errors import StorageError
-from .storage import block_checksums
+from ..core.checksums import block_checksums
 
 logger = logging.getLogger(__name__)
 

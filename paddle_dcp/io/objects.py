@@ -158,7 +158,6 @@ def open_url(url: str, storage_options: dict | None = None) -> "ObjectStorage":
 class ObjectStorage:
     """The :class:`paddle_dcp.io.storage.Storage` of the objects under a URL prefix."""
 
-    lists_temporary_apart = True  # list_checkpoints(temporary=False) saves a request (storage.list_files)
     seen_by_all = True  # one bucket for every rank: the coordinator lists and cleans for all
 
     def __init__(self, url: str, fs: Any, root: str, options: ObjectOptions, protocol: str):

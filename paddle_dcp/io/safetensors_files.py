@@ -11,7 +11,8 @@ from ..core.metadata import Metadata
 from ..errors import FormatError
 from ..format import hf_dir
 from ..format.safetensors import MAX_HEADER_BYTES, Header, header_from
-from .storage import Storage, read_range
+from .reads import read_range
+from .storage import Storage
 
 
 def where(path: str, name: str) -> str:

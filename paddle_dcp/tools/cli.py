@@ -17,6 +17,7 @@ import sys
 import traceback
 from typing import Any, Sequence
 
+from ..io import cleanup
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -248,9 +249,9 @@ def cmd_clean(args) -> int:
     if args.dry_run:
         removed = planned
     else:
-        removed = storage.remove_temporary(open_storage(path))
+        removed = cleanup.remove_temporary(open_storage(path))
         if args.incomplete:
-            removed += storage.remove_incomplete(open_storage(path))
+            removed += cleanup.remove_incomplete(open_storage(path))
             removed += open_storage(path).remove(_superseded(path, open_storage(path).list_checkpoints()))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:

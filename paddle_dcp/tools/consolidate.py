@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..io import reads
+from ..core.dtypes import as_bytes
 from ..core import load_plan, nested
 from ..io import is_url, open_output, open_storage, storage
 from ..io.local import atomic_path
@@ -118,7 +120,7 @@ class TensorReader:
     def read_pieces(self, pieces: Sequence[load_plan.TargetPiece], slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
         """Fill ``arrays[slots[i]]`` (shaped as the box, storage dtype) with each piece."""
         ops = load_plan.plan_reads(self.meta, pieces, max_read_bytes=self.slab_bytes, slots=slots)
-        storage.execute_reads(ops, self.files, arrays)
+        reads.execute_reads(ops, self.files, arrays)
 
     def slabs(self, key: str, slab_bytes: int | None = None) -> Iterator[np.ndarray]:
         """The tensor's elements in C order, as consecutive arrays of at most ``slab_bytes``
@@ -162,7 +164,7 @@ def output_bytes(reader: TensorReader, key: str, bf16_as_float32: bool, progress
 def counted_bytes(slabs: Iterator[np.ndarray], progress: Progress | None) -> Iterator[memoryview]:
     """The bytes of each slab, counted by ``progress`` once the consumer asks for the next."""
     for slab in slabs:
-        yield storage.as_bytes(slab)
+        yield as_bytes(slab)
         if progress:
             progress(slab.nbytes)
 

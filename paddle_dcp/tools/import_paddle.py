@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..core import checksums
+from ..core.dtypes import as_bytes
 from ..core.boxes import Box, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
 from ..core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry, aligned
@@ -271,8 +273,8 @@ def _write_piece(
             continue
         start = aligned(writer.offset)
         box_offsets = tuple(o + r for o, r in zip(offset, rel.offsets))
-        seed = storage.piece_seed(key, dtype, box_offsets, rel.shape)
-        sums = writer.write(storage.as_bytes(np.ascontiguousarray(data)), seed=seed)
+        seed = checksums.piece_seed(key, dtype, box_offsets, rel.shape)
+        sums = writer.write(as_bytes(np.ascontiguousarray(data)), seed=seed)
         rows.append((box_offsets, rel.shape, file_index, start, sums))
 
 

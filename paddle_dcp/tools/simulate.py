@@ -12,7 +12,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class _SimSaveRank:
     created_by = ""
     replicas = False
     staged = False
-    layout = None
+    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None
 
     def __init__(self, rank, ranks, coordinator, layout: RankLayout, values, block_bytes, cache, unique_id, published):
         self.rank, self.ranks, self.coordinator = rank, ranks, coordinator
@@ -88,6 +88,9 @@ class _SimSaveRank:
 
     def prepare_id(self, uid: int) -> int:
         return -1
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        return False  # never asked: the simulation does not stage (``staged`` False)
 
     def stage(self, leaves) -> None:
         pass
@@ -129,7 +132,7 @@ def simulate_save(
         extra = [[k, {"x": 0}] for k in values]
         layouts = {r: RankLayout({"d": l.skeleton["d"] + extra}, l.pieces) for r, l in layouts.items()}
 
-    def rank_ctx(r: int) -> _SimSaveRank:
+    def rank_ctx(r: int) -> protocol.SaveRankProtocol:  # mypy checks that the simulated rank is one
         return _SimSaveRank(r, ranks, coordinator, layouts[r], values, block_bytes, caches.setdefault(r, {}),
                             unique_id, published)
 
@@ -205,7 +208,7 @@ class _SimLoadRank:
     bytes it broadcasts). With a ``layout``, it parses the metadata and plans its reads for
     real; without, it reuses the parsed ``shared`` metadata and plans nothing."""
 
-    unique_id = None
+    unique_id: int | None = None
     path = "<simulated>"
     shares_targets = False
 
@@ -263,14 +266,14 @@ def simulate_load(
     function calls of the coordinator's steps (slower)."""
     ranks = tuple(sorted(layouts))
     world = SimWorld(ranks, coordinator)
-    parsed: dict[str, Metadata] = {}
+    parsed: dict[int, Metadata] = {}
     t0 = time.perf_counter()
     shared = parse_metadata(metadata_json, lazy=True)
     parse_seconds = time.perf_counter() - t0
-    writers = [storage.parse_data_name(f.name) for f in shared.files]
+    writers = [w for w in (storage.parse_data_name(f.name) for f in shared.files) if w is not None]
     listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset((r, g) for r, _, g in writers)})
 
-    def rank_ctx(r: int) -> _SimLoadRank:
+    def rank_ctx(r: int) -> protocol.LoadRankProtocol:  # mypy checks that the simulated rank is one
         real = r == coordinator or r in plan_ranks
         return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
                             object_storage)

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..core import checksums
 from . import consolidate
 from ..core.metadata_parse import check_entry
 from ..core.metadata import Metadata, TensorEntry, blocks_of
@@ -161,10 +162,10 @@ def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
     ):
         entry = entries[keys[k]]
         sums = entry.pieces.checksums
-        seed = storage.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
+        seed = checksums.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
         bad, first_bad, nblocks = 0, None, int(blocks_of(nbytes, block))
-        for b, at, length in storage.blocks(off, off + nbytes, off, block):
-            if storage.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
+        for b, at, length in checksums.blocks(off, off + nbytes, off, block):
+            if checksums.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
                 bad += 1
                 first_bad = first_bad or (at, at + length)
         counts["bytes"] += nbytes

@@ -16,6 +16,9 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from paddle_dcp.core import checksums
+from paddle_dcp.io import reads
+from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan, nested, save_plan
 from paddle_dcp.dist import wire
 from paddle_dcp.io import local, storage
@@ -194,8 +197,8 @@ def save_checkpoint(
         cs: list[int] = []
         for leaf in leaves.tolist():
             p = pieces[leaf]
-            seed = storage.piece_seed(p.key, p.dtype, p.box.offsets, p.box.shape)
-            cs += w.write(storage.as_bytes(np.ascontiguousarray(flat.tensors[p.key])), seed=seed)
+            seed = checksums.piece_seed(p.key, p.dtype, p.box.offsets, p.box.shape)
+            cs += w.write(as_bytes(np.ascontiguousarray(flat.tensors[p.key])), seed=seed)
         assert w.commit() == plan.file_bytes[r]
         sums[r] = np.array(cs, dtype=np.uint64)
     structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)
@@ -217,7 +220,7 @@ def load_rank(path: str, unique_id: int, targets: Sequence[load_plan.TargetPiece
     out = [garbage_like(t.box.shape, t.dtype) for t in targets]
     files = local.FileSet(path, meta)
     try:
-        storage.execute_reads(ops, files, out)
+        reads.execute_reads(ops, files, out)
     finally:
         files.close()
     return out, ops

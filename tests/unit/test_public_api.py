@@ -67,10 +67,14 @@ def test_collective_error_names_ranks_and_survives_pickling():
     assert "rank 1: FormatError: bad" in str(e) and "2 rank(s)" in str(e)
     back = pickle.loads(pickle.dumps(e))
     assert back.step == e.step and back.failures == e.failures and str(back) == str(e)
-    mismatch = errors.collective_error("plan", {0: "MismatchError: 2 key(s) ...", 1: "MismatchError: 1 key(s) ..."})
+    one, two = errors.MismatchError("2 key(s) ..."), errors.MismatchError("1 key(s) ...")
+    mismatch = errors.collective_error("plan", {0: errors.Failure.of(one), 1: errors.Failure.of(two)})
     assert isinstance(mismatch, errors.MismatchError) and isinstance(mismatch, errors.CollectiveError)
-    assert type(pickle.loads(pickle.dumps(mismatch))) is errors.CollectiveMismatchError
-    assert not isinstance(errors.collective_error("plan", {0: "MismatchError: a", 1: "OSError: b"}), errors.MismatchError)
+    assert mismatch.failures == {0: "MismatchError: 2 key(s) ...", 1: "MismatchError: 1 key(s) ..."}
+    back = pickle.loads(pickle.dumps(mismatch))
+    assert type(back) is errors.CollectiveMismatchError and back.errors == mismatch.errors
+    other = errors.collective_error("plan", {0: errors.Failure.of(one), 1: errors.Failure.of(OSError("b"))})
+    assert not isinstance(other, errors.MismatchError)
     many = errors.CollectiveError("plan", {r: "x" for r in range(20)})
     assert "and 12 more ranks" in str(many)
 
@@ -115,9 +119,22 @@ def test_save_and_load_take_paddles_arguments_in_paddles_order():
 def test_a_bad_state_dict_is_a_mismatch_and_still_a_format_error():
     assert issubclass(errors.StateDictError, errors.MismatchError)
     assert issubclass(errors.StateDictError, errors.FormatError)
-    line = errors.failure_line(errors.StateDictError("bad: cannot save a value of type object"))
-    assert line == "StateDictError (FormatError): bad: cannot save a value of type object"
-    assert errors.failure_line(OSError("disk full")) == "OSError: disk full"
-    both = errors.collective_error("flatten", {0: line, 1: "MismatchError: 1 key(s) ..."})
+    bad = errors.Failure.of(errors.StateDictError("bad: cannot save a value of type object"))
+    assert bad.line() == "StateDictError (FormatError): bad: cannot save a value of type object"
+    assert errors.Failure.of(OSError("disk full")).line() == "OSError: disk full"
+    both = errors.collective_error("flatten", {0: bad, 1: errors.Failure.of(errors.MismatchError("1 key(s) ..."))})
     assert isinstance(both, errors.CollectiveMismatchError) and "rank 0: StateDictError" in str(both)
-    assert type(errors.collective_error("flatten", {0: line, 1: "OSError: b"})) is errors.CollectiveError
+    assert type(errors.collective_error("flatten", {0: bad, 1: errors.Failure.of(OSError("b"))})) is errors.CollectiveError
+
+
+def test_a_failure_crosses_ranks_as_data_not_as_text_to_parse():
+    """Its class and message travel as JSON fields: a message that reads like another class
+    is not taken for one (text parsing did that), and what does not decode says so."""
+    f = errors.Failure.of(errors.IntegrityError("0_0.distcp: bytes [0, 64) fail their checksum"))
+    assert errors.Failure.decode(f.encode()) == f and f.kind == "IntegrityError" and not f.mismatch
+    posing = errors.Failure.of(OSError("MismatchError: a key is missing"))
+    assert not errors.Failure.decode(posing.encode()).mismatch
+    assert type(errors.collective_error("load", {0: posing})) is errors.CollectiveError
+    assert errors.Failure.decode(b"MismatchError: plain text").kind == ""
+    assert "malformed failure report" in errors.Failure.decode(b"{not json").message
+    assert len(errors.Failure.of(OSError("x" * 10000)).encode(limit=100)) < 300

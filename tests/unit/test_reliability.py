@@ -30,7 +30,7 @@ import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.dist import loadwork
 from paddle_dcp.core import metadata
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, PlanError, StorageError
 from paddle_dcp.core.naming import TMP_RE
 
@@ -786,14 +786,14 @@ SIGBUS_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
     import paddle_dcp
-    from paddle_dcp.io import local, storage
+    from paddle_dcp.io import local, reads
     ck = sys.argv[1]
-    real = storage.verify_segment
+    real = reads.verify_segment
     def truncate_while_mapped(meta, files, file, seg, data):
         for name in ("0_0.distcp", "1_0.distcp"):
             os.truncate(os.path.join(ck, name), 0)
         return real(meta, files, file, seg, data)
-    storage.verify_segment = truncate_while_mapped
+    reads.verify_segment = truncate_while_mapped
     sd = {"model": {"w": np.zeros((8, 5), np.float32), "b": np.zeros(600, np.int64)}, "step": 0}
     try:
         paddle_dcp.load_state_dict(sd, ck)

@@ -16,11 +16,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from paddle_dcp.io import reads
 from paddle_dcp import singlefile
 from paddle_dcp.core import load_plan
 from paddle_dcp.core.keys import MissingKeys
 from paddle_dcp.format import hf_dir
-from paddle_dcp.io import open_storage, storage
+from paddle_dcp.io import open_storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, MismatchError
 
@@ -196,7 +197,7 @@ def test_read_box_reads_exactly_the_box(tmp_path_factory, shape, data, band):
     ops = load_plan.plan_reads(meta, [load_plan.TargetPiece("t", "int32", shape, box)], max_read_bytes=band)
     files = open_storage(str(path.parent)).open_files(meta)
     try:
-        storage.execute_reads(ops, files, [out], verify=False)
+        reads.execute_reads(ops, files, [out], verify=False)
     finally:
         files.close()
     assert np.array_equal(out, array[box.slices() + (Ellipsis,)])

@@ -1,5 +1,8 @@
-"""mypy runs clean on the pure layers (core/, format/) and on the storage layer (io/) with the
-repository's mypy.ini, which requires every function of the pure layers to be annotated."""
+"""mypy runs clean on the pure layers (core/, format/), on the storage layer (io/), on the
+simulated ranks (tools/simulate.py, typed as the protocol's rank interfaces) and on the
+in-memory test storage (tests/unit/io/test_seam.py, typed as a Storage) with the repository's
+mypy.ini, which requires every function of the pure layers to be annotated: a storage or a
+simulated rank that lacks a method of its interface is a type error."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,10 +15,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+CHECKED = ["paddle_dcp/core", "paddle_dcp/format", "paddle_dcp/io", "paddle_dcp/tools/simulate.py", "tests/unit/io/test_seam.py"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install mypy)")
-def test_mypy_is_clean_on_core_format_and_io():
+def test_mypy_is_clean_on_core_format_io_the_simulated_ranks_and_the_test_storage():
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "paddle_dcp/core", "paddle_dcp/format", "paddle_dcp/io"],
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), *CHECKED],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -43,3 +49,28 @@ def test_the_check_sees_a_type_error(tmp_path):
     )
     assert result.returncode != 0
     assert "no-untyped-def" in result.stdout and "assignment" in result.stdout
+
+
+def test_a_storage_without_a_method_of_the_interface_is_a_type_error(tmp_path):
+    # guards the first test: a class returned as a Storage must have every method of it
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install mypy)")
+    (tmp_path / "lacking.py").write_text(
+        "from paddle_dcp.io.storage import Listing, Storage, listing_of\n\n\n"
+        "class Lacking:\n"
+        "    path = 'p'\n"
+        "    seen_by_all = False\n\n"
+        "    def list_checkpoints(self, temporary: bool = True) -> Listing:\n"
+        "        return listing_of([])\n\n\n"
+        "def opened() -> Storage:\n"
+        "    return Lacking()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), str(tmp_path / "lacking.py")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode != 0
+    assert 'Incompatible return value type (got "Lacking", expected "Storage")' in result.stdout, result.stdout

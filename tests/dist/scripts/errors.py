@@ -19,6 +19,7 @@ import paddle
 
 import common as c
 import paddle_dcp
+from paddle_dcp.core import checksums
 from paddle_dcp import CollectiveError
 from paddle_dcp.io import local, storage
 
@@ -180,18 +181,18 @@ def checks_shared_in_a_reshard():
     hash each block once between them (half the bytes each), and the values are exact."""
     p = path("shared_checks")
     paddle_dcp.save_state_dict(c.build(RESHARD_SAVED, 0), p)
-    real, hashed = storage.block_checksum, []
+    real, hashed = checksums.block_checksum, []
 
     def counting(buf, seed, index):
         hashed.append(len(buf))
         return real(buf, seed, index)
 
-    storage.block_checksum = counting
+    checksums.block_checksum = counting
     try:
         sd = c.build(RESHARD_TARGET, 0, target=True)
         paddle_dcp.load_state_dict(sd, p)
     finally:
-        storage.block_checksum = real
+        checksums.block_checksum = real
     c.check_state(sd, RESHARD_TARGET, 0, R)
     total = 256 * 256 * 4
     assert 0 < sum(hashed) <= total // 2, (sum(hashed), total)

@@ -26,8 +26,9 @@ import common as c
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
 from s3server import Requests  # noqa: E402
 import paddle_dcp
+from paddle_dcp.io import cleanup
 from paddle_dcp import CheckpointManager
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
 
 ROOT, MODE = sys.argv[1], sys.argv[2]
 ARGS = sys.argv[3:]
@@ -178,7 +179,7 @@ def crash(scenario: str) -> None:
         finally:
             survive()
     elif scenario == "retention":
-        original = storage.remove_temporary
+        original = cleanup.remove_temporary
 
         def remove_temporary(store, unique_id=None, rank=None):
             out = original(store, unique_id, rank)
@@ -186,7 +187,7 @@ def crash(scenario: str) -> None:
                 die()  # step 1's metadata is gone, its data files are not
             return out
 
-        storage.remove_temporary = remove_temporary
+        cleanup.remove_temporary = remove_temporary
         m = CheckpointManager(p, max_to_keep=1)
         try:
             for step in range(3):

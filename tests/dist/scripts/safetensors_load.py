@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import common as c
 import paddle_dcp
-from paddle_dcp.io import storage
+from paddle_dcp.io import reads
 
 ROOT = c.init()
 R = c.rank()
@@ -87,18 +87,18 @@ def load_case(directory, layout):
     spec = LAYOUTS[layout]
     path = os.path.join(ROOT, directory)
     read = []  # (file, start, stop) of every byte range a read op of this rank copies from
-    real = storage.execute_op
+    real = reads.execute_op
 
     def counting(op, files, *args, **kwargs):
         read.extend((files.meta.files[op.file].name, seg.start, seg.stop) for seg in op.segments)
         return real(op, files, *args, **kwargs)
 
-    storage.execute_op = counting
+    reads.execute_op = counting
     try:
         sd = target(spec)
         paddle_dcp.load_state_dict(sd, path, safetensors=True)
     finally:
-        storage.execute_op = real
+        reads.execute_op = real
     check(sd, spec, f"{directory} into {layout}")
     # every read lies between the first and last byte of this rank's slice of one tensor
     bounds = []

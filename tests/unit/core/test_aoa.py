@@ -3,8 +3,9 @@ reads, staging and numpy postprocess; dtypes.cast against rounding oracles. No p
 import numpy as np
 import pytest
 
+from paddle_dcp.io import reads
 from paddle_dcp.core import aoa, load_plan
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import cast
 from paddle_dcp.errors import MismatchError, UnsupportedError
@@ -38,7 +39,7 @@ def run(saved, targets):
     arrays = buffers + aoa.staging_arrays(read_plan.staged)
     files = local.FileSet(saved.path, meta)
     try:
-        storage.execute_reads(ops, files, arrays)
+        reads.execute_reads(ops, files, arrays)
     finally:
         files.close()
     aoa.apply(read_plan.staged, arrays)

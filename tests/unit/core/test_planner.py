@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from paddle_dcp.io import reads
 from paddle_dcp.core import keys, load_plan, nested, save_plan
 from paddle_dcp.dist import wire
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
 from paddle_dcp.core.metadata import ALIGNMENT
@@ -307,7 +308,7 @@ def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
                         for b in range(seg.start, max(seg.stop, seg.start + 1), block_bytes):
                             dealt.append((op.file, b, min(b + block_bytes, end)))
                             mine += min(b + block_bytes, end) - b
-                    storage.execute_op(op, files, [], storage.Staging(), check_only=True)  # the real checks pass
+                    reads.execute_op(op, files, [], reads.Staging(), check_only=True)  # the real checks pass
                 per_rank.append(mine)
         finally:
             files.close()
@@ -329,7 +330,7 @@ def test_shared_checks_find_a_flipped_byte_in_exactly_one_share(tmp_path):
         files = local.FileSet(str(tmp_path), meta)
         try:
             for op in load_plan.plan_shared_checks(meta, ["model.w", "model.b"], index, 3):
-                storage.execute_op(op, files, [], storage.Staging(), check_only=True)
+                reads.execute_op(op, files, [], reads.Staging(), check_only=True)
         except IntegrityError as exc:
             assert "1_0.distcp" in str(exc) and "checksum" in str(exc)
             failed.append(index)

@@ -333,7 +333,7 @@ def _expected(header: bytes, pieces, alignment: int) -> bytes:
 
 def test_a_file_streams_as_parts_of_part_size_with_a_bounded_number_in_flight():
     from paddle_dcp.io.multipart import MultipartWriter
-    from paddle_dcp.io.storage import block_checksums
+    from paddle_dcp.core.checksums import block_checksums
 
     fake = FakeS3(part_size=1000, in_flight=2)
     pieces = _pieces([2500, 3, 1700, 0, 999])

@@ -5,12 +5,14 @@ fsync of the file before its rename and of the directory after, only when durabl
 from __future__ import annotations
 
 import os
+from typing import Any
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 import paddle_dcp
+from paddle_dcp.core import checksums
 from paddle_dcp import api
 from paddle_dcp import io as io_package
 from paddle_dcp.core.metadata import Metadata, aligned
@@ -66,7 +68,7 @@ class MemoryWriter:
         view = data.cast("B")
         self.buf += bytes(aligned(self.offset, self.alignment) - self.offset) + bytes(view)
         self.offset = len(self.buf)
-        return storage.block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
+        return checksums.block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
 
     def commit(self, durable: bool = False) -> int:
         self.blobs[self.name] = bytes(self.buf)
@@ -93,7 +95,8 @@ class MemoryRanges:
 
 
 class MemoryStorage:
-    """Every file a bytes value in a dict: a second implementation of ``storage.Storage``."""
+    """Every file a bytes value in a dict: a second implementation of ``storage.Storage``
+    (mypy checks that it is one: :func:`memory_storage`)."""
 
     seen_by_all = False
 
@@ -103,7 +106,7 @@ class MemoryStorage:
     def create(self) -> None:
         pass
 
-    def list_checkpoints(self) -> storage.Listing:
+    def list_checkpoints(self, temporary: bool = True) -> storage.Listing:
         return storage.listing_of(self.blobs)
 
     def size(self, name: str) -> int | None:
@@ -136,6 +139,15 @@ class MemoryStorage:
     def resolve(self, name: str) -> str:
         return name
 
+    def read_file(self, name: str) -> bytes | None:
+        return self.blobs.get(name)
+
+
+def memory_storage(path: str, storage_options: dict | None = None, *, blobs: dict) -> storage.Storage:
+    """``open_storage`` of the in-memory storage (typed, so mypy checks MemoryStorage against
+    the Storage protocol: a missing or different method is a type error)."""
+    return MemoryStorage(path, blobs)
+
 
 def state() -> dict:
     w = np.arange(33 * 17, dtype=np.float32).reshape(33, 17) / 7
@@ -143,7 +155,7 @@ def state() -> dict:
 
 
 def loads_the_state(path: str) -> None:
-    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    target: dict[str, Any] = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
     paddle_dcp.load_state_dict(target, path)
     want = state()
     assert np.array_equal(target["model"]["w"], want["model"]["w"])
@@ -158,7 +170,7 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
     disk = str(tmp_path / "disk")
     paddle_dcp.save_state_dict(state(), disk, safetensors=safetensors)
     blobs: dict[str, bytes] = {}
-    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: MemoryStorage(path, blobs))
+    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: memory_storage(path, blobs=blobs))
     mem = str(tmp_path / "mem")
     paddle_dcp.save_state_dict(state(), mem, safetensors=safetensors)
     assert not os.path.exists(mem)  # nothing reached the disk
@@ -174,7 +186,7 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
 
 def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path, monkeypatch):
     blobs: dict[str, bytes] = {}
-    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: MemoryStorage(path, blobs))
+    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: memory_storage(path, blobs=blobs))
     paddle_dcp.save_state_dict(state(), "mem")
     data = bytearray(blobs["0_0.distcp"])
     data[100] ^= 1
@@ -188,7 +200,7 @@ def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path,
 def on_the_fake(monkeypatch, blobs: dict) -> None:
     """Every entry point's storage is the in-memory one: the directory load and save (api),
     single files (io.open_file), verify."""
-    fake = lambda path, storage_options=None: MemoryStorage(path, blobs)  # noqa: E731
+    fake = lambda path, storage_options=None: memory_storage(path, blobs=blobs)  # noqa: E731
     monkeypatch.setattr(api, "open_storage", fake)
     monkeypatch.setattr(io_package, "open_storage", fake)
     monkeypatch.setattr(verify, "open_storage", fake)
@@ -243,14 +255,22 @@ def test_open_storage_of_a_local_path_is_the_local_disk(tmp_path):
 
 
 # ---------------------------------------------------------------------- the one atomic writer
+def _data_writer(d: str, durable: bool) -> None:
+    writer = local.DataWriter(d, "f", 64)
+    writer.write(memoryview(b"abc"))
+    writer.commit(durable)
+
+
+def _atomic_file(d: str, durable: bool) -> None:
+    atomic = local.AtomicFile(os.path.join(d, "f"))
+    atomic.write(b"abc")
+    atomic.commit(durable)
+
+
 WRITERS = {
     "write_atomic": lambda d, durable: local.write_atomic(d, "f", b"abc", durable),
-    "data_writer": lambda d, durable: (lambda w: (w.write(memoryview(b"abc")), w.commit(durable)))(
-        local.DataWriter(d, "f", 64)
-    ),
-    "atomic_file": lambda d, durable: (lambda a: (a.write(b"abc"), a.commit(durable)))(
-        local.AtomicFile(os.path.join(d, "f"))
-    ),
+    "data_writer": _data_writer,
+    "atomic_file": _atomic_file,
 }
 
 
@@ -292,9 +312,9 @@ def test_atomic_path_renames_on_success_and_removes_the_temporary_file_on_error(
 
 
 def test_blocks_cover_a_range_of_a_piece_with_indices_from_the_piece_start():
-    assert list(storage.blocks(100, 100 + 150, 100, 64)) == [(0, 100, 64), (1, 164, 64), (2, 228, 22)]
-    assert list(storage.blocks(164 + 64, 250, 100, 64)) == [(2, 228, 22)]
-    assert list(storage.blocks(40, 40, 40, 64)) == [(0, 40, 0)]  # an empty piece: one empty block
+    assert list(checksums.blocks(100, 100 + 150, 100, 64)) == [(0, 100, 64), (1, 164, 64), (2, 228, 22)]
+    assert list(checksums.blocks(164 + 64, 250, 100, 64)) == [(2, 228, 22)]
+    assert list(checksums.blocks(40, 40, 40, 64)) == [(0, 40, 0)]  # an empty piece: one empty block
 
 
 def test_aligned_is_the_next_multiple_for_ints_and_arrays():

@@ -8,6 +8,10 @@ import numpy as np
 import xxhash
 import pytest
 
+from paddle_dcp.core import checksums
+from paddle_dcp.io import cleanup
+from paddle_dcp.io import reads
+from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
@@ -65,11 +69,11 @@ def test_removing_temporary_and_stale_files_touches_only_what_it_names(tmp_path)
         (tmp_path / name).write_bytes(b"")
     path = str(tmp_path)
     store = local.LocalStorage(path)
-    assert storage.remove_temporary(store, 3, 0) == ["0_3.distcp.tmp.ab"]
-    assert storage.remove_temporary(store, 3, -1) == ["3.metadata.tmp.ef"]
-    assert storage.remove_data(store, 3, 0, keep_generation=1) == ["0_3.distcp"]
-    assert storage.remove_incomplete(store) == ["0_4.distcp"]
-    assert sorted(storage.remove_temporary(store)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
+    assert cleanup.remove_temporary(store, 3, 0) == ["0_3.distcp.tmp.ab"]
+    assert cleanup.remove_temporary(store, 3, -1) == ["3.metadata.tmp.ef"]
+    assert cleanup.remove_data(store, 3, 0, keep_generation=1) == ["0_3.distcp"]
+    assert cleanup.remove_incomplete(store) == ["0_4.distcp"]
+    assert sorted(cleanup.remove_temporary(store)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
     assert sorted(os.listdir(path)) == ["0_3.1.distcp", "1_3.distcp", "3.metadata", "notes.txt"]
 
 
@@ -114,9 +118,9 @@ def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
     w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
     a = np.arange(30, dtype=np.uint8)
     b = np.arange(100, dtype=np.uint8)
-    sums_a = w.write(storage.as_bytes(a))
+    sums_a = w.write(as_bytes(a))
     assert [n for n in listdir(str(tmp_path))][0].startswith("0_0.distcp" + storage.TMP_MARK)
-    sums_b = w.write(storage.as_bytes(b))
+    sums_b = w.write(as_bytes(b))
     assert w.commit() == 64 + 100
     raw = (tmp_path / "0_0.distcp").read_bytes()
     assert raw[:30] == a.tobytes() and raw[30:64] == bytes(34) and raw[64:] == b.tobytes()
@@ -128,25 +132,25 @@ def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
 
 def test_data_writer_abort_removes_its_temporary_file(tmp_path):
     w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
-    w.write(storage.as_bytes(np.zeros(3, np.uint8)))
+    w.write(as_bytes(np.zeros(3, np.uint8)))
     w.abort()
     assert listdir(str(tmp_path)) == []
 
 
 def test_block_checksums_are_xxh3_64_of_each_block_seeded_by_the_piece_and_block_index():
     data = bytes(range(200))
-    assert storage.block_checksums(memoryview(data), 64) == [
+    assert checksums.block_checksums(memoryview(data), 64) == [
         xxhash.xxh3_64_intdigest(data[i : i + 64], seed=k) for k, i in enumerate((0, 64, 128, 192))
     ]
-    assert storage.block_checksums(memoryview(b""), 64) == [xxhash.xxh3_64_intdigest(b"")]
+    assert checksums.block_checksums(memoryview(b""), 64) == [xxhash.xxh3_64_intdigest(b"")]
     # the piece seed is the xxh3_64 of "key NUL dtype NUL offsets NUL shape" (docs/format.md)
     seed = xxhash.xxh3_64_intdigest(b"model.w\x00float32\x004,0\x003,5")
-    assert storage.piece_seed("model.w", "float32", (4, 0), (3, 5)) == seed
-    assert storage.block_checksums(memoryview(data), 128, seed) == [
+    assert checksums.piece_seed("model.w", "float32", (4, 0), (3, 5)) == seed
+    assert checksums.block_checksums(memoryview(data), 128, seed) == [
         xxhash.xxh3_64_intdigest(data[:128], seed=seed), xxhash.xxh3_64_intdigest(data[128:], seed=(seed + 1) % 2**64)
     ]
     # a piece moved to another place no longer matches
-    assert storage.piece_seed("model.w", "float32", (0, 0), (3, 5)) != seed
+    assert checksums.piece_seed("model.w", "float32", (0, 0), (3, 5)) != seed
 
 
 # ------------------------------------------------------------------ reading and integrity
@@ -267,7 +271,7 @@ def test_the_load_path_never_unpickles(ckpt, monkeypatch):
     out = [np.zeros(t.box.shape, dtype={"float32": np.float32, "int64": np.int64}[t.dtype]) for t in targets]
     files = local.FileSet(ckpt, meta)
     try:
-        storage.execute_reads(ops, files, out)
+        reads.execute_reads(ops, files, out)
     finally:
         files.close()
     assert np.array_equal(out[0], W) and np.array_equal(out[1], B) and np.array_equal(out[2], W[2:6, 1:4])
@@ -297,7 +301,7 @@ def test_read_ahead_asks_for_the_next_ranges_in_order_within_its_window(tmp_path
     ops = [SimpleNamespace(file=0, start=100 * i, stop=100 * i + 100) for i in range(10)]
     done = 0
     seen = []
-    for op in storage.read_ahead(files, ops, window=250):
+    for op in reads.read_ahead(files, ops, window=250):
         assert (op.start, 100) in asked  # the op itself was asked for before it runs
         assert sum(length for _, length in asked) - done <= 250 + 100  # never more than the window ahead
         seen.append(op)

@@ -1,0 +1,52 @@
+"""Cleaning a checkpoint directory up: the temporary files crashed saves left, data files
+of ids without metadata, a rank's older generations.
+"""
+from __future__ import annotations
+
+from ..core.naming import TMP_RE, parse_data_name
+from .storage import Listing, Storage
+
+
+def temporary_names(listing: Listing, unique_id: int | None = None, rank: int | None = None) -> list[str]:
+    """The temporary files of crashed saves in ``listing``: all of them, or those of one id
+    (and, with ``rank``, only that rank's data files; the metadata's when ``rank`` is the
+    coordinator's job: pass rank=-1)."""
+    names = []
+    for name in listing.temporary:
+        m = TMP_RE.match(name)
+        if m is None:  # a listing's temporary names all match
+            continue
+        owner = int(m.group(1)) if m.group(1) is not None else -1
+        if unique_id is not None and int(m.group(2)) != unique_id:
+            continue
+        if rank is not None and owner != rank:
+            continue
+        names.append(name)
+    return names
+
+
+def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | None = None) -> list[str]:
+    """Remove the :func:`temporary_names` of ``store``'s listing. Returns the names removed."""
+    return store.remove(temporary_names(store.list_checkpoints(), unique_id, rank))
+
+
+def remove_data(
+    store: Storage, unique_id: int, rank: int | None, keep_generation: int | None = None, listing: Listing | None = None
+) -> list[str]:
+    """Remove ``rank``'s (None: every rank's) data files of ``unique_id`` but the generation
+    ``keep_generation`` (``listing``: the store's, when the caller has one; else it is listed)."""
+    listing = listing or store.list_checkpoints()
+    names = []
+    for name in listing.data_names(unique_id):
+        writer, _, generation = parse_data_name(name) or (-1, -1, -1)
+        if (rank is None or writer == rank) and generation != keep_generation:
+            names.append(name)
+    return store.remove(names)
+
+
+def remove_incomplete(store: Storage) -> list[str]:
+    """Remove the data files of ids that have no metadata in ``store``. (On node-local disks a
+    node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
+    listing = store.list_checkpoints()
+    names = [n for uid in sorted(listing.data) if uid not in listing.complete for n in listing.data_names(uid)]
+    return store.remove(names)
