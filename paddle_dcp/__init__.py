@@ -26,9 +26,9 @@ from .core.metadata import FORMAT_VERSION
 from .patching import PaddlePatch, StateDictMetadata, patch_paddle, read_state_dict_metadata
 from .training import get_state_dict, set_state_dict
 from .version import __version__
-from .dist.buffers import watch as _watch_buffers
+from .parallel.buffers import watch as _watch_buffers
 
-_watch_buffers()  # notes buffers paddle's shard_layer makes persistable (paddle_dcp.dist.buffers)
+_watch_buffers()  # notes buffers paddle's shard_layer makes persistable (paddle_dcp.parallel.buffers)
 
 __all__ = [
     "save_state_dict",

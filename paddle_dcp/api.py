@@ -1,5 +1,5 @@
-"""save_state_dict / load_state_dict: build this process's rank (:mod:`paddle_dcp.dist.ranks`)
-and run the protocol (:mod:`paddle_dcp.dist.protocol`) on it.
+"""save_state_dict / load_state_dict: build this process's rank (:mod:`paddle_dcp.parallel.ranks`)
+and run the protocol (:mod:`paddle_dcp.parallel.protocol`) on it.
 
 Save: flatten -> reduce Partial -> describe local pieces -> choose the id -> gather summaries
 at the coordinator -> plan -> scatter assignments -> write data files -> gather checksums ->
@@ -17,9 +17,9 @@ from . import async_save as background_saves
 from .async_save import AsyncSave, wait_async_save
 from .core import aoa
 from .core.keys import MissingKeys
-from .dist import protocol
-from .dist.comm import GROUPS, make_comm
-from .dist.ranks import LocalLoadRank, LocalSaveRank, check_id
+from .parallel import protocol
+from .parallel.comm import GROUPS, make_comm
+from .parallel.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
 from .io import is_file, open_storage

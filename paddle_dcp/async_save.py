@@ -2,7 +2,7 @@
 them in order, the host memory they stage into, and waiting for them (at exit too).
 
 ``save_state_dict(..., async_save=True)`` plans and copies this rank's pieces into the
-process's :class:`~paddle_dcp.dist.device.StagingArena` in the caller's thread, then hands
+process's :class:`~paddle_dcp.parallel.device.StagingArena` in the caller's thread, then hands
 the rest of the save (writing, the commit, and whatever the caller chains after it, e.g. a
 CheckpointManager's retention) to the writer thread. The thread and the arena live as long
 as the process, so later saves pay neither a thread start nor fresh memory; the process
@@ -20,7 +20,7 @@ import queue
 import threading
 from typing import Callable
 
-from .dist.device import StagingArena
+from .parallel.device import StagingArena
 
 logger = logging.getLogger(__name__)
 

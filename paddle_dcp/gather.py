@@ -19,12 +19,12 @@ and for semi-auto-parallel dist tensors:
 4. Every rank reports to the gathering rank, which commits the file (it appears whole) when
    no rank failed and tells every rank the outcome; all raise the same error otherwise.
 
-The four steps run as a protocol (:func:`save_steps`, on :mod:`paddle_dcp.dist.protocol`'s
+The four steps run as a protocol (:func:`save_steps`, on :mod:`paddle_dcp.parallel.protocol`'s
 machinery): steps 1 and 2 are collectives of the group, each local step ending with an
 agreement; steps 3 and 4 are one pairwise step. The plan is
-:mod:`paddle_dcp.dist.gather_plan`'s. The transfer and the final reports travel point to point
-(``comm.send`` / ``comm.recv_into``, over a connection of the two ranks (:mod:`~paddle_dcp.dist.p2p`), framed by
-:mod:`paddle_dcp.dist.wire`), never the job's group: gloo's collectives on the job's group give
+:mod:`paddle_dcp.parallel.gather_plan`'s. The transfer and the final reports travel point to point
+(``comm.send`` / ``comm.recv_into``, over a connection of the two ranks (:mod:`~paddle_dcp.parallel.p2p`), framed by
+:mod:`paddle_dcp.parallel.wire`), never the job's group: gloo's collectives on the job's group give
 up after 30 s, and ranks whose pieces are sent early may wait far longer while the gathering
 rank writes. Only once every rank knows the outcome does the pairwise step's agreement run.
 """
@@ -42,9 +42,9 @@ import numpy as np
 from .core import nested
 from .core.boxes import Box, element_span, is_contiguous
 from .core.dtypes import itemsize, storage_dtype
-from .dist import protocol, wire
-from .dist.comm import Comm, make_comm
-from .dist.gather_plan import (  # noqa: F401 - the plan's names, re-exported
+from .parallel import protocol, wire
+from .parallel.comm import Comm, make_comm
+from .parallel.gather_plan import (  # noqa: F401 - the plan's names, re-exported
     GatherPlan,
     Group,
     Region,
@@ -174,7 +174,7 @@ class GatherRank:
         self.sends: list = []
 
     def prepare(self) -> None:
-        from .dist.placements import is_tensor
+        from .parallel.placements import is_tensor
         from .io import is_url
 
         if self.is_root and not is_url(self.path) and os.path.isdir(self.path):
@@ -185,14 +185,14 @@ class GatherRank:
         self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
 
     def reduce(self) -> None:
-        from .dist.placements import has_partial, reduce_partial
+        from .parallel.placements import has_partial, reduce_partial
 
         rank = self.comm.rank
         self.reduced = {k: reduce_partial(k, v, rank, self.comm) for k, v in self.flat.tensors.items() if has_partial(v)}
 
     def describe(self) -> bytes:
         """This rank's summary for the gathering rank."""
-        from .dist.placements import describe
+        from .parallel.placements import describe
 
         for k, v in self.flat.tensors.items():
             h = describe(k, v, self.comm.rank)
@@ -306,7 +306,7 @@ class _HostPieces:
 
     def region(self, key: str, box: Box) -> np.ndarray:
         """The elements of ``box`` (global coordinates) of this rank's piece of ``key``."""
-        from .dist.device import host_bytes
+        from .parallel.device import host_bytes
 
         h = self.held[key]
         if key != self._key:

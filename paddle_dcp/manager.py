@@ -26,7 +26,7 @@ from . import async_save as background_saves
 from .api import load_state_dict, save_state_dict
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
-from .dist.comm import Comm, make_comm
+from .parallel.comm import Comm, make_comm
 from .errors import ArgumentError, FormatError
 from .io import is_url, open_storage
 

@@ -174,7 +174,7 @@ def _shard_layer_routed(original):
     persistable by default, so a tensor-parallel model's state dict gained keys (a rotary
     embedding's ``inv_freq``) that the same model's on one process does not have, and a
     checkpoint saved on one layout no longer loaded strictly on the other."""
-    from .dist.buffers import restore
+    from .parallel.buffers import restore
 
     def shard_layer(layer, *args, **kwargs):
         out = original(layer, *args, **kwargs)

@@ -23,7 +23,7 @@ import numpy as np
 from .io import reads
 from .core import load_plan, nested
 from .core.keys import MissingKeys, Reconciled, reconcile, report
-from .dist.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
+from .parallel.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
 from .errors import MismatchError
 from .format import hf_dir
 from .format.safetensors import (  # noqa: F401 - re-exported: the file format's reader, for callers of this module
@@ -73,7 +73,7 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .dist.placements import describe, is_tensor
+    from .parallel.placements import describe, is_tensor
 
     path = os.fspath(path)
     started = time.perf_counter()
@@ -92,7 +92,7 @@ def load_file(
 
 def _reconcile(flat: nested.Flat, header: Header, path: str, mw: bool, missing: MissingKeys) -> Reconciled:
     """The state dict's keys against the file's: raise on (or warn of) missing ones."""
-    from .dist.placements import buffer_like
+    from .parallel.placements import buffer_like
 
     structure = header.structure if header.structure is not None else {"d": []}
     keys = reconcile(list(flat.tensors), flat.skeleton, list(header.entries), structure, mw, "file")
@@ -125,13 +125,13 @@ def _read(
     store: storage.Storage, name: str, header: Header, work, offload: bool
 ) -> int:
     """Read every box of ``work`` from file ``name`` of ``store`` into its target's buffer (the load's own buffers: see
-    dist.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's
+    parallel.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's
     metadata, the read ops that fill a box (bounded reads) and the storage's data files. One
     tensor at a time, its buffer finished before the next is read (on a GPU, one host buffer
     at a time); returns the bytes read."""
-    from .dist.device import PinnedStage
-    from .dist.loadwork import target_buffer
-    from .dist.placements import partial_fill
+    from .parallel.device import PinnedStage
+    from .parallel.loadwork import target_buffer
+    from .parallel.placements import partial_fill
 
     meta = hf_dir.files_metadata([(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work})
     files = store.open_files(meta)

@@ -126,8 +126,8 @@ def _optim_entries(model, optimizer) -> tuple[dict[str, Any], dict[str, str], di
 
 def model_state(model) -> dict:
     """``model.state_dict()`` without the buffers the model declared non-persistable and
-    paddle's ``shard_layer`` made persistable (:mod:`paddle_dcp.dist.buffers`)."""
-    from .dist.buffers import forgotten_keys
+    paddle's ``shard_layer`` made persistable (:mod:`paddle_dcp.parallel.buffers`)."""
+    from .parallel.buffers import forgotten_keys
 
     state = model.state_dict()
     for key in forgotten_keys(model) & set(state):
@@ -208,7 +208,7 @@ def set_state_dict(model, optimizer, state: dict) -> None:
 
 
 def _is_tensor(value) -> bool:
-    from .dist.placements import is_tensor
+    from .parallel.placements import is_tensor
 
     return is_tensor(value)
 
@@ -232,9 +232,9 @@ def _copy_into(target, source, key: str) -> None:
     import paddle
     import paddle.distributed as dist
 
-    from .dist.device import TargetBuffer, dtype_name, host_bytes
+    from .parallel.device import TargetBuffer, dtype_name, host_bytes
     from .core.dtypes import name_of_numpy
-    from .dist.placements import describe
+    from .parallel.placements import describe
 
     if not _is_tensor(source):
         raise MismatchError(f"{key}: expected a tensor, got {type(source).__name__}")

@@ -4,7 +4,7 @@ pair, or the job's own communicator (NCCL on a GPU job), measured in one run.
 Checkpoint bytes that move between ranks (node-local loads, save_gathered) start and end in host
 memory. Three routes for the same messages, rank 0 sending to rank 1, 64 messages of each size:
 
-- p2p: ``paddle_dcp.dist.p2p`` (what paddle_dcp uses): host memory to host memory over TCP;
+- p2p: ``paddle_dcp.parallel.p2p`` (what paddle_dcp uses): host memory to host memory over TCP;
 - gloo pair: a gloo process group of the two ranks, host tensors (what paddle_dcp used before);
 - job communicator: the job's group with device tensors, as an NCCL job must use it: the host
   bytes copied to a device tensor, sent, received into a device tensor, copied back. Run under
@@ -35,7 +35,7 @@ def parse_size(text: str) -> int:
 
 
 def route_p2p(rank: int, data, out) -> None:
-    from paddle_dcp.dist.comm import GROUPS
+    from paddle_dcp.parallel.comm import GROUPS
 
     transport = GROUPS.transport(rank)
     for _ in range(COUNT):
@@ -47,7 +47,7 @@ def route_p2p(rank: int, data, out) -> None:
 
 
 def route_gloo_pair(rank: int, data, out) -> None:
-    from paddle_dcp.dist.comm import GROUPS, host_tensor
+    from paddle_dcp.parallel.comm import GROUPS, host_tensor
 
     group = GROUPS.get(rank, (0, 1), "bench")
     for _ in range(COUNT):

@@ -5,7 +5,7 @@ to 127.0.0.1 on free ports, with telemetry off, so nothing but 127.0.0.1 is ever
     server.env        # AWS_* variables a client (or a launched rank) needs
     server.stop()     # by PID: terminate, then kill after a grace period
 
-``pytest`` fixtures use it through ``tests/dist/conftest.py`` / ``tests/unit`` (one server per
+``pytest`` fixtures use it through ``tests/multirank/conftest.py`` / ``tests/unit`` (one server per
 session); scripts can import it the same way.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """aoa_config on load: paddle's source -> target slice mappings turned into our reads.
 
-Paddle's AOA engine (called by :mod:`paddle_dcp.dist.aoa_paddle`) interprets the config and says,
+Paddle's AOA engine (called by :mod:`paddle_dcp.parallel.aoa_paddle`) interprets the config and says,
 for a box of a state-dict tensor, which boxes of which checkpoint tensors fill which parts
 of it, and what to do with them on the way (permute the axes, cast the dtype). This module
 holds that answer as plain data (:class:`SliceMap`) and turns the maps of one rank's targets

@@ -105,7 +105,7 @@ def _convert_hf_remapped(path: str, uid: int, meta, args, max_bytes: int) -> int
 
     config = _aoa_config_file(args.aoa_config)
     try:
-        from ..dist.aoa_paddle import Reverse
+        from ..parallel.aoa_paddle import Reverse
     except ImportError as exc:
         raise UnsupportedError(f"--aoa-config needs paddle, whose AOA engine interprets the config ({exc})") from None
     try:

@@ -11,7 +11,7 @@ Hugging Face directory has no place for them).
 
 With an ``aoa_config`` (the one a load takes to read a Hugging Face directory into the model's
 names), the tensors are written under the Hugging Face names: paddle's AOA engine, run
-backwards (:class:`paddle_dcp.dist.aoa_paddle.Reverse`), says which boxes of which checkpoint
+backwards (:class:`paddle_dcp.parallel.aoa_paddle.Reverse`), says which boxes of which checkpoint
 tensors make each slab of each output tensor, and with which permutation and cast; the slab
 is read and finished by the load's own machinery (:func:`paddle_dcp.core.aoa.plan`).
 """
@@ -42,7 +42,7 @@ SHARD_METADATA = {"format": "pt"}  # transformers refuses shards without a forma
 
 
 class Remapped(Protocol):
-    """What an export under other names needs (:class:`paddle_dcp.dist.aoa_paddle.Reverse`)."""
+    """What an export under other names needs (:class:`paddle_dcp.parallel.aoa_paddle.Reverse`)."""
 
     outputs: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, global shape)
     sources: Mapping[str, tuple[str, ...]]  # name -> the checkpoint keys it is made of

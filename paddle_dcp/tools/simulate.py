@@ -2,7 +2,7 @@
 
 No tensors and no files: each simulated rank holds a layout (its skeleton and the boxes of its
 pieces); writing returns the checksum count a real write would produce; the metadata is built,
-serialized and parsed for real. The collectives are :class:`paddle_dcp.dist.comm.SimWorld`'s, which
+serialized and parsed for real. The collectives are :class:`paddle_dcp.parallel.comm.SimWorld`'s, which
 hand each rank what the real collective would and count its bytes with the real comm's cost
 functions, so the figures predict a real job's planning traffic (scripts/bench_scale.py; a
 multi-process test checks the prediction against a real 4-rank run).
@@ -17,10 +17,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core import load_plan, save_plan
-from ..dist import protocol
+from ..parallel import protocol
 from ..io import storage
 from ..core.boxes import Box
-from ..dist.comm import SimWorld, Traffic
+from ..parallel.comm import SimWorld, Traffic
 from ..core.metadata import DEFAULT_BLOCK_BYTES, LazyTensors, Metadata, blocks_of
 from ..core.metadata_parse import parse_metadata
 from ..core.dtypes import itemsize

@@ -1,4 +1,4 @@
-"""paddle_dcp.dist.device on the fake GPU (tests/fakegpu.py), one path at a time, each against
+"""paddle_dcp.parallel.device on the fake GPU (tests/fakegpu.py), one path at a time, each against
 numpy: host views only of host memory, pinned memory only in CUDAPinnedPlace, the caller's
 tensors filled in place, the staging arena reused, the pinned area bounded."""
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 import fakegpu
 from fakegpu import ACCOUNT
-from paddle_dcp.dist import device
+from paddle_dcp.parallel import device
 
 
 def gpu_tensor(array, dtype=None):

@@ -20,7 +20,7 @@ from paddle_dcp.core import checksums
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan, nested, save_plan
-from paddle_dcp.dist import wire
+from paddle_dcp.parallel import wire
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.metadata_parse import parse_metadata

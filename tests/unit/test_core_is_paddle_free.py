@@ -1,5 +1,5 @@
 """The core of paddle_dcp (every module of core/ and format/, plus errors, io.storage and
-dist.wire) runs without paddle: these modules are what the unit tests, the planner and the file
+parallel.wire) runs without paddle: these modules are what the unit tests, the planner and the file
 format rely on."""
 import subprocess
 import sys
@@ -12,7 +12,7 @@ PACKAGE = REPO / "paddle_dcp"
 # every module of the pure subpackages, found by walking them (a new module is checked too)
 PURE_DIRS = ["core", "format"]
 # paddle-free modules that live elsewhere in the layout
-OTHERS = ["errors", "io.storage", "dist.wire"]
+OTHERS = ["errors", "io.storage", "parallel.wire"]
 
 
 def pure_modules() -> list[str]:

@@ -1,5 +1,5 @@
 """The package's directories draw its architecture: imports flow one way,
-tools/ -> root (api, gather, singlefile, training) -> dist/, io/ -> format/ -> core/,
+tools/ -> root (api, gather, singlefile, training) -> parallel/, io/ -> format/ -> core/,
 and nothing outside tools/ imports tools/ (but ``__main__``, the command line's entry point).
 Every module is parsed with ``ast`` (nothing is imported), so an import hidden inside a
 function counts too."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "paddle_dcp"
-SUBPACKAGES = ("core", "format", "io", "dist", "tools")
+SUBPACKAGES = ("core", "format", "io", "parallel", "tools")
 
 # the layers each layer may import (its own included); errors and version are leaves
 BASE = {"errors", "version"}
@@ -22,9 +22,9 @@ ALLOWED = {
     "core": {"errors", "core"},
     "format": BASE | {"core", "format"},
     "io": BASE | {"core", "format", "io"},
-    "dist": BASE | {"core", "format", "io", "dist"},
-    "root": BASE | {"core", "format", "io", "dist", "root"},
-    "tools": BASE | {"core", "format", "io", "dist", "root", "tools"},
+    "parallel": BASE | {"core", "format", "io", "parallel"},
+    "root": BASE | {"core", "format", "io", "parallel", "root"},
+    "tools": BASE | {"core", "format", "io", "parallel", "root", "tools"},
     "main": {"tools"},
 }
 # third-party packages a pure layer may import: numpy, and xxhash for the metadata digest
@@ -111,20 +111,20 @@ def test_imports_flow_one_way(path):
 @pytest.mark.parametrize(
     "module, source",
     [
-        ("paddle_dcp.core.boxes", "from ..dist import comm\n"),
-        ("paddle_dcp.core.boxes", "from ..dist.comm import Comm\n"),
+        ("paddle_dcp.core.boxes", "from ..parallel import comm\n"),
+        ("paddle_dcp.core.boxes", "from ..parallel.comm import Comm\n"),
         ("paddle_dcp.core.planner", "from ..format.safetensors import read_header\n"),
         ("paddle_dcp.core.planner", "from ..io import storage\n"),
         ("paddle_dcp.core.planner", "from .. import version\n"),
         ("paddle_dcp.core.planner", "def f():\n    import paddle\n"),
         ("paddle_dcp.format.safetensors", "import paddle.distributed as dist\n"),
         ("paddle_dcp.format.hf_dir", "from ..io.storage import DataWriter\n"),
-        ("paddle_dcp.io.storage", "from ..dist import wire\n"),
-        ("paddle_dcp.dist.comm", "from .. import api\n"),
-        ("paddle_dcp.dist.comm", "from ..gather import parse_size\n"),
+        ("paddle_dcp.io.storage", "from ..parallel import wire\n"),
+        ("paddle_dcp.parallel.comm", "from .. import api\n"),
+        ("paddle_dcp.parallel.comm", "from ..gather import parse_size\n"),
         ("paddle_dcp.api", "def f():\n    from .tools import cli\n"),
         ("paddle_dcp.gather", "from .tools.consolidate import Progress\n"),
-        ("paddle_dcp.dist.exchange", "import paddle_dcp.tools.simulate\n"),
+        ("paddle_dcp.parallel.exchange", "import paddle_dcp.tools.simulate\n"),
         ("paddle_dcp.core.nested", "from paddle_dcp.tools import cli\n"),
         ("paddle_dcp", "from .tools.cli import main\n"),
     ],
@@ -138,8 +138,8 @@ def test_the_checker_refuses_imports_against_the_flow(module, source):
     [
         ("paddle_dcp.core.planner", "from ..errors import PlanError\nfrom . import nested\nimport numpy as np\n"),
         ("paddle_dcp.format.hf_dir", "from ..core.save_plan import SavePlan\nfrom .safetensors import code_of\n"),
-        ("paddle_dcp.dist.exchange", "from ..io.storage import RangeReader\n"),
-        ("paddle_dcp.api", "from .dist import protocol\nfrom .format import hf_dir\n"),
+        ("paddle_dcp.parallel.exchange", "from ..io.storage import RangeReader\n"),
+        ("paddle_dcp.api", "from .parallel import protocol\nfrom .format import hf_dir\n"),
         ("paddle_dcp.tools.cli", "from ..gather import parse_size\nfrom . import consolidate\n"),
         ("paddle_dcp.__main__", "from .tools.cli import main\n"),
     ],

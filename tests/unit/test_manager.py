@@ -1,6 +1,6 @@
 """CheckpointManager in one process (a world of one): arguments, what it refuses, cleanup of a
 crash's leftovers, and the same manager on object storage (fsspec's memory://). The
-multi-rank behaviour is in tests/dist/test_manager.py."""
+multi-rank behaviour is in tests/multirank/test_manager.py."""
 from __future__ import annotations
 
 import json

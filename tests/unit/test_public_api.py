@@ -86,7 +86,7 @@ def test_storage_error_keeps_its_path():
 def test_a_cpu_build_places_every_tensor_in_host_memory_without_asking_each():
     import paddle
 
-    from paddle_dcp.dist import device
+    from paddle_dcp.parallel import device
 
     assert device.host_only_build() == (not paddle.is_compiled_with_cuda())
     t = paddle.ones([3, 2])

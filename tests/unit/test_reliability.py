@@ -7,7 +7,7 @@ Everything goes through the public ``paddle_dcp.save_state_dict`` / ``load_state
 single process (a world of one, no launcher), with numpy arrays as tensors. Checkpoints of two
 ranks are written by ``helpers.save_checkpoint`` (the real planner, writer and metadata).
 The multi-process side (every rank raises, crashes, a dying server) is in
-tests/dist/test_reliability.py.
+tests/multirank/test_reliability.py.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import pytest
 
 import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
-from paddle_dcp.dist import loadwork
+from paddle_dcp.parallel import loadwork
 from paddle_dcp.core import metadata
 from paddle_dcp.io import local
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, PlanError, StorageError

@@ -30,7 +30,7 @@ def whole(shape):
 
 
 def run(saved, targets):
-    """Plan and read like dist.loadwork.plan_load: buffers first, staging after; returns the buffers,
+    """Plan and read like parallel.loadwork.plan_load: buffers first, staging after; returns the buffers,
     the read plan and the ops."""
     meta = local.read_metadata(saved.path, saved.unique_id)
     read_plan = aoa.plan(meta, targets, first_slot=len(targets))

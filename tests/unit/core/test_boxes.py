@@ -359,7 +359,7 @@ def test_check_tiling_refuses_a_piece_whose_end_overflows_int64():
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
 def test_mesh_coordinate_of_a_process_is_its_c_order_position(mesh_shape, data):
-    from paddle_dcp.dist.placements import _coord
+    from paddle_dcp.parallel.placements import _coord
 
     index = data.draw(st.integers(0, math.prod(mesh_shape) - 1))
     grid = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)  # the ids of a mesh, in order

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp.io import reads
 from paddle_dcp.core import keys, load_plan, nested, save_plan
-from paddle_dcp.dist import wire
+from paddle_dcp.parallel import wire
 from paddle_dcp.io import local
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError

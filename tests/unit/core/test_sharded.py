@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp.core import load_plan, save_plan
-from paddle_dcp.dist import wire
+from paddle_dcp.parallel import wire
 from paddle_dcp.core.boxes import Box, flat_range_boxes
 from paddle_dcp.errors import FormatError, PlanError
 from paddle_dcp.core.metadata import blocks_of

@@ -1,0 +1,221 @@
+"""Moving checkpoint bytes between ranks when a rank cannot read a file itself.
+
+On clusters whose disks are local to each node, a rank may lack the metadata file or some data
+files. Ranks then talk in pairs, over a connection of the two (see :mod:`paddle_dcp.parallel.p2p`):
+
+* a rank without the metadata sends its targets to a helper that has it, and receives only
+  the part of the metadata its targets need (:func:`ask_for_metadata`);
+* a rank that needs bytes of a file it cannot read asks a rank that can (its server): first
+  for the checksums of the blocks it will read (:func:`check_remote`, so damaged bytes are
+  found before any target changes), then for the bytes, one read at a time, each at most the
+  plan's largest read (:func:`fetch_remote`).
+
+Deadlock freedom: every rank visits its partners in one global order of pairs (by lower rank,
+then higher rank); the smallest pair still pending always has both its ranks waiting for
+each other, so it completes, and so on. Within a pair, the lower rank's request and its answer
+come first. Every answer starts with a header (status, length): a server that fails to read
+sends its error instead of bytes, the client records it and the pair stays in step, so errors
+surface at the next agreement instead of as a hang.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import wire
+from .comm import Comm
+from ..errors import CollectiveError, DcpError, Failure, StorageError
+from ..core.load_plan import ReadOp
+from ..io.reads import Staging
+from ..io.storage import RangeSource, Storage
+
+logger = logging.getLogger(__name__)
+
+def pair_order(me: int, peers) -> list[int]:
+    """``peers`` in the global order of pairs (min, max) as seen from rank ``me``."""
+    return sorted(set(peers), key=lambda p: (min(me, p), max(me, p)))
+
+
+def directions(me: int, peer: int) -> list[tuple[int, int]]:
+    """The (client, server) directions of a pair, in the order both ranks handle them."""
+    lo, hi = min(me, peer), max(me, peer)
+    return [(lo, hi), (hi, lo)]
+
+
+def ask_for_metadata(
+    comm: Comm,
+    my_helper: int | None,
+    request: bytes,
+    my_clients: Sequence[int],
+    answer: Callable[[int, bytes], bytes],
+) -> bytes | None:
+    """Pairwise: send ``request`` to ``my_helper`` and return its answer; answer every rank of
+    ``my_clients`` with ``answer(client, its request)``. Errors are sent back, not left hanging."""
+    me = comm.rank
+    reply, error = None, None
+    asking = {my_helper} if my_helper is not None else set()
+    for peer in pair_order(me, asking | set(my_clients)):
+        for client, server in directions(me, peer):
+            if client == me and server == my_helper:
+                wire.send_message(comm, peer, request)
+                try:
+                    reply = wire.recv_message(comm, peer, "metadata from helpers")
+                except DcpError as exc:
+                    error = error or exc
+            elif server == me and client in my_clients:
+                question = wire.recv_message(comm, peer, "metadata from helpers")
+                try:
+                    wire.send_message(comm, peer, answer(peer, question))
+                except Exception as exc:  # noqa: BLE001 - sent back, not left hanging
+                    wire.send_failure(comm, peer, exc)
+                    error = error or exc
+    if error is not None:
+        raise error
+    return reply
+
+
+def fetch_remote(
+    comm: Comm,
+    store: Storage,
+    my_servers: dict[int, list[ReadOp]],
+    my_clients: Sequence[int],
+    file_name: Callable[[int], str],
+    run_op: Callable[[ReadOp, Callable[[ReadOp, memoryview], None]], None],
+) -> int:
+    """Pairwise: fetch the bytes of this rank's remote ops from their servers and serve the
+    ranges other ranks ask of this rank. Returns the bytes received.
+
+    Args:
+        my_servers: server rank -> this rank's ops in files it cannot read.
+        my_clients: ranks that will ask this rank for bytes.
+        file_name: data file name of a file index of this rank's metadata.
+        run_op: carries out one op, taking its bytes from the fetch function it is given.
+    """
+    me = comm.rank
+    reader = store.range_reader()
+    staging = Staging()
+    received, error = 0, None
+    try:
+        for peer in pair_order(me, set(my_servers) | set(my_clients)):
+            for client, server in directions(me, peer):
+                if client == me and server in my_servers:
+                    ops = my_servers[server]
+                    request = json.dumps([[file_name(op.file), op.start, op.stop] for op in ops]).encode()
+                    wire.send_message(comm, peer, request)
+                    for op in ops:
+                        taken = [False]
+
+                        def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
+                            status, length = wire.recv_header(comm, peer)
+                            taken[0] = True
+                            if status == wire.FAILED or length != len(out):
+                                msg = np.zeros(length, np.uint8)
+                                if length:
+                                    comm.recv_into(peer, msg)
+                                why = (Failure.decode(msg.tobytes()).line() if status == wire.FAILED
+                                       else f"it sent {length} bytes where {len(out)} were expected")
+                                raise StorageError(
+                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of {file_name(op.file)}: {why}"
+                                )
+                            comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
+
+                        try:
+                            if error is None:
+                                run_op(op, fetch)
+                                received += op.nbytes
+                        except DcpError as exc:
+                            error = error or exc
+                        if not taken[0]:  # keep the pair in step after an error
+                            status, length = wire.recv_header(comm, peer)
+                            if length:
+                                comm.recv_into(peer, np.zeros(length, np.uint8))
+                elif server == me and client in my_clients:
+                    error = _serve(comm, peer, reader, staging) or error
+    finally:
+        reader.close()
+    if error is not None:
+        raise error
+    return received
+
+
+def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
+    request = json.loads(wire.recv_message(comm, client, "exchange"))
+    error = None
+    for name, start, stop in request:
+        try:
+            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > wire.MAX_MESSAGE:
+                # the peer broke the protocol (a bug, or another version): no file is at fault
+                raise CollectiveError("exchange", {client: f"asked rank {comm.rank} for a malformed range [{start}, {stop}) of {name!r}"})
+            buf = staging.get(stop - start)
+            reader.read_into(str(name), start, memoryview(buf))
+        except DcpError as exc:
+            wire.send_failure(comm, client, exc)
+            error = error or exc
+            continue
+        wire.send_message(comm, client, buf)
+    return error
+
+
+def check_remote(
+    comm: Comm,
+    store: Storage,
+    my_servers: dict[int, list[ReadOp]],
+    my_clients: Sequence[int],
+    blocks: Callable[[ReadOp], list[tuple[int, int, int]]],
+    file_name: Callable[[int], str],
+) -> None:
+    """Pairwise: ask each server for the checksums of the blocks this rank will read from it,
+    compare them with the metadata's, and answer the same question for this rank's clients.
+    Raises IntegrityError naming the file and range of the first mismatch."""
+    from ..errors import IntegrityError
+    from ..core.checksums import checksum
+
+    me = comm.rank
+    reader = store.range_reader()
+    staging = Staging()
+    error = None
+    try:
+        for peer in pair_order(me, set(my_servers) | set(my_clients)):
+            for client, server in directions(me, peer):
+                if client == me and server in my_servers:
+                    wanted = [(file_name(op.file), blocks(op)) for op in my_servers[server]]
+                    request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
+                    wire.send_message(comm, peer, json.dumps(request).encode())
+                    try:
+                        got = np.frombuffer(wire.recv_message(comm, peer, "verify remote"), dtype="<u8")
+                        expected = [(name, at, n, want) for name, bl in wanted for at, n, _, want in bl]
+                        if len(got) != len(expected):
+                            raise CollectiveError("verify remote", {peer: f"sent {len(got)} checksums for {len(expected)} blocks"})
+                        for (name, at, n, want), have in zip(expected, got.tolist()):
+                            if have != want:
+                                raise IntegrityError(
+                                    f"{name} on rank {peer}: bytes [{at}, {at + n}) fail their checksum: "
+                                    f"the file is damaged or does not belong to this metadata"
+                                )
+                    except DcpError as exc:
+                        error = error or exc
+                elif server == me and client in my_clients:
+                    request = json.loads(wire.recv_message(comm, peer, "verify remote"))
+                    try:
+                        sums = []
+                        for name, ranges in request:
+                            for at, n, seed in ranges:
+                                if (
+                                    type(at) is not int or type(n) is not int or type(seed) is not int
+                                    or at < 0 or not 0 <= n <= wire.MAX_MESSAGE or not 0 <= seed < 1 << 64
+                                ):  # fmt: skip
+                                    raise CollectiveError("verify remote", {peer: f"asked rank {me} for a malformed range of {name!r}"})
+                                buf = staging.get(n)
+                                reader.read_into(str(name), at, memoryview(buf))
+                                sums.append(checksum(memoryview(buf), seed))
+                        wire.send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
+                    except DcpError as exc:
+                        wire.send_failure(comm, peer, exc)
+                        error = error or exc
+    finally:
+        reader.close()
+    if error is not None:
+        raise error

@@ -1,0 +1,281 @@
+"""One rank's load of a checkpoint directory: the reads it plans, the buffers they fill, and
+the steps the load protocol runs on them (:class:`LocalLoadWork`, a
+:class:`~paddle_dcp.parallel.protocol.LoadWork`).
+
+:func:`plan_load` matches the state dict's keys with the checkpoint's, builds one buffer per
+state-dict tensor (:func:`target_buffer`, shared with the single-file load), and plans the
+byte ranges to read into views of them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Protocol
+
+import numpy as np
+import xxhash
+
+from ..core import checksums
+from ..io import reads
+from . import exchange, wire
+from .comm import Comm
+from .device import PinnedStage, TargetBuffer
+from .placements import buffer_like, partial_fill
+from ..core import aoa, load_plan, nested
+from ..core.keys import MissingKeys, reconcile, report
+from ..core.boxes import Box
+from ..core.metadata import Metadata
+from ..errors import DcpError, FormatError, MismatchError, PlanError, StorageError
+from ..io import storage
+
+logger = logging.getLogger(__name__)
+
+
+def visible_files(listing, uid: int) -> set[str]:
+    """Names of the data files of checkpoint ``uid`` that this rank sees (with a directory of
+    safetensors files, every file of it)."""
+    return set(listing.data_names(uid)) | {n for n in listing.names if storage.parse_data_name(n) is None}
+
+
+class LocalLoadWork:
+    """One rank's load: read ops, the buffers they fill, and what finishes each buffer.
+
+    ``buffers`` (each a :class:`LoadTarget`) / ``fills`` are per state-dict tensor; ``views`` are the arrays the ops'
+    copies name (one per target box, views of the buffers), followed by one staging array
+    per ``staged`` part of an aoa_config mapping."""
+
+    def __init__(self, flat, meta, ops, files, buffers, fills, views, verify: bool = True, staged=()):
+        self.flat, self.meta = flat, meta
+        self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
+        self.verify = verify
+        self.staging = reads.Staging()
+        self.local, self.remote = list(ops), {}
+        self.checks: list | None = None  # this rank's share of the checks, when shared
+        self.state_dict = None
+        self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
+        self.store: storage.Storage | None = None  # where ``files`` are (ranges served to others)
+        self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
+        self.arrays = list(views) + aoa.staging_arrays(self.staged)
+        self.run = lambda op, fetch: reads.execute_op(op, files, self.arrays, self.staging, verify, fetch)
+
+    def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
+        """Ops on files this rank can read, and the others by the rank that will serve them
+        (one of the ranks ``near``, the worker groups', when one can). Every local file is
+        opened (and its size checked) before any byte moves."""
+        mine = visible_files(listing, uid)
+        self.local, self.remote = [], {}
+        for op in self.ops:
+            name = self.meta.files[op.file].name
+            if name in mine:
+                self.local.append(op)
+                continue
+            writer, _, gen = storage.parse_data_name(name) or (-1, -1, -1)
+            servers = [  # no "f": every rank sees the same files as this one
+                r for r, s in zip(comm.ranks, statuses)
+                if r != comm.rank and wire.in_runs(s.get("f", {}).get(str(gen), ()), writer)
+            ]
+            if not servers:
+                keys = sorted({seg.piece.key for seg in op.segments})
+                raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
+            servers = [r for r in servers if r in near] or servers
+            self.remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
+        for f in sorted({op.file for op in self.local}):
+            try:
+                self.files.open(f)
+            except DcpError as exc:
+                keys = sorted({seg.piece.key for op in self.local if op.file == f for seg in op.segments})
+                raise type(exc)(f"{exc}; it holds {keys}") from None
+
+    def _read_keys(self) -> list[str]:
+        """The checkpoint's tensors this rank reads from its own files, sorted."""
+        return sorted({seg.piece.key for op in self.local for seg in op.segments})
+
+    @property
+    def share_key(self) -> tuple[int, bool]:
+        """(digest of the tensors this rank reads, whether it may share their checks): ranks
+        that agree on both check the blocks of those tensors once between them."""
+        keys = self._read_keys()
+        digest = xxhash.xxh3_64_intdigest("\0".join(keys).encode()) >> 1  # fits an int64
+        # every piece of these tensors is dealt out: worth it only when the rank reads a fair
+        # part of them (a few ranks resharding), not one piece in thousands (a large job)
+        pieces = sum(self.meta.tensors[k].pieces.count for k in keys)
+        own = sum(len(op.segments) for op in self.local)
+        # with replicas, ranks on other nodes read other copies: nothing to share
+        shared = not self.meta.subset and not self.meta.replicas
+        return digest, bool(self.verify and keys and shared and pieces <= 8 * own + 65536)
+
+    def share_checks(self, index: int, count: int) -> None:
+        """Check only this rank's share of the blocks (see load_plan.plan_shared_checks); every
+        rank reads the same files and tensors, and the verify step's agreement covers them all."""
+        self.checks = load_plan.plan_shared_checks(self.meta, self._read_keys(), index, count)
+
+    def verify_local(self) -> None:
+        """Check the checksum of every block this rank will read from its own files (or its
+        share of them), before any target changes."""
+        if not self.verify:
+            return
+        ops = self.local if self.checks is None else self.checks
+        for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
+            reads.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
+
+    def verify_remote(self, comm: Comm, clients) -> None:
+        """The same for the blocks other ranks will send: their servers hash them first."""
+        if not self.verify:
+            return
+        blocks = lambda op: [b for seg in op.segments for b in checksums.segment_blocks(self.meta, seg)]  # noqa: E731
+        exchange.check_remote(comm, self.store, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
+
+    def read_local(self) -> None:
+        """Copy from the local files. Their blocks were checked in the verify step, so they are
+        not hashed again; a file written since it was opened is refused once the copy ends."""
+        try:
+            for op in reads.read_ahead(self.files, self.local):
+                reads.execute_op(op, self.files, self.arrays, self.staging, verify=False)
+            self.files.check_unchanged()
+        finally:
+            if not self.remote:
+                self.files.close()
+
+    def exchange(self, comm: Comm, clients) -> None:
+        try:
+            exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run)
+        finally:
+            self.files.close()
+
+    def finish(self) -> None:
+        """Fill constants, copy host buffers into the caller's tensors (through one bounded
+        pinned area, reused), put the checkpoint's plain values into the state dict."""
+        aoa.apply(self.staged, self.arrays)
+        with PinnedStage() as stage:
+            for buffer, fill in zip(self.buffers, self.fills):
+                if fill is not None:
+                    buffer.fill(fill)
+                buffer.finish(stage)
+        for path, node in self.plain:
+            nested.assign_subtree(self.state_dict, path, node)
+
+
+def plan_load(
+    comm: Comm,
+    flat: nested.Flat,
+    held,
+    meta: Metadata,
+    path: str,
+    store: storage.Storage,
+    offload: bool,
+    mw: bool,
+    verify: bool = True,
+    missing: MissingKeys = MissingKeys(),
+    visible: set[str] = frozenset(),
+    remap=None,
+) -> LocalLoadWork:
+    # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
+    mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
+    tensor_keys = [k for k in flat.tensors if k not in mapped]
+    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
+    match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
+    where = f"checkpoint {meta.unique_id} in {path}"
+    # a part of the metadata lists only what this rank asked for: nothing there is unexpected
+    report(keys.missing, () if meta.subset else unexpected, where, missing, logger, buffer_like(flat.tensors, keys.missing))
+    meta.prefetch(list(match.source.values()) + sorted(used))
+    targets, slots, buffers, fills, views, remapped = [], [], [], [], [], []
+    for h in held:
+        source = match.source.get(h.piece.key, h.piece.key if h.piece.key in mapped else None)
+        if h.local is None or source is None:
+            buffers.append(NoTarget())
+            fills.append(None)
+            continue
+        buffer = target_buffer(h, offload)
+        buffers.append(buffer)
+        fill = partial_fill(h)
+        fills.append(fill)
+        boxes = key_targets(h, buffer)
+        if h.piece.key in mapped:
+            if fill is None:
+                p = h.piece
+                for box, view in boxes:
+                    local = aoa.LocalTarget(len(views), p.key, p.dtype, p.global_shape, box)
+                    remapped.append((local, remap.maps(p.key, p.dtype, p.global_shape, box)))
+                    views.append(view)
+            continue
+        whole = load_plan.TargetPiece(source, h.piece.dtype, h.piece.global_shape, h.piece.box)
+        if fill is not None or not boxes:  # nothing to read, but the shape and dtype must still agree
+            load_plan.check_targets(meta, [whole])
+            continue
+        for box, view in boxes:
+            targets.append(load_plan.TargetPiece(source, h.piece.dtype, h.piece.global_shape, box))
+            slots.append(len(views))
+            views.append(view)
+    reads = aoa.plan(meta, remapped, first_slot=len(views))
+    targets, slots = targets + reads.pieces, slots + reads.slots
+    source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
+    readable = np.array([f.name in visible for f in meta.files], dtype=bool)
+    try:
+        ops = load_plan.plan_reads(meta, targets, slots=slots, readable=readable)
+    except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
+        raise FormatError(f"{source}: {exc}") from None
+    meta.check_digest()  # after the structure of what this rank uses, before any byte moves
+    work = LocalLoadWork(flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged)
+    work.plain, work.store = keys.plain, store
+    return work
+
+
+def key_targets(held, buffer) -> list[tuple[Box, np.ndarray]]:
+    """What this rank fills of one state-dict tensor: every box (in_global) with the host array
+    it lands in, a view of the tensor's buffer (the one place a key's targets are built). A
+    flattened ShardedWeight fills the boxes its range covers, each a segment of its flat local
+    tensor; any other tensor fills its one box."""
+    if held.parts is not None:
+        flat = buffer.array.reshape(-1)
+        return [(box, flat[at : at + box.volume].reshape(box.shape)) for box, at in held.parts]
+    box = held.piece.box
+    return [(box, buffer.array.reshape(box.shape))]
+
+
+class LoadTarget(Protocol):
+    """Where one state-dict tensor of this rank is loaded: ``array``, the host buffer the
+    reads fill (None: this rank loads nothing into it); ``fill``, a constant instead of read
+    bytes (a Partial tensor's other ranks); ``finish``, the buffer handed to the caller's
+    tensor once every read is done. :class:`NoTarget`, :class:`NumpyTarget` and
+    :class:`~paddle_dcp.parallel.device.TargetBuffer` are the kinds."""
+
+    array: np.ndarray | None
+
+    def fill(self, value: Any) -> None: ...
+
+    def finish(self, stage: PinnedStage | None = None) -> None: ...
+
+
+def target_buffer(held, offload: bool) -> LoadTarget:
+    """Where this rank's part of one state-dict tensor is loaded: the numpy array itself, or
+    a paddle tensor's host buffer (:class:`~paddle_dcp.parallel.device.TargetBuffer`)."""
+    if isinstance(held.local, np.ndarray):
+        return NumpyTarget(held.local, held.piece.key)
+    return TargetBuffer(held.local, offload)
+
+
+class NoTarget:
+    """The buffer of a tensor this rank loads nothing into."""
+
+    array = None
+
+    def fill(self, value: Any) -> None:
+        pass
+
+    def finish(self, stage: PinnedStage | None = None) -> None:
+        pass
+
+
+class NumpyTarget:
+    """A numpy array of the state dict, loaded in place."""
+
+    def __init__(self, array: np.ndarray, key: str):
+        if not array.flags.c_contiguous or not array.flags.writeable:
+            raise MismatchError(f"{key}: numpy arrays loaded in place must be C-contiguous and writable")
+        self.array = array
+
+    def fill(self, value: Any) -> None:
+        self.array[...] = value
+
+    def finish(self, stage: PinnedStage | None = None) -> None:
+        pass

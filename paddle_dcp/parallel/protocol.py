@@ -1,0 +1,462 @@
+"""The save and load protocols: every rank's sequence of local steps and collectives.
+
+A protocol is a generator run by one rank. It yields requests (a collective, an agreement
+after a local step, or a pairwise exchange, see :mod:`paddle_dcp.parallel.requests`) and receives
+their results; it never touches paddle, files or other ranks itself: the rank, an object
+implementing :class:`SaveRankProtocol` / :class:`LoadRankProtocol`, does the local work
+(:mod:`paddle_dcp.parallel.ranks` holds a real rank's).
+
+Two drivers run these same generators:
+  * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.parallel.comm.Comm`;
+  * :func:`paddle_dcp.parallel.comm.SimWorld.run` for every rank of a job in one process, advancing all
+    generators in lockstep, so that a simulation of thousands of ranks executes the very steps
+    and messages of a real save or load (scripts/bench_scale.py).
+
+Every local step ends with an agreement (``Agree``): when it failed on any rank, every rank
+raises the same CollectiveError, so no rank is left waiting in the next collective.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Protocol as _Protocol, Sequence
+
+import numpy as np
+import xxhash
+
+from . import wire
+from .requests import Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, Scatter  # noqa: F401 - protocol.Gather...
+from ..core import load_plan, nested, save_plan
+from ..errors import FormatError, StorageError
+from ..core.metadata import Metadata
+
+logger = logging.getLogger(__name__)
+
+
+Protocol = Generator[Any, Any, Any]
+
+
+def local(step: str, fn: Callable[[], Any], detach: bool = False) -> Protocol:
+    """A local step followed by its agreement; returns ``fn()``'s value. With ``detach``, a
+    Detach comes between the step and its agreement: the caller of an async save returns as
+    soon as its own step is done, and a failure anywhere is agreed on in the background."""
+    value, _ = yield from local_max(step, fn, lambda value: (), 0, detach)
+    return value
+
+
+def local_max(
+    step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int, detach: bool = False
+) -> Protocol:
+    """A local step whose agreement also takes the maximum over the ranks of ``width``
+    integers, ``reduce(fn())``; returns (``fn()``'s value, the maxima)."""
+    started = time.perf_counter()
+    try:
+        value, error = fn(), None
+        values = tuple(int(v) for v in reduce(value))
+        if len(values) != width:
+            raise ValueError(f"step {step}: {len(values)} values to reduce, expected {width}")
+    except Exception as exc:  # noqa: BLE001 - agreed on, then re-raised by the driver
+        value, error, values = None, exc, (0,) * width
+    logger.debug("step %s: %.4f s", step, time.perf_counter() - started)
+    if detach:
+        yield Detach()
+    maxima = yield Agree(step, error, values)
+    return value, maxima
+
+
+def run(comm: Any, protocol: Protocol, until_detach: bool = False) -> Any:
+    """Drive one rank's protocol on a real comm; returns the protocol's value. With
+    ``until_detach``, stop at a Detach request and return it: the caller continues the same
+    generator later (``run(other_comm, protocol)``), e.g. in a background thread."""
+    result = None
+    while True:
+        try:
+            request = protocol.send(result)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(request, Detach):
+            if until_detach:
+                return request
+            result = None
+            continue
+        result = comm.execute(request)
+
+
+# ====================================================================== save
+class SaveRankProtocol(_Protocol):
+    """One rank's side of a save: what :func:`save` asks of it, step by step.
+
+    Attributes:
+        rank / ranks / coordinator: global ranks.
+        block_bytes / created_by: recorded in the metadata.
+        cache: where the rank keeps its last save plan (module-level dict in a real job).
+        replicas: every holder writes its copy of a replicated piece (``save_replicas``).
+        staged: an async save: ``stage`` copies the pieces of the given leaves to host
+            memory (or, while some rank ``can_stage`` them not, each writes its file first);
+            the protocol then yields Detach and may finish in the background.
+        layout: the coordinator's last word on where pieces go in their files (safetensors
+            rank files put a header first); None: the plan's own layout.
+    """
+
+    rank: int
+    ranks: tuple[int, ...]
+    coordinator: int
+    block_bytes: int
+    created_by: str
+    cache: dict
+    replicas: bool
+    staged: bool
+    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None
+
+    def prepare(self) -> None:
+        """Flatten the state dict; raise on what cannot be saved."""
+
+    def reduce(self) -> None:
+        """Reduce Partial tensors (a collective of paddle's; entered by all together)."""
+
+    def describe(self) -> tuple[dict, list[save_plan.LocalPiece]]:
+        """(skeleton without plain values, local pieces in skeleton order)."""
+
+    def choose_id(self) -> int:
+        """The coordinator's choice of id (called on the coordinator only)."""
+
+    def prepare_id(self, uid: int) -> int:
+        """The highest generation of ``uid``'s data files this rank sees (-1: none), after
+        removing its own temporary files of crashed saves of it."""
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        """True when this rank has staging memory for the pieces of ``leaves`` already (asked
+        when ``staged``)."""
+
+    def stage(self, leaves: np.ndarray) -> None:
+        """Copy the pieces of ``leaves`` to host memory (when ``staged``)."""
+
+    def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
+        """Write the pieces of ``leaves``: (file size, block checksums)."""
+
+    def values(self) -> dict:
+        """The coordinator's plain values, flat key -> value."""
+
+    def publish(self, meta: Metadata) -> None:
+        """The coordinator writes the metadata; called last."""
+
+    def tidy(self, uid: int, generation: int) -> None:
+        """Remove this rank's data files of older generations of ``uid``, once the new
+        metadata is in place."""
+
+
+@dataclass
+class SaveResult:
+    unique_id: int
+    bytes_written: int
+    plan_reused: bool
+
+
+def save(ctx: SaveRankProtocol) -> Protocol:
+    """The save protocol of one rank."""
+    is_coord = ctx.rank == ctx.coordinator
+    yield from local("prepare", ctx.prepare)
+    yield from local("reduce partial", ctx.reduce)
+
+    def summarize():
+        skeleton, pieces = ctx.describe()
+        return wire.encode_summary(save_plan.SaveSummary.from_pieces(ctx.rank, skeleton, pieces))
+
+    summary = yield from local("describe", summarize)
+    # a plan is reused when no rank's layout changed since the last save of this group
+    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None)
+    digest = xxhash.xxh3_128_digest(summary)
+    cached = ctx.cache.get(key)
+    changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
+    uid = yield from local("choose id", ctx.choose_id if is_coord else (lambda: -1))
+    uid = int((yield Broadcast(str(uid).encode() if is_coord else b"", ctx.coordinator)))
+    # a save to an id whose files exist writes the next generation beside them: the old
+    # checkpoint stays loadable until the new metadata replaces its metadata
+    seen = yield from local("prepare id", lambda: ctx.prepare_id(uid))
+    generation = (yield AllMax((seen,)))[0] + 1
+    if changed:
+        blobs = yield Gather(summary, ctx.coordinator)
+        plan, parts = yield from local(
+            "plan", (lambda: plan_from_summaries(ctx.ranks, blobs, ctx.replicas, ctx.layout)) if is_coord else (lambda: (None, None))
+        )
+        leaves = wire.decode_assignment((yield Scatter(parts, ctx.coordinator)))
+        ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
+    else:
+        plan, leaves = cached["plan"], cached["leaves"]
+    # an async save copies the pieces to host memory, then detaches (finishes in the
+    # background); while some rank has no staging memory for its pieces yet (the first async
+    # save of a process), every rank writes its file first: a copy into fresh memory costs
+    # what writing into the page cache costs, so the copy would only add to the call. Each
+    # rank detaches once its own step is done; the agreement on it follows in the background.
+    direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(leaves) else 1,)))[0]
+    if ctx.staged and not direct:
+        yield from local("stage", lambda: ctx.stage(leaves), detach=True)
+    written = yield from local("write", lambda: ctx.write(uid, generation, leaves), detach=bool(direct))
+    size, sums = written or (0, [])
+    reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
+
+    def commit():
+        meta = metadata_from_reports(
+            plan, ctx.ranks, reports, ctx.values(), uid, ctx.block_bytes, ctx.created_by, generation
+        )
+        ctx.publish(meta)
+
+    yield from local("commit", commit if is_coord else (lambda: None))
+    yield from local("tidy", lambda: ctx.tidy(uid, generation))
+    return SaveResult(uid, size, not changed)
+
+
+def plan_from_summaries(
+    ranks: Sequence[int],
+    blobs: Sequence[bytes],
+    replicas: bool = False,
+    layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None,
+) -> tuple[save_plan.SavePlan, list[bytes]]:
+    """The coordinator's half of planning a save: decode every summary (each distinct layout
+    once), plan (then ``layout`` places the pieces in their files), and encode every rank's
+    assignment."""
+    cache: dict = {}
+    summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
+    plan = save_plan.plan_save(summaries, replicas)
+    if layout is not None:
+        plan = layout(plan)
+    parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.boxes)) for s in summaries]
+    return plan, parts
+
+
+def metadata_from_reports(
+    plan: save_plan.SavePlan,
+    ranks: Sequence[int],
+    reports: Sequence[bytes],
+    values: dict,
+    uid: int,
+    block_bytes: int,
+    created_by: str = "",
+    generation: int = 0,
+) -> Metadata:
+    """The coordinator's last step: check every writer's report and assemble the metadata."""
+    checks = {}
+    for r, blob in zip(ranks, reports):
+        nbytes, sums = wire.decode_report(blob, r)
+        if r in plan.file_bytes:
+            if nbytes != plan.file_bytes[r]:
+                raise StorageError(f"rank {r} wrote {nbytes} bytes, the plan says {plan.file_bytes[r]}")
+            checks[r] = sums
+    structure, dropped = nested.fill_values(plan.skeleton, values)
+    if dropped:
+        logger.warning("not saved: plain values held only by ranks other than the coordinator: %s", dropped)
+    return save_plan.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by, generation)
+
+
+# ====================================================================== load
+class LoadWork(_Protocol):
+    """One rank's planned load, step by step (what :meth:`LoadRankProtocol.plan` returns).
+
+    Attributes:
+        remote: server rank -> the read ops this rank needs from files it cannot read.
+        share_key: (digest of the tensors it reads, whether it may share their checks).
+    """
+
+    remote: dict[int, list[load_plan.ReadOp]]
+
+    @property
+    def share_key(self) -> tuple[int, bool]: ...
+
+    def share_checks(self, index: int, count: int) -> None:
+        """Check only this rank's share (``index`` of ``count``) of the blocks."""
+
+    def verify_local(self) -> None:
+        """Check every block this rank reads from its own files, before any target changes."""
+
+    def verify_remote(self, comm: Any, clients: Sequence[int]) -> None:
+        """The same for the blocks its servers send (pairwise)."""
+
+    def read_local(self) -> None:
+        """Copy from this rank's own files."""
+
+    def exchange(self, comm: Any, clients: Sequence[int]) -> None:
+        """Receive the remote bytes and serve ``clients`` (pairwise)."""
+
+    def finish(self) -> None:
+        """Fill constants, finish the buffers, set the plain values."""
+
+
+class LoadRankProtocol(_Protocol):
+    """One rank's side of a load: what :func:`load` asks of it.
+
+    Attributes:
+        rank / ranks / coordinator: global ranks.
+        unique_id: the id asked for, or None for the latest.
+        path: the checkpoint (named in errors).
+        shares_targets: with an aoa_config, every rank's targets (``targets``) are gathered
+            after ``inspect`` and handed to ``all_targets`` (paddle's engine needs them all:
+            patterns on target names, shard counts of fused weights).
+        lists_for_all: every rank sees the same files (object storage): only the coordinator's
+            ``inspect`` lists them (for the latest id) and reads the metadata (its bytes are
+            broadcast), and there are no per-rank file lists to compare.
+    """
+
+    rank: int
+    ranks: tuple[int, ...]
+    coordinator: int
+    unique_id: int | None
+    path: str
+    shares_targets: bool
+    lists_for_all: bool
+
+    def inspect(self) -> Any:
+        """Flatten the state dict, describe its pieces, list the directory: a storage.Listing."""
+
+    def read_metadata(self, uid: int) -> Metadata:
+        """The parsed metadata of ``uid`` (this rank sees the file)."""
+
+    def metadata_bytes(self, uid: int) -> bytes:
+        """The content of ``uid``'s metadata file (the coordinator, when ``lists_for_all``)."""
+
+    def parse_metadata(self, uid: int, data: bytes) -> Metadata:
+        """``uid``'s metadata parsed from ``data``, the content another rank read."""
+
+    def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> Pairwise:
+        """Pairwise work giving this rank the part of the metadata it needs (node-local disks)."""
+
+    def plan(self, meta: Metadata, uid: int, listing: Any, statuses: list[dict]) -> LoadWork:
+        """The rank's load work."""
+
+    def targets(self) -> bytes:
+        """This rank's targets, encoded (when ``shares_targets``)."""
+
+    def all_targets(self, blobs: Sequence[bytes]) -> None:
+        """Every rank's targets (when ``shares_targets``)."""
+
+
+def load(ctx: LoadRankProtocol) -> Protocol:
+    """The load protocol of one rank."""
+    # the agreement of each step carries the all-reduce that the next decision needs
+    listing, (latest,) = yield from local_max(
+        "inspect", ctx.inspect, lambda listing: (listing.latest if listing.latest is not None else -1,), 1
+    )
+    uid = ctx.unique_id if ctx.unique_id is not None else latest
+    if ctx.shares_targets:
+        mine = yield from local("describe targets", ctx.targets)
+        ctx.all_targets((yield AllGather(mine)))
+
+    if ctx.lists_for_all:
+        meta = yield from _metadata_from_coordinator(ctx, uid)
+        statuses = [{"m": True, "h": 0}] * len(ctx.ranks)
+    else:
+        meta, statuses = yield from _metadata_of_each(ctx, uid, listing)
+
+    # with the plan's agreement: does any rank need bytes from another, and do all ranks read
+    # the same tensors of a checkpoint they all see (then they share the checksum work)
+    def plan_key(work):
+        digest, can_share = work.share_key
+        return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
+
+    work, (any_remote, high, neg_low, cannot) = yield from local_max(
+        "plan", lambda: ctx.plan(meta, uid, listing, statuses), plan_key, 4
+    )
+    if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
+        work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
+    clients = yield from route(ctx, work.remote, any_remote)
+    # every block is checked before any target changes: a damaged file leaves the state dict
+    # as it was on every rank
+    yield from local("verify", work.verify_local)
+    if clients is None:  # copying and finishing: one step, one agreement
+        yield from local("read", lambda: (work.read_local(), work.finish()))
+        return uid, work
+    yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
+    yield from local("read", work.read_local)
+    yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
+    yield from local("values", work.finish)
+    return uid, work
+
+
+def _check_found(uid: int, path: str) -> None:
+    if uid < 0:
+        raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
+
+
+def _metadata_from_coordinator(ctx: LoadRankProtocol, uid: int) -> Protocol:
+    """Every rank sees the same objects: the coordinator alone reads the metadata (a missing or
+    unreadable object fails this step on every rank) and broadcasts its bytes, which every rank
+    parses: one GET of it per load, not one per rank."""
+    def read():
+        _check_found(uid, ctx.path)
+        return ctx.metadata_bytes(uid) if ctx.rank == ctx.coordinator else b""
+
+    data = yield from local("read metadata", read)
+    data = yield Broadcast(data, ctx.coordinator)
+    return (yield from local("parse metadata", lambda: ctx.parse_metadata(uid, data)))
+
+
+def _metadata_of_each(ctx: LoadRankProtocol, uid: int, listing) -> Protocol:
+    """Every rank reads the metadata if it sees it; ranks that do not (node-local disks) get
+    their part from one that does. Returns (metadata, every rank's status)."""
+    def find_metadata():
+        _check_found(uid, ctx.path)
+        meta = ctx.read_metadata(uid) if uid in listing.complete else None
+        files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
+        digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64
+        return meta, files, digest
+
+    # which ranks read the metadata and which files each sees. On a shared file system all
+    # see the same: one all-reduce proves it (every rank has the metadata, the digests of the
+    # file lists agree), a few bytes per rank however large the job. Only when they differ
+    # (node-local disks) are the statuses, and then the lists, gathered.
+    (meta, files, digest), (no_meta, high, neg_low) = yield from local_max(
+        "read metadata", find_metadata, lambda found: (0 if found[0] is not None else 1, found[2], -found[2]), 3
+    )
+    if no_meta == 0 and high == -neg_low:
+        statuses = [{"m": True, "h": digest}] * len(ctx.ranks)
+    else:
+        statuses = _decode_statuses((yield AllGather(wire.encode_json({"m": meta is not None, "h": digest}))))
+        if len({s["h"] for s in statuses}) > 1:
+            lists = _decode_statuses((yield AllGather(wire.encode_json(files))))
+            statuses = [dict(s, f=f) for s, f in zip(statuses, lists)]
+    readers = [r for r, s in zip(ctx.ranks, statuses) if s["m"]]
+
+    def check():
+        if not readers:
+            raise StorageError(
+                f"checkpoint {uid} is not complete in {ctx.path}: no rank finds {uid}.metadata; "
+                f"complete checkpoints this rank sees: {sorted(listing.complete) or 'none'}",
+                ctx.path,
+            )
+
+    if not readers:  # every rank has the same statuses: all of them fail here
+        yield from local("check", check)
+    if len(readers) < len(ctx.ranks):
+        meta = yield ctx.metadata_from_helpers(readers, meta)
+    return meta, statuses
+
+
+def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
+    """Every rank's status; equal ones (all of them on a shared file system) parsed once."""
+    memo: dict[bytes, dict] = {}
+    out = []
+    for blob in blobs:
+        status = memo.get(blob)
+        if status is None:
+            status = memo[blob] = wire.decode_json(blob)
+        out.append(status)
+    return out
+
+
+def route(ctx: LoadRankProtocol, remote: dict, any_remote: int) -> Protocol:
+    """Tell every server which ranks will ask it for bytes; None when no rank needs any
+    (``any_remote`` 0, agreed by all ranks). The coordinator alone sees every rank's servers;
+    each rank receives its own clients."""
+    if len(ctx.ranks) == 1 or not any_remote:
+        return None
+    asked = yield Gather(wire.encode_json(sorted(remote)), ctx.coordinator)
+
+    def invert():
+        clients: dict[int, list[int]] = {r: [] for r in ctx.ranks}
+        for client, blob in zip(ctx.ranks, asked):
+            for server in wire.decode_json(blob):
+                clients[int(server)].append(client)
+        return [wire.encode_json(clients[r]) for r in ctx.ranks]
+
+    parts = yield from local("route", invert if ctx.rank == ctx.coordinator else (lambda: None))
+    return [int(c) for c in wire.decode_json((yield Scatter(parts, ctx.coordinator)))]

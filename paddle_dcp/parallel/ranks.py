@@ -1,0 +1,345 @@
+"""A real rank's side of a save and of a load: the objects :func:`paddle_dcp.parallel.protocol.save`
+and :func:`~paddle_dcp.parallel.protocol.load` drive (:class:`LocalSaveRank` implements
+``SaveRankProtocol``, :class:`LocalLoadRank` ``LoadRankProtocol``), working on this process's
+state dict and the checkpoint's directory.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..core import checksums
+from ..io import cleanup
+from ..core.dtypes import as_bytes
+from . import exchange, protocol, wire
+from .comm import Comm
+from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
+from .loadwork import LocalLoadWork, plan_load, visible_files
+from .placements import Held, describe, has_partial, is_tensor, reduce_partial
+from ..core import aoa, load_plan, nested, save_plan
+from ..core.keys import MissingKeys, match_keys, reconcile
+from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
+from ..core.metadata_parse import parse_metadata
+from ..errors import ArgumentError, UnsupportedError
+from ..format import hf_dir
+from ..io import safetensors_files, storage
+from ..version import __version__
+
+logger = logging.getLogger(__name__)
+
+
+def check_id(unique_id: Any) -> None:
+    if unique_id is not None and (type(unique_id) is not int or unique_id < 0):
+        raise ArgumentError(f"unique_id must be a non-negative int or None, got {unique_id!r}")
+
+
+def next_id(store: storage.Storage, listing: storage.Listing | None = None) -> int:
+    """One more than the highest complete checkpoint id in ``store`` (0 for the first)."""
+    latest = (listing or store.list_checkpoints()).latest
+    return 0 if latest is None else latest + 1
+
+
+# ============================================================================ save
+class LocalSaveRank:
+    """This process's side of ``save_state_dict``: its state dict's pieces, its data file."""
+
+    block_bytes = DEFAULT_BLOCK_BYTES
+    created_by = f"paddle_dcp {__version__}"
+
+    def __init__(
+        self,
+        comm: Comm,
+        state_dict: dict,
+        store: storage.Storage,
+        unique_id: int | None,
+        cache: dict,
+        *,
+        safetensors: bool = False,
+        replicas: bool = False,
+        durable: bool = False,
+        staged: bool = False,
+        staging: StagingArena | None = None,
+    ):
+        self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
+        self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
+        self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
+        self.safetensors, self.durable = safetensors, durable
+        self.layout = hf_dir.layout_plan if safetensors else None
+        self.flat: nested.Flat | None = None
+        self.reduced: dict[str, Any] = {}
+        self.held: list[Held] = []
+        self.rows: list[tuple[int, save_plan.LocalPiece, int | None]] = []
+        self.leaves: np.ndarray | None = None  # what this rank writes (known once planned)
+        self.did_stage = False
+        # the directory's listing, made once per save: by the coordinator to choose the id,
+        # else to prepare it; the tidy step reuses it (this rank's files of older generations)
+        self.listing: storage.Listing | None = None
+
+    def prepare(self) -> None:
+        check_id(self.unique_id)
+        self.listing = None
+        self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=False)
+        self.store.create()
+
+    def reduce(self) -> None:
+        self.reduced = {
+            key: reduce_partial(key, value, self.rank, self.comm)
+            for key, value in self.flat.tensors.items()
+            if has_partial(value)
+        }
+
+    def describe(self) -> tuple[dict, list[save_plan.LocalPiece]]:
+        held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
+        for h in held:
+            if h.piece.key in self.reduced and h.local is not None:
+                h.local = self.reduced[h.piece.key]
+        self.held = held
+        # one row per piece: a flattened ShardedWeight is several pieces of one key
+        self.rows = [(i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces()]
+        return self.flat.skeleton, [piece for _, piece, _ in self.rows]
+
+    def choose_id(self) -> int:
+        if self.unique_id is not None:
+            return self.unique_id
+        self.listing = self.store.list_checkpoints()
+        return next_id(self.store, self.listing)
+
+    def prepare_id(self, uid: int) -> int:
+        """Remove what crashed saves of ``uid`` left; the newest generation of ``uid`` seen.
+        On storage every rank sees alike, the coordinator alone lists it (one LIST per save,
+        not one per rank) and removes every rank's leftovers."""
+        if self.store.seen_by_all and self.rank != self.coordinator:
+            return -1
+        listing = self.listing = self.listing or self.store.list_checkpoints()
+        if self.store.seen_by_all:
+            stale = cleanup.temporary_names(listing, uid)
+        else:
+            stale = cleanup.temporary_names(listing, uid, self.rank)
+            if self.rank == self.coordinator:
+                stale += cleanup.temporary_names(listing, uid, -1)
+        self.store.remove(stale)
+        gens = listing.generations(uid)  # temporary files are no generation
+        return max(gens) if gens else -1
+
+    def _chosen(self, leaves: np.ndarray) -> list[int]:
+        return sorted({self.rows[row][0] for row in leaves.tolist()})
+
+    def can_stage(self, leaves: np.ndarray) -> bool:
+        self.leaves = leaves
+        return self.staging is None or self.staging.fits([self.held[i].local for i in self._chosen(leaves)])
+
+    def warm_staging(self) -> None:
+        """Make the staging memory the next async save of the same pieces needs (after a save
+        that wrote without staging), off the caller's path."""
+        if self.staging is not None and self.leaves is not None and not self.did_stage:
+            self.staging.reserve([self.held[i].local for i in self._chosen(self.leaves)])
+
+    def stage(self, leaves: np.ndarray) -> None:
+        chosen = self._chosen(leaves)
+        self.did_stage = True
+        if self.staging is None:
+            copies = [staged_copy(self.held[i].local) for i in chosen]
+        else:
+            copies = self.staging.stage([self.held[i].local for i in chosen])
+        for i, copy in zip(chosen, copies):
+            self.held[i].local = copy
+
+    def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
+        name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")
+        return write_pieces(self.store, name, self.held, self.rows, leaves, self.durable, self.safetensors)
+
+    def values(self) -> dict:
+        return self.flat.values
+
+    def publish(self, meta: Metadata) -> None:
+        if self.safetensors:
+            meta = hf_dir.rename_files(meta)
+        self.store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), self.durable)
+
+    def tidy(self, uid: int, generation: int) -> None:
+        """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
+        coordinator alone, on storage every rank sees alike)."""
+        if not self.store.seen_by_all:
+            cleanup.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
+        elif self.rank == self.coordinator:
+            cleanup.remove_data(self.store, uid, None, keep_generation=generation, listing=self.listing)
+
+
+def write_pieces(
+    store: storage.Storage, name: str, held, rows, chosen: np.ndarray, durable: bool, safetensors: bool = False
+) -> tuple[int, list[int]]:
+    """Write the ``chosen`` rows (held index, piece, start in the flat local or None); a
+    safetensors rank file starts with the header the coordinator's layout_plan counted."""
+    if not len(chosen):
+        return 0, []
+    sums: list[int] = []
+    # a piece on a device is copied to host memory whole: one copy alive at a time (its write
+    # ends before the next copy), where host pieces overlap their writes with the next checksums
+    depth = 0 if any(needs_host_copy(held[rows[row][0]].local) for row in chosen.tolist()) else 2
+    if safetensors:
+        pieces = [rows[row][1] for row in chosen.tolist()]
+        header = hf_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
+        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, depth=depth, header=header, alignment=1)
+    else:
+        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, depth=depth)
+    last, data = None, None
+    try:
+        for row in chosen.tolist():
+            i, piece, at = rows[row]
+            if i != last:  # the pieces of a flattened ShardedWeight share one host copy
+                data = array = None  # the previous copy (and every view of it) goes first
+                last, data = i, host_bytes(held[i].local)
+            array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
+            seed = checksums.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)
+            sums.extend(writer.write(as_bytes(array), keep=data, seed=seed))
+        return writer.commit(durable), sums
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# ============================================================================ load
+class LocalLoadRank:
+    """This process's side of ``load_state_dict`` from a checkpoint directory."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        state_dict: dict,
+        path: str,
+        store: storage.Storage,
+        unique_id: int | None,
+        *,
+        offload: bool = False,
+        mw_name_compatibility: bool = True,
+        aoa_config: dict | None = None,
+        safetensors: bool = False,
+        near: frozenset = frozenset(),
+        verify: bool = True,
+        missing: MissingKeys = MissingKeys(),
+    ):
+        self.comm, self.state_dict, self.path, self.unique_id = comm, state_dict, path, unique_id
+        self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
+        self.offload, self.mw, self.aoa_config = offload, mw_name_compatibility, aoa_config
+        self.safetensors, self.near, self.verify, self.missing = safetensors, near, verify, missing
+        self.store = store
+        self.shares_targets = aoa_config is not None  # paddle's engine needs every rank's targets
+        # one store every rank sees alike (object storage): the coordinator alone lists it, to
+        # find the latest id or, with safetensors, whether it is a directory of safetensors files
+        self.lists_for_all = bool(store.seen_by_all)
+        self.flat: nested.Flat | None = None
+        self.held: list[Held] = []
+        self.directory = False  # a directory of safetensors files, without metadata of ours
+        self.shards: tuple[list[str], dict | None] = ([], None)  # its files and index (shard_names)
+        self.every_target: Any = None
+        self.work: LocalLoadWork | None = None
+
+    def inspect(self) -> storage.Listing:
+        check_id(self.unique_id)
+        self.flat = nested.flatten(self.state_dict, is_tensor)
+        self.held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
+        given = self.unique_id is not None and not self.safetensors
+        if self.lists_for_all and (self.rank != self.coordinator or given):
+            return storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
+        listing = self.store.list_checkpoints(temporary=False)
+        if self.safetensors and listing.latest is None:  # a directory of safetensors files
+            self.directory = True
+            self.shards = safetensors_files.shard_names(self.store, listing.files)
+            return _directory_listing(self.unique_id if self.unique_id is not None else 0, self.shards[0])
+        return listing
+
+    def targets(self) -> bytes:
+        return wire.encode_json(aoa.encode_targets(
+            (h.piece.key, h.piece.dtype, h.piece.global_shape, h.piece.box) for h in self.held if h.piece.box is not None
+        ))
+
+    def all_targets(self, blobs: Sequence[bytes]) -> None:
+        self.every_target = aoa.merge_targets(wire.decode_json(b) for b in blobs)
+
+    def read_metadata(self, uid: int) -> Metadata:
+        if self.directory:
+            return safetensors_files.metadata_from_blob(self._directory_blob(), self.store.path, uid)
+        return self.store.read_metadata(uid, lazy=True)
+
+    def _directory_blob(self) -> bytes:
+        return safetensors_files.directory_blob(self.store, *self.shards)
+
+    def metadata_bytes(self, uid: int) -> bytes:
+        """Our metadata file's bytes after b"M", or a directory of safetensors files'
+        description after b"D" (the mark is ours, not the file's: no file can make a rank take
+        a checkpoint of ours for a directory whose files carry no checksums)."""
+        if self.directory:
+            return b"D" + self._directory_blob()
+        return b"M" + self.store.metadata_bytes(uid)
+
+    def parse_metadata(self, uid: int, data: bytes) -> Metadata:
+        if data[:1] == b"D":
+            self.directory = True
+            return safetensors_files.metadata_from_blob(memoryview(data)[1:], self.store.path, uid)
+        return storage.metadata_from_bytes(data[1:], uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
+
+    def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
+        if self.aoa_config is not None:  # every rank knows the readers: all raise the same error
+            others = [r for r in self.ranks if r not in readers]
+            raise UnsupportedError(
+                f"aoa_config needs every rank to read the metadata of the checkpoint in {self.path}; "
+                f"ranks {others} cannot (node-local disks): copy it to them"
+            )
+        return protocol.Pairwise(
+            "metadata from helpers", lambda c: metadata_from_helpers(c, readers, meta, self.flat, self.held, self.mw)
+        )
+
+    def plan(self, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict]) -> LocalLoadWork:
+        if self.lists_for_all:  # every file the metadata names is there for every rank
+            names = [f.name for f in meta.files]
+            listing = _directory_listing(uid, names) if self.directory else storage.listing_of(names)
+        remap = None
+        if self.aoa_config is not None:
+            from .aoa_paddle import Remap
+
+            remap = Remap(self.aoa_config, aoa.source_shards(meta), self.every_target)
+        checks = self.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
+        work = plan_load(
+            self.comm, self.flat, self.held, meta, self.path, self.store, self.offload, self.mw, checks, self.missing,
+            visible_files(listing, uid), remap,
+        )
+        work.split(self.comm, uid, listing, statuses, self.near)
+        work.state_dict = self.state_dict
+        self.work = work
+        return work
+
+
+def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:
+    """A directory of safetensors files seen as checkpoint ``uid`` holding ``names``."""
+    return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
+
+
+def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Metadata:
+    """Ranks without the metadata file get the part they need from a rank that has it."""
+    non_readers = [r for r in comm.ranks if r not in readers]
+    helper_of = {r: readers[i % len(readers)] for i, r in enumerate(non_readers)}
+    my_helper = helper_of.get(comm.rank)
+    my_clients = [r for r, h in helper_of.items() if h == comm.rank]
+    request = b""
+    if my_helper is not None:
+        pieces = [piece for h in held for piece, _ in h.pieces()]
+        request = wire.encode_summary(save_plan.SaveSummary.from_pieces(comm.rank, flat.skeleton, pieces))
+
+    def answer(client: int, question: bytes) -> bytes:
+        summary = wire.decode_summary(question, client)
+        keys = nested.tensor_keys(summary.skeleton)
+        match = match_keys(keys, list(meta.tensors), mw)
+        targets = []
+        for row, i in enumerate(summary.leaves_of_rows().tolist()):
+            key, box = keys[i], summary.piece_box(row)
+            if box is not None and key in match.source:
+                targets.append(load_plan.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
+        plain = reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
+        return load_plan.restrict(meta, targets, list(match.source.values()), [p for p, _ in plain]).to_json()
+
+    reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
+    if reply is not None:
+        meta = parse_metadata(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
+    return meta

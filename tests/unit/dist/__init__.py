@@ -1,1 +1,0 @@
-"""Unit tests of paddle_dcp.dist."""

@@ -1,0 +1,37 @@
+"""SoloComm: the world of one that runs without paddle.distributed."""
+import pytest
+
+from paddle_dcp.parallel.comm import SoloComm
+from paddle_dcp.errors import FormatError
+
+
+def test_solo_collectives_return_their_own_input():
+    c = SoloComm(rank=5)
+    assert (c.size, c.rank, c.ranks, c.coordinator, c.is_coordinator) == (1, 5, (5,), 5, True)
+    assert c.all_max([3, 1]) == [3, 1]
+    assert c.gather(b"ab", 5) == [b"ab"]
+    assert c.scatter([b"x"], 5) == b"x"
+    assert c.broadcast(b"y", 5) == b"y"
+    assert c.all_gather(b"z") == [b"z"]
+
+
+def test_solo_step_re_raises_the_original_error():
+    c = SoloComm()
+    with pytest.raises(FormatError, match="broken"):
+        with c.step("read"):
+            raise FormatError("broken")
+    with c.step("fine"):
+        pass
+    c.agree("fine", None)
+
+
+def test_a_read_only_message_can_be_sent():
+    """Messages made from bytes are read-only arrays, which numpy < 2 cannot export through
+    DLPack: the wire tensor must still carry their bytes (node-local loads hung without it)."""
+    import numpy as np
+
+    from paddle_dcp.parallel.comm import host_tensor
+
+    message = np.frombuffer(b"paddle_dcp", dtype=np.uint8)
+    assert not message.flags.writeable
+    assert host_tensor(message).numpy().tobytes() == b"paddle_dcp"

@@ -1,0 +1,180 @@
+"""A directory of safetensors files (a Hugging Face checkpoint) on storage every rank sees alike
+(object storage): the coordinator alone lists it and reads its index and headers, every rank
+parses what it broadcast, and each rank then reads only the tensors' bytes. The real
+LocalLoadRank on ranks that are threads, over an in-memory storage that records every call."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save
+
+from paddle_dcp.parallel import protocol
+from paddle_dcp.parallel.ranks import LocalLoadRank
+from paddle_dcp.errors import CollectiveError
+from paddle_dcp.io import safetensors_files
+
+from ..io.test_seam import MemoryStorage
+from .fakes import ThreadWorld
+
+SIZE = 3
+SHARDS = {"model-00001-of-00002.safetensors": ["embed.weight"], "model-00002-of-00002.safetensors": ["layers.0.w", "layers.0.b"]}
+SHAPES = {"embed.weight": ((8, 6), np.float32), "layers.0.w": ((6, 10), np.int64), "layers.0.b": ((4, 2), np.float64)}
+
+
+def oracle(key: str) -> np.ndarray:
+    shape, dtype = SHAPES[key]
+    return (np.arange(int(np.prod(shape))) * (list(SHAPES).index(key) + 3) % 1000).astype(dtype).reshape(shape)
+
+
+def hf_directory(index: bool = True) -> dict[str, bytes]:
+    """A Hugging Face directory written by the safetensors package: two shards (and their index)."""
+    blobs = {name: save({k: oracle(k) for k in keys}) for name, keys in SHARDS.items()}
+    if index:
+        weight_map = {k: name for name, keys in SHARDS.items() for k in keys}
+        blobs["model.safetensors.index.json"] = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    blobs["config.json"] = b"{}"
+    return blobs
+
+
+class SharedStorage(MemoryStorage):
+    """Every rank sees the same blobs (object storage's contract); one instance per rank, each
+    recording the calls its rank makes."""
+
+    seen_by_all = True
+
+    def __init__(self, blobs: dict):
+        super().__init__("s3://bucket/model", blobs)
+        self.calls: list[str] = []
+
+    def list_checkpoints(self, temporary: bool = True):
+        self.calls.append("list")
+        return super().list_checkpoints()
+
+    def size(self, name: str):
+        self.calls.append(f"size {name}")
+        return super().size(name)
+
+    def range_reader(self):
+        self.calls.append("range")
+        return super().range_reader()
+
+    def metadata_bytes(self, unique_id: int) -> bytes:
+        self.calls.append("metadata")
+        return super().metadata_bytes(unique_id)
+
+    def open_files(self, meta):
+        self.calls.append("data")
+        return super().open_files(meta)
+
+
+def targets() -> dict:
+    return {"embed": {"weight": np.zeros((8, 6), np.float32)},
+            "layers": {"0": {"w": np.zeros((6, 10), np.int64), "b": np.zeros((4, 2), np.float64)}}}
+
+
+def load_on_threads(blobs: dict, unique_id=None):
+    stores = [SharedStorage(blobs) for _ in range(SIZE)]
+    state = [targets() for _ in range(SIZE)]
+
+    def one(comm):
+        ctx = LocalLoadRank(comm, state[comm.rank], "s3://bucket/model", stores[comm.rank], unique_id, safetensors=True)
+        return protocol.run(comm, protocol.load(ctx))[0]
+
+    return ThreadWorld(SIZE).run(one), stores, state
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_the_coordinator_alone_reads_the_directory_and_every_rank_loads_it(index):
+    results, stores, state = load_on_threads(hf_directory(index))
+    assert results == {r: 0 for r in range(SIZE)}, results
+    for sd in state:
+        assert np.array_equal(sd["embed"]["weight"], oracle("embed.weight"))
+        assert np.array_equal(sd["layers"]["0"]["w"], oracle("layers.0.w"))
+        assert np.array_equal(sd["layers"]["0"]["b"], oracle("layers.0.b"))
+    coordinator = stores[0].calls
+    assert coordinator.count("list") == 1, coordinator  # once: the id and the directory's files
+    sizes = sorted(c for c in coordinator if c.startswith("size"))
+    assert sizes == sorted(f"size {n}" for n in list(SHARDS) + (["model.safetensors.index.json"] if index else [])), coordinator
+    assert "metadata" not in coordinator  # no metadata file of ours was asked for
+    for other in stores[1:]:
+        assert other.calls == ["data"], other.calls  # no list, no index, no header: only the tensors' bytes
+
+
+def test_a_given_id_of_a_directory_is_still_found_by_the_coordinator_alone():
+    results, stores, _ = load_on_threads(hf_directory(), unique_id=0)
+    assert results == {r: 0 for r in range(SIZE)}, results
+    assert stores[0].calls.count("list") == 1 and all(s.calls == ["data"] for s in stores[1:])
+
+
+def test_an_index_naming_a_missing_shard_fails_every_rank_at_the_coordinators_read():
+    blobs = hf_directory()
+    del blobs["model-00002-of-00002.safetensors"]
+    results, stores, state = load_on_threads(blobs)
+    assert {type(e) for e in results.values()} == {CollectiveError}, results
+    assert {e.step for e in results.values()} == {"read metadata"}
+    assert all(sorted(e.failures) == [0] for e in results.values())
+    assert all("model-00002-of-00002.safetensors, which is missing" in e.failures[0] for e in results.values())
+    assert all(not sd["embed"]["weight"].any() for sd in state)
+
+
+def test_a_truncated_header_is_the_same_format_error_on_every_rank():
+    blobs = hf_directory()
+    name = "model-00001-of-00002.safetensors"
+    blobs[name] = blobs[name][:20]
+    results, _, _ = load_on_threads(blobs)
+    assert {type(e) for e in results.values()} == {CollectiveError}, results
+    assert {e.step for e in results.values()} == {"parse metadata"}
+    assert all(len(e.failures) == SIZE for e in results.values())
+    assert all(f"s3://bucket/model/{name}" in m and "truncated" in m for e in results.values() for m in e.failures.values())
+
+
+def test_the_blob_holds_the_headers_and_not_the_tensors():
+    blobs = hf_directory()
+    store = MemoryStorage("d", blobs)
+    blob = safetensors_files.directory_blob(store, *safetensors_files.shard_names(store))
+    headers = sum(8 + int.from_bytes(blobs[n][:8], "little") for n in SHARDS)
+    assert headers < len(blob) < headers + 1024  # the names, sizes and index: a few hundred bytes
+    meta = safetensors_files.metadata_from_blob(blob, "d", 4)
+    assert meta.unique_id == 4 and sorted(meta.tensors) == sorted(SHAPES)
+    assert [f.nbytes for f in meta.files] == [len(blobs[n]) for n in SHARDS]
+
+
+def test_a_checkpoint_of_ours_claiming_no_checksums_is_refused():
+    """Only the coordinator's mark makes a rank take metadata for a directory's, whose files
+    carry no checksums: metadata of ours that says so is a format error, not a load without
+    checks."""
+    store = MemoryStorage("d", hf_directory())
+    meta = safetensors_files.directory_metadata(store)
+    ctx = LocalLoadRank.__new__(LocalLoadRank)
+    ctx.store, ctx.directory = store, False
+    with pytest.raises(Exception, match="unknown checksum algorithm 'none'"):
+        ctx.parse_metadata(0, b"M" + meta.to_json())
+    assert ctx.directory is False
+
+
+def test_a_checkpoint_of_ours_saved_with_safetensors_loads_with_safetensors_from_shared_storage(monkeypatch):
+    """safetensors=True on a checkpoint of ours (rank files in safetensors format, metadata of
+    ours) on storage every rank sees: the coordinator's listing finds the metadata, so it is
+    no directory; its bytes are broadcast and checked as any checkpoint's."""
+    import paddle_dcp
+    from paddle_dcp import api
+
+    blobs: dict[str, bytes] = {}
+    stores: list[SharedStorage] = []
+
+    def shared(path, storage_options=None):
+        stores.append(SharedStorage(blobs))
+        return stores[-1]
+
+    monkeypatch.setattr(api, "open_storage", shared)
+    want = {k: oracle(k) for k in SHAPES}
+    paddle_dcp.save_state_dict({"embed": {"weight": want["embed.weight"]},
+                                "layers": {"0": {"w": want["layers.0.w"], "b": want["layers.0.b"]}}}, "shared-ckpt", safetensors=True)
+    assert "0.metadata" in blobs and any(n.endswith(".safetensors") for n in blobs), sorted(blobs)
+    sd = targets()
+    paddle_dcp.load_state_dict(sd, "shared-ckpt", safetensors=True, unique_id=0)
+    assert np.array_equal(sd["embed"]["weight"], want["embed.weight"])
+    assert np.array_equal(sd["layers"]["0"]["w"], want["layers.0.w"]) and np.array_equal(sd["layers"]["0"]["b"], want["layers.0.b"])
+    assert stores[-1].calls.count("list") == 1 and "metadata" in stores[-1].calls, stores[-1].calls

@@ -1,0 +1,128 @@
+"""Pairwise messages (parallel/wire.py framing) and exchange's order of pairs, over a fake comm
+whose sends block until taken (tests/unit/parallel/fakes.py): an order that could deadlock fails."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from paddle_dcp.parallel import exchange, wire
+from paddle_dcp.errors import CollectiveError, CollectiveMismatchError, DcpError, MismatchError
+
+from .fakes import ThreadWorld
+
+
+def test_pad_and_unpad_round_trip_and_refuse_a_length_beyond_the_buffer():
+    for data in (b"", b"x", bytes(range(200))):
+        buf = wire.pad(data, 256)
+        assert len(buf) == 256 + 8 and int.from_bytes(buf[:8].tobytes(), "little") == len(data)
+        assert wire.unpad(buf) == data
+    bad = wire.pad(b"abc", 3)
+    bad[:8] = np.frombuffer((100).to_bytes(8, "little"), np.uint8)
+    with pytest.raises(CollectiveError):
+        wire.unpad(bad)
+
+
+def test_messages_keep_their_bytes_order_and_failures():
+    sent = [b"", b"hello", bytes(range(256)) * 3]
+
+    def rank(comm):
+        if comm.rank == 0:
+            for m in sent:
+                wire.send_message(comm, 1, m)
+            wire.send_failure(comm, 1, OSError("disk on fire"))
+            wire.send_failure(comm, 1, MismatchError("w: shape (2,) here, (3,) saved"))
+            return None
+        got = [wire.recv_message(comm, 0) for _ in sent]
+        with pytest.raises(DcpError, match="rank 0: OSError: disk on fire") as info:
+            wire.recv_message(comm, 0)
+        assert type(info.value) is CollectiveError and info.value.errors[0].kind == "OSError"
+        with pytest.raises(CollectiveMismatchError):  # the class travels as data
+            wire.recv_message(comm, 0)
+        return got
+
+    world = ThreadWorld(2)
+    results = world.run(rank)
+    assert results[1] == sent
+    # each message: a 16-byte header, then its bytes (none for an empty one)
+    assert [n for _, _, n in world.sent][:5] == [16, 16, 5, 16, 768]
+
+
+def test_a_malformed_header_is_refused():
+    def rank(comm):
+        if comm.rank == 0:
+            comm.send(1, np.array([7, 3], dtype="<i8").view(np.uint8))
+            return None
+        return wire.recv_message(comm, 0)
+
+    results = ThreadWorld(2).run(rank)
+    assert isinstance(results[1], DcpError) and "malformed message header (7, 3)" in str(results[1])
+
+
+def test_pair_order_is_the_same_global_order_from_both_sides():
+    for me, peer in itertools.permutations(range(5), 2):
+        assert exchange.directions(me, peer) == exchange.directions(peer, me)
+        assert exchange.directions(me, peer)[0] == (min(me, peer), max(me, peer))
+    assert exchange.pair_order(2, [4, 0, 3, 0, 1]) == [0, 1, 3, 4]
+    assert exchange.pair_order(3, [4, 0, 2]) == [0, 2, 4]
+
+
+@pytest.mark.parametrize("size", [2, 4, 5])
+def test_every_rank_asking_every_other_completes(size):
+    """Each rank is the helper of the next and a client of the previous one, the worst case
+    for an order of pairs: all ranks wait on one another, and the global order still ends."""
+    def rank(comm):
+        me = comm.rank
+        helper = (me + 1) % size
+        clients = [(me - 1) % size]
+        return exchange.ask_for_metadata(
+            comm, helper, f"from {me}".encode(), clients, lambda client, q: q + f" answered by {me}".encode()
+        )
+
+    results = ThreadWorld(size).run(rank)
+    assert results == {r: f"from {r} answered by {(r + 1) % size}".encode() for r in range(size)}
+
+
+def test_a_failing_answer_reaches_the_client_and_the_server():
+    def rank(comm):
+        def answer(client, question):
+            raise DcpError("no such tensor")
+
+        if comm.rank == 0:
+            return exchange.ask_for_metadata(comm, None, b"", [1, 2], answer)
+        return exchange.ask_for_metadata(comm, 0, b"question", [], answer)
+
+    results = ThreadWorld(3).run(rank)
+    assert isinstance(results[0], DcpError) and "no such tensor" in str(results[0])
+    for r in (1, 2):
+        assert isinstance(results[r], DcpError) and "rank 0: DcpError: no such tensor" in str(results[r])
+
+
+def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
+    """A request no correct rank sends (a bug, another version) is the peer's failure, not a
+    storage error of the file: both sides raise a CollectiveError naming the asking rank."""
+    import json
+
+    from paddle_dcp.io.reads import Staging
+
+    class Reader:
+        def read_into(self, name, start, out):
+            raise AssertionError("no byte is read for a malformed request")
+
+        def close(self):
+            pass
+
+    def rank(comm):
+        if comm.rank == 0:
+            return exchange._serve(comm, 1, Reader(), Staging())
+        wire.send_message(comm, 0, json.dumps([["0_0.distcp", 5, 2]]).encode())
+        try:
+            wire.recv_message(comm, 0, "exchange")
+        except DcpError as exc:
+            return exc
+
+    results = ThreadWorld(2).run(rank)
+    assert isinstance(results[0], CollectiveError) and list(results[0].failures) == [1], results[0]
+    assert "malformed range [5, 2) of '0_0.distcp'" in str(results[0])
+    assert isinstance(results[1], CollectiveError) and "malformed range" in str(results[1])

@@ -1,0 +1,71 @@
+"""Messages between ranks: summaries, assignments, reports (no pickle, exact round trips)."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paddle_dcp.core import save_plan
+from paddle_dcp.parallel import wire
+from paddle_dcp.core.boxes import Box
+from paddle_dcp.errors import FormatError
+
+from ..helpers import fast
+
+
+def make_summary(rank, boxes):
+    keys = [f"k{i}" for i in range(len(boxes))]
+    skeleton = {"d": [[k, {"t": 0}] for k in keys] + [["step", {"v": 3}], ["lr", {"f": "nan"}]]}
+    pieces = [save_plan.LocalPiece(k, "float32", (8,) * (b.ndim if b else 2), b) for k, b in zip(keys, boxes)]
+    return save_plan.SaveSummary.from_pieces(rank, skeleton, pieces)
+
+
+def test_summary_round_trip_is_exact():
+    s = make_summary(3, [Box((0, 4), (8, 4)), None, Box((), ()), Box((1,), (0,))])
+    back = wire.decode_summary(wire.encode_summary(s), 3)
+    assert back.rank == 3 and back.skeleton == s.skeleton
+    assert back.dtypes == s.dtypes and back.global_shapes == s.global_shapes
+    assert back.boxes.dtype == np.int64 and np.array_equal(back.boxes, s.boxes)
+    assert [back.piece_box(i) for i in range(4)] == [Box((0, 4), (8, 4)), None, Box((), ()), None]
+
+
+def test_equal_layouts_share_one_parsed_header():
+    cache = {}
+    a = wire.decode_summary(wire.encode_summary(make_summary(0, [Box((0, 0), (4, 8))])), 0, cache)
+    b = wire.decode_summary(wire.encode_summary(make_summary(1, [Box((4, 0), (4, 8))])), 1, cache)
+    c = wire.decode_summary(wire.encode_summary(make_summary(2, [Box((0,), (8,))])), 2, cache)
+    assert a.header_id == b.header_id != c.header_id
+    assert len(cache) == 2 and a.skeleton is b.skeleton
+
+
+def test_from_pieces_refuses_pieces_out_of_skeleton_order():
+    skeleton = {"d": [["a", {"t": 0}], ["b", {"t": 0}]]}
+    pieces = [save_plan.LocalPiece(k, "float32", (2,), Box.whole((2,))) for k in ("b", "a")]
+    with pytest.raises(save_plan.PlanError):
+        save_plan.SaveSummary.from_pieces(0, skeleton, pieces)
+
+
+@pytest.mark.parametrize("decode", [lambda d: wire.decode_summary(d, 0), wire.decode_assignment,
+                                    lambda d: wire.decode_report(d, 0)])  # fmt: skip
+def test_messages_with_the_wrong_tag_are_refused(decode):
+    with pytest.raises(FormatError):
+        decode(b"XXXX" + bytes(40))
+
+
+@fast(100)
+@given(st.integers(0, 300).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, max(0, n - 1)), max_size=n))))
+def test_assignment_round_trip(case):
+    leaves, writes = case
+    got = wire.decode_assignment(wire.encode_assignment(np.array(sorted(writes), dtype=np.int64), leaves))
+    assert got.tolist() == sorted(writes)
+
+
+@fast(100)
+@given(st.integers(0, 2**63), st.lists(st.integers(0, 2**64 - 1), max_size=20))
+def test_report_round_trip(file_bytes, sums):
+    n, got = wire.decode_report(wire.encode_report(file_bytes, np.array(sums, dtype=np.uint64)), 0)
+    assert n == file_bytes and got.tolist() == sums
+
+
+def test_rle_runs():
+    assert wire.rle([5, 1, 2, 3, 7, 8, 2]) == [[1, 3], [5, 5], [7, 8]]
+    assert wire.rle([]) == []
