@@ -216,7 +216,7 @@ def test_s3_import_paddle_into_a_url(tmp_path, s3_env, monkeypatch, capsys):
     import paddle_dcp
     from paddle_dcp.tools import cli
 
-    from unit.tools.test_cli import paddle_builtin_save
+    from unit.helpers import paddle_builtin_save
 
     src = tmp_path / "paddle"
     oracle = paddle_builtin_save(paddle, src)

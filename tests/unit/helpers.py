@@ -257,3 +257,16 @@ def get(doc, path):
     for p in path:
         doc = doc[p]
     return doc
+
+
+def paddle_builtin_save(paddle, path):
+    """A checkpoint of paddle.distributed.save_state_dict (one process), and its oracle."""
+    import paddle.distributed as dist
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 6)).astype(np.float32)
+    e = paddle.to_tensor(rng.standard_normal((3, 5)).astype(np.float32)).astype("bfloat16")
+    n = rng.integers(-9, 9, size=(5,)).astype(np.int64)
+    state = {"model": {"w": paddle.to_tensor(w), "e": e}, "opt": {"n": paddle.to_tensor(n)}}
+    dist.save_state_dict(state, str(path))
+    return {"model.w": w, "model.e": e.numpy(), "opt.n": n}

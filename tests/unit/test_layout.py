@@ -146,3 +146,20 @@ def test_the_checker_refuses_imports_against_the_flow(module, source):
 )
 def test_the_checker_lets_the_flow_through(module, source):
     assert violations(source, module) == []
+
+
+def test_no_test_module_imports_another():
+    """Tests share helpers and fakes (helpers.py, checkpoints.py, fakes.py, conftest.py), never
+    another test module: importing one runs its tests' module code and couples their files."""
+    tests = Path(__file__).resolve().parents[1]
+    found = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.rsplit(".", 1)[-1].startswith("test_") for n in names):
+                found.append(f"{path.relative_to(tests)}:{node.lineno}")
+    assert found == []

@@ -1,6 +1,6 @@
 """mypy runs clean on the pure layers (core/, format/), on the storage layer (io/), on the
 simulated ranks (tools/simulate.py, typed as the protocol's rank interfaces) and on the
-in-memory test storage (tests/unit/io/test_seam.py, typed as a Storage) with the repository's
+in-memory test storage (tests/unit/io/memory_storage.py, typed as a Storage) with the repository's
 mypy.ini, which requires every function of the pure layers to be annotated: a storage or a
 simulated rank that lacks a method of its interface is a type error."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-CHECKED = ["paddle_dcp/core", "paddle_dcp/format", "paddle_dcp/io", "paddle_dcp/tools/simulate.py", "tests/unit/io/test_seam.py"]
+CHECKED = ["paddle_dcp/core", "paddle_dcp/format", "paddle_dcp/io", "paddle_dcp/tools/simulate.py", "tests/unit/io/memory_storage.py"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install mypy)")

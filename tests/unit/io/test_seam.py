@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -15,138 +14,14 @@ import paddle_dcp
 from paddle_dcp.core import checksums
 from paddle_dcp import api
 from paddle_dcp import io as io_package
-from paddle_dcp.core.metadata import Metadata, aligned
-from paddle_dcp.core.naming import metadata_name
+from paddle_dcp.core.metadata import aligned
 from paddle_dcp.errors import IntegrityError, StorageError
 from paddle_dcp.io import local, open_storage, storage
 from paddle_dcp.tools import verify
 
 from ..helpers import listdir
-from ..test_reliability import _fsync_log
-
-
-class MemoryFiles:
-    def __init__(self, blobs: dict, meta: Metadata):
-        self.blobs, self.meta = blobs, meta
-
-    def _data(self, index: int) -> bytes:
-        name = self.meta.files[index].name
-        if name not in self.blobs:
-            raise IntegrityError(f"data file {name} is missing")
-        return self.blobs[name]
-
-    def name(self, index: int) -> str:
-        return self.meta.files[index].name
-
-    def open(self, index: int) -> None:
-        self._data(index)
-
-    def read_into(self, index: int, offset: int, out: memoryview) -> None:
-        out[:] = self._data(index)[offset : offset + len(out)]
-
-    @contextmanager
-    def mapped(self, index: int, start: int, stop: int, again: bool = False):
-        yield np.frombuffer(self._data(index), np.uint8, count=stop - start, offset=start)
-
-    def advise(self, index: int, start: int, length: int, again: bool = False) -> None:
-        pass
-
-    def check_unchanged(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class MemoryWriter:
-    def __init__(self, blobs: dict, name: str, block_bytes: int, header: bytes, alignment: int):
-        self.blobs, self.name, self.block_bytes, self.alignment = blobs, name, block_bytes, alignment
-        self.buf = bytearray(header)
-        self.offset = len(header)
-
-    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
-        view = data.cast("B")
-        self.buf += bytes(aligned(self.offset, self.alignment) - self.offset) + bytes(view)
-        self.offset = len(self.buf)
-        return checksums.block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
-
-    def commit(self, durable: bool = False) -> int:
-        self.blobs[self.name] = bytes(self.buf)
-        return self.offset
-
-    def abort(self) -> None:
-        pass
-
-
-class MemoryRanges:
-    def __init__(self, blobs: dict):
-        self.blobs = blobs
-
-    def read_into(self, name: str, start: int, out: memoryview) -> None:
-        if name not in self.blobs:
-            raise IntegrityError(f"data file {name} is missing")
-        data = self.blobs[name][start : start + len(out)]
-        if len(data) != len(out):
-            raise IntegrityError(f"data file {name} ends before {start + len(out)}")
-        out[:] = data
-
-    def close(self) -> None:
-        pass
-
-
-class MemoryStorage:
-    """Every file a bytes value in a dict: a second implementation of ``storage.Storage``
-    (mypy checks that it is one: :func:`memory_storage`)."""
-
-    seen_by_all = False
-
-    def __init__(self, path: str, blobs: dict):
-        self.path, self.blobs = path, blobs
-
-    def create(self) -> None:
-        pass
-
-    def list_checkpoints(self, temporary: bool = True) -> storage.Listing:
-        return storage.listing_of(self.blobs)
-
-    def size(self, name: str) -> int | None:
-        return len(self.blobs[name]) if name in self.blobs else None
-
-    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
-        return storage.metadata_from_bytes(self.metadata_bytes(unique_id), unique_id, metadata_name(unique_id), lazy)
-
-    def metadata_bytes(self, unique_id: int) -> bytes:
-        name = metadata_name(unique_id)
-        if name not in self.blobs:
-            raise StorageError(f"checkpoint {unique_id} has no metadata file {name}", name)
-        return self.blobs[name]
-
-    def open_files(self, meta: Metadata) -> MemoryFiles:
-        return MemoryFiles(self.blobs, meta)
-
-    def range_reader(self) -> MemoryRanges:
-        return MemoryRanges(self.blobs)
-
-    def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
-        self.blobs[name] = bytes(data)
-
-    def data_writer(self, name, block_bytes, depth=2, header=b"", alignment=64) -> MemoryWriter:
-        return MemoryWriter(self.blobs, name, block_bytes, header, alignment)
-
-    def remove(self, names) -> list[str]:
-        return [n for n in names if self.blobs.pop(n, None) is not None]
-
-    def resolve(self, name: str) -> str:
-        return name
-
-    def read_file(self, name: str) -> bytes | None:
-        return self.blobs.get(name)
-
-
-def memory_storage(path: str, storage_options: dict | None = None, *, blobs: dict) -> storage.Storage:
-    """``open_storage`` of the in-memory storage (typed, so mypy checks MemoryStorage against
-    the Storage protocol: a missing or different method is a type error)."""
-    return MemoryStorage(path, blobs)
+from .memory_storage import memory_storage
+from ..checkpoints import fsync_log
 
 
 def state() -> dict:
@@ -281,7 +156,7 @@ def test_the_atomic_writer_fsyncs_the_file_before_its_rename_and_the_directory_a
 ):
     d = str(tmp_path)
     events: list = []
-    _fsync_log(monkeypatch, events, d)
+    fsync_log(monkeypatch, events, d)
     WRITERS[kind](d, durable)
     monkeypatch.undo()
     final = os.path.join(d, "f")

@@ -15,7 +15,7 @@ from paddle_dcp.parallel.ranks import LocalLoadRank
 from paddle_dcp.errors import CollectiveError
 from paddle_dcp.io import safetensors_files
 
-from ..io.test_seam import MemoryStorage
+from ..io.memory_storage import MemoryStorage
 from .fakes import ThreadWorld
 
 SIZE = 3

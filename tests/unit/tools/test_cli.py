@@ -17,12 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
+from paddle_dcp.errors import ArgumentError, UnsupportedError
 from paddle_dcp.tools import cli, consolidate
 from paddle_dcp.core.boxes import element_span, flat_range_boxes
 from paddle_dcp.core.metadata import TensorEntry
 
-from ..helpers import coords, fast, random_array, ref_box, same_bits, save_checkpoint
+from ..helpers import coords, fast, paddle_builtin_save, random_array, ref_box, same_bits, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -547,19 +548,6 @@ def test_import_paddle_refuses_without_trust(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def paddle_builtin_save(paddle, path):
-    """A checkpoint of paddle.distributed.save_state_dict (one process), and its oracle."""
-    import paddle.distributed as dist
-
-    rng = np.random.default_rng(3)
-    w = rng.standard_normal((4, 6)).astype(np.float32)
-    e = paddle.to_tensor(rng.standard_normal((3, 5)).astype(np.float32)).astype("bfloat16")
-    n = rng.integers(-9, 9, size=(5,)).astype(np.int64)
-    state = {"model": {"w": paddle.to_tensor(w), "e": e}, "opt": {"n": paddle.to_tensor(n)}}
-    dist.save_state_dict(state, str(path))
-    return {"model.w": w, "model.e": e.numpy(), "opt.n": n}
-
-
 def test_import_paddle_builtin_checkpoint(tmp_path, capsys):
     paddle = pytest.importorskip("paddle")
     import paddle_dcp
@@ -740,3 +728,26 @@ def test_verify_takes_the_copies_of_a_save_replicas_checkpoint(tmp_path):
         f.write(b"\xff")
     problems, _ = verify.verify_checkpoint(str(tmp_path), 0)
     assert len(problems) == 1 and "1_0.distcp" in problems[0] and "model.w" in problems[0], problems
+
+
+# ====================================================================== the library's words, the cli's options
+def test_a_bad_key_pattern_is_an_argument_error_the_cli_names_by_its_option(saved, tmp_path, capsys):
+    with pytest.raises(ArgumentError) as info:
+        consolidate.key_filter("(")
+    assert "--keys" not in str(info.value) and "'(' is not a regular expression" in str(info.value)
+    code, _, err = run(capsys, "convert", saved[0], tmp_path / "bad.npz", "--keys", "(")
+    assert code == 1 and "error: --keys '(' is not a regular expression" in err
+
+
+def test_a_dtype_safetensors_refuses_gets_the_cli_options_only_from_the_cli(tmp_path, capsys):
+    path = str(tmp_path / "c128")
+    (tmp_path / "c128").mkdir()
+    save_checkpoint(path, {"z": np.ones(3, np.complex128)}, {"z": "complex128"}, (1,), {"z": (None,)})
+    meta = consolidate.open_storage(path).read_metadata(0)
+    with pytest.raises(UnsupportedError) as info:
+        consolidate.convert(path, meta, str(tmp_path / "z.safetensors"), "safetensors", consolidate.select(meta))
+    assert "--" not in str(info.value) and "complex128" in str(info.value)
+    code, _, err = run(capsys, "convert", path, tmp_path / "z.safetensors")
+    assert code == 1 and err.strip().endswith("; leave it out with --keys or convert --to npz"), err
+    with pytest.raises(ArgumentError, match="unknown output format"):
+        consolidate.convert(path, meta, str(tmp_path / "z.x"), "x", consolidate.select(meta))
