@@ -210,6 +210,8 @@ def _creation(fn, place_arg: str, position: int | None, like: bool = False):
     def create(*args, **kwargs):
         import paddle
 
+        if not paddle.in_dynamic_mode():  # building a static program (a DistModel): no tensors yet
+            return fn(*args, **kwargs)
         args = list(args)
         if position is not None and len(args) > position:
             device = args.pop(position)
