@@ -5,12 +5,14 @@ reader) before any byte of a tensor is read. ``save_gathered`` puts the state di
 and plain values in its ``__metadata__`` (``structure``: the skeleton of
 :mod:`paddle_dcp.core.nested`, as JSON). No pickle anywhere.
 
-Each process reads only what it holds: the box of every dist tensor its rank holds, the whole
-of plain tensors and numpy arrays, in bounded reads straight into the tensors' host memory. The
-file is reached through its directory's storage (:func:`paddle_dcp.io.open_file`) and read
-as a load from a checkpoint directory reads: the file's tensors become a checkpoint's metadata
-(one piece each, as for a Hugging Face directory), :func:`~paddle_dcp.core.load_plan.plan_reads`
-plans the reads, :func:`~paddle_dcp.io.storage.execute_op` carries them out.
+Each process reads only what it holds: the box of every dist tensor its rank holds, the boxes
+a ShardedWeight states, the whole of plain tensors and numpy arrays, in bounded reads straight
+into the tensors' host memory. The file is reached through its directory's storage
+(:func:`paddle_dcp.io.open_file`) and loaded by the load of a checkpoint directory, in this
+process alone: the file is a directory of one safetensors file
+(:func:`~paddle_dcp.format.hf_dir.headers_metadata`, the structure ``save_gathered`` stored
+included), :func:`~paddle_dcp.parallel.loadwork.plan_load` plans the whole load and its work
+reads and finishes it.
 """
 from __future__ import annotations
 
@@ -20,22 +22,11 @@ import time
 
 import numpy as np
 
-from .io import reads
-from .core import load_plan, nested
-from .core.keys import MissingKeys, Reconciled, reconcile, report
-from .parallel.gather_plan import METADATA_FORMAT, METADATA_VERSION  # noqa: F401 - what save_gathered writes
+from .core import nested
+from .core.keys import MissingKeys
 from .errors import MismatchError
 from .format import hf_dir
-from .format.safetensors import (  # noqa: F401 - re-exported: the file format's reader, for callers of this module
-    DTYPE_OF_CODE,
-    MAX_HEADER_BYTES,
-    SAFETENSORS_DTYPES,
-    Entry,
-    Header,
-    parse_header,
-    read_header,
-)
-from .io import open_file, safetensors_files, storage
+from .io import open_file, safetensors_files
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +64,7 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
+    from .parallel.loadwork import plan_load
     from .parallel.placements import describe, is_tensor
 
     path = os.fspath(path)
@@ -81,87 +73,26 @@ def load_file(
     header = safetensors_files.read_header(store, name, path)
     flat = nested.flatten(state_dict, is_tensor)
     rank = _rank(flat)
-    held = [describe(k, v, rank) for k, v in flat.tensors.items()]
-    keys = _reconcile(flat, header, path, mw_name_compatibility, missing)
-    work = _checked(held, header, keys.match)  # every check before any byte moves
-    nbytes = _read(store, name, header, work, offload)
-    for value_path, node in keys.plain:
-        nested.assign_subtree(state_dict, value_path, node)
-    logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work), nbytes, path, time.perf_counter() - started)
-
-
-def _reconcile(flat: nested.Flat, header: Header, path: str, mw: bool, missing: MissingKeys) -> Reconciled:
-    """The state dict's keys against the file's: raise on (or warn of) missing ones."""
-    from .parallel.placements import buffer_like
-
-    structure = header.structure if header.structure is not None else {"d": []}
-    keys = reconcile(list(flat.tensors), flat.skeleton, list(header.entries), structure, mw, "file")
-    report(keys.missing, keys.unexpected, path, missing, logger, buffer_like(flat.tensors, keys.missing))
-    return keys
-
-
-def _checked(held, header: Header, match) -> list[tuple[object, Entry]]:
-    """(held piece, its entry in the file) of every tensor this process loads, after checking
-    every matched key's dtype and shape."""
-    work = []
-    for h in held:
-        source = match.source.get(h.piece.key)
-        if source is None:
-            continue
-        entry = header.entries[source]
-        if entry.dtype is None:
-            raise MismatchError(f"{h.piece.key}: the file holds dtype {entry.code}, which paddle_dcp does not load")
-        if entry.dtype != h.piece.dtype or entry.shape != h.piece.global_shape:
-            raise MismatchError(
-                f"{h.piece.key}: the file has {entry.dtype} of shape {entry.shape}, "
-                f"the state_dict {h.piece.dtype} of shape {h.piece.global_shape}"
-            )
-        if h.local is not None and h.piece.box is not None:
-            work.append((h, entry))
-    return work
-
-
-def _read(
-    store: storage.Storage, name: str, header: Header, work, offload: bool
-) -> int:
-    """Read every box of ``work`` from file ``name`` of ``store`` into its target's buffer (the load's own buffers: see
-    parallel.loadwork.target_buffer) on a load's machinery: the file's tensors as a checkpoint's
-    metadata, the read ops that fill a box (bounded reads) and the storage's data files. One
-    tensor at a time, its buffer finished before the next is read (on a GPU, one host buffer
-    at a time); returns the bytes read."""
-    from .parallel.device import PinnedStage
-    from .parallel.loadwork import target_buffer
-    from .parallel.placements import partial_fill
-
-    meta = hf_dir.files_metadata([(name, header.file_bytes)], {e.key: hf_dir.tensor_entry(e, 0) for _, e in work})
-    files = store.open_files(meta)
-    staging = reads.Staging()
-    stage = PinnedStage()
-    nbytes = 0
-    try:
-        for h, entry in work:
-            buffer = target_buffer(h, offload)
-            fill = partial_fill(h)
-            if fill is None:
-                target = load_plan.TargetPiece(entry.key, entry.dtype, entry.shape, h.piece.box)
-                view = buffer.array.reshape(h.piece.box.shape)
-                ops = load_plan.plan_reads(meta, [target])
-                for op in reads.read_ahead(files, ops):
-                    reads.execute_op(op, files, [view], staging, verify=False)
-                nbytes += view.nbytes
-            else:
-                buffer.fill(fill)
-            buffer.finish(stage)
-        files.check_unchanged()
-    finally:
-        files.close()
-        stage.close()
-    return nbytes
+    held = [describe(k, v, rank, flat_ok=True) for k, v in flat.tensors.items()]
+    for key in flat.tensors:  # left out of the metadata below: say why rather than "missing"
+        entry = header.entries.get(key)
+        if entry is not None and entry.dtype is None:
+            raise MismatchError(f"{key}: the file holds dtype {entry.code}, which paddle_dcp does not load")
+    meta = hf_dir.headers_metadata(path, [name], [header], None, structure=header.structure)
+    # the load of a checkpoint directory, in this process alone: every check before any byte moves
+    work = plan_load(state_dict, flat, held, meta, path, store, offload, mw_name_compatibility, False, missing, kind="file")
+    work.read_local()
+    work.finish()
+    nbytes = sum(op.nbytes for op in work.local)
+    logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work.local), nbytes, path, time.perf_counter() - started)
 
 
 def _rank(flat: nested.Flat) -> int:
-    """This process's global rank when the state dict holds dist tensors, else 0."""
-    if all(isinstance(v, np.ndarray) or not v.is_dist() for v in flat.tensors.values()):
+    """This process's global rank when the state dict holds dist tensors, else 0 (numpy
+    arrays, plain tensors and ShardedWeights state their boxes themselves)."""
+    from .parallel.placements import is_sharded_weight
+
+    if all(isinstance(v, np.ndarray) or is_sharded_weight(v) or not v.is_dist() for v in flat.tensors.values()):
         return 0
     import paddle.distributed as dist
 

@@ -93,12 +93,18 @@ def shard_files(names: Iterable[str], path: str) -> list[str]:
 
 
 def headers_metadata(
-    path: str, names: Sequence[str], headers: Sequence[Header], weight_map: dict[str, str] | None, unique_id: int = 0
+    path: str,
+    names: Sequence[str],
+    headers: Sequence[Header],
+    weight_map: dict[str, str] | None,
+    unique_id: int = 0,
+    structure: dict | None = None,
 ) -> Metadata:
     """The metadata of a directory of safetensors files ``names`` whose headers are
-    ``headers``: every tensor one piece, at its byte range in its file; no checksums. Tensors
-    of a dtype paddle_dcp does not load (FP8, unsigned wider than 8 bits) are left out, with
-    a warning.
+    ``headers`` (one file: a single safetensors file): every tensor one piece, at its byte
+    range in its file; no checksums. Tensors of a dtype paddle_dcp does not load (FP8,
+    unsigned wider than 8 bits) are left out, with a warning. ``structure``: the nesting and
+    plain values a file's writer stored (``save_gathered``); else every tensor at the root.
 
     Raises:
         FormatError: an index naming a tensor its file does not hold, or a file holding a
@@ -125,7 +131,7 @@ def headers_metadata(
         tensors[key] = tensor_entry(entry, i)
     if skipped:
         logger.warning("%s: tensors of a dtype paddle_dcp does not load, left out: %s", path, skipped)
-    return files_metadata([(n, h.file_bytes) for n, h in zip(names, headers)], tensors, unique_id)
+    return files_metadata([(n, h.file_bytes) for n, h in zip(names, headers)], tensors, unique_id, structure)
 
 
 def tensor_entry(entry: Entry, file: int) -> TensorEntry:
@@ -149,15 +155,18 @@ def tensor_entry(entry: Entry, file: int) -> TensorEntry:
     return TensorEntry(entry.key, entry.dtype, entry.shape, pieces, block_bytes=1)
 
 
-def files_metadata(files: Sequence[tuple[str, int]], tensors: dict[str, TensorEntry], unique_id: int = 0) -> Metadata:
+def files_metadata(
+    files: Sequence[tuple[str, int]], tensors: dict[str, TensorEntry], unique_id: int = 0, structure: dict | None = None
+) -> Metadata:
     """The metadata of safetensors files ``files`` ((name, bytes) each) holding ``tensors``
-    (:func:`tensor_entry`): no checksums, every tensor at the root of the structure."""
+    (:func:`tensor_entry`): no checksums; ``structure`` as given, else every tensor at the
+    root."""
     return Metadata(
         unique_id=unique_id,
         world_size=1,
         files=tuple(FileEntry(n, size) for n, size in files),
         tensors=tensors,
-        structure={"d": [[k, {"t": 0}] for k in tensors]},
+        structure=structure if structure is not None else {"d": [[k, {"t": 0}] for k in tensors]},
         block_bytes=1,
         checksum_algorithm=NO_CHECKSUMS,
         created_by="safetensors files",

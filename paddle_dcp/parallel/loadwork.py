@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,41 +45,26 @@ class LocalLoadWork:
     copies name (one per target box, views of the buffers), followed by one staging array
     per ``staged`` part of an aoa_config mapping."""
 
-    def __init__(self, flat, meta, ops, files, buffers, fills, views, verify: bool = True, staged=()):
+    def __init__(
+        self, flat, meta, ops, files, buffers, fills, views, verify: bool = True, staged=(), *,
+        state_dict: dict, plain=(), store: storage.Storage, local=None, remote=None,
+    ):
         self.flat, self.meta = flat, meta
         self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
         self.verify = verify
         self.staging = reads.Staging()
-        self.local, self.remote = list(ops), {}
+        # ops on files this rank reads itself, and the others by the rank that serves them
+        self.local, self.remote = (list(ops) if local is None else local), (remote or {})
         self.checks: list | None = None  # this rank's share of the checks, when shared
-        self.state_dict = None
-        self.plain: tuple = ()  # the checkpoint's subtrees without tensors, restored whole
-        self.store: storage.Storage | None = None  # where ``files`` are (ranges served to others)
+        self.state_dict = state_dict
+        self.plain = tuple(plain)  # the checkpoint's subtrees without tensors, restored whole
+        self.store = store  # where ``files`` are (ranges served to others)
         self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
         self.arrays = list(views) + aoa.staging_arrays(self.staged)
         self.run = lambda op, fetch: reads.execute_op(op, files, self.arrays, self.staging, verify, fetch)
 
-    def split(self, comm: Comm, uid: int, listing, statuses, near: frozenset = frozenset()) -> None:
-        """Ops on files this rank can read, and the others by the rank that will serve them
-        (one of the ranks ``near``, the worker groups', when one can). Every local file is
-        opened (and its size checked) before any byte moves."""
-        mine = visible_files(listing, uid)
-        self.local, self.remote = [], {}
-        for op in self.ops:
-            name = self.meta.files[op.file].name
-            if name in mine:
-                self.local.append(op)
-                continue
-            writer, _, gen = storage.parse_data_name(name) or (-1, -1, -1)
-            servers = [  # no "f": every rank sees the same files as this one
-                r for r, s in zip(comm.ranks, statuses)
-                if r != comm.rank and wire.in_runs(s.get("f", {}).get(str(gen), ()), writer)
-            ]
-            if not servers:
-                keys = sorted({seg.piece.key for seg in op.segments})
-                raise StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
-            servers = [r for r in servers if r in near] or servers
-            self.remote.setdefault(servers[comm.rank % len(servers)], []).append(op)
+    def open_local(self) -> None:
+        """Open every file this rank reads itself (its size checked) before any byte moves."""
         for f in sorted({op.file for op in self.local}):
             try:
                 self.files.open(f)
@@ -155,8 +141,45 @@ class LocalLoadWork:
             nested.assign_subtree(self.state_dict, path, node)
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Which rank reads which file: this rank, its place among ``ranks``, the files it sees
+    (``visible``) and every rank's status (the files each sees, on node-local disks), the
+    ranks it prefers as servers (``near``)."""
+
+    rank: int
+    ranks: tuple
+    uid: int
+    visible: frozenset
+    statuses: tuple = ()
+    near: frozenset = frozenset()
+
+
+def split_ops(ops, meta: Metadata, sources: Sources) -> tuple[list, dict]:
+    """Ops on files this rank can read, and the others by the rank that will serve them (one
+    of the ranks ``near``, the worker groups', when one can)."""
+    local: list = []
+    remote: dict = {}
+    for op in ops:
+        name = meta.files[op.file].name
+        if name in sources.visible:
+            local.append(op)
+            continue
+        writer, _, gen = storage.parse_data_name(name) or (-1, -1, -1)
+        servers = [  # no "f": every rank sees the same files as this one
+            r for r, s in zip(sources.ranks, sources.statuses)
+            if r != sources.rank and wire.in_runs(s.get("f", {}).get(str(gen), ()), writer)
+        ]
+        if not servers:
+            keys = sorted({seg.piece.key for seg in op.segments})
+            raise StorageError(f"no rank can read data file {name} of checkpoint {sources.uid}, needed for {keys}")
+        servers = [r for r in servers if r in sources.near] or servers
+        remote.setdefault(servers[sources.rank % len(servers)], []).append(op)
+    return local, remote
+
+
 def plan_load(
-    comm: Comm,
+    state_dict: dict,
     flat: nested.Flat,
     held,
     meta: Metadata,
@@ -166,15 +189,21 @@ def plan_load(
     mw: bool,
     verify: bool = True,
     missing: MissingKeys = MissingKeys(),
-    visible: set[str] = frozenset(),
+    sources: Sources | None = None,
     remap=None,
+    kind: str = "checkpoint",
 ) -> LocalLoadWork:
+    """This rank's complete load of ``meta`` into ``state_dict`` (flattened: ``flat``, its
+    tensors' pieces: ``held``): keys matched, targets' buffers, read ops split between the
+    files this rank reads and the ranks that serve the others (``sources``; None: every file
+    is this rank's), every local file opened. ``kind`` names the source in messages
+    ("checkpoint", "file")."""
     # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
     mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
     tensor_keys = [k for k in flat.tensors if k not in mapped]
-    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw)
+    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw, kind)
     match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
-    where = f"checkpoint {meta.unique_id} in {path}"
+    where = f"checkpoint {meta.unique_id} in {path}" if kind == "checkpoint" else path
     # a part of the metadata lists only what this rank asked for: nothing there is unexpected
     report(keys.missing, () if meta.subset else unexpected, where, missing, logger, buffer_like(flat.tensors, keys.missing))
     meta.prefetch(list(match.source.values()) + sorted(used))
@@ -209,14 +238,19 @@ def plan_load(
     reads = aoa.plan(meta, remapped, first_slot=len(views))
     targets, slots = targets + reads.pieces, slots + reads.slots
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
+    visible = sources.visible if sources is not None else frozenset(f.name for f in meta.files)
     readable = np.array([f.name in visible for f in meta.files], dtype=bool)
     try:
         ops = load_plan.plan_reads(meta, targets, slots=slots, readable=readable)
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    work = LocalLoadWork(flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged)
-    work.plain, work.store = keys.plain, store
+    local, remote = split_ops(ops, meta, sources) if sources is not None else (ops, {})
+    work = LocalLoadWork(
+        flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged,
+        state_dict=state_dict, plain=keys.plain, store=store, local=local, remote=remote,
+    )
+    work.open_local()
     return work
 
 

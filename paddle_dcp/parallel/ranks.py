@@ -16,7 +16,7 @@ from ..core.dtypes import as_bytes
 from . import exchange, protocol, wire
 from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
-from .loadwork import LocalLoadWork, plan_load, visible_files
+from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
 from .placements import Held, describe, has_partial, is_tensor, reduce_partial
 from ..core import aoa, load_plan, nested, save_plan
 from ..core.keys import MissingKeys, match_keys, reconcile
@@ -301,12 +301,12 @@ class LocalLoadRank:
 
             remap = Remap(self.aoa_config, aoa.source_shards(meta), self.every_target)
         checks = self.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
+        sources = Sources(self.comm.rank, tuple(self.comm.ranks), uid, frozenset(visible_files(listing, uid)),
+                          tuple(statuses), frozenset(self.near))
         work = plan_load(
-            self.comm, self.flat, self.held, meta, self.path, self.store, self.offload, self.mw, checks, self.missing,
-            visible_files(listing, uid), remap,
+            self.state_dict, self.flat, self.held, meta, self.path, self.store, self.offload, self.mw, checks,
+            self.missing, sources, remap,
         )
-        work.split(self.comm, uid, listing, statuses, self.near)
-        work.state_dict = self.state_dict
         self.work = work
         return work
 

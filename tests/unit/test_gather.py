@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from .helpers import fast
 from paddle_dcp import gather, singlefile
+from paddle_dcp.format import safetensors
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import DcpError, FormatError, MismatchError, PlanError
 
@@ -138,7 +139,7 @@ def test_plan_writes_every_byte_once_within_the_limit(nranks, root, limit, tmp_p
     blob = simulate(plan, locals_, root)
     path = tmp_path / "f.safetensors"
     path.write_bytes(blob)
-    header = singlefile.read_header(str(path))
+    header = safetensors.read_header(str(path))
     assert set(header.entries) == set(TENSORS)
     assert list(header.entries)[: len(TENSORS) - 1] == [k for k in TENSORS if k != "empty"]
     # numpy has no bfloat16: that tensor is checked from the file's bytes
@@ -243,7 +244,7 @@ def test_any_split_any_limit_round_trips(shape, nranks, dim, limit, root):
     plan = gather.plan_gather(summaries, tuple(range(nranks)), root, "params", limit)
     blob = simulate(plan, locals_, root)
     n = struct.unpack("<Q", blob[:8])[0]
-    header = singlefile.parse_header(blob[8 : 8 + n], len(blob), "mem")
+    header = safetensors.parse_header(blob[8 : 8 + n], len(blob), "mem")
     for k, v in globals_.items():
         e = header.entries[k]
         got = np.frombuffer(blob[e.begin : e.begin + e.nbytes], v.dtype).reshape(v.shape)

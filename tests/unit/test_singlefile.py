@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import paddle_dcp
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,7 +22,7 @@ from paddle_dcp.io import reads
 from paddle_dcp import singlefile
 from paddle_dcp.core import load_plan
 from paddle_dcp.core.keys import MissingKeys
-from paddle_dcp.format import hf_dir
+from paddle_dcp.format import hf_dir, safetensors
 from paddle_dcp.io import open_storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, MismatchError
@@ -168,12 +170,12 @@ def test_the_header_rules(tmp_path, label):
 
 def test_header_size_is_capped(tmp_path):
     path = tmp_path / "huge"
-    path.write_bytes(struct.pack("<Q", singlefile.MAX_HEADER_BYTES + 1) + b"{}")
+    path.write_bytes(struct.pack("<Q", safetensors.MAX_HEADER_BYTES + 1) + b"{}")
     with pytest.raises(FormatError, match="header of"):
-        singlefile.read_header(str(path))
+        safetensors.read_header(str(path))
     path.write_bytes(b"\x01\x02")
     with pytest.raises(FormatError, match="too short"):
-        singlefile.read_header(str(path))
+        safetensors.read_header(str(path))
 
 
 @given(
@@ -189,7 +191,7 @@ def test_read_box_reads_exactly_the_box(tmp_path_factory, shape, data, band):
     box = Box(offsets, sizes)
     array = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
     path = write(tmp_path_factory.mktemp("rb") / "t", {"t": ("I32", array)}, pad=3)
-    header = singlefile.read_header(str(path))
+    header = safetensors.read_header(str(path))
     out = np.full(sizes, -1, np.int32)
     # the single-file load's machinery: the file as a checkpoint's metadata, planned reads of
     # at most ``band`` bytes (small ones force the cut paths), executed on the storage's files
@@ -223,3 +225,19 @@ def test_numpy_state_dicts_load_with_paddle_blocked(tmp_path):
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_flattened_sharded_weight_loads_from_one_file(tmp_path):
+    """One file's load is a checkpoint directory's load (parallel.loadwork.plan_load): a
+    flattened ShardedWeight (sharding stage 2) takes the boxes its range covers, which this
+    path refused when it had a loop of its own."""
+    paddle = pytest.importorskip("paddle")
+    from paddle.distributed.flex_checkpoint.dcp.sharded_weight import ShardedWeight
+
+    whole = np.arange(4 * 6, dtype=np.float32).reshape(4, 6) - 5
+    path = write(tmp_path / "f.safetensors", {"w": ("F32", whole)})
+    for start, stop in ((0, 24), (3, 17), (6, 12), (23, 24)):
+        local = paddle.zeros([stop - start], dtype="float32")
+        sd = {"w": ShardedWeight("w", local, (4, 6), (4, 6), (0, 0), True, slice(start, stop))}
+        paddle_dcp.load_state_dict(sd, str(path))
+        assert np.array_equal(local.numpy(), whole.reshape(-1)[start:stop]), (start, stop)
