@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .core import nested
+from .core import nested, save_plan
 from .core.boxes import Box, element_span, is_contiguous
 from .core.dtypes import itemsize, storage_dtype
 from .parallel import protocol, wire
@@ -50,7 +50,6 @@ from .parallel.gather_plan import (  # noqa: F401 - the plan's names, re-exporte
     Region,
     TensorLayout,
     _limits,
-    _summary,
     plan_gather,
 )
 from .errors import ArgumentError, CollectiveError, Failure, FormatError, collective_error
@@ -185,27 +184,26 @@ class GatherRank:
         self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
 
     def reduce(self) -> None:
-        from .parallel.placements import has_partial, reduce_partial
+        from .parallel.placements import reduce_partials
 
-        rank = self.comm.rank
-        self.reduced = {k: reduce_partial(k, v, rank, self.comm) for k, v in self.flat.tensors.items() if has_partial(v)}
+        self.reduced = reduce_partials(self.flat.tensors, self.comm.rank, self.comm)
 
     def describe(self) -> bytes:
-        """This rank's summary for the gathering rank."""
-        from .parallel.placements import describe
+        """This rank's summary for the gathering rank (the pieces as ``save_state_dict``
+        describes them, encoded as its summaries are)."""
+        from .parallel.placements import held_of
 
-        for k, v in self.flat.tensors.items():
-            h = describe(k, v, self.comm.rank)
-            if k in self.reduced and h.local is not None:
-                h.local = self.reduced[k]
-            self.held[k] = h
-        return _summary(self.comm.rank, self.flat.skeleton, [h.piece for h in self.held.values()])
+        self.held = {h.piece.key: h for h in held_of(self.flat.tensors, self.reduced, self.comm.rank)}
+        pieces = [h.piece for h in self.held.values()]
+        return wire.encode_summary(save_plan.SaveSummary.from_pieces(self.comm.rank, self.flat.skeleton, pieces))
 
     def plan_all(self, summaries: list[bytes] | None) -> list[bytes] | None:
         """The gathering rank's plan; returns every rank's assignment (None elsewhere)."""
         if not self.is_root:
             return None
-        self.plan = plan_gather(summaries, self.comm.ranks, self.root, self.state_type, self.limit)
+        cache: dict = {}  # each distinct header parsed once
+        decoded = [wire.decode_summary(blob, r, cache) for r, blob in zip(self.comm.ranks, summaries)]
+        self.plan = plan_gather(decoded, self.comm.ranks, self.root, self.state_type, self.limit)
         if len(self.plan.header) - 8 > MAX_HEADER_BYTES:
             raise FormatError(
                 f"the safetensors header would take {len(self.plan.header) - 8} bytes, over the "

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
 from ..core import nested
 from ..core.boxes import Box, check_tiling, element_span, split_region
 from ..core.dtypes import itemsize
+from ..core.save_plan import SaveSummary
 from ..errors import FormatError, MismatchError
 from ..format.safetensors import SAFETENSORS_DTYPES, encode_header
 from ..version import __version__
@@ -113,17 +115,11 @@ def _limits(limit: int) -> tuple[int, int, int]:
     return batch, max(batch // 4, 1), max(batch, limit // 4)
 
 
-def _summary(rank: int, skeleton: dict, pieces) -> bytes:
-    tensors = [
-        [p.key, p.dtype, list(p.global_shape)]
-        + ([list(p.box.offsets), list(p.box.shape)] if p.box is not None and p.box.volume > 0 else [None, None])
-        for p in pieces
-    ]
-    return json.dumps({"rank": rank, "s": skeleton, "t": tensors}, separators=(",", ":")).encode()
-
-
-def plan_gather(summaries: list[bytes], ranks: tuple[int, ...], root: int, state_type: str, limit: int) -> GatherPlan:
-    """Plan a gathered save from every rank's summary (in group order). Pure: no I/O.
+def plan_gather(
+    summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str, limit: int
+) -> GatherPlan:
+    """Plan a gathered save from every rank's summary (in group order; the summaries a save
+    sends, :func:`paddle_dcp.parallel.wire.decode_summary`). Pure: no I/O.
 
     Raises:
         MismatchError: ranks disagree on a tensor's dtype or shape, on what is a tensor, or (for
@@ -140,18 +136,18 @@ def plan_gather(summaries: list[bytes], ranks: tuple[int, ...], root: int, state
     return GatherPlan(tensors, skeleton, groups, _header(tensors, skeleton))
 
 
-def _merge_summaries(summaries: list[bytes], ranks: tuple[int, ...], root: int, state_type: str):
+def _merge_summaries(summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str):
     """(skeleton, key -> (dtype, global shape), key -> {(offsets, shape): holder ranks}),
     checking that the ranks agree."""
-    docs = {r: json.loads(s) for r, s in zip(ranks, summaries)}
+    docs = dict(zip(ranks, summaries))
     base = docs[root]
-    skeleton = base["s"]
+    skeleton = base.skeleton
     info: dict[str, tuple[str, tuple[int, ...]]] = {}
     holders: dict[str, dict[tuple, list[int]]] = {}
-    root_keys = {t[0] for t in base["t"]}
+    root_keys = set(nested.tensor_keys(base.skeleton))
     for r in [root] + [r for r in ranks if r != root]:
-        doc = docs[r]
-        keys = [t[0] for t in doc["t"]]
+        summary = docs[r]
+        keys = nested.tensor_keys(summary.skeleton)
         if state_type == "params" and r != root and set(keys) != root_keys:
             lacks = sorted(root_keys - set(keys))[:5]
             extra = sorted(set(keys) - root_keys)[:5]
@@ -162,18 +158,19 @@ def _merge_summaries(summaries: list[bytes], ranks: tuple[int, ...], root: int, 
             )
         if state_type == "opt" and r != root:
             try:
-                skeleton = nested.merge(skeleton, doc["s"])
+                skeleton = nested.merge(skeleton, summary.skeleton)
             except FormatError as exc:
                 raise MismatchError(f"rank {r} and rank {root}: {exc}") from None
-        for key, dtype, shape, offsets, bshape in doc["t"]:
-            shape = tuple(shape)
-            seen = info.setdefault(key, (dtype, shape))
-            if seen != (dtype, shape):
+        for key, dtype, shape in zip(keys, summary.dtypes, summary.global_shapes):
+            seen = info.setdefault(key, (dtype, tuple(shape)))
+            if seen != (dtype, tuple(shape)):
                 raise MismatchError(
-                    f"{key}: rank {r} holds {dtype} of global shape {shape}, another rank {seen[0]} of shape {seen[1]}"
+                    f"{key}: rank {r} holds {dtype} of global shape {tuple(shape)}, another rank {seen[0]} of shape {seen[1]}"
                 )
-            if offsets is not None:
-                holders.setdefault(key, {}).setdefault((tuple(offsets), tuple(bshape)), []).append(r)
+        for row, leaf in enumerate(summary.leaves_of_rows().tolist()):
+            box = summary.piece_box(row)
+            if box is not None:
+                holders.setdefault(keys[leaf], {}).setdefault((box.offsets, box.shape), []).append(r)
     return skeleton, info, holders
 
 

@@ -267,3 +267,21 @@ def buffer_like(tensors: dict, keys) -> list[str]:
         if not isinstance(tensors[k], (np.ndarray, EagerParamBase)) and not is_sharded_weight(tensors[k])
         and not _OPTIMIZER_STATE.search(k)
     ]
+
+
+# ---------------------------------------------------------------------- a save's preparation
+def reduce_partials(tensors: dict[str, Any], rank: int, comm) -> dict[str, Any]:
+    """key -> the reduced local piece of every Partial tensor of ``tensors`` (see
+    :func:`reduce_partial`): the values a save writes for them. ``save_state_dict`` and
+    ``save_gathered`` prepare their pieces with this and :func:`held_of`."""
+    return {key: reduce_partial(key, value, rank, comm) for key, value in tensors.items() if has_partial(value)}
+
+
+def held_of(tensors: dict[str, Any], reduced: dict[str, Any], rank: int, flat_ok: bool = False) -> list[Held]:
+    """What ``rank`` holds of every tensor of ``tensors`` (:func:`describe`), a Partial one's
+    local piece replaced by its reduced value (``reduced``, :func:`reduce_partials`)."""
+    held = [describe(key, value, rank, flat_ok) for key, value in tensors.items()]
+    for h in held:
+        if h.piece.key in reduced and h.local is not None:
+            h.local = reduced[h.piece.key]
+    return held

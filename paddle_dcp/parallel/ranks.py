@@ -17,7 +17,7 @@ from . import exchange, protocol, wire
 from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
-from .placements import Held, describe, has_partial, is_tensor, reduce_partial
+from .placements import Held, describe, held_of, is_tensor, reduce_partials
 from ..core import aoa, load_plan, nested, save_plan
 from ..core.keys import MissingKeys, match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
@@ -84,17 +84,10 @@ class LocalSaveRank:
         self.store.create()
 
     def reduce(self) -> None:
-        self.reduced = {
-            key: reduce_partial(key, value, self.rank, self.comm)
-            for key, value in self.flat.tensors.items()
-            if has_partial(value)
-        }
+        self.reduced = reduce_partials(self.flat.tensors, self.rank, self.comm)
 
     def describe(self) -> tuple[dict, list[save_plan.LocalPiece]]:
-        held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
-        for h in held:
-            if h.piece.key in self.reduced and h.local is not None:
-                h.local = self.reduced[h.piece.key]
+        held = held_of(self.flat.tensors, self.reduced, self.rank, flat_ok=True)
         self.held = held
         # one row per piece: a flattened ShardedWeight is several pieces of one key
         self.rows = [(i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces()]

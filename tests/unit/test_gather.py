@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from .helpers import fast
 from paddle_dcp import gather, singlefile
 from paddle_dcp.format import safetensors
+from paddle_dcp.core import save_plan
 from paddle_dcp.core.boxes import Box
+from paddle_dcp.parallel import wire
 from paddle_dcp.errors import DcpError, FormatError, MismatchError, PlanError
 
 DT = {"float32": np.float32, "int64": np.int64, "bool": np.bool_, "float16": np.float16, "uint8": np.uint8,
@@ -53,6 +55,16 @@ def value(shape, dtype, seed):
     return (rng.rand(*shape) * 1000).astype(DT[dtype]) if shape else np.asarray(rng.rand() * 100, DT[dtype])
 
 
+def summary(rank: int, skeleton: dict, rows) -> save_plan.SaveSummary:
+    """A rank's summary as a save sends it (encoded and decoded), from rows [key, dtype,
+    global shape, offsets or None, shape or None] in the skeleton's tensor order."""
+    pieces = [
+        save_plan.LocalPiece(k, d, tuple(g), Box(tuple(o), tuple(b)) if o is not None else None)
+        for k, d, g, o, b in rows
+    ]
+    return wire.decode_summary(wire.encode_summary(save_plan.SaveSummary.from_pieces(rank, skeleton, pieces)), rank)
+
+
 def job(tensors: dict, nranks: int, values: dict | None = None):
     """(summaries, locals) for a job: tensors maps key -> (dtype, shape, spec)."""
     globals_ = {k: value(shape, dtype, i) for i, (k, (dtype, shape, _)) in enumerate(tensors.items())}
@@ -68,7 +80,7 @@ def job(tensors: dict, nranks: int, values: dict | None = None):
                 continue
             rows.append([k, dtype, list(shape), list(b.offsets), list(b.shape)])
             mine[k] = (b, np.ascontiguousarray(globals_[k][b.slices() + (Ellipsis,)]))
-        summaries.append(json.dumps({"rank": r, "s": {"d": items}, "t": rows}).encode())
+        summaries.append(summary(r, {"d": items}, rows))
         locals_.append(mine)
     return summaries, locals_, globals_
 
@@ -194,10 +206,9 @@ def test_a_piece_held_by_others_is_sent_by_the_least_loaded_holder():
 
 
 def test_params_needs_the_same_keys_on_every_rank_and_opt_takes_the_union():
-    a = json.dumps({"rank": 0, "s": {"d": [["w", {"t": 0}], ["lr", {"v": 1}]]},
-                    "t": [["w", "float32", [2], [0], [2]]]}).encode()
-    b = json.dumps({"rank": 1, "s": {"d": [["w", {"t": 0}], ["m1", {"t": 0}], ["lr", {"v": 2}], ["x", {"v": 3}]]},
-                    "t": [["w", "float32", [2], [0], [2]], ["m1", "int64", [3], [0], [3]]]}).encode()
+    a = summary(0, {"d": [["w", {"t": 0}], ["lr", {"v": 1}]]}, [["w", "float32", [2], [0], [2]]])
+    b = summary(1, {"d": [["w", {"t": 0}], ["m1", {"t": 0}], ["lr", {"v": 2}], ["x", {"v": 3}]]},
+                [["w", "float32", [2], [0], [2]], ["m1", "int64", [3], [0], [3]]])
     with pytest.raises(MismatchError, match="state_type='opt'"):
         gather.plan_gather([a, b], (0, 1), 0, "params", 100)
     plan = gather.plan_gather([a, b], (0, 1), 0, "opt", 100)
@@ -209,7 +220,7 @@ def test_params_needs_the_same_keys_on_every_rank_and_opt_takes_the_union():
 
 def test_disagreements_and_refusals():
     def summ(rank, rows):
-        return json.dumps({"rank": rank, "s": {"d": [[r[0], {"t": 0}] for r in rows]}, "t": rows}).encode()
+        return summary(rank, {"d": [[r[0], {"t": 0}] for r in rows]}, rows)
 
     w = ["w", "float32", [4], [0], [4]]
     with pytest.raises(MismatchError, match="w"):

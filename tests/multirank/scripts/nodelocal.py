@@ -126,18 +126,20 @@ def servers_with(**kwargs):
     every piece, half of them from the other node's files)."""
     leaves = TARGETS["into_plain"]
     seen = []
-    original = paddle_dcp.parallel.loadwork.LocalLoadWork.split
+    loadwork = paddle_dcp.parallel.loadwork
+    original = loadwork.split_ops
 
-    def split(self, *args):
-        original(self, *args)
-        seen.append(sorted(self.remote))
+    def split_ops(*args):
+        local, remote = original(*args)
+        seen.append(sorted(remote))
+        return local, remote
 
-    paddle_dcp.parallel.loadwork.LocalLoadWork.split = split
+    loadwork.split_ops = split_ops
     try:
         sd = c.build(leaves, 0, {"step": 0, "milestones": []}, target=True)
         paddle_dcp.load_state_dict(sd, "ck", **kwargs)
     finally:
-        paddle_dcp.parallel.loadwork.LocalLoadWork.split = original
+        loadwork.split_ops = original
     c.check_state(sd, leaves, 0, R)
     return seen[0]
 

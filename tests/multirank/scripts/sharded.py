@@ -164,13 +164,14 @@ def node_local_replicas():
     os.makedirs(node, exist_ok=True)
     here = os.getcwd()
     remote = []
-    original = loadwork.LocalLoadWork.split
+    original = loadwork.split_ops
 
-    def split(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        remote.append({server: len(ops) for server, ops in self.remote.items()})
+    def split_ops(*args):
+        local, found = original(*args)
+        remote.append({server: len(ops) for server, ops in found.items()})
+        return local, found
 
-    loadwork.LocalLoadWork.split = split
+    loadwork.split_ops = split_ops
     os.chdir(node)
     try:
         for replicas in (True, False):
@@ -189,7 +190,7 @@ def node_local_replicas():
                 assert remote[-1], f"rank {R} read everything locally without replicas: the check proves nothing"
     finally:
         os.chdir(here)
-        loadwork.LocalLoadWork.split = original
+        loadwork.split_ops = original
 
 
 def replicas_written():
