@@ -6,7 +6,7 @@ Switch with one import::
     dcp.save_state_dict(state_dict, "ckpt")
     dcp.load_state_dict(state_dict, "ckpt")
 """
-from .api import AsyncSave, close, load_state_dict, read_metadata, save_state_dict, wait_async_save
+from .api import AsyncSave, close, load_state_dict, process_state, read_metadata, save_state_dict, wait_async_save
 from .errors import (
     ArgumentError,
     CollectiveError,
@@ -36,6 +36,7 @@ __all__ = [
     "read_metadata",
     "wait_async_save",
     "close",
+    "process_state",
     "AsyncSave",
     "CheckpointManager",
     "save_gathered",

@@ -18,7 +18,8 @@ from .async_save import AsyncSave, wait_async_save
 from .core import aoa
 from .core.keys import MissingKeys
 from .parallel import protocol
-from .parallel.comm import GROUPS, make_comm
+from .parallel.comm import make_comm
+from .parallel.state import STATE, ProcessState
 from .parallel.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
@@ -113,13 +114,13 @@ def save_state_dict(
     comm = make_comm(process_group, coordinator_rank)
     started = time.perf_counter()
     rank = LocalSaveRank(
-        comm, state_dict, open_storage(path, storage_options), unique_id, _SAVE_PLANS,
+        comm, state_dict, open_storage(path, storage_options), unique_id, STATE.save_plans,
         safetensors=safetensors, replicas=save_replicas, durable=durable, staged=async_save,
-        staging=background_saves.STAGING if async_save else None,
+        staging=STATE.staging if async_save else None,
     )
     if not async_save:
         result = protocol.run(comm, protocol.save(rank))
-        _LAST_TRAFFIC["save"] = comm.traffic
+        STATE.traffic["save"] = comm.traffic
         _log_saved(result, path, started)
         return None
     return _save_async(comm, rank, path, started)
@@ -132,7 +133,7 @@ def _save_async(comm, rank: LocalSaveRank, path: str, started: float) -> "AsyncS
     try:
         protocol.run(comm, run, until_detach=True)
     except BaseException:
-        background_saves.STAGING.done()
+        STATE.staging.done()
         raise
     logger.info("async save to %s: state staged in %.3f s, writing in the background", path, time.perf_counter() - started)
 
@@ -142,7 +143,7 @@ def _save_async(comm, rank: LocalSaveRank, path: str, started: float) -> "AsyncS
             result = protocol.run(background, run)
             rank.warm_staging()  # after a first save that wrote without staging: for the next one
         finally:
-            background_saves.STAGING.done()
+            STATE.staging.done()
         _log_saved(result, path, started)
         return result.unique_id
 
@@ -155,12 +156,6 @@ def _log_saved(result, path: str, started: float) -> None:
         result.unique_id, path, result.bytes_written, time.perf_counter() - started,
         " (plan reused)" if result.plan_reused else "",
     )
-
-
-# A group's last save plan, reused while no rank's layout changes (see protocol.save).
-_SAVE_PLANS: dict = {}
-# The planning traffic of this process's last save and load (for the scale check).
-_LAST_TRAFFIC: dict = {}
 
 
 # ============================================================================ load
@@ -248,7 +243,7 @@ def load_state_dict(
         near=near, verify=verify, missing=missing,
     )
     uid, work = protocol.run(rank.comm, protocol.load(rank))
-    _LAST_TRAFFIC["load"] = rank.comm.traffic
+    STATE.traffic["load"] = rank.comm.traffic
     _log_loaded(uid, rank.path, sum(op.nbytes for op in work.ops), started)
 
 
@@ -290,10 +285,20 @@ def read_metadata(path: str, unique_id: int | None = None, *, storage_options: d
     return store.read_metadata(unique_id)
 
 
+def process_state() -> ProcessState:
+    """What paddle_dcp keeps in this process between calls, in one object: the save plans the
+    next save of the same layout reuses (``save_plans``), the last save's and load's planning
+    traffic (``traffic``), the async saves' staging memory (``staging``) and the gloo groups and
+    connections it made (``groups``). ``reset()`` forgets and frees them (``close`` does that
+    after waiting for the async saves)."""
+    return STATE
+
+
 def close() -> None:
-    """Release what paddle_dcp keeps in this process between calls: wait for its async saves
-    (raising the first error), free their staging memory (pinned on a GPU), and release the
-    gloo groups and point-to-point connections it made. The next call makes what it needs
-    again. Every rank of a group calls it (a group made again is made by all its members)."""
-    background_saves.release_staging()
-    GROUPS.close()
+    """Release what paddle_dcp keeps in this process between calls (:func:`process_state`):
+    wait for its async saves (raising the first error), free their staging memory (pinned on a
+    GPU), forget the save plans, and release the gloo groups and point-to-point connections it
+    made. The next call makes what it needs again. Every rank of a group calls it (a group made
+    again is made by all its members)."""
+    background_saves.wait_async_save()
+    STATE.reset()

@@ -20,7 +20,6 @@ import queue
 import threading
 from typing import Callable
 
-from .parallel.device import StagingArena
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,6 @@ class _Writer:
 
 _WRITER = _Writer()
 _PENDING: list[AsyncSave] = []
-STAGING = StagingArena()  # one per process: saves of a process run one at a time
 
 
 def submit(fn: Callable[[], int]) -> AsyncSave:
@@ -115,13 +113,6 @@ def wait_async_save(timeout: float | None = None) -> None:
             errors.append(exc)
     if errors:
         raise errors[0]
-
-
-def release_staging() -> None:
-    """Wait for pending async saves, then free the host memory they staged into (the next
-    async save allocates it again)."""
-    wait_async_save()
-    STAGING.release()
 
 
 def _finish_pending_saves() -> None:  # an interpreter exiting must not abandon a save

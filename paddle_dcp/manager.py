@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from .io import cleanup
 from . import async_save as background_saves
+from .parallel.state import STATE
 from .api import load_state_dict, save_state_dict
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
@@ -186,7 +187,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            background_saves.STAGING.release()
+            STATE.staging.release()
             if self._lock_file is not None:
                 self._lock_file.close()  # closing the file releases its lock
                 self._lock_file = None

@@ -35,9 +35,9 @@ def parse_size(text: str) -> int:
 
 
 def route_p2p(rank: int, data, out) -> None:
-    from paddle_dcp.parallel.comm import GROUPS
+    from paddle_dcp.parallel.state import STATE
 
-    transport = GROUPS.transport(rank)
+    transport = STATE.groups.transport(rank)
     for _ in range(COUNT):
         if rank == 0:
             transport.send(1, "bench", data)
@@ -47,9 +47,10 @@ def route_p2p(rank: int, data, out) -> None:
 
 
 def route_gloo_pair(rank: int, data, out) -> None:
-    from paddle_dcp.parallel.comm import GROUPS, host_tensor
+    from paddle_dcp.parallel.comm import host_tensor
+    from paddle_dcp.parallel.state import STATE
 
-    group = GROUPS.get(rank, (0, 1), "bench")
+    group = STATE.groups.get(rank, (0, 1), "bench")
     for _ in range(COUNT):
         if rank == 0:
             group.send(host_tensor(data), 1, True).wait()

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import requests as p
-from .groups import GROUPS
+from .state import STATE
 from .wire import pad as _pad, unpad as _unpad
 from ..errors import ArgumentError, CollectiveError, DcpError, Failure, collective_error
 
@@ -373,7 +373,7 @@ class PaddleComm(Comm):
     device tensors only, and its collectives must stay on the caller's thread (an async save's
     run on the writer thread). In a gloo job the caller's thread uses the given group itself;
     otherwise, and for an async save's writer thread always, a gloo group is made once per
-    process for those members and purpose (see :data:`GROUPS`); ``purpose`` keeps an async
+    process for those members and purpose (see :data:`~paddle_dcp.parallel.state.STATE`); ``purpose`` keeps an async
     save's group (``"background"``) apart from the caller's (``"control"``): gloo matches
     messages by a counter per group, so two threads must never share one.
     """
@@ -395,7 +395,7 @@ class PaddleComm(Comm):
         self.purpose = purpose
         self.traffic = Traffic()
         given = _gloo_group(group) if purpose == "control" else None
-        self._pg = given if given is not None else GROUPS.get(self.rank, self.ranks, purpose)
+        self._pg = given if given is not None else STATE.groups.get(self.rank, self.ranks, purpose)
 
     def _index(self, rank: int) -> int:
         return self.ranks.index(rank)
@@ -447,16 +447,16 @@ class PaddleComm(Comm):
         if len(members) == 1:
             return
         ops = {"sum": core.ReduceOp.SUM, "max": core.ReduceOp.MAX, "min": core.ReduceOp.MIN, "prod": core.ReduceOp.PRODUCT}
-        GROUPS.get(self.rank, members, "reduce").all_reduce(host_tensor(array), ops[op], True).wait()
+        STATE.groups.get(self.rank, members, "reduce").all_reduce(host_tensor(array), ops[op], True).wait()
 
     def send(self, peer, data):
-        GROUPS.transport(self.rank).send(peer, self.purpose, data)
+        STATE.groups.transport(self.rank).send(peer, self.purpose, data)
 
     def recv_into(self, peer, out):
-        GROUPS.transport(self.rank).recv_into(peer, self.purpose, out)
+        STATE.groups.transport(self.rank).recv_into(peer, self.purpose, out)
 
     def end_pairwise(self) -> None:
-        GROUPS.transport(self.rank).end_step(self.purpose)
+        STATE.groups.transport(self.rank).end_step(self.purpose)
 
 
 def _gloo_group(group):

@@ -1,5 +1,6 @@
 """The links paddle_dcp keeps between ranks in a process: its gloo groups, one per (members,
-purpose), and its point-to-point endpoint; :data:`GROUPS` holds them, ``close`` releases them."""
+purpose), and its point-to-point endpoint; :class:`Groups` holds them (the process's:
+``paddle_dcp.parallel.state.STATE.groups``), ``close`` releases them."""
 from __future__ import annotations
 
 import logging
@@ -91,7 +92,6 @@ def _make_group(rank: int, members: tuple[int, ...], name: str, gid: int):
     return core.ProcessGroupGloo.create(store, members.index(rank), len(members), gid)
 
 
-GROUPS = Groups()
 _GROUP_GID_BASE, _GROUP_GID_SPAN = 1 << 30, 1 << 29
 
 

@@ -13,6 +13,7 @@ EXPECTED = {
     "read_metadata",
     "wait_async_save",
     "close",
+    "process_state",
     "AsyncSave",
     "CheckpointManager",
     "save_gathered",
@@ -138,3 +139,21 @@ def test_a_failure_crosses_ranks_as_data_not_as_text_to_parse():
     assert errors.Failure.decode(b"MismatchError: plain text").kind == ""
     assert "malformed failure report" in errors.Failure.decode(b"{not json").message
     assert len(errors.Failure.of(OSError("x" * 10000)).encode(limit=100)) < 300
+
+
+def test_the_process_state_is_one_object_the_caller_sees_and_resets(tmp_path):
+    """Plans, traffic, staging and groups live in paddle_dcp.process_state(), not in module
+    globals; reset() forgets them and the next save plans again."""
+    import numpy as np
+
+    state = paddle_dcp.process_state()
+    assert state is paddle_dcp.process_state()
+    sd = {"w": np.arange(6.0)}
+    paddle_dcp.save_state_dict(sd, str(tmp_path / "a"))
+    assert state.save_plans and "save" in state.traffic
+    state.reset()
+    assert not state.save_plans and not state.traffic and len(state.groups) == 0
+    paddle_dcp.save_state_dict(sd, str(tmp_path / "c"))
+    assert state.save_plans
+    paddle_dcp.close()
+    assert not state.save_plans

@@ -132,7 +132,7 @@ def groups_of_an_nccl_job():
     base = ACCOUNT.current["gpu"]
     paddle_dcp.save_gathered(sd, os.path.join(ROOT, "gathered.safetensors"))  # rank 0 <- every rank
     assert ACCOUNT.peak["gpu"] == base, f"bytes between ranks took {ACCOUNT.peak['gpu'] - base} bytes of device memory"
-    from paddle_dcp.parallel.comm import GROUPS
+    GROUPS = paddle_dcp.process_state().groups
 
     everyone = "-".join(str(r) for r in range(dist.get_world_size()))
     assert set(GROUPS.names()) <= {f"{everyone}/{p}" for p in ("control", "background", "reduce")}, GROUPS.names()

@@ -9,7 +9,10 @@ import sys
 import numpy as np
 
 import common as c
-from paddle_dcp.parallel.comm import GROUPS, PaddleComm
+from paddle_dcp.parallel.comm import PaddleComm
+from paddle_dcp.parallel.state import STATE
+
+GROUPS = STATE.groups
 
 c.init()
 

@@ -9,7 +9,6 @@ import sys
 
 import common as c
 import paddle_dcp
-from paddle_dcp import api
 
 from traffic_layout import LAYOUT
 
@@ -28,9 +27,9 @@ def state(target: bool) -> dict:
 def run():
     path = os.path.join(root, "ckpt")
     paddle_dcp.save_state_dict(state(False), path)
-    save = api._LAST_TRAFFIC["save"]
+    save = paddle_dcp.process_state().traffic["save"]
     paddle_dcp.load_state_dict(state(True), path)
-    load = api._LAST_TRAFFIC["load"]
+    load = paddle_dcp.process_state().traffic["load"]
     print("TRAFFIC " + json.dumps({"rank": r, "save": [save.sent, save.received], "load": [load.sent, load.received]}), flush=True)
 
 
