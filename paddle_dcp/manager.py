@@ -27,6 +27,7 @@ from .parallel.state import STATE
 from .api import load_state_dict, save_state_dict
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
+from .parallel import protocol
 from .parallel.comm import Comm, make_comm
 from .errors import ArgumentError, FormatError
 from .io import is_url, open_storage
@@ -253,7 +254,7 @@ class CheckpointManager:
         doomed = self._decide(comm, "retention: choose", choose, write=False)
         if not doomed:
             return
-        with comm.step("retention: remove data files"):
+        def remove() -> None:
             if not self.store.seen_by_all:
                 for step in doomed:
                     cleanup.remove_data(self.store, step, comm.rank)
@@ -262,6 +263,8 @@ class CheckpointManager:
                 listing = self.store.list_checkpoints()
                 names = [n for step in doomed for n in listing.data_names(step) + cleanup.temporary_names(listing, step)]
                 self.store.remove(names)
+
+        protocol.run(comm, protocol.local("retention: remove data files", remove))
         self._decide(comm, "retention: forget", lambda m: (m.without(doomed), None))
         logger.info("CheckpointManager %s: deleted steps %s", self.directory, doomed)
 
@@ -277,18 +280,21 @@ class CheckpointManager:
     def _decide(self, comm: Comm, step: str, change, write: bool = True):
         """The coordinator applies ``change(manifest) -> (manifest, value)`` (and writes the
         manifest when ``write``); every rank gets the new manifest and the JSON ``value``, or
-        the same CollectiveError."""
-        data, error = b"", None
-        if comm.is_coordinator:
-            try:
-                manifest, value = change(self._manifest)
-                if write:
-                    self.store.write_atomic(MANIFEST_NAME, manifest.to_json())
-                data = json.dumps({"manifest": manifest.to_json().decode(), "value": value}).encode()
-            except Exception as exc:  # noqa: BLE001 - agreed on below
-                error = exc
-        comm.agree(step, error)
-        doc = json.loads(comm.call(step, lambda: comm.broadcast(data if comm.is_coordinator else None, comm.coordinator)))
+        the same CollectiveError: a protocol of one local step and a broadcast, agreed on as a
+        save's and a load's steps are."""
+        return protocol.run(comm, self._decision(comm, step, change, write))
+
+    def _decision(self, comm: Comm, step: str, change, write: bool) -> protocol.Protocol:
+        def apply() -> bytes:
+            if not comm.is_coordinator:
+                return b""
+            manifest, value = change(self._manifest)
+            if write:
+                self.store.write_atomic(MANIFEST_NAME, manifest.to_json())
+            return json.dumps({"manifest": manifest.to_json().decode(), "value": value}).encode()
+
+        data = yield from protocol.local(step, apply)
+        doc = json.loads((yield protocol.Broadcast(data, comm.coordinator)))
         self._manifest = Manifest.from_json(doc["manifest"].encode())
         return doc["value"]
 

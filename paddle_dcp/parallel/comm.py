@@ -15,9 +15,8 @@ import gc
 import logging
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -155,16 +154,6 @@ class Comm:
         reports = self._collective(step, lambda: self.all_gather(report))
         failures = {self.ranks[i]: Failure.decode(m) for i, m in enumerate(reports) if m}
         raise collective_error(step, failures) from error
-
-    @contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        """Run a local step; on leaving it, every rank learns whether any rank failed."""
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001 - every failure must be agreed on
-            self.agree(name, exc)
-            raise
-        self.agree(name, None)
 
     def _collective(self, step: str, fn):
         try:

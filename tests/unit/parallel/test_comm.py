@@ -1,6 +1,7 @@
 """SoloComm: the world of one that runs without paddle.distributed."""
 import pytest
 
+from paddle_dcp.parallel import protocol
 from paddle_dcp.parallel.comm import SoloComm
 from paddle_dcp.errors import FormatError
 
@@ -17,11 +18,13 @@ def test_solo_collectives_return_their_own_input():
 
 def test_solo_step_re_raises_the_original_error():
     c = SoloComm()
+
+    def broken():
+        raise FormatError("broken")
+
     with pytest.raises(FormatError, match="broken"):
-        with c.step("read"):
-            raise FormatError("broken")
-    with c.step("fine"):
-        pass
+        protocol.run(c, protocol.local("read", broken))
+    assert protocol.run(c, protocol.local("fine", lambda: 7)) == 7
     c.agree("fine", None)
 
 
