@@ -269,7 +269,6 @@ class LocalLoadRank:
 
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         if data[:1] == b"D":
-            self.directory = True
             return safetensors_files.metadata_from_blob(memoryview(data)[1:], self.store.path, uid)
         return storage.metadata_from_bytes(data[1:], uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
 
@@ -287,7 +286,8 @@ class LocalLoadRank:
     def plan(self, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict]) -> LocalLoadWork:
         if self.lists_for_all:  # every file the metadata names is there for every rank
             names = [f.name for f in meta.files]
-            listing = _directory_listing(uid, names) if self.directory else storage.listing_of(names)
+            directory = meta.checksum_algorithm == hf_dir.NO_CHECKSUMS  # safetensors files, no metadata of ours
+            listing = _directory_listing(uid, names) if directory else storage.listing_of(names)
         remap = None
         if self.aoa_config is not None:
             from .aoa_paddle import Remap
