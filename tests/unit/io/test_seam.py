@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import paddle_dcp
-from paddle_dcp.core import checksums
 from paddle_dcp import api
 from paddle_dcp import io as io_package
 from paddle_dcp.core.metadata import aligned
@@ -184,12 +183,6 @@ def test_atomic_path_renames_on_success_and_removes_the_temporary_file_on_error(
         with open(tmp, "wb") as f:
             f.write(b"whole")
     assert listdir(str(tmp_path)) == ["out.npz"] and open(final, "rb").read() == b"whole"
-
-
-def test_blocks_cover_a_range_of_a_piece_with_indices_from_the_piece_start():
-    assert list(checksums.blocks(100, 100 + 150, 100, 64)) == [(0, 100, 64), (1, 164, 64), (2, 228, 22)]
-    assert list(checksums.blocks(164 + 64, 250, 100, 64)) == [(2, 228, 22)]
-    assert list(checksums.blocks(40, 40, 40, 64)) == [(0, 40, 0)]  # an empty piece: one empty block
 
 
 def test_aligned_is_the_next_multiple_for_ints_and_arrays():

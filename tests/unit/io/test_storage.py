@@ -8,8 +8,6 @@ import numpy as np
 import xxhash
 import pytest
 
-from paddle_dcp.core import checksums
-from paddle_dcp.io import cleanup
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan
@@ -60,21 +58,6 @@ def test_list_checkpoints_complete_means_metadata_and_data_files_by_id(tmp_path)
     assert listing.generations(3) == {0: [0, 1], 2: [0]}
     assert listing.temporary == ("1_3.2.distcp.tmp.0a1b", "2_9.distcp.tmp.cd34", "9.metadata.tmp.ab12")
     assert listing.latest == 12
-
-
-def test_removing_temporary_and_stale_files_touches_only_what_it_names(tmp_path):
-    names = ["3.metadata", "0_3.distcp", "1_3.distcp", "0_3.1.distcp", "0_3.distcp.tmp.ab", "1_3.1.distcp.tmp.cd",
-             "3.metadata.tmp.ef", "0_4.distcp", "0_4.distcp.tmp.aa", "notes.txt"]  # fmt: skip
-    for name in names:
-        (tmp_path / name).write_bytes(b"")
-    path = str(tmp_path)
-    store = local.LocalStorage(path)
-    assert cleanup.remove_temporary(store, 3, 0) == ["0_3.distcp.tmp.ab"]
-    assert cleanup.remove_temporary(store, 3, -1) == ["3.metadata.tmp.ef"]
-    assert cleanup.remove_data(store, 3, 0, keep_generation=1) == ["0_3.distcp"]
-    assert cleanup.remove_incomplete(store) == ["0_4.distcp"]
-    assert sorted(cleanup.remove_temporary(store)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
-    assert sorted(os.listdir(path)) == ["0_3.1.distcp", "1_3.distcp", "3.metadata", "notes.txt"]
 
 
 def test_list_checkpoints_of_a_missing_or_empty_directory(tmp_path):
@@ -135,22 +118,6 @@ def test_data_writer_abort_removes_its_temporary_file(tmp_path):
     w.write(as_bytes(np.zeros(3, np.uint8)))
     w.abort()
     assert listdir(str(tmp_path)) == []
-
-
-def test_block_checksums_are_xxh3_64_of_each_block_seeded_by_the_piece_and_block_index():
-    data = bytes(range(200))
-    assert checksums.block_checksums(memoryview(data), 64) == [
-        xxhash.xxh3_64_intdigest(data[i : i + 64], seed=k) for k, i in enumerate((0, 64, 128, 192))
-    ]
-    assert checksums.block_checksums(memoryview(b""), 64) == [xxhash.xxh3_64_intdigest(b"")]
-    # the piece seed is the xxh3_64 of "key NUL dtype NUL offsets NUL shape" (docs/format.md)
-    seed = xxhash.xxh3_64_intdigest(b"model.w\x00float32\x004,0\x003,5")
-    assert checksums.piece_seed("model.w", "float32", (4, 0), (3, 5)) == seed
-    assert checksums.block_checksums(memoryview(data), 128, seed) == [
-        xxhash.xxh3_64_intdigest(data[:128], seed=seed), xxhash.xxh3_64_intdigest(data[128:], seed=(seed + 1) % 2**64)
-    ]
-    # a piece moved to another place no longer matches
-    assert checksums.piece_seed("model.w", "float32", (0, 0), (3, 5)) != seed
 
 
 # ------------------------------------------------------------------ reading and integrity
@@ -290,21 +257,3 @@ def test_read_metadata_refuses_a_file_marked_as_a_subset(ckpt):
         json.dump(doc, f)
     with pytest.raises(FormatError):
         local.read_metadata(ckpt, 0)
-
-
-def test_read_ahead_asks_for_the_next_ranges_in_order_within_its_window(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
-    asked = []
-    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, start, length, advice: asked.append((start, length)))
-    files = SimpleNamespace(fd=lambda index: 3, advise=lambda *args: local.FileSet.advise(files, *args))
-    ops = [SimpleNamespace(file=0, start=100 * i, stop=100 * i + 100) for i in range(10)]
-    done = 0
-    seen = []
-    for op in reads.read_ahead(files, ops, window=250):
-        assert (op.start, 100) in asked  # the op itself was asked for before it runs
-        assert sum(length for _, length in asked) - done <= 250 + 100  # never more than the window ahead
-        seen.append(op)
-        done += 100
-    assert seen == ops
-    assert asked == [(100 * i, 100) for i in range(10)]  # each range once, in order

@@ -1,0 +1,52 @@
+"""The checksum scheme (core/checksums.py): blocks of a piece, seeds that name the piece, and
+the check a load and verify run; xxhash itself is the oracle."""
+import numpy as np
+import pytest
+import xxhash
+
+from paddle_dcp.core import checksums
+from paddle_dcp.core.load_plan import Segment
+from paddle_dcp.errors import IntegrityError
+
+from ..helpers import save_checkpoint
+
+
+def test_block_checksums_are_xxh3_64_of_each_block_seeded_by_the_piece_and_block_index():
+    data = bytes(range(200))
+    assert checksums.block_checksums(memoryview(data), 64) == [
+        xxhash.xxh3_64_intdigest(data[i : i + 64], seed=k) for k, i in enumerate((0, 64, 128, 192))
+    ]
+    assert checksums.block_checksums(memoryview(b""), 64) == [xxhash.xxh3_64_intdigest(b"")]
+    # the piece seed is the xxh3_64 of "key NUL dtype NUL offsets NUL shape" (docs/format.md)
+    seed = xxhash.xxh3_64_intdigest(b"model.w\x00float32\x004,0\x003,5")
+    assert checksums.piece_seed("model.w", "float32", (4, 0), (3, 5)) == seed
+    assert checksums.block_checksums(memoryview(data), 128, seed) == [
+        xxhash.xxh3_64_intdigest(data[:128], seed=seed), xxhash.xxh3_64_intdigest(data[128:], seed=(seed + 1) % 2**64)
+    ]
+    # a piece moved to another place no longer matches
+    assert checksums.piece_seed("model.w", "float32", (0, 0), (3, 5)) != seed
+
+
+def test_blocks_cover_a_range_of_a_piece_with_indices_from_the_piece_start():
+    assert list(checksums.blocks(100, 100 + 150, 100, 64)) == [(0, 100, 64), (1, 164, 64), (2, 228, 22)]
+    assert list(checksums.blocks(164 + 64, 250, 100, 64)) == [(2, 228, 22)]
+    assert list(checksums.blocks(40, 40, 40, 64)) == [(0, 40, 0)]  # an empty piece: one empty block
+
+
+def test_check_blocks_passes_the_saved_bytes_and_names_the_file_and_key_of_a_flipped_one(tmp_path):
+    """The blocks of a real saved piece: its bytes pass, one flipped bit fails naming the file
+    given and the key, and the same bytes checked as another piece (another seed) fail too."""
+    from paddle_dcp.io import local
+
+    path = str(tmp_path)
+    b = np.arange(300, dtype=np.int64)
+    save_checkpoint(path, {"b": b}, {"b": "int64"}, (1,), {"b": (None,)}, block_bytes=64)
+    meta = local.read_metadata(path, 0)
+    entry = meta.tensors["model.b"]
+    piece = entry.piece(0)
+    seg = Segment(piece, piece.byte_offset, piece.byte_offset + b.nbytes, ())
+    data = bytearray(b.tobytes())
+    checksums.check_blocks(meta, seg, memoryview(bytes(data)), "f")
+    data[100] ^= 4
+    with pytest.raises(IntegrityError, match=r"^f: bytes \[64, 128\) of tensor 'model.b'"):
+        checksums.check_blocks(meta, seg, memoryview(bytes(data)), "f")

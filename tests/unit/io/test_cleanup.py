@@ -1,0 +1,31 @@
+"""Cleaning a checkpoint directory up (io/cleanup.py): temporary files of crashed saves by id
+and rank, data files of older generations and of ids without metadata; nothing else."""
+import os
+
+from paddle_dcp.io import cleanup, local
+from paddle_dcp.io.storage import listing_of
+
+
+def test_removing_temporary_and_stale_files_touches_only_what_it_names(tmp_path):
+    names = ["3.metadata", "0_3.distcp", "1_3.distcp", "0_3.1.distcp", "0_3.distcp.tmp.ab", "1_3.1.distcp.tmp.cd",
+             "3.metadata.tmp.ef", "0_4.distcp", "0_4.distcp.tmp.aa", "notes.txt"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    path = str(tmp_path)
+    store = local.LocalStorage(path)
+    assert cleanup.remove_temporary(store, 3, 0) == ["0_3.distcp.tmp.ab"]
+    assert cleanup.remove_temporary(store, 3, -1) == ["3.metadata.tmp.ef"]
+    assert cleanup.remove_data(store, 3, 0, keep_generation=1) == ["0_3.distcp"]
+    assert cleanup.remove_incomplete(store) == ["0_4.distcp"]
+    assert sorted(cleanup.remove_temporary(store)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
+    assert sorted(os.listdir(path)) == ["0_3.1.distcp", "1_3.distcp", "3.metadata", "notes.txt"]
+
+
+def test_temporary_names_by_id_and_rank():
+    listing = listing_of(["0_3.distcp.tmp.a", "1_3.2.distcp.tmp.b", "3.metadata.tmp.c", "0_4.distcp.tmp.d", "3.metadata"])
+    assert sorted(cleanup.temporary_names(listing)) == ["0_3.distcp.tmp.a", "0_4.distcp.tmp.d", "1_3.2.distcp.tmp.b",
+                                                        "3.metadata.tmp.c"]
+    assert sorted(cleanup.temporary_names(listing, 3)) == ["0_3.distcp.tmp.a", "1_3.2.distcp.tmp.b", "3.metadata.tmp.c"]
+    assert cleanup.temporary_names(listing, 3, 1) == ["1_3.2.distcp.tmp.b"]
+    assert cleanup.temporary_names(listing, 3, -1) == ["3.metadata.tmp.c"]  # the coordinator's metadata
+    assert cleanup.temporary_names(listing, 5) == []
