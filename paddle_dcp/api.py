@@ -141,7 +141,6 @@ def _save_async(comm, rank: LocalSaveRank, path: str, started: float) -> "AsyncS
         try:  # the background group is made once per group of ranks, here, off the caller's path
             background = comm.private() if comm.size > 1 else comm
             result = protocol.run(background, run)
-            rank.warm_staging()  # after a first save that wrote without staging: for the next one
         finally:
             STATE.staging.done()
         _log_saved(result, path, started)

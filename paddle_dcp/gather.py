@@ -16,17 +16,18 @@ and for semi-auto-parallel dist tensors:
    copied, the others received over a process group of two ranks straight into place, or
    through a staging buffer when the place is strided) and appends them to the file, a
    data file writer of its directory's storage.
-4. Every rank reports to the gathering rank, which commits the file (it appears whole) when
-   no rank failed and tells every rank the outcome; all raise the same error otherwise.
+4. The ranks agree on the transfer's outcome through the gathering rank, which then commits
+   the file (it appears whole) when no rank failed and tells every rank the outcome; all
+   raise the same error otherwise.
 
 The four steps run as a protocol (:func:`save_steps`, on :mod:`paddle_dcp.parallel.protocol`'s
 machinery): steps 1 and 2 are collectives of the group, each local step ending with an
-agreement; steps 3 and 4 are one pairwise step. The plan is
-:mod:`paddle_dcp.parallel.gather_plan`'s. The transfer and the final reports travel point to point
-(``comm.send`` / ``comm.recv_into``, over a connection of the two ranks (:mod:`~paddle_dcp.parallel.p2p`), framed by
-:mod:`paddle_dcp.parallel.wire`), never the job's group: gloo's collectives on the job's group give
-up after 30 s, and ranks whose pieces are sent early may wait far longer while the gathering
-rank writes. Only once every rank knows the outcome does the pairwise step's agreement run.
+agreement; step 3 is a pairwise step, step 4 a local one. The plan is
+:mod:`paddle_dcp.parallel.gather_plan`'s. The transfer and the agreements of steps 3 and 4
+travel point to point (``comm.send`` / ``comm.recv_into``, over a connection of the two ranks
+(:mod:`~paddle_dcp.parallel.p2p`); the agreement is :mod:`paddle_dcp.parallel.agree`'s star
+route), never the job's group: gloo's collectives on the job's group give up after 30 s, and
+ranks whose pieces are sent early may wait far longer while the gathering rank writes.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,7 +54,7 @@ from .parallel.gather_plan import (  # noqa: F401 - the plan's names, re-exporte
     _limits,
     plan_gather,
 )
-from .errors import ArgumentError, CollectiveError, Failure, FormatError, collective_error
+from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
 from .io import open_output
 from .io.storage import DataFileWriter
@@ -62,7 +64,6 @@ logger = logging.getLogger(__name__)
 STATE_TYPES = ("params", "opt")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
-_MAX_REPORT = 1 << 20  # bytes of a rank's final report
 
 
 def parse_size(value: int | str) -> int:
@@ -141,21 +142,26 @@ def save_gathered(
         raise ArgumentError(f"gather_to={gather_to} is not a rank of the group {list(comm.ranks)}")
     started = time.perf_counter()
     rank = GatherRank(comm, state_dict, path, state_type, limit, durable, storage_options)
-    error, failures = protocol.run(comm, save_steps(rank))
-    if failures:
-        if comm.size == 1 and error is not None:
-            raise error
-        raise collective_error("gather save", failures) from error
-    if rank.is_root:
-        plan = rank.plan
+    plan = protocol.run(comm, save_steps(rank))
+    if plan is not None:
         logger.info(
             "gathered %d tensors (%d bytes) from %d ranks into %s in %d groups in %.3f s",
             len(plan.tensors), plan.data_bytes, comm.size, path, len(plan.groups), time.perf_counter() - started,
         )
 
 
+@dataclass(frozen=True)
+class Opened:
+    """What a rank does in the transfer: the gathering rank writes its file (``writer``);
+    every other rank sends its messages (``sends``: per group, per message, its regions)."""
+
+    writer: DataFileWriter | None = None
+    sends: tuple = ()
+
+
 class GatherRank:
-    """One rank's side of a gathered save (see :func:`save_steps`)."""
+    """One rank's side of a gathered save (see :func:`save_steps`): its inputs; each step's
+    result is a value the protocol carries to the next step."""
 
     def __init__(
         self, comm: Comm, state_dict: dict, path: str, state_type: str, limit: int, durable: bool = False,
@@ -165,14 +171,8 @@ class GatherRank:
         self.durable, self.storage_options = durable, storage_options
         self.root = comm.coordinator
         self.is_root = comm.rank == self.root
-        self.flat: nested.Flat | None = None
-        self.reduced: dict[str, Any] = {}
-        self.held: dict[str, Any] = {}
-        self.plan: GatherPlan | None = None
-        self.writer: DataFileWriter | None = None
-        self.sends: list = []
 
-    def prepare(self) -> None:
+    def prepare(self) -> nested.Flat:
         from .parallel.placements import is_tensor
         from .io import is_url
 
@@ -181,102 +181,80 @@ class GatherRank:
                 f"{self.path} is a directory: save_gathered writes one file; name it, e.g. "
                 f"{os.path.join(self.path, 'model.safetensors')}"
             )
-        self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
+        return nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
 
-    def reduce(self) -> None:
+    def reduce(self, flat: nested.Flat) -> dict[str, Any]:
         from .parallel.placements import reduce_partials
 
-        self.reduced = reduce_partials(self.flat.tensors, self.comm.rank, self.comm)
+        return reduce_partials(flat.tensors, self.comm.rank, self.comm)
 
-    def describe(self) -> bytes:
-        """This rank's summary for the gathering rank (the pieces as ``save_state_dict``
-        describes them, encoded as its summaries are)."""
+    def describe(self, flat: nested.Flat, reduced: dict[str, Any]) -> tuple[dict, bytes]:
+        """(key -> what this rank holds of it, its summary for the gathering rank: the pieces
+        as ``save_state_dict`` describes them, encoded as its summaries are)."""
         from .parallel.placements import held_of
 
-        self.held = {h.piece.key: h for h in held_of(self.flat.tensors, self.reduced, self.comm.rank)}
-        pieces = [h.piece for h in self.held.values()]
-        return wire.encode_summary(save_plan.SaveSummary.from_pieces(self.comm.rank, self.flat.skeleton, pieces))
+        held = {h.piece.key: h for h in held_of(flat.tensors, reduced, self.comm.rank)}
+        pieces = [h.piece for h in held.values()]
+        return held, wire.encode_summary(save_plan.SaveSummary.from_pieces(self.comm.rank, flat.skeleton, pieces))
 
-    def plan_all(self, summaries: list[bytes] | None) -> list[bytes] | None:
-        """The gathering rank's plan; returns every rank's assignment (None elsewhere)."""
+    def plan_all(self, summaries: list[bytes] | None) -> tuple[GatherPlan | None, list[bytes] | None]:
+        """The gathering rank's plan and every rank's assignment ((None, None) elsewhere)."""
         if not self.is_root:
-            return None
+            return None, None
         cache: dict = {}  # each distinct header parsed once
         decoded = [wire.decode_summary(blob, r, cache) for r, blob in zip(self.comm.ranks, summaries)]
-        self.plan = plan_gather(decoded, self.comm.ranks, self.root, self.state_type, self.limit)
-        if len(self.plan.header) - 8 > MAX_HEADER_BYTES:
+        plan = plan_gather(decoded, self.comm.ranks, self.root, self.state_type, self.limit)
+        if len(plan.header) - 8 > MAX_HEADER_BYTES:
             raise FormatError(
-                f"the safetensors header would take {len(self.plan.header) - 8} bytes, over the "
+                f"the safetensors header would take {len(plan.header) - 8} bytes, over the "
                 f"{MAX_HEADER_BYTES} safetensors reads; save fewer tensors per file"
             )
-        return [self.plan.assignment(r) for r in self.comm.ranks]
+        return plan, [plan.assignment(r) for r in self.comm.ranks]
 
-    def open(self, assignment: bytes) -> None:
+    def open(self, plan: GatherPlan | None, assignment: bytes, held: dict) -> Opened:
         """The gathering rank opens its file; every other rank reads what it must send."""
         if self.is_root:
-            self.writer = open_output(self.path, self.plan.header, self.storage_options)
-        else:
-            self.sends = _parse_assignment(assignment, self.held, self.root)
+            return Opened(writer=open_output(self.path, plan.header, self.storage_options))
+        return Opened(sends=tuple(_parse_assignment(assignment, held, self.root)))
 
-    def transfer(self, comm: Comm) -> tuple[BaseException | None, dict[int, Failure]]:
-        """Steps 3 and 4: this rank's part of the transfer and of the final reports; returns
-        (this rank's failure, every failing rank's Failure), the same failures on every rank."""
+    def transfer(self, comm: Comm, plan: GatherPlan | None, opened: Opened, held: dict) -> None:
+        """Step 3: the gathering rank receives and writes every group, the others send theirs.
+        A failure is raised only once this rank's share of the messages has crossed, so that
+        its peers stay in step; it is agreed on after."""
         if self.is_root:
-            return _gather_and_commit(comm, self, self.durable)
-        error = _send_all(comm, self.root, self.sends, self.held)
-        wire.send_message(comm, self.root, Failure.of(error).encode(_MAX_REPORT) if error is not None else b"")
-        verdict = json.loads(wire.recv_message(comm, self.root, "gather save"))
-        return error, {int(r): Failure.from_dict(f) for r, f in verdict.items()}
+            error = _receive(comm, plan, held, opened.writer)
+        else:
+            error = _send_all(comm, self.root, opened.sends, held)
+        if error is not None:
+            raise error
+
+    def commit(self, opened: Opened) -> None:
+        """Step 4: the file appears, whole (the gathering rank; no rank failed)."""
+        if opened.writer is not None:
+            opened.writer.commit(self.durable)
 
 
 def save_steps(rank: GatherRank) -> protocol.Protocol:
     """A gathered save (see the module docstring) as a protocol: steps 1 and 2 are local steps
-    each ending with an agreement and the save's collectives; steps 3 and 4 one pairwise step
-    whose outcome (failure, failures) the ranks agree on point to point and return."""
-    yield from protocol.local("prepare", rank.prepare)
-    yield from protocol.local("reduce", rank.reduce)
-    summary = yield from protocol.local("describe", rank.describe)
+    each ending with an agreement and the save's collectives; step 3 is one pairwise step and
+    step 4 a local one, both agreed on point to point through the gathering rank. Returns the
+    plan on the gathering rank (None elsewhere)."""
+    flat = yield from protocol.local("prepare", rank.prepare)
+    reduced = yield from protocol.local("reduce", lambda: rank.reduce(flat))
+    held, summary = yield from protocol.local("describe", lambda: rank.describe(flat, reduced))
     summaries = yield protocol.Gather(summary, rank.root)
-    parts = yield from protocol.local("plan", lambda: rank.plan_all(summaries))
+    plan, parts = yield from protocol.local("plan", lambda: rank.plan_all(summaries))
     mine = yield protocol.Scatter(parts, rank.root)
-    yield from protocol.local("open", lambda: rank.open(mine))
+    opened = yield from protocol.local("open", lambda: rank.open(plan, mine, held))
     # from here on, only pairs of ranks: see the module docstring
-    return (yield protocol.Pairwise("gather save", rank.transfer))
-
-
-def _gather_and_commit(comm: Comm, rank: GatherRank, durable: bool) -> tuple[BaseException | None, dict]:
-    """The gathering rank's steps 3 and 4: receive and write every group, collect the
-    reports, commit the file when no rank failed, and tell every rank the outcome."""
-    writer = rank.writer
     try:
-        error = _receive(comm, rank.plan, rank.held, writer)
+        yield protocol.Pairwise("gather save", lambda comm: rank.transfer(comm, plan, opened, held), star=True)
+        yield from protocol.local("commit", lambda: rank.commit(opened), star=True)
     except BaseException:
-        writer.abort()
+        if opened.writer is not None:
+            opened.writer.abort()  # nothing appears
         raise
-    if error is not None:
-        writer.abort()
-    failures: dict[int, Failure] = {}
-    if error is not None:
-        failures[comm.rank] = Failure.of(error)
-    for r in comm.ranks:
-        if r != rank.root:
-            report = wire.recv_message(comm, r, "gather save")
-            if report:
-                failures[r] = Failure.decode(report)
-    if not failures:
-        try:
-            writer.commit(durable)
-        except BaseException as exc:  # noqa: BLE001 - reported to every rank below
-            error = exc
-            failures[comm.rank] = Failure.of(exc)
-            writer.abort()
-    elif error is None:
-        writer.abort()
-    verdict = json.dumps({str(r): f.as_dict() for r, f in failures.items()}).encode()
-    for r in comm.ranks:
-        if r != rank.root:
-            wire.send_message(comm, r, verdict)
-    return error, failures
+    return plan
 
 
 def _parse_assignment(data: bytes, held: dict, root: int) -> list[list[list[tuple[str, Box]]]]:

@@ -22,8 +22,9 @@ import numpy as np
 
 from . import requests as p
 from .state import STATE
+from .agree import agree
 from .wire import pad as _pad, unpad as _unpad
-from ..errors import ArgumentError, CollectiveError, DcpError, Failure, collective_error
+from ..errors import ArgumentError, CollectiveError, DcpError, Failure
 
 logger = logging.getLogger(__name__)
 
@@ -139,21 +140,10 @@ class Comm:
         """A pairwise step is over: release what its point-to-point messages used."""
 
     # -- agreement
-    def agree(self, step: str, error: BaseException | None, values: Sequence[int] = ()) -> list[int]:
-        """Return the maximum over the ranks of ``values`` when no rank failed; else raise
-        CollectiveError(step, failures) on every rank (the failing rank chains its own error).
-        In a world of one, re-raise the error."""
-        if self.size == 1:
-            if error is not None:
-                raise error
-            return list(values)
-        maxima = self._collective(step, lambda: self.all_max([1 if error is not None else 0, *values]))
-        if not maxima[0]:
-            return list(maxima[1:])
-        report = Failure.of(error).encode() if error is not None else b""
-        reports = self._collective(step, lambda: self.all_gather(report))
-        failures = {self.ranks[i]: Failure.decode(m) for i, m in enumerate(reports) if m}
-        raise collective_error(step, failures) from error
+    def agree(self, step: str, error: BaseException | None, values: Sequence[int] = (), star: bool = False) -> list[int]:
+        """The step's agreement (:func:`paddle_dcp.parallel.agree.agree`): the maximum over the
+        ranks of ``values``, or the same CollectiveError on every rank."""
+        return agree(self, step, error, values, star)
 
     def _collective(self, step: str, fn):
         try:
@@ -172,15 +162,16 @@ class Comm:
     def execute(self, request):
         """Carry out one request of a protocol (see :mod:`paddle_dcp.parallel.protocol`)."""
         if isinstance(request, p.Agree):
-            return self.agree(request.step, request.error, request.values)
+            return self.agree(request.step, request.error, request.values, request.star)
         if isinstance(request, p.Pairwise):
             try:
                 value, error = request.fn(self), None
             except Exception as exc:  # noqa: BLE001 - agreed on below
                 value, error = None, exc
             finally:
-                self.end_pairwise()
-            self.agree(request.step, error)
+                if not request.star:  # else the agreement still needs the connections
+                    self.end_pairwise()
+            self.agree(request.step, error, star=request.star)
             return value
         step = type(request).__name__.lower()
         if isinstance(request, p.AllMax):

@@ -14,8 +14,9 @@ Deadlock freedom: every rank visits its partners in one global order of pairs (b
 then higher rank); the smallest pair still pending always has both its ranks waiting for
 each other, so it completes, and so on. Within a pair, the lower rank's request and its answer
 come first. Every answer starts with a header (status, length): a server that fails to read
-sends its error instead of bytes, the client records it and the pair stays in step, so errors
-surface at the next agreement instead of as a hang.
+sends the FAILED status instead of bytes and the pair stays in step; the client stops asking
+it, and the server's error reaches every rank at the step's agreement
+(:mod:`paddle_dcp.parallel.agree`) instead of as a hang.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from . import wire
 from .comm import Comm
-from ..errors import CollectiveError, DcpError, Failure, StorageError
+from ..errors import CollectiveError, DcpError, StorageError
 from ..core.load_plan import ReadOp
 from ..io.reads import Staging
 from ..io.storage import RangeSource, Storage
@@ -52,8 +53,10 @@ def ask_for_metadata(
     my_clients: Sequence[int],
     answer: Callable[[int, bytes], bytes],
 ) -> bytes | None:
-    """Pairwise: send ``request`` to ``my_helper`` and return its answer; answer every rank of
-    ``my_clients`` with ``answer(client, its request)``. Errors are sent back, not left hanging."""
+    """Pairwise: send ``request`` to ``my_helper`` and return its answer (None when the helper
+    could not answer: its error comes at the step's agreement); answer every rank of
+    ``my_clients`` with ``answer(client, its request)``. A failed answer is a FAILED status,
+    not left hanging."""
     me = comm.rank
     reply, error = None, None
     asking = {my_helper} if my_helper is not None else set()
@@ -61,16 +64,13 @@ def ask_for_metadata(
         for client, server in directions(me, peer):
             if client == me and server == my_helper:
                 wire.send_message(comm, peer, request)
-                try:
-                    reply = wire.recv_message(comm, peer, "metadata from helpers")
-                except DcpError as exc:
-                    error = error or exc
+                reply = wire.recv_message(comm, peer)
             elif server == me and client in my_clients:
-                question = wire.recv_message(comm, peer, "metadata from helpers")
+                question = wire.recv_message(comm, peer) or b""
                 try:
                     wire.send_message(comm, peer, answer(peer, question))
-                except Exception as exc:  # noqa: BLE001 - sent back, not left hanging
-                    wire.send_failure(comm, peer, exc)
+                except Exception as exc:  # noqa: BLE001 - agreed on; the client is not left hanging
+                    wire.send_failed(comm, peer)
                     error = error or exc
     if error is not None:
         raise error
@@ -105,27 +105,30 @@ def fetch_remote(
                     ops = my_servers[server]
                     request = json.dumps([[file_name(op.file), op.start, op.stop] for op in ops]).encode()
                     wire.send_message(comm, peer, request)
+                    server_failed = False
                     for op in ops:
                         taken = [False]
 
                         def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
                             status, length = wire.recv_header(comm, peer)
                             taken[0] = True
-                            if status == wire.FAILED or length != len(out):
-                                msg = np.zeros(length, np.uint8)
+                            if status == wire.FAILED:
+                                raise _ServerFailed()
+                            if length != len(out):
                                 if length:
-                                    comm.recv_into(peer, msg)
-                                why = (Failure.decode(msg.tobytes()).line() if status == wire.FAILED
-                                       else f"it sent {length} bytes where {len(out)} were expected")
+                                    comm.recv_into(peer, np.zeros(length, np.uint8))
                                 raise StorageError(
-                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of {file_name(op.file)}: {why}"
+                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of "
+                                    f"{file_name(op.file)}: it sent {length} bytes where {len(out)} were expected"
                                 )
                             comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
 
                         try:
-                            if error is None:
+                            if error is None and not server_failed:
                                 run_op(op, fetch)
                                 received += op.nbytes
+                        except _ServerFailed:  # its own error comes at the agreement
+                            server_failed = True
                         except DcpError as exc:
                             error = error or exc
                         if not taken[0]:  # keep the pair in step after an error
@@ -141,8 +144,12 @@ def fetch_remote(
     return received
 
 
+class _ServerFailed(Exception):
+    """The server sent FAILED in place of an op's bytes (inside fetch_remote only)."""
+
+
 def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
-    request = json.loads(wire.recv_message(comm, client, "exchange"))
+    request = json.loads(wire.recv_message(comm, client) or b"[]")
     error = None
     for name, start, stop in request:
         try:
@@ -152,7 +159,7 @@ def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> Dc
             buf = staging.get(stop - start)
             reader.read_into(str(name), start, memoryview(buf))
         except DcpError as exc:
-            wire.send_failure(comm, client, exc)
+            wire.send_failed(comm, client)
             error = error or exc
             continue
         wire.send_message(comm, client, buf)
@@ -184,8 +191,11 @@ def check_remote(
                     wanted = [(file_name(op.file), blocks(op)) for op in my_servers[server]]
                     request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
                     wire.send_message(comm, peer, json.dumps(request).encode())
+                    answer = wire.recv_message(comm, peer)
+                    if answer is None:  # the server failed: its error comes at the agreement
+                        continue
                     try:
-                        got = np.frombuffer(wire.recv_message(comm, peer, "verify remote"), dtype="<u8")
+                        got = np.frombuffer(answer, dtype="<u8")
                         expected = [(name, at, n, want) for name, bl in wanted for at, n, _, want in bl]
                         if len(got) != len(expected):
                             raise CollectiveError("verify remote", {peer: f"sent {len(got)} checksums for {len(expected)} blocks"})
@@ -198,7 +208,7 @@ def check_remote(
                     except DcpError as exc:
                         error = error or exc
                 elif server == me and client in my_clients:
-                    request = json.loads(wire.recv_message(comm, peer, "verify remote"))
+                    request = json.loads(wire.recv_message(comm, peer) or b"[]")
                     try:
                         sums = []
                         for name, ranges in request:
@@ -213,7 +223,7 @@ def check_remote(
                                 sums.append(checksum(memoryview(buf), seed))
                         wire.send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
                     except DcpError as exc:
-                        wire.send_failure(comm, peer, exc)
+                        wire.send_failed(comm, peer)
                         error = error or exc
     finally:
         reader.close()

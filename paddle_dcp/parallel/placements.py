@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,7 @@ def _sharded_weight_class():
     return ShardedWeight
 
 
-@dataclass
+@dataclass(frozen=True)
 class Held:
     """A state-dict tensor as this rank holds it.
 
@@ -281,7 +281,6 @@ def held_of(tensors: dict[str, Any], reduced: dict[str, Any], rank: int, flat_ok
     """What ``rank`` holds of every tensor of ``tensors`` (:func:`describe`), a Partial one's
     local piece replaced by its reduced value (``reduced``, :func:`reduce_partials`)."""
     held = [describe(key, value, rank, flat_ok) for key, value in tensors.items()]
-    for h in held:
-        if h.piece.key in reduced and h.local is not None:
-            h.local = reduced[h.piece.key]
-    return held
+    return [
+        replace(h, local=reduced[h.piece.key]) if h.piece.key in reduced and h.local is not None else h for h in held
+    ]

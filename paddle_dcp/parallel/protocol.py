@@ -37,16 +37,23 @@ logger = logging.getLogger(__name__)
 Protocol = Generator[Any, Any, Any]
 
 
-def local(step: str, fn: Callable[[], Any], detach: bool = False) -> Protocol:
+def local(step: str, fn: Callable[[], Any], detach: bool = False, star: bool = False) -> Protocol:
     """A local step followed by its agreement; returns ``fn()``'s value. With ``detach``, a
     Detach comes between the step and its agreement: the caller of an async save returns as
-    soon as its own step is done, and a failure anywhere is agreed on in the background."""
-    value, _ = yield from local_max(step, fn, lambda value: (), 0, detach)
+    soon as its own step is done, and a failure anywhere is agreed on in the background. With
+    ``star``, the agreement goes point to point through the coordinator (ranks that may
+    finish far apart; see :mod:`paddle_dcp.parallel.agree`)."""
+    value, _ = yield from local_max(step, fn, lambda value: (), 0, detach, star)
     return value
 
 
 def local_max(
-    step: str, fn: Callable[[], Any], reduce: Callable[[Any], Sequence[int]], width: int, detach: bool = False
+    step: str,
+    fn: Callable[[], Any],
+    reduce: Callable[[Any], Sequence[int]],
+    width: int,
+    detach: bool = False,
+    star: bool = False,
 ) -> Protocol:
     """A local step whose agreement also takes the maximum over the ranks of ``width``
     integers, ``reduce(fn())``; returns (``fn()``'s value, the maxima)."""
@@ -61,36 +68,58 @@ def local_max(
     logger.debug("step %s: %.4f s", step, time.perf_counter() - started)
     if detach:
         yield Detach()
-    maxima = yield Agree(step, error, values)
+    maxima = yield Agree(step, error, values, star)
     return value, maxima
 
 
 def run(comm: Any, protocol: Protocol, until_detach: bool = False) -> Any:
     """Drive one rank's protocol on a real comm; returns the protocol's value. With
     ``until_detach``, stop at a Detach request and return it: the caller continues the same
-    generator later (``run(other_comm, protocol)``), e.g. in a background thread."""
-    result = None
+    generator later (``run(other_comm, protocol)``), e.g. in a background thread. A request
+    that fails (an agreement on a failure) raises inside the generator, which may release what
+    it holds before the error leaves it."""
+    result, failed = None, None
     while True:
         try:
-            request = protocol.send(result)
+            request = protocol.send(result) if failed is None else protocol.throw(failed)
         except StopIteration as stop:
             return stop.value
         if isinstance(request, Detach):
             if until_detach:
                 return request
-            result = None
+            result, failed = None, None
             continue
-        result = comm.execute(request)
+        try:
+            result, failed = comm.execute(request), None
+        except BaseException as exc:  # noqa: BLE001 - raised inside the protocol
+            result, failed = None, exc
 
 
 # ====================================================================== save
+@dataclass(frozen=True)
+class Described:
+    """What a rank holds, described for the plan (the ``describe`` step's value).
+
+    Attributes:
+        skeleton: the state dict's nesting without plain values (see core.nested).
+        pieces: the rank's pieces in skeleton order, one row each (the rows the plan assigns).
+        data: the rank's own handle on the pieces' bytes, opaque to the protocol, which
+            carries it to ``stage`` and ``write``.
+    """
+
+    skeleton: dict
+    pieces: tuple[save_plan.LocalPiece, ...]
+    data: Any = None
+
+
 class SaveRankProtocol(_Protocol):
-    """One rank's side of a save: what :func:`save` asks of it, step by step.
+    """One rank's side of a save: what :func:`save` asks of it, step by step. A rank holds
+    only its inputs; each step's result is a value the protocol passes to later steps.
 
     Attributes:
         rank / ranks / coordinator: global ranks.
         block_bytes / created_by: recorded in the metadata.
-        cache: where the rank keeps its last save plan (module-level dict in a real job).
+        cache: where the rank keeps its last save plan (the process state's in a real job).
         replicas: every holder writes its copy of a replicated piece (``save_replicas``).
         staged: an async save: ``stage`` copies the pieces of the given leaves to host
             memory (or, while some rank ``can_stage`` them not, each writes its file first);
@@ -109,41 +138,47 @@ class SaveRankProtocol(_Protocol):
     staged: bool
     layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None
 
-    def prepare(self) -> None:
-        """Flatten the state dict; raise on what cannot be saved."""
+    def prepare(self) -> Any:
+        """The state dict flattened (opaque to the protocol); raise on what cannot be saved."""
 
-    def reduce(self) -> None:
+    def reduce(self, prepared: Any) -> Any:
         """Reduce Partial tensors (a collective of paddle's; entered by all together)."""
 
-    def describe(self) -> tuple[dict, list[save_plan.LocalPiece]]:
-        """(skeleton without plain values, local pieces in skeleton order)."""
+    def describe(self, prepared: Any, reduced: Any) -> Described:
+        """What this rank holds, described."""
 
-    def choose_id(self) -> int:
-        """The coordinator's choice of id (called on the coordinator only)."""
+    def choose_id(self) -> tuple[int, Any]:
+        """The coordinator's choice of id (called on the coordinator only), and the
+        directory's listing it was chosen from (None when the caller gave the id)."""
 
-    def prepare_id(self, uid: int) -> int:
+    def prepare_id(self, uid: int, listing: Any) -> tuple[int, Any]:
         """The highest generation of ``uid``'s data files this rank sees (-1: none), after
-        removing its own temporary files of crashed saves of it."""
+        removing its own temporary files of crashed saves of it; and the listing it used
+        (``listing`` when given: the coordinator's from ``choose_id``)."""
 
-    def can_stage(self, leaves: np.ndarray) -> bool:
+    def can_stage(self, described: Described, leaves: np.ndarray) -> bool:
         """True when this rank has staging memory for the pieces of ``leaves`` already (asked
         when ``staged``)."""
 
-    def stage(self, leaves: np.ndarray) -> None:
-        """Copy the pieces of ``leaves`` to host memory (when ``staged``)."""
+    def stage(self, described: Described, leaves: np.ndarray) -> Described:
+        """``described`` with the pieces of ``leaves`` copied to host memory (when ``staged``)."""
 
-    def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
+    def reserve(self, described: Described, leaves: np.ndarray) -> None:
+        """Make the staging memory the next async save of these pieces needs (after an async
+        save that wrote without staging)."""
+
+    def write(self, described: Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
         """Write the pieces of ``leaves``: (file size, block checksums)."""
 
-    def values(self) -> dict:
+    def values(self, prepared: Any) -> dict:
         """The coordinator's plain values, flat key -> value."""
 
     def publish(self, meta: Metadata) -> None:
         """The coordinator writes the metadata; called last."""
 
-    def tidy(self, uid: int, generation: int) -> None:
+    def tidy(self, uid: int, generation: int, listing: Any) -> None:
         """Remove this rank's data files of older generations of ``uid``, once the new
-        metadata is in place."""
+        metadata is in place (``listing``: the one ``prepare_id`` returned)."""
 
 
 @dataclass
@@ -156,25 +191,21 @@ class SaveResult:
 def save(ctx: SaveRankProtocol) -> Protocol:
     """The save protocol of one rank."""
     is_coord = ctx.rank == ctx.coordinator
-    yield from local("prepare", ctx.prepare)
-    yield from local("reduce partial", ctx.reduce)
-
-    def summarize():
-        skeleton, pieces = ctx.describe()
-        return wire.encode_summary(save_plan.SaveSummary.from_pieces(ctx.rank, skeleton, pieces))
-
-    summary = yield from local("describe", summarize)
+    prepared = yield from local("prepare", ctx.prepare)
+    reduced = yield from local("reduce partial", lambda: ctx.reduce(prepared))
+    described: Described = yield from local("describe", lambda: ctx.describe(prepared, reduced))
+    summary = wire.encode_summary(save_plan.SaveSummary.from_pieces(ctx.rank, described.skeleton, described.pieces))
     # a plan is reused when no rank's layout changed since the last save of this group
     key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None)
     digest = xxhash.xxh3_128_digest(summary)
     cached = ctx.cache.get(key)
     changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
-    uid = yield from local("choose id", ctx.choose_id if is_coord else (lambda: -1))
+    uid, listing = yield from local("choose id", ctx.choose_id if is_coord else (lambda: (-1, None)))
     uid = int((yield Broadcast(str(uid).encode() if is_coord else b"", ctx.coordinator)))
     # a save to an id whose files exist writes the next generation beside them: the old
     # checkpoint stays loadable until the new metadata replaces its metadata
-    seen = yield from local("prepare id", lambda: ctx.prepare_id(uid))
-    generation = (yield AllMax((seen,)))[0] + 1
+    (_, listing), (seen,) = yield from local_max("prepare id", lambda: ctx.prepare_id(uid, listing), lambda r: (r[0],), 1)
+    generation = seen + 1
     if changed:
         blobs = yield Gather(summary, ctx.coordinator)
         plan, parts = yield from local(
@@ -189,21 +220,23 @@ def save(ctx: SaveRankProtocol) -> Protocol:
     # save of a process), every rank writes its file first: a copy into fresh memory costs
     # what writing into the page cache costs, so the copy would only add to the call. Each
     # rank detaches once its own step is done; the agreement on it follows in the background.
-    direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(leaves) else 1,)))[0]
+    direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(described, leaves) else 1,)))[0]
     if ctx.staged and not direct:
-        yield from local("stage", lambda: ctx.stage(leaves), detach=True)
-    written = yield from local("write", lambda: ctx.write(uid, generation, leaves), detach=bool(direct))
+        described = yield from local("stage", lambda: ctx.stage(described, leaves), detach=True)
+    written = yield from local("write", lambda: ctx.write(described, uid, generation, leaves), detach=bool(direct))
     size, sums = written or (0, [])
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
 
     def commit():
         meta = metadata_from_reports(
-            plan, ctx.ranks, reports, ctx.values(), uid, ctx.block_bytes, ctx.created_by, generation
+            plan, ctx.ranks, reports, ctx.values(prepared), uid, ctx.block_bytes, ctx.created_by, generation
         )
         ctx.publish(meta)
 
     yield from local("commit", commit if is_coord else (lambda: None))
-    yield from local("tidy", lambda: ctx.tidy(uid, generation))
+    yield from local("tidy", lambda: ctx.tidy(uid, generation, listing))
+    if direct:  # this rank's own memory, last: no rank waits on it
+        ctx.reserve(described, leaves)
     return SaveResult(uid, size, not changed)
 
 
@@ -305,47 +338,49 @@ class LoadRankProtocol(_Protocol):
     shares_targets: bool
     lists_for_all: bool
 
-    def inspect(self) -> Any:
-        """Flatten the state dict, describe its pieces, list the directory: a storage.Listing."""
+    def inspect(self) -> tuple[Any, Any]:
+        """Flatten the state dict, describe its pieces, list the directory: (what the rank
+        found, opaque to the protocol and passed to the later steps, a storage.Listing)."""
 
-    def read_metadata(self, uid: int) -> Metadata:
+    def read_metadata(self, view: Any, uid: int) -> Metadata:
         """The parsed metadata of ``uid`` (this rank sees the file)."""
 
-    def metadata_bytes(self, uid: int) -> bytes:
+    def metadata_bytes(self, view: Any, uid: int) -> bytes:
         """The content of ``uid``'s metadata file (the coordinator, when ``lists_for_all``)."""
 
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         """``uid``'s metadata parsed from ``data``, the content another rank read."""
 
-    def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> Pairwise:
+    def metadata_from_helpers(self, view: Any, readers: list[int], meta: Metadata | None) -> Pairwise:
         """Pairwise work giving this rank the part of the metadata it needs (node-local disks)."""
 
-    def plan(self, meta: Metadata, uid: int, listing: Any, statuses: list[dict]) -> LoadWork:
-        """The rank's load work."""
+    def plan(self, view: Any, meta: Metadata, uid: int, listing: Any, statuses: list[dict], every_target: Any) -> LoadWork:
+        """The rank's load work, complete (``every_target``: ``all_targets``' value, or None)."""
 
-    def targets(self) -> bytes:
+    def targets(self, view: Any) -> bytes:
         """This rank's targets, encoded (when ``shares_targets``)."""
 
-    def all_targets(self, blobs: Sequence[bytes]) -> None:
-        """Every rank's targets (when ``shares_targets``)."""
+    def all_targets(self, blobs: Sequence[bytes]) -> Any:
+        """Every rank's targets, merged (when ``shares_targets``)."""
 
 
 def load(ctx: LoadRankProtocol) -> Protocol:
     """The load protocol of one rank."""
     # the agreement of each step carries the all-reduce that the next decision needs
-    listing, (latest,) = yield from local_max(
-        "inspect", ctx.inspect, lambda listing: (listing.latest if listing.latest is not None else -1,), 1
+    (view, listing), (latest,) = yield from local_max(
+        "inspect", ctx.inspect, lambda found: (found[1].latest if found[1].latest is not None else -1,), 1
     )
     uid = ctx.unique_id if ctx.unique_id is not None else latest
+    every_target = None
     if ctx.shares_targets:
-        mine = yield from local("describe targets", ctx.targets)
-        ctx.all_targets((yield AllGather(mine)))
+        mine = yield from local("describe targets", lambda: ctx.targets(view))
+        every_target = ctx.all_targets((yield AllGather(mine)))
 
     if ctx.lists_for_all:
-        meta = yield from _metadata_from_coordinator(ctx, uid)
+        meta = yield from _metadata_from_coordinator(ctx, view, uid)
         statuses = [{"m": True, "h": 0}] * len(ctx.ranks)
     else:
-        meta, statuses = yield from _metadata_of_each(ctx, uid, listing)
+        meta, statuses = yield from _metadata_of_each(ctx, view, uid, listing)
 
     # with the plan's agreement: does any rank need bytes from another, and do all ranks read
     # the same tensors of a checkpoint they all see (then they share the checksum work)
@@ -354,7 +389,7 @@ def load(ctx: LoadRankProtocol) -> Protocol:
         return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
 
     work, (any_remote, high, neg_low, cannot) = yield from local_max(
-        "plan", lambda: ctx.plan(meta, uid, listing, statuses), plan_key, 4
+        "plan", lambda: ctx.plan(view, meta, uid, listing, statuses, every_target), plan_key, 4
     )
     if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
         work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
@@ -377,25 +412,25 @@ def _check_found(uid: int, path: str) -> None:
         raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
 
 
-def _metadata_from_coordinator(ctx: LoadRankProtocol, uid: int) -> Protocol:
+def _metadata_from_coordinator(ctx: LoadRankProtocol, view: Any, uid: int) -> Protocol:
     """Every rank sees the same objects: the coordinator alone reads the metadata (a missing or
     unreadable object fails this step on every rank) and broadcasts its bytes, which every rank
     parses: one GET of it per load, not one per rank."""
     def read():
         _check_found(uid, ctx.path)
-        return ctx.metadata_bytes(uid) if ctx.rank == ctx.coordinator else b""
+        return ctx.metadata_bytes(view, uid) if ctx.rank == ctx.coordinator else b""
 
     data = yield from local("read metadata", read)
     data = yield Broadcast(data, ctx.coordinator)
     return (yield from local("parse metadata", lambda: ctx.parse_metadata(uid, data)))
 
 
-def _metadata_of_each(ctx: LoadRankProtocol, uid: int, listing) -> Protocol:
+def _metadata_of_each(ctx: LoadRankProtocol, view: Any, uid: int, listing) -> Protocol:
     """Every rank reads the metadata if it sees it; ranks that do not (node-local disks) get
     their part from one that does. Returns (metadata, every rank's status)."""
     def find_metadata():
         _check_found(uid, ctx.path)
-        meta = ctx.read_metadata(uid) if uid in listing.complete else None
+        meta = ctx.read_metadata(view, uid) if uid in listing.complete else None
         files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
         digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64
         return meta, files, digest
@@ -427,7 +462,7 @@ def _metadata_of_each(ctx: LoadRankProtocol, uid: int, listing) -> Protocol:
     if not readers:  # every rank has the same statuses: all of them fail here
         yield from local("check", check)
     if len(readers) < len(ctx.ranks):
-        meta = yield ctx.metadata_from_helpers(readers, meta)
+        meta = yield ctx.metadata_from_helpers(view, readers, meta)
     return meta, statuses
 
 

@@ -6,6 +6,7 @@ state dict and the checkpoint's directory.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,8 +43,24 @@ def next_id(store: storage.Storage, listing: storage.Listing | None = None) -> i
 
 
 # ============================================================================ save
+@dataclass(frozen=True)
+class HeldPieces:
+    """A save rank's handle on the bytes of its pieces (``Described.data``): what it holds of
+    each tensor (``held``), and one row per piece, (index in ``held``, piece, where its
+    elements begin in the flat local tensor or None): a flattened ShardedWeight is several
+    pieces of one tensor."""
+
+    held: tuple[Held, ...]
+    rows: tuple[tuple[int, save_plan.LocalPiece, int | None], ...]
+
+    def chosen(self, leaves: np.ndarray) -> list[int]:
+        """The indices in ``held`` of the tensors of the rows ``leaves``."""
+        return sorted({self.rows[row][0] for row in leaves.tolist()})
+
+
 class LocalSaveRank:
-    """This process's side of ``save_state_dict``: its state dict's pieces, its data file."""
+    """This process's side of ``save_state_dict``: its inputs (the state dict, the storage, the
+    options); every step's result is a value the protocol carries to the next step."""
 
     block_bytes = DEFAULT_BLOCK_BYTES
     created_by = f"paddle_dcp {__version__}"
@@ -67,45 +84,35 @@ class LocalSaveRank:
         self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
         self.safetensors, self.durable = safetensors, durable
         self.layout = hf_dir.layout_plan if safetensors else None
-        self.flat: nested.Flat | None = None
-        self.reduced: dict[str, Any] = {}
-        self.held: list[Held] = []
-        self.rows: list[tuple[int, save_plan.LocalPiece, int | None]] = []
-        self.leaves: np.ndarray | None = None  # what this rank writes (known once planned)
-        self.did_stage = False
-        # the directory's listing, made once per save: by the coordinator to choose the id,
-        # else to prepare it; the tidy step reuses it (this rank's files of older generations)
-        self.listing: storage.Listing | None = None
 
-    def prepare(self) -> None:
+    def prepare(self) -> nested.Flat:
         check_id(self.unique_id)
-        self.listing = None
-        self.flat = nested.flatten(self.state_dict, is_tensor, keep_values=False)
+        flat = nested.flatten(self.state_dict, is_tensor, keep_values=False)
         self.store.create()
+        return flat
 
-    def reduce(self) -> None:
-        self.reduced = reduce_partials(self.flat.tensors, self.rank, self.comm)
+    def reduce(self, flat: nested.Flat) -> dict[str, Any]:
+        return reduce_partials(flat.tensors, self.rank, self.comm)
 
-    def describe(self) -> tuple[dict, list[save_plan.LocalPiece]]:
-        held = held_of(self.flat.tensors, self.reduced, self.rank, flat_ok=True)
-        self.held = held
-        # one row per piece: a flattened ShardedWeight is several pieces of one key
-        self.rows = [(i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces()]
-        return self.flat.skeleton, [piece for _, piece, _ in self.rows]
+    def describe(self, flat: nested.Flat, reduced: dict[str, Any]) -> protocol.Described:
+        held = held_of(flat.tensors, reduced, self.rank, flat_ok=True)
+        rows = tuple((i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces())
+        return protocol.Described(flat.skeleton, tuple(piece for _, piece, _ in rows), HeldPieces(tuple(held), rows))
 
-    def choose_id(self) -> int:
+    def choose_id(self) -> tuple[int, storage.Listing | None]:
         if self.unique_id is not None:
-            return self.unique_id
-        self.listing = self.store.list_checkpoints()
-        return next_id(self.store, self.listing)
+            return self.unique_id, None
+        listing = self.store.list_checkpoints()
+        return next_id(self.store, listing), listing
 
-    def prepare_id(self, uid: int) -> int:
-        """Remove what crashed saves of ``uid`` left; the newest generation of ``uid`` seen.
-        On storage every rank sees alike, the coordinator alone lists it (one LIST per save,
-        not one per rank) and removes every rank's leftovers."""
+    def prepare_id(self, uid: int, listing: storage.Listing | None) -> tuple[int, storage.Listing | None]:
+        """Remove what crashed saves of ``uid`` left; (the newest generation of ``uid`` seen,
+        the listing made for it, which the tidy step reuses). On storage every rank sees
+        alike, the coordinator alone lists it (one LIST per save, not one per rank) and
+        removes every rank's leftovers."""
         if self.store.seen_by_all and self.rank != self.coordinator:
-            return -1
-        listing = self.listing = self.listing or self.store.list_checkpoints()
+            return -1, None
+        listing = listing or self.store.list_checkpoints()
         if self.store.seen_by_all:
             stale = cleanup.temporary_names(listing, uid)
         else:
@@ -114,50 +121,51 @@ class LocalSaveRank:
                 stale += cleanup.temporary_names(listing, uid, -1)
         self.store.remove(stale)
         gens = listing.generations(uid)  # temporary files are no generation
-        return max(gens) if gens else -1
+        return (max(gens) if gens else -1), listing
 
-    def _chosen(self, leaves: np.ndarray) -> list[int]:
-        return sorted({self.rows[row][0] for row in leaves.tolist()})
+    def can_stage(self, described: protocol.Described, leaves: np.ndarray) -> bool:
+        pieces: HeldPieces = described.data
+        return self.staging is None or self.staging.fits([pieces.held[i].local for i in pieces.chosen(leaves)])
 
-    def can_stage(self, leaves: np.ndarray) -> bool:
-        self.leaves = leaves
-        return self.staging is None or self.staging.fits([self.held[i].local for i in self._chosen(leaves)])
-
-    def warm_staging(self) -> None:
+    def reserve(self, described: protocol.Described, leaves: np.ndarray) -> None:
         """Make the staging memory the next async save of the same pieces needs (after a save
         that wrote without staging), off the caller's path."""
-        if self.staging is not None and self.leaves is not None and not self.did_stage:
-            self.staging.reserve([self.held[i].local for i in self._chosen(self.leaves)])
+        if self.staging is not None:
+            pieces: HeldPieces = described.data
+            self.staging.reserve([pieces.held[i].local for i in pieces.chosen(leaves)])
 
-    def stage(self, leaves: np.ndarray) -> None:
-        chosen = self._chosen(leaves)
-        self.did_stage = True
+    def stage(self, described: protocol.Described, leaves: np.ndarray) -> protocol.Described:
+        pieces: HeldPieces = described.data
+        chosen = pieces.chosen(leaves)
         if self.staging is None:
-            copies = [staged_copy(self.held[i].local) for i in chosen]
+            copies = [staged_copy(pieces.held[i].local) for i in chosen]
         else:
-            copies = self.staging.stage([self.held[i].local for i in chosen])
+            copies = self.staging.stage([pieces.held[i].local for i in chosen])
+        held = list(pieces.held)
         for i, copy in zip(chosen, copies):
-            self.held[i].local = copy
+            held[i] = replace(held[i], local=copy)
+        return replace(described, data=replace(pieces, held=tuple(held)))
 
-    def write(self, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
+    def write(self, described: protocol.Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
         name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")
-        return write_pieces(self.store, name, self.held, self.rows, leaves, self.durable, self.safetensors)
+        pieces: HeldPieces = described.data
+        return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, self.durable, self.safetensors)
 
-    def values(self) -> dict:
-        return self.flat.values
+    def values(self, flat: nested.Flat) -> dict:
+        return flat.values
 
     def publish(self, meta: Metadata) -> None:
         if self.safetensors:
             meta = hf_dir.rename_files(meta)
         self.store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), self.durable)
 
-    def tidy(self, uid: int, generation: int) -> None:
+    def tidy(self, uid: int, generation: int, listing: storage.Listing | None) -> None:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
-        coordinator alone, on storage every rank sees alike)."""
+        coordinator alone, on storage every rank sees alike), found in ``listing`` when given."""
         if not self.store.seen_by_all:
-            cleanup.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=self.listing)
+            cleanup.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=listing)
         elif self.rank == self.coordinator:
-            cleanup.remove_data(self.store, uid, None, keep_generation=generation, listing=self.listing)
+            cleanup.remove_data(self.store, uid, None, keep_generation=generation, listing=listing)
 
 
 def write_pieces(
@@ -194,8 +202,22 @@ def write_pieces(
 
 
 # ============================================================================ load
+@dataclass(frozen=True)
+class LoadView:
+    """What a load rank's ``inspect`` found, carried by the protocol to the later steps: its
+    state dict flattened, what it holds of each tensor, and, when the checkpoint is a
+    directory of safetensors files without metadata of ours, those files and their index
+    (``safetensors_files.shard_names``; None otherwise)."""
+
+    flat: nested.Flat
+    held: tuple[Held, ...]
+    shards: tuple[list[str], dict | None] | None = None
+
+
 class LocalLoadRank:
-    """This process's side of ``load_state_dict`` from a checkpoint directory."""
+    """This process's side of ``load_state_dict`` from a checkpoint directory: its inputs (the
+    state dict, the storage, the options); every step's result is a value the protocol
+    carries to the next step."""
 
     def __init__(
         self,
@@ -222,49 +244,43 @@ class LocalLoadRank:
         # one store every rank sees alike (object storage): the coordinator alone lists it, to
         # find the latest id or, with safetensors, whether it is a directory of safetensors files
         self.lists_for_all = bool(store.seen_by_all)
-        self.flat: nested.Flat | None = None
-        self.held: list[Held] = []
-        self.directory = False  # a directory of safetensors files, without metadata of ours
-        self.shards: tuple[list[str], dict | None] = ([], None)  # its files and index (shard_names)
-        self.every_target: Any = None
-        self.work: LocalLoadWork | None = None
 
-    def inspect(self) -> storage.Listing:
+    def inspect(self) -> tuple[LoadView, storage.Listing]:
         check_id(self.unique_id)
-        self.flat = nested.flatten(self.state_dict, is_tensor)
-        self.held = [describe(k, v, self.rank, flat_ok=True) for k, v in self.flat.tensors.items()]
+        flat = nested.flatten(self.state_dict, is_tensor)
+        held = tuple(describe(k, v, self.rank, flat_ok=True) for k, v in flat.tensors.items())
         given = self.unique_id is not None and not self.safetensors
         if self.lists_for_all and (self.rank != self.coordinator or given):
-            return storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
+            return LoadView(flat, held), storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
         listing = self.store.list_checkpoints(temporary=False)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
-            self.directory = True
-            self.shards = safetensors_files.shard_names(self.store, listing.files)
-            return _directory_listing(self.unique_id if self.unique_id is not None else 0, self.shards[0])
-        return listing
+            shards = safetensors_files.shard_names(self.store, listing.files)
+            uid = self.unique_id if self.unique_id is not None else 0
+            return LoadView(flat, held, shards), _directory_listing(uid, shards[0])
+        return LoadView(flat, held), listing
 
-    def targets(self) -> bytes:
+    def targets(self, view: LoadView) -> bytes:
         return wire.encode_json(aoa.encode_targets(
-            (h.piece.key, h.piece.dtype, h.piece.global_shape, h.piece.box) for h in self.held if h.piece.box is not None
+            (h.piece.key, h.piece.dtype, h.piece.global_shape, h.piece.box) for h in view.held if h.piece.box is not None
         ))
 
-    def all_targets(self, blobs: Sequence[bytes]) -> None:
-        self.every_target = aoa.merge_targets(wire.decode_json(b) for b in blobs)
+    def all_targets(self, blobs: Sequence[bytes]) -> Any:
+        return aoa.merge_targets(wire.decode_json(b) for b in blobs)
 
-    def read_metadata(self, uid: int) -> Metadata:
-        if self.directory:
-            return safetensors_files.metadata_from_blob(self._directory_blob(), self.store.path, uid)
+    def read_metadata(self, view: LoadView, uid: int) -> Metadata:
+        if view.shards is not None:
+            return safetensors_files.metadata_from_blob(self._directory_blob(view), self.store.path, uid)
         return self.store.read_metadata(uid, lazy=True)
 
-    def _directory_blob(self) -> bytes:
-        return safetensors_files.directory_blob(self.store, *self.shards)
+    def _directory_blob(self, view: LoadView) -> bytes:
+        return safetensors_files.directory_blob(self.store, *view.shards)
 
-    def metadata_bytes(self, uid: int) -> bytes:
+    def metadata_bytes(self, view: LoadView, uid: int) -> bytes:
         """Our metadata file's bytes after b"M", or a directory of safetensors files'
         description after b"D" (the mark is ours, not the file's: no file can make a rank take
         a checkpoint of ours for a directory whose files carry no checksums)."""
-        if self.directory:
-            return b"D" + self._directory_blob()
+        if view.shards is not None:
+            return b"D" + self._directory_blob(view)
         return b"M" + self.store.metadata_bytes(uid)
 
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
@@ -272,7 +288,7 @@ class LocalLoadRank:
             return safetensors_files.metadata_from_blob(memoryview(data)[1:], self.store.path, uid)
         return storage.metadata_from_bytes(data[1:], uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
 
-    def metadata_from_helpers(self, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
+    def metadata_from_helpers(self, view: LoadView, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
         if self.aoa_config is not None:  # every rank knows the readers: all raise the same error
             others = [r for r in self.ranks if r not in readers]
             raise UnsupportedError(
@@ -280,10 +296,12 @@ class LocalLoadRank:
                 f"ranks {others} cannot (node-local disks): copy it to them"
             )
         return protocol.Pairwise(
-            "metadata from helpers", lambda c: metadata_from_helpers(c, readers, meta, self.flat, self.held, self.mw)
+            "metadata from helpers", lambda c: metadata_from_helpers(c, readers, meta, view.flat, view.held, self.mw)
         )
 
-    def plan(self, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict]) -> LocalLoadWork:
+    def plan(
+        self, view: LoadView, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict], every_target: Any
+    ) -> LocalLoadWork:
         if self.lists_for_all:  # every file the metadata names is there for every rank
             names = [f.name for f in meta.files]
             directory = meta.checksum_algorithm == hf_dir.NO_CHECKSUMS  # safetensors files, no metadata of ours
@@ -292,16 +310,14 @@ class LocalLoadRank:
         if self.aoa_config is not None:
             from .aoa_paddle import Remap
 
-            remap = Remap(self.aoa_config, aoa.source_shards(meta), self.every_target)
+            remap = Remap(self.aoa_config, aoa.source_shards(meta), every_target)
         checks = self.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
         sources = Sources(self.comm.rank, tuple(self.comm.ranks), uid, frozenset(visible_files(listing, uid)),
                           tuple(statuses), frozenset(self.near))
-        work = plan_load(
-            self.state_dict, self.flat, self.held, meta, self.path, self.store, self.offload, self.mw, checks,
+        return plan_load(
+            self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.offload, self.mw, checks,
             self.missing, sources, remap,
         )
-        self.work = work
-        return work
 
 
 def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:

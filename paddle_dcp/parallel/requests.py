@@ -40,20 +40,25 @@ class AllGather:
 @dataclass(frozen=True)
 class Agree:
     """The end of a local step: did it fail on any rank? With ``values``, the same all-reduce
-    also returns their maximum over the ranks (one collective instead of two)."""
+    also returns their maximum over the ranks (one collective instead of two). With ``star``,
+    the agreement goes point to point through the coordinator (see
+    :mod:`paddle_dcp.parallel.agree`)."""
 
     step: str
     error: BaseException | None
     values: tuple[int, ...] = ()
+    star: bool = False
 
 
 @dataclass(frozen=True)
 class Pairwise:
     """Point-to-point work between some ranks (node-local loading, a gathered save's transfer):
-    ``fn(comm)`` runs on the rank, its result or error is returned and then agreed on."""
+    ``fn(comm)`` runs on the rank, its result or error is returned and then agreed on (with
+    ``star``, point to point through the coordinator: see :mod:`paddle_dcp.parallel.agree`)."""
 
     step: str
     fn: Callable[[Any], Any]
+    star: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ Framing, the one way a message of any length crosses ranks:
   * in a collective, every rank's message is padded to the longest one with an 8-byte length
     in front (:func:`pad` / :func:`unpad`);
   * between two ranks (:func:`send_message` / :func:`recv_message`), a 16-byte header (status,
-    length) comes first, then the bytes; a sender that failed sends its error as the bytes with
-    status FAILED, so the pair stays in step.
+    length) comes first, then the bytes; a sender that cannot answer sends the status FAILED
+    and no bytes, so the pair stays in step (its error reaches every rank at the step's
+    agreement, :mod:`paddle_dcp.parallel.agree`).
 
 Nothing here unpickles. Each message starts with a 4-byte tag; lengths are little-endian.
 The coordinator caches the parse of summary headers, which are equal across the ranks of a
@@ -22,7 +23,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from ..errors import CollectiveError, Failure, FormatError, collective_error
+from ..errors import CollectiveError, FormatError
 from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
@@ -150,7 +151,7 @@ def recv_header(comm, peer: int) -> tuple[int, int]:
     buf = np.zeros(16, dtype=np.uint8)
     comm.recv_into(peer, buf)
     status, length = (int(x) for x in buf.view("<i8"))
-    if status not in (OK, FAILED) or not 0 <= length <= MAX_MESSAGE:
+    if status not in (OK, FAILED) or not 0 <= length <= MAX_MESSAGE or (status == FAILED and length):
         raise CollectiveError("message", {peer: f"sent a malformed message header ({status}, {length})"})
     return status, length
 
@@ -163,24 +164,19 @@ def send_message(comm, peer: int, data: bytes | np.ndarray, status: int = OK) ->
         comm.send(peer, arr)
 
 
-def send_failure(comm, peer: int, exc: BaseException) -> None:
-    """Tell ``peer``, which waits for a message, that this rank failed with ``exc`` (as a
-    :class:`~paddle_dcp.errors.Failure`: its class and message, as data)."""
-    send_message(comm, peer, Failure.of(exc).encode(), FAILED)
+def send_failed(comm, peer: int) -> None:
+    """Tell ``peer``, which waits for a message, that this rank cannot answer: the pair stays in
+    step, and this rank's error reaches every rank at the step's agreement, not here."""
+    send_header(comm, peer, FAILED, 0)
 
 
-def recv_failure(data: bytes, step: str, peer: int) -> CollectiveError:
-    """The error of ``step`` that a FAILED message from ``peer`` carries."""
-    return collective_error(step, {peer: Failure.decode(data)})
-
-
-def recv_message(comm, peer: int, step: str = "message") -> bytes:
-    """The next message from ``peer``; a failure it reported is raised as the CollectiveError
-    of ``step`` naming it (a CollectiveMismatchError for a MismatchError)."""
+def recv_message(comm, peer: int) -> bytes | None:
+    """The next message from ``peer``; None when the peer could not answer (it sent FAILED,
+    and reports its error at the step's agreement)."""
     status, length = recv_header(comm, peer)
+    if status == FAILED:
+        return None
     buf = np.zeros(length, dtype=np.uint8)
     if length:
         comm.recv_into(peer, buf)
-    if status == FAILED:
-        raise recv_failure(buf.tobytes(), step, peer)
     return buf.tobytes()

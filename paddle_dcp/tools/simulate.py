@@ -75,27 +75,30 @@ class _SimSaveRank:
         self.unique_id, self.published = unique_id, published
 
     def prepare(self) -> None:
-        pass
+        return None
 
-    def reduce(self) -> None:
-        pass
+    def reduce(self, prepared) -> None:
+        return None
 
-    def describe(self):
-        return self.pieces_of.skeleton, self.pieces_of.pieces
+    def describe(self, prepared, reduced) -> protocol.Described:
+        return protocol.Described(self.pieces_of.skeleton, tuple(self.pieces_of.pieces))
 
-    def choose_id(self) -> int:
-        return self.unique_id
+    def choose_id(self) -> tuple[int, None]:
+        return self.unique_id, None
 
-    def prepare_id(self, uid: int) -> int:
-        return -1
+    def prepare_id(self, uid: int, listing) -> tuple[int, None]:
+        return -1, None
 
-    def can_stage(self, leaves: np.ndarray) -> bool:
+    def can_stage(self, described, leaves: np.ndarray) -> bool:
         return False  # never asked: the simulation does not stage (``staged`` False)
 
-    def stage(self, leaves) -> None:
+    def stage(self, described, leaves) -> protocol.Described:
+        return described
+
+    def reserve(self, described, leaves) -> None:
         pass
 
-    def write(self, uid, generation, leaves):  # what a real write returns: the file's size and checksums
+    def write(self, described, uid, generation, leaves):  # what a real write returns: the file's size and checksums
         pieces = [self.pieces_of.pieces[i] for i in leaves.tolist()]
         nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in pieces], dtype=np.int64)
         _, size = save_plan.layout_offsets(nbytes)
@@ -103,13 +106,13 @@ class _SimSaveRank:
         # checksums are incompressible: random ones keep the metadata's size honest
         return size, np.random.default_rng(self.rank).integers(0, 2**63, count, dtype=np.int64).tolist()
 
-    def values(self) -> dict:
+    def values(self, prepared) -> dict:
         return self._values
 
     def publish(self, meta: Metadata) -> None:
         self.published.append(meta)
 
-    def tidy(self, uid, generation) -> None:
+    def tidy(self, uid, generation, listing) -> None:
         pass
 
 
@@ -219,13 +222,13 @@ class _SimLoadRank:
 
     def inspect(self):
         if self.lists_for_all and self.rank != self.coordinator:
-            return storage.Listing(frozenset(), {})
-        return self.listing
+            return None, storage.Listing(frozenset(), {})
+        return None, self.listing
 
-    def read_metadata(self, uid: int) -> Metadata:
+    def read_metadata(self, view, uid: int) -> Metadata:
         return self.parse_metadata(uid, self.metadata_json)
 
-    def metadata_bytes(self, uid: int) -> bytes:
+    def metadata_bytes(self, view, uid: int) -> bytes:
         return self.metadata_json
 
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
@@ -234,19 +237,19 @@ class _SimLoadRank:
         self.parsed[self.rank] = parse_metadata(data, lazy=True)
         return self.parsed[self.rank]
 
-    def metadata_from_helpers(self, readers, meta):
+    def metadata_from_helpers(self, view, readers, meta):
         return None
 
-    def plan(self, meta, uid, listing, statuses):
+    def plan(self, view, meta, uid, listing, statuses, every_target):
         if self.layout is None:
             return _NoWork()
         return _PlannedWork(plan_rank(meta, targets_of(self.layout)))
 
-    def targets(self) -> bytes:
+    def targets(self, view) -> bytes:
         return b""
 
     def all_targets(self, blobs) -> None:
-        pass
+        return None
 
 
 def simulate_load(

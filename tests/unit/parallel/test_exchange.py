@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from paddle_dcp.parallel import exchange, wire
+from paddle_dcp.parallel.requests import Pairwise
 from paddle_dcp.errors import CollectiveError, CollectiveMismatchError, DcpError, MismatchError
 
 from .fakes import ThreadWorld
@@ -24,29 +25,36 @@ def test_pad_and_unpad_round_trip_and_refuse_a_length_beyond_the_buffer():
         wire.unpad(bad)
 
 
-def test_messages_keep_their_bytes_order_and_failures():
+def test_messages_keep_their_bytes_and_order_and_a_failed_answer_carries_no_error():
+    """A rank that cannot answer sends only the FAILED status (its error travels in the step's
+    agreement, parallel/agree.py): the receiver gets None and the pair stays in step."""
     sent = [b"", b"hello", bytes(range(256)) * 3]
 
     def rank(comm):
         if comm.rank == 0:
             for m in sent:
                 wire.send_message(comm, 1, m)
-            wire.send_failure(comm, 1, OSError("disk on fire"))
-            wire.send_failure(comm, 1, MismatchError("w: shape (2,) here, (3,) saved"))
+            wire.send_failed(comm, 1)
+            wire.send_message(comm, 1, b"after")
             return None
-        got = [wire.recv_message(comm, 0) for _ in sent]
-        with pytest.raises(DcpError, match="rank 0: OSError: disk on fire") as info:
-            wire.recv_message(comm, 0)
-        assert type(info.value) is CollectiveError and info.value.errors[0].kind == "OSError"
-        with pytest.raises(CollectiveMismatchError):  # the class travels as data
-            wire.recv_message(comm, 0)
-        return got
+        return [wire.recv_message(comm, 0) for _ in range(len(sent) + 2)]
 
     world = ThreadWorld(2)
     results = world.run(rank)
-    assert results[1] == sent
-    # each message: a 16-byte header, then its bytes (none for an empty one)
-    assert [n for _, _, n in world.sent][:5] == [16, 16, 5, 16, 768]
+    assert results[1] == sent + [None, b"after"]
+    # each message: a 16-byte header, then its bytes (none for an empty one or a FAILED one)
+    assert [n for _, _, n in world.sent][:7] == [16, 16, 5, 16, 768, 16, 16]
+
+
+def test_a_failed_status_with_bytes_is_a_malformed_header():
+    def rank(comm):
+        if comm.rank == 0:
+            comm.send(1, np.array([wire.FAILED, 5], dtype="<i8").view(np.uint8))
+            return None
+        return wire.recv_message(comm, 0)
+
+    results = ThreadWorld(2).run(rank)
+    assert isinstance(results[1], DcpError) and f"malformed message header ({wire.FAILED}, 5)" in str(results[1])
 
 
 def test_a_malformed_header_is_refused():
@@ -84,19 +92,25 @@ def test_every_rank_asking_every_other_completes(size):
     assert results == {r: f"from {r} answered by {(r + 1) % size}".encode() for r in range(size)}
 
 
-def test_a_failing_answer_reaches_the_client_and_the_server():
+def pairwise(comm, step: str, fn):
+    """``fn(comm)`` as a protocol's pairwise step: run, then agreed on by every rank."""
+    return comm.execute(Pairwise(step, fn))
+
+
+def test_a_failing_answer_reaches_every_rank_through_the_agreement():
     def rank(comm):
         def answer(client, question):
-            raise DcpError("no such tensor")
+            raise MismatchError("no such tensor")
 
         if comm.rank == 0:
-            return exchange.ask_for_metadata(comm, None, b"", [1, 2], answer)
-        return exchange.ask_for_metadata(comm, 0, b"question", [], answer)
+            return pairwise(comm, "metadata", lambda c: exchange.ask_for_metadata(c, None, b"", [1, 2], answer))
+        return pairwise(comm, "metadata", lambda c: exchange.ask_for_metadata(c, 0, b"question", [], answer))
 
     results = ThreadWorld(3).run(rank)
-    assert isinstance(results[0], DcpError) and "no such tensor" in str(results[0])
-    for r in (1, 2):
-        assert isinstance(results[r], DcpError) and "rank 0: DcpError: no such tensor" in str(results[r])
+    for r in range(3):  # the same error everywhere, its class carried as data
+        assert type(results[r]) is CollectiveMismatchError, results[r]
+        assert results[r].step == "metadata" and list(results[r].errors) == [0]
+        assert results[r].errors[0].kind == "MismatchError" and "no such tensor" in results[r].errors[0].message
 
 
 def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
@@ -117,12 +131,9 @@ def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
         if comm.rank == 0:
             return exchange._serve(comm, 1, Reader(), Staging())
         wire.send_message(comm, 0, json.dumps([["0_0.distcp", 5, 2]]).encode())
-        try:
-            wire.recv_message(comm, 0, "exchange")
-        except DcpError as exc:
-            return exc
+        return wire.recv_message(comm, 0)
 
     results = ThreadWorld(2).run(rank)
     assert isinstance(results[0], CollectiveError) and list(results[0].failures) == [1], results[0]
     assert "malformed range [5, 2) of '0_0.distcp'" in str(results[0])
-    assert isinstance(results[1], CollectiveError) and "malformed range" in str(results[1])
+    assert results[1] is None  # the client learns only that rank 0 could not answer

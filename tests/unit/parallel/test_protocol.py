@@ -53,26 +53,36 @@ class FakeSaveRank:
 
     def prepare(self):
         self._step("prepare")
+        return "prepared"
 
-    def reduce(self):
+    def reduce(self, prepared):
+        assert prepared == "prepared"
         self._step("reduce")
+        return "reduced"
 
-    def describe(self):
+    def describe(self, prepared, reduced):
+        assert (prepared, reduced) == ("prepared", "reduced")
         self._step("describe")
-        return {"d": [["b", {"t": 0}], ["w", {"t": 0}]]}, self.pieces
+        return protocol.Described({"d": [["b", {"t": 0}], ["w", {"t": 0}]]}, tuple(self.pieces), "held")
 
     def choose_id(self):
         self._step("choose id")
-        return 7
+        return 7, "listing"
 
-    def prepare_id(self, uid):
+    def prepare_id(self, uid, listing):
+        assert listing == ("listing" if self.rank == self.coordinator else None)
         self._step("prepare id")
-        return -1
+        return -1, f"listing of {self.rank}"
 
-    def stage(self, leaves):
+    def stage(self, described, leaves):
         self._step("stage")
+        return protocol.Described(described.skeleton, described.pieces, "staged")
 
-    def write(self, uid, generation, leaves):
+    def reserve(self, described, leaves):
+        self._step("reserve")
+
+    def write(self, described, uid, generation, leaves):
+        assert described.data == ("staged" if "stage" in self.steps else "held")
         self._step("write")
         self.written = [self.pieces[i] for i in leaves.tolist()]
         nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in self.written], dtype=np.int64)
@@ -80,14 +90,16 @@ class FakeSaveRank:
         count = int(sum(1 for n in nbytes.tolist() if n)) if len(nbytes) else 0
         return size, list(range(1, count + 1))
 
-    def values(self):
+    def values(self, prepared):
+        assert prepared == "prepared"
         return {}
 
     def publish(self, meta):
         self._step("publish")
         self.published.append(meta)
 
-    def tidy(self, uid, generation):
+    def tidy(self, uid, generation, listing):
+        assert listing == f"listing of {self.rank}"  # prepare id's, carried by the protocol
         self._step("tidy")
 
 
@@ -184,24 +196,25 @@ class FakeLoadRank:
         self.asked: list = []
 
     def inspect(self):
-        return self.listing
+        return f"view of {self.rank}", self.listing
 
-    def read_metadata(self, uid):
+    def read_metadata(self, view, uid):
+        assert view == f"view of {self.rank}"
         self.asked.append(uid)
         return self.meta
 
-    def metadata_from_helpers(self, readers, meta):
+    def metadata_from_helpers(self, view, readers, meta):
         raise AssertionError("every rank reads the metadata")
 
-    def plan(self, meta, uid, listing, statuses):
-        assert meta is self.meta and len(statuses) == SIZE
+    def plan(self, view, meta, uid, listing, statuses, every_target):
+        assert meta is self.meta and len(statuses) == SIZE and view == f"view of {self.rank}"
         return FakeWork(self.log, self.remote)
 
-    def targets(self):
+    def targets(self, view):
         return b""
 
     def all_targets(self, blobs):
-        pass
+        return None
 
 
 def saved_metadata() -> Metadata:
@@ -258,10 +271,10 @@ class ObjectStoreLoadRank(FakeLoadRank):
         self.missing = missing
         self.parsed: list[bytes] = []
 
-    def read_metadata(self, uid):
+    def read_metadata(self, view, uid):
         raise AssertionError("a rank of a load from object storage never reads the metadata itself")
 
-    def metadata_bytes(self, uid):
+    def metadata_bytes(self, view, uid):
         self.asked.append(uid)
         if self.missing:
             raise StorageError(f"checkpoint {uid} has no metadata object s3://b/{uid}.metadata", "s3://b")
@@ -313,7 +326,7 @@ class StagedRank(FakeSaveRank):
         super().__init__(rank, cache, fail_step)
         self.room = room
 
-    def can_stage(self, leaves):
+    def can_stage(self, described, leaves):
         return self.room
 
 
@@ -339,6 +352,8 @@ def test_an_async_save_detaches_after_staging_or_while_a_rank_has_no_room_after_
     for r, (before, result) in results.items():
         assert before[-1] == detached_after, before
         assert ("stage" in ranks[r].steps) == (detached_after == "stage")
+        # a save that wrote without staging makes the staging memory for the next one, last
+        assert (ranks[r].steps[-1] == "reserve") == (detached_after == "write") == ("reserve" in ranks[r].steps)
         assert isinstance(result, protocol.SaveResult) and result.unique_id == 7
     assert [len(r.published) for r in ranks.values()] == [1, 0, 0]
 
