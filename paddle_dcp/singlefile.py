@@ -11,8 +11,11 @@ into the tensors' host memory. The file is reached through its directory's stora
 (:func:`paddle_dcp.io.open_file`) and loaded by the load of a checkpoint directory, in this
 process alone: the file is a directory of one safetensors file
 (:func:`~paddle_dcp.format.hf_dir.headers_metadata`, the structure ``save_gathered`` stored
-included), :func:`~paddle_dcp.parallel.loadwork.plan_load` plans the whole load and its work
-reads and finishes it.
+included): :func:`~paddle_dcp.parallel.loadwork.match_load` matches the keys once, then
+:func:`~paddle_dcp.parallel.loadwork.plan_work` plans, reads and finishes the tensors batch by
+batch. Tensors on a GPU are assembled in host buffers first: a batch holds at most
+``host_batch_bytes`` of them (a larger tensor alone), so a process never holds the host copy
+of its whole share; host tensors and numpy arrays are filled in place, in one batch.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ import time
 import numpy as np
 
 from .core import nested
+from .core.dtypes import itemsize
 from .core.keys import MissingKeys
 from .errors import MismatchError
 from .format import hf_dir
 from .io import open_file, safetensors_files
 
 logger = logging.getLogger(__name__)
+
+HOST_BATCH_BYTES = 256 << 20  # host buffers of device tensors alive at once, at most (see above)
 
 
 def load_file(
@@ -39,6 +45,7 @@ def load_file(
     missing: MissingKeys = MissingKeys(),
     *,
     storage_options: dict | None = None,
+    host_batch_bytes: int = HOST_BATCH_BYTES,
 ) -> None:
     """Fill a (nested) state dict in place from one safetensors file.
 
@@ -57,6 +64,7 @@ def load_file(
         mw_name_compatibility: load ``master_weights.X`` from ``X_fp32_master_0`` and back.
         missing: what a state-dict key the file lacks is (see :class:`~paddle_dcp.core.keys.MissingKeys`).
         storage_options: for a URL ``path``, as in :func:`paddle_dcp.save_state_dict`.
+        host_batch_bytes: bytes of host buffers (for tensors on a device) alive at once.
 
     Raises:
         MismatchError: a shape or dtype differs (the message names the key and both), or a
@@ -64,7 +72,7 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .parallel.loadwork import plan_load
+    from .parallel.loadwork import match_load, plan_work
     from .parallel.placements import describe, is_tensor
 
     path = os.fspath(path)
@@ -79,12 +87,36 @@ def load_file(
         if entry is not None and entry.dtype is None:
             raise MismatchError(f"{key}: the file holds dtype {entry.code}, which paddle_dcp does not load")
     meta = hf_dir.headers_metadata(path, [name], [header], None, structure=header.structure)
-    # the load of a checkpoint directory, in this process alone: every check before any byte moves
-    work = plan_load(state_dict, flat, held, meta, path, store, offload, mw_name_compatibility, False, missing, kind="file")
-    work.read_local()
-    work.finish()
-    nbytes = sum(op.nbytes for op in work.local)
-    logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(work.local), nbytes, path, time.perf_counter() - started)
+    # the load of a checkpoint directory, in this process alone, a batch at a time
+    matched = match_load(flat, meta, path, mw_name_compatibility, missing, kind="file")
+    batches = host_batches(held, host_batch_bytes)
+    nbytes = 0
+    for i, batch in enumerate(batches):
+        work = plan_work(state_dict, flat, batch, meta, matched, path, store, offload, False, plain=i == len(batches) - 1)
+        work.read_local()
+        work.finish()
+        nbytes += sum(op.nbytes for op in work.local)
+        del work  # its host buffers go before the next batch's
+    logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(held), nbytes, path, time.perf_counter() - started)
+
+
+def host_batches(held: list, limit: int) -> list[list]:
+    """``held`` in consecutive batches whose host buffers (tensors not in host memory, on a
+    device) take at most ``limit`` bytes each, a larger tensor alone; tensors in host memory
+    need none. At least one batch."""
+    from .parallel.device import needs_host_copy
+
+    batches: list[list] = [[]]
+    size = 0
+    for h in held:
+        on_device = h.local is not None and needs_host_copy(h.local)
+        n = int(np.prod(h.local.shape)) * itemsize(h.piece.dtype) if on_device else 0  # TargetBuffer's array
+        if n and batches[-1] and size + n > limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(h)
+        size += n
+    return batches
 
 
 def _rank(flat: nested.Flat) -> int:

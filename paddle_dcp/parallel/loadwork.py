@@ -61,7 +61,10 @@ class LocalLoadWork:
         self.store = store  # where ``files`` are (ranges served to others)
         self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
         self.arrays = list(views) + aoa.staging_arrays(self.staged)
-        self.run = lambda op, fetch: reads.execute_op(op, files, self.arrays, self.staging, verify, fetch)
+
+    def run_op(self, op, fetch) -> None:
+        """Carry out one op whose bytes ``fetch`` receives from another rank."""
+        reads.execute_op(op, self.files, self.arrays, self.staging, self.verify, fetch)
 
     def open_local(self) -> None:
         """Open every file this rank reads itself (its size checked) before any byte moves."""
@@ -124,7 +127,7 @@ class LocalLoadWork:
 
     def exchange(self, comm: Comm, clients) -> None:
         try:
-            exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run)
+            exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run_op)
         finally:
             self.files.close()
 
@@ -178,6 +181,38 @@ def split_ops(ops, meta: Metadata, sources: Sources) -> tuple[list, dict]:
     return local, remote
 
 
+@dataclass(frozen=True)
+class Matched:
+    """The state dict's keys matched with a checkpoint's, once per load (:func:`match_load`).
+
+    Attributes:
+        source: state-dict key -> the checkpoint's key it loads from.
+        mapped: state-dict keys an aoa_config fills (``remap``), not read as they are.
+        plain: the checkpoint's subtrees without tensors (path, node), restored whole.
+    """
+
+    source: dict
+    mapped: frozenset
+    plain: tuple
+
+
+def match_load(flat: nested.Flat, meta: Metadata, path: str, mw: bool, missing: MissingKeys, remap=None,
+               kind: str = "checkpoint") -> Matched:
+    """Match the state dict's keys (flattened: ``flat``) with the checkpoint's, report the
+    missing and unexpected ones (an error when ``missing`` says so), and parse the entries of
+    the tensors that will be read."""
+    # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
+    mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
+    tensor_keys = [k for k in flat.tensors if k not in mapped]
+    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw, kind)
+    unexpected = [k for k in keys.unexpected if k not in used]
+    where = f"checkpoint {meta.unique_id} in {path}" if kind == "checkpoint" else path
+    # a part of the metadata lists only what this rank asked for: nothing there is unexpected
+    report(keys.missing, () if meta.subset else unexpected, where, missing, logger, buffer_like(flat.tensors, keys.missing))
+    meta.prefetch(list(keys.match.source.values()) + sorted(used))
+    return Matched(dict(keys.match.source), frozenset(mapped), tuple(keys.plain))
+
+
 def plan_load(
     state_dict: dict,
     flat: nested.Flat,
@@ -198,18 +233,30 @@ def plan_load(
     files this rank reads and the ranks that serve the others (``sources``; None: every file
     is this rank's), every local file opened. ``kind`` names the source in messages
     ("checkpoint", "file")."""
-    # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
-    mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
-    tensor_keys = [k for k in flat.tensors if k not in mapped]
-    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw, kind)
-    match, unexpected = keys.match, [k for k in keys.unexpected if k not in used]
-    where = f"checkpoint {meta.unique_id} in {path}" if kind == "checkpoint" else path
-    # a part of the metadata lists only what this rank asked for: nothing there is unexpected
-    report(keys.missing, () if meta.subset else unexpected, where, missing, logger, buffer_like(flat.tensors, keys.missing))
-    meta.prefetch(list(match.source.values()) + sorted(used))
-    targets, slots, buffers, fills, views, remapped = [], [], [], [], [], []
+    matched = match_load(flat, meta, path, mw, missing, remap, kind)
+    return plan_work(state_dict, flat, held, meta, matched, path, store, offload, verify, sources, remap)
+
+
+def plan_work(
+    state_dict: dict,
+    flat: nested.Flat,
+    held,
+    meta: Metadata,
+    matched: Matched,
+    path: str,
+    store: storage.Storage,
+    offload: bool,
+    verify: bool = True,
+    sources: Sources | None = None,
+    remap=None,
+    plain: bool = True,
+) -> LocalLoadWork:
+    """The load work of the tensors ``held`` (all of this rank's, or a batch of them) from
+    ``meta``, keys ``matched``: their buffers and read ops, every local file opened. With
+    ``plain``, its finish also restores the checkpoint's plain values."""
+    buffers, fills, views, targets, slots, remapped = [], [], [], [], [], []
     for h in held:
-        source = match.source.get(h.piece.key, h.piece.key if h.piece.key in mapped else None)
+        source = matched.source.get(h.piece.key, h.piece.key if h.piece.key in matched.mapped else None)
         if h.local is None or source is None:
             buffers.append(NoTarget())
             fills.append(None)
@@ -219,7 +266,7 @@ def plan_load(
         fill = partial_fill(h)
         fills.append(fill)
         boxes = key_targets(h, buffer)
-        if h.piece.key in mapped:
+        if h.piece.key in matched.mapped:
             if fill is None:
                 p = h.piece
                 for box, view in boxes:
@@ -236,7 +283,18 @@ def plan_load(
             slots.append(len(views))
             views.append(view)
     reads = aoa.plan(meta, remapped, first_slot=len(views))
-    targets, slots = targets + reads.pieces, slots + reads.slots
+    ops = _plan_ops(meta, targets + reads.pieces, slots + reads.slots, path, sources)
+    local, remote = split_ops(ops, meta, sources) if sources is not None else (ops, {})
+    work = LocalLoadWork(
+        flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged,
+        state_dict=state_dict, plain=matched.plain if plain else (), store=store, local=local, remote=remote,
+    )
+    work.open_local()
+    return work
+
+
+def _plan_ops(meta: Metadata, targets: list, slots: list, path: str, sources: Sources | None) -> list:
+    """The read ops of ``targets``, on the files this rank sees, the metadata's digest checked."""
     source = os.path.join(path, storage.metadata_name(meta.unique_id)) if not meta.subset else "the metadata part"
     visible = sources.visible if sources is not None else frozenset(f.name for f in meta.files)
     readable = np.array([f.name in visible for f in meta.files], dtype=bool)
@@ -245,13 +303,7 @@ def plan_load(
     except PlanError as exc:  # the checkpoint's pieces overlap or leave a gap
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
-    local, remote = split_ops(ops, meta, sources) if sources is not None else (ops, {})
-    work = LocalLoadWork(
-        flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged,
-        state_dict=state_dict, plain=keys.plain, store=store, local=local, remote=remote,
-    )
-    work.open_local()
-    return work
+    return ops
 
 
 def key_targets(held, buffer) -> list[tuple[Box, np.ndarray]]:
