@@ -1,17 +1,20 @@
-"""A directory of safetensors files (a Hugging Face checkpoint) on storage every rank sees alike
-(object storage): the coordinator alone lists it and reads its index and headers, every rank
+"""A real rank's side of a save and a load (parallel/ranks.py): each step's result a value, the
+rank holding only its inputs; and a directory of safetensors files (a Hugging Face checkpoint)
+on storage every rank sees alike (object storage): the coordinator alone lists it and reads its index and headers, every rank
 parses what it broadcast, and each rank then reads only the tensors' bytes. The real
 LocalLoadRank on ranks that are threads, over an in-memory storage that records every call."""
 from __future__ import annotations
 
 import json
+from dataclasses import FrozenInstanceError
 
 import numpy as np
 import pytest
 from safetensors.numpy import save
 
 from paddle_dcp.parallel import protocol
-from paddle_dcp.parallel.ranks import LocalLoadRank
+from paddle_dcp.parallel.comm import SoloComm
+from paddle_dcp.parallel.ranks import LocalLoadRank, LocalSaveRank
 from paddle_dcp.errors import CollectiveError
 from paddle_dcp.io import safetensors_files
 
@@ -177,3 +180,55 @@ def test_a_checkpoint_of_ours_saved_with_safetensors_loads_with_safetensors_from
     assert np.array_equal(sd["embed"]["weight"], want["embed.weight"])
     assert np.array_equal(sd["layers"]["0"]["w"], want["layers.0.w"]) and np.array_equal(sd["layers"]["0"]["b"], want["layers.0.b"])
     assert stores[-1].calls.count("list") == 1 and "metadata" in stores[-1].calls, stores[-1].calls
+
+
+# ---------------------------------------------------------------------- the save rank
+class CountingStorage(MemoryStorage):
+    """The in-memory storage, counting its listings."""
+
+    def __init__(self, path: str, blobs: dict):
+        super().__init__(path, blobs)
+        self.listings = 0
+
+    def list_checkpoints(self, temporary: bool = True):
+        self.listings += 1
+        return super().list_checkpoints(temporary)
+
+
+def test_a_save_rank_s_steps_return_values_and_leave_the_rank_and_the_state_dict_as_they_were():
+    """Each step's result is a value the protocol carries (issue 28): staging returns a new
+    description, the first one and the caller's arrays stay as they were, and the rank object
+    holds nothing after the save but its inputs."""
+    w, b = np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(3, dtype=np.int64)
+    store = CountingStorage("mem", {})
+    rank = LocalSaveRank(SoloComm(), {"w": w, "b": b, "step": 3}, store, None, {}, staged=True)
+    attributes = dict(vars(rank))
+    flat = rank.prepare()
+    described = rank.describe(flat, rank.reduce(flat))
+    assert [p.key for p in described.pieces] == ["w", "b"] and described.skeleton == flat.skeleton
+    leaves = np.array([0, 1])
+    staged = rank.stage(described, leaves)
+    assert staged is not described and all(h.local is not s.local for h, s in zip(described.data.held, staged.data.held))
+    assert described.data.held[0].local is w  # the description made before staging still names the caller's array
+    w[...] = -1  # the caller changes its tensor after the stage: the staged copy keeps the values
+    np.testing.assert_array_equal(staged.data.held[0].local, np.arange(12, dtype=np.float32).reshape(3, 4))
+    result = protocol.run(SoloComm(), protocol.save(LocalSaveRank(SoloComm(), {"w": w, "b": b}, store, None, {})))
+    assert result.unique_id == 0 and store.listings == 1  # one listing: the id's choice, its preparation and the tidy
+    assert vars(rank) == attributes  # no step stored anything on the rank
+
+
+def test_a_load_rank_s_inspection_is_a_frozen_value():
+    blobs: dict = {}
+    store = MemoryStorage("mem", blobs)
+    paddle_dcp_save({"w": np.arange(4.0)}, store)
+    rank = LocalLoadRank(SoloComm(), {"w": np.zeros(4)}, "mem", store, None)
+    attributes = dict(vars(rank))
+    view, listing = rank.inspect()
+    assert listing.latest == 0 and view.shards is None and [h.piece.key for h in view.held] == ["w"]
+    with pytest.raises(FrozenInstanceError):
+        view.shards = ([], None)
+    assert vars(rank) == attributes
+
+
+def paddle_dcp_save(state: dict, store) -> None:
+    protocol.run(SoloComm(), protocol.save(LocalSaveRank(SoloComm(), state, store, None, {})))

@@ -1,0 +1,80 @@
+"""One rank's load work (parallel/loadwork.py): keys matched once, work planned for any set of
+the state dict's tensors, the plain values restored by the work that says so, and a finished
+work freed at once (its host buffers with it), in one process over the in-memory storage."""
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import numpy as np
+import pytest
+
+from paddle_dcp.core import nested
+from paddle_dcp.core.keys import MissingKeys
+from paddle_dcp.errors import MismatchError
+from paddle_dcp.parallel import protocol
+from paddle_dcp.parallel.comm import SoloComm
+from paddle_dcp.parallel.loadwork import match_load, plan_load, plan_work
+from paddle_dcp.parallel.placements import describe, is_tensor
+from paddle_dcp.parallel.ranks import LocalSaveRank
+
+from ..io.memory_storage import MemoryStorage
+
+SAVED = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64), "lr": 0.5}
+
+
+@pytest.fixture
+def store():
+    store = MemoryStorage("mem", {})
+    state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in SAVED.items()}
+    protocol.run(SoloComm(), protocol.save(LocalSaveRank(SoloComm(), state, store, None, {})))
+    return store
+
+
+def target(extra: dict | None = None) -> tuple[dict, nested.Flat, list]:
+    state = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.int64), "lr": 0.0, **(extra or {})}
+    flat = nested.flatten(state, is_tensor)
+    return state, flat, [describe(k, v, 0, flat_ok=True) for k, v in flat.tensors.items()]
+
+
+def test_work_for_each_tensor_apart_loads_the_same_as_one_work(store):
+    meta = store.read_metadata(0, lazy=True)
+    state, flat, held = target()
+    matched = match_load(flat, meta, "mem", True, MissingKeys())
+    for i, h in enumerate(held):  # one tensor a work; the plain values with the last
+        work = plan_work(state, flat, [h], meta, matched, "mem", store, False, plain=i == len(held) - 1)
+        work.read_local()
+        work.finish()
+        assert state["lr"] == (0.5 if i == len(held) - 1 else 0.0)
+    np.testing.assert_array_equal(state["a"], SAVED["a"])
+    np.testing.assert_array_equal(state["b"], SAVED["b"])
+
+
+def test_missing_keys_are_reported_once_by_the_matching(store, caplog):
+    meta = store.read_metadata(0, lazy=True)
+    state, flat, held = target({"c": np.zeros(2)})
+    with pytest.raises(MismatchError, match="c"):
+        match_load(flat, meta, "mem", True, MissingKeys())
+    with caplog.at_level(logging.WARNING):
+        matched = match_load(flat, meta, "mem", True, MissingKeys.of(False, None))
+        for h in held:
+            plan_work(state, flat, [h], meta, matched, "mem", store, False)
+    assert sum("not found in checkpoint" in r.getMessage() and "['c']" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_finished_work_is_freed_without_the_garbage_collector(store):
+    """No reference cycle keeps a work (and every host buffer of a GPU load) alive until the
+    collector runs."""
+    meta = store.read_metadata(0, lazy=True)
+    state, flat, held = target()
+    gc.disable()
+    try:
+        work = plan_load(state, flat, held, meta, "mem", store, False, True)
+        work.read_local()
+        work.finish()
+        alive = weakref.ref(work)
+        del work
+        assert alive() is None
+    finally:
+        gc.enable()
