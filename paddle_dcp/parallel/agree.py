@@ -78,9 +78,15 @@ def _star(comm, step: str, error: BaseException | None, values: list[int]) -> tu
     except DcpError:
         raise
     except Exception as exc:  # a closed connection, a timeout: the peer may have died
-        raise CollectiveError(step, {comm.rank: f"communication failed ({Failure.of(exc).line()}); another rank may have died"}) from exc
+        raise communication_failed(step, comm.rank, exc) from exc
     finally:
         comm.end_pairwise()
+
+
+def communication_failed(step: str, rank: int, exc: BaseException) -> CollectiveError:
+    """The error of a step whose messages could not cross (a dead peer, a backend's timeout),
+    seen by ``rank``."""
+    return CollectiveError(step, {rank: f"communication failed ({Failure.of(exc).line()}); another rank may have died"})
 
 
 def _report(error: BaseException | None, values: list[int]) -> bytes:

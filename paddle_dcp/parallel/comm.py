@@ -22,9 +22,9 @@ import numpy as np
 
 from . import requests as p
 from .state import STATE
-from .agree import agree
+from .agree import agree, communication_failed
 from .wire import pad as _pad, unpad as _unpad
-from ..errors import ArgumentError, CollectiveError, DcpError, Failure
+from ..errors import ArgumentError, DcpError
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,7 @@ class Comm:
         except DcpError:
             raise
         except Exception as exc:  # a dead peer, a timeout of the backend
-            raise CollectiveError(
-                step, {self.rank: f"communication failed ({Failure.of(exc).line()}); another rank may have died"}
-            ) from exc
+            raise communication_failed(step, self.rank, exc) from exc
 
     def call(self, step: str, fn):
         """Run one collective of ``step``, turning backend failures into CollectiveError."""
