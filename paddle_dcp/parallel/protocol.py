@@ -8,7 +8,7 @@ implementing :class:`SaveRankProtocol` / :class:`LoadRankProtocol`, does the loc
 
 Two drivers run these same generators:
   * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.parallel.comm.Comm`;
-  * :func:`paddle_dcp.parallel.comm.SimWorld.run` for every rank of a job in one process, advancing all
+  * :func:`paddle_dcp.parallel.simworld.SimWorld.run` for every rank of a job in one process, advancing all
     generators in lockstep, so that a simulation of thousands of ranks executes the very steps
     and messages of a real save or load (scripts/bench_scale.py).
 

@@ -2,7 +2,7 @@
 
 No tensors and no files: each simulated rank holds a layout (its skeleton and the boxes of its
 pieces); writing returns the checksum count a real write would produce; the metadata is built,
-serialized and parsed for real. The collectives are :class:`paddle_dcp.parallel.comm.SimWorld`'s, which
+serialized and parsed for real. The collectives are :class:`paddle_dcp.parallel.simworld.SimWorld`'s, which
 hand each rank what the real collective would and count its bytes with the real comm's cost
 functions, so the figures predict a real job's planning traffic (scripts/bench_scale.py; a
 multi-process test checks the prediction against a real 4-rank run).
@@ -20,7 +20,8 @@ from ..core import load_plan, save_plan
 from ..parallel import protocol
 from ..io import storage
 from ..core.boxes import Box
-from ..parallel.comm import SimWorld, Traffic
+from ..parallel.comm import Traffic
+from ..parallel.simworld import SimWorld
 from ..core.metadata import DEFAULT_BLOCK_BYTES, LazyTensors, Metadata, blocks_of
 from ..core.metadata_parse import parse_metadata
 from ..core.dtypes import itemsize

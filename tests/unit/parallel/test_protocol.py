@@ -11,7 +11,7 @@ from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import itemsize
 from paddle_dcp.core.metadata import Metadata
 from paddle_dcp.parallel import protocol
-from paddle_dcp.parallel.comm import SimWorld
+from paddle_dcp.parallel.simworld import SimWorld
 from paddle_dcp.errors import CollectiveError, StorageError
 from paddle_dcp.io import storage
 

@@ -1,0 +1,146 @@
+"""Every rank of a job in one process: the second driver of the save and load protocols, for
+measuring them at scale (:mod:`paddle_dcp.tools.simulate`, scripts/bench_scale.py). Each
+rank's traffic is counted with the cost functions a real comm counts with
+(:mod:`paddle_dcp.parallel.comm`)."""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from typing import Sequence
+
+from . import requests as p
+from .comm import Traffic, cost_all_gather, cost_all_max, cost_gather, cost_scatter
+
+
+class SimWorld:
+    """Every rank of a job in one process, for measuring the protocols at scale.
+
+    :meth:`run` advances all ranks' protocol generators in lockstep; each collective receives
+    all ranks' requests at once, hands every rank the result the real collective would, and
+    counts every rank's traffic with the same cost functions as a real comm. Agreements see no
+    failure. Pairwise (node-local) steps are not simulated.
+    """
+
+    def __init__(self, ranks: Sequence[int], coordinator: int):
+        self.ranks = tuple(ranks)
+        self.coordinator = coordinator
+        self.traffic = {r: Traffic() for r in self.ranks}
+        self.seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
+        # of ``seconds``, the time Python's cyclic collector ran: at thousands of simulated
+        # ranks the process holds millions of objects, and a full collection (seconds) lands
+        # in whichever step happens to allocate when it is due
+        self.gc_seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
+        # Python and C function calls made in each timed rank's steps (run(count_calls=True))
+        self.calls: dict[int, int] = {r: 0 for r in self.ranks}
+
+    def run(self, protocols: dict[int, "object"], timed: Sequence[int] = (), count_calls: bool = False):
+        """Drive ``protocols`` (rank -> generator) to the end; returns rank -> value. Ranks in
+        ``timed`` have the time spent in their own steps added up in ``seconds``, the part of
+        it the garbage collector took in ``gc_seconds`` and, with ``count_calls``, the
+        function calls made in ``calls`` (a measure of work that does not depend on the
+        machine; profiling slows the steps, so their seconds mean little then)."""
+        results = {r: None for r in self.ranks}
+        done: dict[int, object] = {}
+        timing: list = [None, 0.0]  # the timed rank whose step runs, when the collector started
+
+        def collector(phase: str, info: dict) -> None:
+            if timing[0] is None:
+                return
+            if phase == "start":
+                timing[1] = time.perf_counter()
+            else:
+                self.gc_seconds[timing[0]] += time.perf_counter() - timing[1]
+
+        def profile(frame, event: str, arg) -> None:
+            if timing[0] is not None and event in ("call", "c_call"):
+                self.calls[timing[0]] += 1
+
+        gc.callbacks.append(collector)
+        if count_calls:
+            sys.setprofile(profile)
+        try:
+            while len(done) < len(self.ranks):
+                requests = self._step(protocols, results, done, timed, timing)
+                if not requests:
+                    break
+                if done:
+                    raise RuntimeError(f"ranks finished at different steps: {sorted(done)} done, {sorted(requests)} not")
+                kinds = {type(q) for q in requests.values()}
+                if len(kinds) != 1:
+                    raise RuntimeError(f"ranks disagree on the next collective: {sorted(k.__name__ for k in kinds)}")
+                results = self._execute(requests, kinds.pop())
+        finally:
+            if count_calls:
+                sys.setprofile(None)
+            gc.callbacks.remove(collector)
+        return done
+
+    def _step(self, protocols, results, done, timed, timing) -> dict:
+        """Advance every unfinished rank to its next collective; returns rank -> request."""
+        requests = {}
+        for r in self.ranks:
+            if r in done:
+                continue
+            t0 = time.perf_counter() if r in timed else 0.0
+            timing[0] = r if r in timed else None
+            try:
+                requests[r] = protocols[r].send(results[r])
+            except StopIteration as stop:
+                done[r] = stop.value
+            finally:
+                timing[0] = None
+            if r in timed:
+                self.seconds[r] += time.perf_counter() - t0
+        return requests
+
+    def _add(self, rank: int, cost: tuple[int, int]) -> None:
+        self.traffic[rank].add(*cost)
+
+    def _width(self, lengths: dict[int, int]) -> int:
+        for r in lengths:
+            self._add(r, cost_all_max(1, len(self.ranks)))
+        return max(lengths.values())
+
+    def _execute(self, requests: dict, kind) -> dict:
+        for r in requests:
+            self.traffic[r].collectives += 1
+        size = len(self.ranks)
+        first = next(iter(requests.values()))
+        if kind is p.Agree:
+            for r, q in requests.items():
+                if q.error is not None:
+                    raise q.error
+                self._add(r, cost_all_max(1 + len(q.values), size))
+            out = [max(v) for v in zip(*(q.values for q in requests.values()))]
+            return {r: list(out) for r in requests}
+        if kind is p.AllMax:
+            out = [max(v) for v in zip(*(q.values for q in requests.values()))]
+            for r, q in requests.items():
+                self._add(r, cost_all_max(len(q.values), size))
+            return {r: list(out) for r in requests}
+        if kind is p.Gather:
+            width = self._width({r: len(q.data) for r, q in requests.items()})
+            for r in requests:
+                self._add(r, cost_gather(width, size, r == first.root))
+            gathered = [requests[r].data for r in self.ranks]
+            return {r: (gathered if r == first.root else None) for r in requests}
+        if kind is p.Scatter:
+            parts = requests[first.root].parts
+            width = self._width({r: (max(map(len, parts), default=0) if r == first.root else 0) for r in requests})
+            for r in requests:
+                self._add(r, cost_scatter(width, size, r == first.root))
+            return {r: parts[i] for i, r in enumerate(self.ranks)}
+        if kind is p.Broadcast:
+            data = requests[first.root].data
+            width = self._width({r: (len(data) if r == first.root else 0) for r in requests})
+            for r in requests:
+                self._add(r, cost_scatter(width, size, r == first.root))
+            return {r: data for r in requests}
+        if kind is p.AllGather:
+            width = self._width({r: len(q.data) for r, q in requests.items()})
+            for r in requests:
+                self._add(r, cost_all_gather(width, size))
+            everything = [requests[r].data for r in self.ranks]
+            return {r: everything for r in requests}
+        raise RuntimeError(f"{kind.__name__} is not simulated")
