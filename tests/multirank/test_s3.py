@@ -3,7 +3,6 @@ round trip and reshard on 2 and 4 ranks, numbering and generations, ranged GETs 
 wire, and a rank killed mid-save. The launched ranks inherit the AWS_* variables of ``s3_env``."""
 import uuid
 
-import pytest
 
 from launcher import assert_passed, launch, run_launch, run_single, script
 

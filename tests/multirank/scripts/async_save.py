@@ -7,14 +7,13 @@ argv: WORKDIR [case ...]
 import os
 import sys
 
-import numpy as np
 import paddle
 import paddle.distributed as dist
 
 import common as c
 import paddle_dcp
 from paddle_dcp import CollectiveError
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
 
 root = c.init()
 R = c.rank()

@@ -11,7 +11,6 @@ Usage (under paddle.distributed.launch): gpu_rules.py DIR [case ...]
 import os
 import threading
 
-import numpy as np
 
 import common as c
 import fakegpu

@@ -18,7 +18,7 @@ import numpy as np
 import common as c
 import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import local
 
 ROOT = c.init()
 R = c.rank()

@@ -16,7 +16,6 @@ Usage (under paddle.distributed.launch): s3.py URL SCENARIO [case ...]
 import os
 import sys
 
-import numpy as np
 
 URL, SCENARIO = sys.argv[1].rstrip("/"), sys.argv[2]
 OPTIONS = {"part_size": 5 << 20, "parts_in_flight": 2, "retries": 3, "retry_deadline": 20}
@@ -227,7 +226,7 @@ def crash(leaves):
         upload = multipart.MultipartWriter._upload_part
 
         def upload_then_die(self, number, body):
-            out = upload(self, number, body)
+            upload(self, number, body)
             print(f"DIED after part {number} of {self.url}", flush=True)
             os._exit(3)
 

@@ -15,7 +15,6 @@ import ast
 import os
 import sys
 
-import numpy as np
 
 try:  # pyarrow (for `datasets`) may need a newer numpy than the one installed; unused here
     import pyarrow  # noqa: F401
