@@ -11,7 +11,6 @@ import numpy as np
 from paddle_dcp.core.metadata import FileEntry, Metadata, PieceTable, TensorEntry
 
 
-
 BLOCK = 64
 
 

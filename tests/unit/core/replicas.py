@@ -10,7 +10,6 @@ from paddle_dcp.core.boxes import Box, flat_range_boxes
 from paddle_dcp.core.metadata import blocks_of
 
 
-
 SHAPE = (4, 5)
 
 

@@ -403,3 +403,17 @@ def test_flat_range_mid_row_to_mid_row():
 def test_flat_range_outside_the_box_is_refused(start, stop):
     with pytest.raises(PlanError):
         flat_range_boxes((4, 5), start, stop)
+
+
+@fast(200)
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=4), st.data())
+def test_flat_range_boxes_are_the_range_in_order(shape, data):
+    n = int(np.prod(shape))
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    got = []
+    for box in flat_range_boxes(shape, start, stop):
+        first, end = element_span(shape, box) if shape else (0, 1)
+        assert end - first == box.volume  # one contiguous run
+        got.extend(range(first, end))
+    assert got == list(range(start, stop))

@@ -11,6 +11,7 @@ from paddle_dcp.core import keys, nested
 from paddle_dcp.core.keys import MissingKeys, report
 from paddle_dcp.errors import ArgumentError, MismatchError
 
+
 LOG = logging.getLogger("test_keys")
 
 

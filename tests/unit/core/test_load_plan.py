@@ -38,7 +38,6 @@ from ..helpers import (
 from .replicas import SHAPE, meta_of, plan_of, replicated
 
 
-
 # ------------------------------------------------------------------ save then load, through files
 def load_everything(path, shape, dtypes, mesh, placements, arrays, block_bytes, **plan_kw):
     max_read = max(plan_kw.get("max_read_bytes", 64 << 20), 2 * block_bytes + 64)

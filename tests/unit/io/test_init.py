@@ -17,6 +17,7 @@ from paddle_dcp.io import is_url, local, open_storage
 
 from ..helpers import listdir
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 

@@ -20,6 +20,7 @@ from paddle_dcp.errors import FormatError, IntegrityError, StorageError
 from ..checkpoints import fsync_log
 from ..helpers import listdir, load_rank, save_checkpoint
 
+
 W = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
 B = np.arange(300, dtype=np.int64)
 

@@ -10,7 +10,6 @@ import pytest
 from paddle_dcp.errors import StorageError
 
 
-
 class FakeS3:
     """The calls a MultipartWriter makes, recorded; parts held until ``release`` when
     ``gate`` is set (to count the parts in flight)."""

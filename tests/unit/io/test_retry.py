@@ -9,7 +9,6 @@ from paddle_dcp.errors import ArgumentError, StorageError
 from paddle_dcp.io.retry import RetryPolicy, describe_failure, retrying
 
 
-
 class FakeClock:
     def __init__(self):
         self.now, self.sleeps = 100.0, []
