@@ -5,11 +5,14 @@ pickle."""
 import json
 import os
 import pickle
+from pathlib import Path
 
 import numpy as np
-import xxhash
 import pytest
+import xxhash
+from safetensors.numpy import save_file
 
+import paddle_dcp
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan
@@ -18,6 +21,7 @@ from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
 
 from ..checkpoints import fsync_log
+from ..format.hf_dirs import ARRAYS, hf_directory
 from ..helpers import listdir, load_rank, save_checkpoint
 
 
@@ -328,3 +332,55 @@ def test_a_data_writer_whose_header_fails_leaves_no_temporary_file(tmp_path, mon
     with pytest.raises(StorageError, match="no space left"):
         local.DataWriter(str(tmp_path), "f", 64, header=b"head")
     assert listdir(str(tmp_path)) == []
+
+
+# ------------------------------------------------------------------ a Hugging Face hub cache
+def hub_cache_snapshot(cache: Path, arrays: dict, shards: list[list[str]]) -> Path:
+    """A Hugging Face hub cache as huggingface_hub lays it out: every file's bytes in
+    ``models--org--tiny/blobs/<sha256>``, the snapshot's files relative symlinks to them."""
+    import hashlib
+
+    plain = hf_directory(cache.parent / f"{cache.name}-files", arrays, shards)
+    repo = cache / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for f in sorted(plain.iterdir()):
+        data = f.read_bytes()
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        os.symlink(f"../../blobs/{blob}", snapshot / f.name)
+    return snapshot
+
+
+def test_a_snapshot_of_the_hugging_face_cache_loads_through_its_symlinks(tmp_path):
+    from huggingface_hub import scan_cache_dir
+
+    cache = tmp_path / "hub"
+    snapshot = hub_cache_snapshot(cache, ARRAYS, [["embed.w", "norm"], ["head.b"]])
+    repos = scan_cache_dir(cache).repos  # huggingface_hub's own reading of the layout
+    assert [r.repo_id for r in repos] == ["org/tiny"] and len(next(iter(repos)).revisions) == 1
+    sd = {"embed.w": np.zeros((8, 6), np.float32), "head.b": np.zeros(5, np.int64), "norm": np.zeros(7, np.float16)}
+    paddle_dcp.load_state_dict(sd, str(snapshot), safetensors=True)
+    assert all(np.array_equal(sd[k], ARRAYS[k]) for k in ARRAYS)
+
+
+def test_a_snapshot_link_out_of_its_repository_is_still_refused(tmp_path):
+    snapshot = hub_cache_snapshot(tmp_path / "hub", ARRAYS, None)
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    save_file(ARRAYS, str(elsewhere))
+    (snapshot / "model.safetensors").unlink()
+    os.symlink(elsewhere, snapshot / "model.safetensors")
+    sd = {"norm": np.zeros(7, np.float16)}
+    with pytest.raises(FormatError, match="outside the checkpoint directory"):
+        paddle_dcp.load_state_dict(sd, str(snapshot), safetensors=True)
+    # a blobs directory of another repository is no better
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    os.rename(elsewhere, other / "x")
+    (snapshot / "model.safetensors").unlink()
+    os.symlink("../../../models--org--other/blobs/x", snapshot / "model.safetensors")
+    with pytest.raises(FormatError, match="outside the checkpoint directory"):
+        paddle_dcp.load_state_dict(sd, str(snapshot), safetensors=True)

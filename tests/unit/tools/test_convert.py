@@ -7,9 +7,11 @@ import os
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
+import paddle_dcp
 from paddle_dcp.errors import ArgumentError, UnsupportedError
-from paddle_dcp.tools import consolidate
+from paddle_dcp.tools import cli, consolidate
 
 from ..helpers import same_bits, save_checkpoint
 from .commands import TENSORS, VALUES, bf16_as_f32, check_all, flip_byte, run
@@ -174,3 +176,41 @@ def test_a_dtype_safetensors_refuses_gets_the_cli_options_only_from_the_cli(tmp_
     assert code == 1 and err.strip().endswith("; leave it out with --keys or convert --to npz"), err
     with pytest.raises(ArgumentError, match="unknown output format"):
         consolidate.convert(path, meta, str(tmp_path / "z.x"), "x", consolidate.select(meta))
+
+
+# ====================================================================== convert --to hf
+def test_convert_to_hf_respects_the_shard_limit(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    arrays = {f"layer{i}.w": rng.standard_normal((50, 20)).astype(np.float32) for i in range(5)}  # 4000 bytes each
+    arrays["big"] = rng.standard_normal((100, 30)).astype(np.float32)  # 12000 bytes: alone
+    paddle_dcp.save_state_dict(dict(arrays, step=1), str(tmp_path / "ck"))
+    out = tmp_path / "hf"
+    assert cli.main(["convert", str(tmp_path / "ck"), str(out), "--to", "hf", "--max-shard-size", "9000", "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "convert 0" in err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(arrays)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in arrays.values())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    n = len(shards)
+    assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)] and set(index["weight_map"].values()) == set(shards)
+    for name in shards:
+        got = load_file(str(out / name))
+        data = sum(a.nbytes for a in got.values())
+        assert data <= 9000 or len(got) == 1, (name, data)
+        for k, v in got.items():
+            assert index["weight_map"][k] == name and np.array_equal(v, arrays[k])
+    assert not list(out.glob("*.tmp.*"))
+    target = {k: np.zeros_like(v) for k, v in arrays.items()}
+    paddle_dcp.load_state_dict(target, str(out), safetensors=True)
+    assert all(np.array_equal(target[k], arrays[k]) for k in arrays)
+
+
+def test_convert_to_hf_refuses_a_used_directory_and_a_bad_size(tmp_path, capsys):
+    paddle_dcp.save_state_dict({"w": np.ones(3, np.float32)}, str(tmp_path / "ck"))
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "used"), "--to", "hf"]) == 2
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "new"), "--to", "hf", "--max-shard-size", "lots"]) == 2
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "one"), "--to", "hf"]) == 0
+    assert sorted(os.listdir(tmp_path / "one")) == ["model.safetensors"]
