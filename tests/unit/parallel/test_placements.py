@@ -144,16 +144,16 @@ def test_a_sharded_weight_outside_its_tensor_is_a_plan_error(local_shape, offset
 
 
 def test_off_the_first_coordinate_of_a_partial_dim_a_sum_holds_zero_and_a_product_one():
-    held = placements.Held(placements.LocalPiece("w", "float32", (2,), Box.whole((2,))), None)
-    assert placements.partial_fill(held) is None
-    held.partial, held.mesh_coord = ((1, "sum"),), (0, 1)
-    assert placements.partial_fill(held) == 0
-    held.partial = ((1, "prod"),)
-    assert placements.partial_fill(held) == 1
-    held.partial, held.mesh_coord = ((1, "max"),), (0, 1)
-    assert placements.partial_fill(held) is None
-    held.partial, held.mesh_coord = ((1, "sum"),), (1, 0)
-    assert placements.partial_fill(held) is None
+    piece = placements.LocalPiece("w", "float32", (2,), Box.whole((2,)))
+
+    def fill(partial, coord):
+        return placements.partial_fill(placements.Held(piece, None, partial, coord))
+
+    assert fill((), None) is None
+    assert fill(((1, "sum"),), (0, 1)) == 0
+    assert fill(((1, "prod"),), (0, 1)) == 1
+    assert fill(((1, "max"),), (0, 1)) is None  # the value itself, on every rank
+    assert fill(((1, "sum"),), (1, 0)) is None  # the first coordinate of its partial dim
 
 
 def test_numpy_state_dicts_have_no_buffers():
