@@ -1,11 +1,12 @@
-"""The checkpoint's metadata: frozen dataclasses, their JSON form, and its validation.
+"""The checkpoint's metadata: frozen dataclasses and the JSON they are written as.
 
 ``{unique_id}.metadata`` is UTF-8 JSON (docs/format.md). Per-piece data is columnar: one
 column per field and tensor, written as a JSON list when short and as ``"z:" + base64(zlib(
 little-endian int64 / uint64 bytes))`` when long, so the file stays small and fast to parse at
-thousands of ranks. Reading validates everything before anything is allocated from it: the
-version, names of files (plain names inside the checkpoint directory), dtypes, shapes and their
-products, piece boxes (inside the tensor, tiling it exactly) and byte ranges (inside the files).
+thousands of ranks. Reading (:mod:`~paddle_dcp.core.metadata_parse`) validates everything
+before anything is allocated from it: the version, names of files (plain names inside the
+checkpoint directory, :func:`check_file_name`), dtypes, shapes and their products, piece boxes
+(inside the tensor, tiling it exactly) and byte ranges (inside the files).
 """
 from __future__ import annotations
 

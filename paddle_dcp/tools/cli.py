@@ -1,5 +1,9 @@
-"""The command line: ``python -m paddle_dcp`` / ``paddle-dcp`` inspect | verify | convert |
-import-paddle | clean.
+"""The command line's arguments: ``python -m paddle_dcp`` / ``paddle-dcp`` inspect | verify |
+convert | import-paddle | clean | run parsed, and the command run with the process's logging.
+
+Each command's logic lives in its own module (``inspection``, ``verify``, ``convert``,
+``import_paddle``, ``clean``, ``run``); what they share (exit codes, errors, progress) in
+``console``.
 
 Exit codes: 0 all good, 1 problems found (a damaged or incomplete checkpoint, an error while
 reading or writing), 2 bad usage (arguments, a directory or id that does not exist, an import
@@ -15,253 +19,20 @@ import logging
 import os
 import sys
 import traceback
-from typing import Any, Sequence
+from typing import Sequence
 
-from ..io import cleanup
-from .console import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    EXIT_USAGE,
-    UsageError,
-    _directory,
-    _err,
-    _ids,
-    _one_line,
-    _out,
-    _progress_enabled,
-    choose_id,
-    human,
-    incomplete_ids,
-)
+from .console import EXIT_PROBLEMS, EXIT_USAGE, PROG, UsageError, _err, _one_line
+from .clean import cmd_clean
 from .convert import FORMATS, cmd_convert
-from .import_paddle import import_paddle_checkpoint
-from .verify import verify_checkpoint
-from ..core import nested
-from ..format import safetensors
-from ..io import default_storage_options, is_url, open_storage, storage
-from ..errors import ArgumentError, DcpError, FormatError, StorageError
+from .import_paddle import cmd_import_paddle
+from .inspection import cmd_inspect
+from .run import cmd_run
+from .verify import cmd_verify
+from ..io import default_storage_options, is_url
+from ..errors import DcpError
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
-
-PROG = "paddle-dcp"
-
-
-# ====================================================================== inspect
-def describe(path: str, unique_id: int | None = None) -> dict:
-    """What ``inspect`` reports, as one JSON-ready dict: the ids in ``path`` and, for the chosen
-    checkpoint, every tensor, data file and plain value. Entries of the metadata that fail
-    validation are listed in ``problems`` (the rest is still described)."""
-    listing = open_storage(path).list_checkpoints()
-    doc: dict[str, Any] = {
-        "path": path,
-        "complete": sorted(listing.complete),
-        "incomplete": incomplete_ids(listing),
-        "temporary": list(listing.temporary),
-        "checkpoint": None,
-        "problems": [],
-    }
-    try:
-        uid = choose_id(path, listing, unique_id)
-        meta = open_storage(path).read_metadata(uid, lazy=True)
-    except (FormatError, StorageError) as exc:
-        doc["problems"].append(_one_line(exc))
-        return doc
-    tensors, tensor_bytes = {}, 0
-    for key in meta.tensors:
-        try:
-            entry = meta.tensors[key]
-        except DcpError as exc:
-            doc["problems"].append(_one_line(exc))
-            tensors[key] = {"error": _one_line(exc)}
-            continue
-        tensors[key] = {
-            "shape": list(entry.shape),
-            "dtype": entry.dtype,
-            "pieces": entry.pieces.count,
-            "bytes": entry.nbytes,
-        }
-        tensor_bytes += entry.nbytes
-    doc["checkpoint"] = {
-        "unique_id": uid,
-        "format_version": meta.format_version,
-        "world_size": meta.world_size,
-        "created_by": meta.created_by,
-        "checksum": meta.checksum_algorithm,
-        "block_bytes": meta.block_bytes,
-        "tensors": tensors,
-        "files": [{"name": f.name, "bytes": f.nbytes} for f in meta.files],
-        "values": meta.values(),
-        "tensor_bytes": tensor_bytes,
-        "file_bytes": sum(f.nbytes for f in meta.files),
-    }
-    return doc
-
-
-def _table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [c.rjust(w) if rt else c.ljust(w) for c, w, rt in zip(r, widths, right)]
-        lines.append("  " + "  ".join(cells).rstrip())
-    return lines
-
-
-def render_inspect(doc: dict) -> list[str]:
-    lines = [f"checkpoint directory {doc['path']}"]
-    lines.append(f"  complete ids: {_ids(doc['complete'])}")
-    if doc["incomplete"]:
-        lines.append(f"  incomplete ids: {_ids(doc['incomplete'])} (data files without metadata)")
-    if doc["temporary"]:
-        lines.append(f"  temporary files of unfinished saves: {len(doc['temporary'])}")
-        lines += [f"    {name}" for name in doc["temporary"]]
-    ck = doc["checkpoint"]
-    if ck is None:
-        return lines
-    lines.append(
-        f"checkpoint {ck['unique_id']}: format_version {ck['format_version']}, world_size {ck['world_size']}, "
-        f"created by {ck['created_by'] or 'unknown'}, {ck['checksum']} per {ck['block_bytes']}-byte block"
-    )
-    lines.append(f"tensors: {len(ck['tensors'])}")
-    if ck["tensors"]:
-        rows = [("key", "shape", "dtype", "pieces", "bytes")]
-        for key, t in ck["tensors"].items():
-            if "error" in t:
-                rows.append((key, "?", "?", "?", "invalid entry"))
-            else:
-                rows.append((key, str(tuple(t["shape"])), t["dtype"], str(t["pieces"]), str(t["bytes"])))
-        lines += _table(rows, (False, False, False, True, True))
-    lines.append(f"files: {len(ck['files'])}")
-    if ck["files"]:
-        lines += _table([("name", "bytes")] + [(f["name"], str(f["bytes"])) for f in ck["files"]], (False, True))
-    lines.append(f"values: {len(ck['values'])}")
-    lines += [f"  {k} = {json.dumps(v)}" for k, v in ck["values"].items()]
-    lines.append(
-        f"total: {ck['tensor_bytes']} bytes ({human(ck['tensor_bytes'])}) in {len(ck['tensors'])} tensors; "
-        f"{ck['file_bytes']} bytes in {len(ck['files'])} data files"
-    )
-    return lines
-
-
-def cmd_inspect(args) -> int:
-    path = _directory(args.path)
-    doc = describe(path, args.unique_id)
-    if args.json:
-        if doc["checkpoint"] is not None:
-            doc["checkpoint"]["values"] = {k: nested.json_plain(v) for k, v in doc["checkpoint"]["values"].items()}
-        _out(json.dumps(doc, indent=1, allow_nan=False))
-    else:
-        for line in render_inspect(doc):
-            _out(line)
-        for problem in doc["problems"]:
-            _err(f"{PROG}: {problem}")
-    return EXIT_PROBLEMS if doc["problems"] else EXIT_OK
-
-
-# ====================================================================== verify
-def cmd_verify(args) -> int:
-    path = _directory(args.path)
-    listing = open_storage(path).list_checkpoints()
-    if args.all:
-        ids = sorted(listing.complete)
-        if not ids:
-            choose_id(path, listing, None)  # raises: no complete checkpoint
-        if incomplete_ids(listing):
-            _out(f"incomplete ids (not verified, no metadata): {_ids(incomplete_ids(listing))}")
-    else:
-        ids = [choose_id(path, listing, args.unique_id)]
-    failed = 0
-    for uid in ids:
-        problems, c = verify_checkpoint(path, uid, _progress_enabled(args))
-        for p in problems:
-            _out(p)
-        what = f"{c['tensors']} tensors, {c['pieces']} pieces, {c['bytes']} bytes in {c['files']} files checked"
-        if problems:
-            failed += 1
-            _out(f"checkpoint {uid}: {len(problems)} problem(s); {what}")
-        else:
-            _out(f"checkpoint {uid}: OK, {what}")
-    return EXIT_PROBLEMS if failed else EXIT_OK
-
-
-# ====================================================================== import-paddle
-def cmd_import_paddle(args) -> int:
-    if not args.trust:
-        raise UsageError(
-            "import-paddle unpickles paddle's .metadata and .distcp files, which can run any code "
-            "their author put there; pass --trust if you trust the files in " + str(args.path)
-        )
-    src = _directory(args.path)
-    try:
-        meta = import_paddle_checkpoint(src, args.out, args.unique_id, _progress_enabled(args))
-    except ArgumentError as exc:
-        raise UsageError(str(exc)) from None
-    nbytes = sum(f.nbytes for f in meta.files)
-    pieces = sum(t.pieces.count for t in meta.tensors.values())
-    _out(
-        f"imported checkpoint {meta.unique_id} of {src}: {len(meta.tensors)} tensors, {pieces} pieces, "
-        f"{len(meta.files)} data files ({nbytes} bytes) into {args.out}"
-    )
-    return EXIT_OK
-
-
-# ====================================================================== clean
-def _superseded(path: str, listing: storage.Listing) -> list[str]:
-    """Data files of complete checkpoints that their metadata does not list (generations a
-    crashed re-save left behind). Ids whose metadata cannot be read are left alone."""
-    names = []
-    for uid in sorted(listing.complete):
-        present = listing.data.get(uid, frozenset())
-        if not present:
-            continue
-        try:
-            meta = open_storage(path).read_metadata(uid, lazy=True)
-        except DcpError as exc:
-            logger.warning("checkpoint %d: metadata unreadable, its files are left alone: %s", uid, _one_line(exc))
-            continue
-        listed = {f.name for f in meta.files}
-        names += [n for n in listing.data_names(uid) if n not in listed]
-    return names
-
-
-def _sizes(path: str, names: list[str]) -> dict[str, int]:
-    """name -> bytes of each of ``names`` present in ``path`` (one listing for a URL)."""
-    if is_url(path):
-        found = open_storage(path).sizes()
-        return {n: int(found[n].get("size") or 0) if n in found else 0 for n in names}
-    sizes = {}
-    for name in names:
-        try:
-            sizes[name] = os.lstat(os.path.join(path, name)).st_size
-        except OSError:
-            sizes[name] = 0
-    return sizes
-
-
-def cmd_clean(args) -> int:
-    path = _directory(args.path)
-    listing = open_storage(path).list_checkpoints()
-    planned = list(listing.temporary)
-    if args.incomplete:
-        planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
-        planned += _superseded(path, listing)
-    sizes = _sizes(path, planned)
-    if args.dry_run:
-        removed = planned
-    else:
-        removed = cleanup.remove_temporary(open_storage(path))
-        if args.incomplete:
-            removed += cleanup.remove_incomplete(open_storage(path))
-            removed += open_storage(path).remove(_superseded(path, open_storage(path).list_checkpoints()))
-    verb = "would remove" if args.dry_run else "removed"
-    for name in removed:
-        _out(f"{verb} {open_storage(path).resolve(name) if is_url(path) else os.path.join(path, name)}")
-    if not removed:
-        _out(f"nothing to remove in {path}")
-    else:
-        nbytes = sum(sizes.get(n, 0) for n in removed)
-        _out(f"total: {len(removed)} files ({nbytes} bytes) {'would be removed' if args.dry_run else 'removed'}")
-    return EXIT_OK
 
 
 # ====================================================================== parser
@@ -415,25 +186,6 @@ def _add_clean(sub, common, progress) -> None:
     p.add_argument("--incomplete", action="store_true", help="also data files no metadata here uses (see WARNING)")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.set_defaults(func=cmd_clean)
-
-
-def cmd_run(args) -> int:
-    """Run a training script unchanged, with paddle's checkpoint calls routed to paddle_dcp."""
-    import runpy
-
-    import paddle_dcp
-
-    paddle_dcp.patch_paddle(strict=args.strict)
-    sys.argv = [args.script, *args.args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    try:
-        runpy.run_path(args.script, run_name="__main__")
-    except SystemExit as exc:  # the script's own exit code
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except Exception:  # noqa: BLE001 - the script's error, shown as python would
-        traceback.print_exc(file=sys.stderr)
-        return EXIT_PROBLEMS
-    return 0
 
 
 def _add_run(sub, common, progress) -> None:

@@ -13,6 +13,7 @@ from ..errors import FormatError
 from ..io import is_url, storage
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+PROG = "paddle-dcp"  # the command line's name, as errors and logs begin
 
 
 def _out(line: str = "") -> None:
@@ -99,7 +100,6 @@ def _progress_enabled(args) -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
-
 
 
 def _ids(ids: Iterable[int]) -> str:

@@ -23,7 +23,7 @@ from ..errors import ArgumentError, DcpError, FormatError, StorageError, Unsuppo
 from ..format import safetensors
 from ..io import is_url, open_storage, storage
 from ..version import __version__
-from .console import ProgressBar, _ids, _one_line
+from .console import EXIT_OK, ProgressBar, UsageError, _directory, _ids, _one_line, _out, _progress_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -320,3 +320,23 @@ def _piece_array(full: str, key: str, value: Any, dtype: np.dtype, local: tuple,
     if array.size != want or (fr is None and tuple(array.shape) != tuple(local) and array.ndim):
         raise FormatError(f"{full}: {key}: stored shape {tuple(array.shape)}, the metadata says {local}")
     return np.ascontiguousarray(array).reshape(-1)
+
+
+def cmd_import_paddle(args) -> int:
+    if not args.trust:
+        raise UsageError(
+            "import-paddle unpickles paddle's .metadata and .distcp files, which can run any code "
+            "their author put there; pass --trust if you trust the files in " + str(args.path)
+        )
+    src = _directory(args.path)
+    try:
+        meta = import_paddle_checkpoint(src, args.out, args.unique_id, _progress_enabled(args))
+    except ArgumentError as exc:
+        raise UsageError(str(exc)) from None
+    nbytes = sum(f.nbytes for f in meta.files)
+    pieces = sum(t.pieces.count for t in meta.tensors.values())
+    _out(
+        f"imported checkpoint {meta.unique_id} of {src}: {len(meta.tensors)} tensors, {pieces} pieces, "
+        f"{len(meta.files)} data files ({nbytes} bytes) into {args.out}"
+    )
+    return EXIT_OK

@@ -15,7 +15,18 @@ from ..core.metadata import Metadata, TensorEntry, blocks_of
 from ..core.naming import metadata_name
 from ..errors import FormatError, StorageError
 from ..io import open_storage, storage
-from .console import ProgressBar, _one_line
+from .console import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    ProgressBar,
+    _directory,
+    _ids,
+    _one_line,
+    _out,
+    _progress_enabled,
+    choose_id,
+    incomplete_ids,
+)
 
 
 def _pieces_by_file(meta: Metadata, entries: dict[str, TensorEntry]) -> dict[int, dict[str, np.ndarray]]:
@@ -186,3 +197,28 @@ def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
 def _located(where: str, exc: BaseException) -> str:
     message = _one_line(exc)
     return message if message.startswith(where) else f"{where}: {message}"
+
+
+def cmd_verify(args) -> int:
+    path = _directory(args.path)
+    listing = open_storage(path).list_checkpoints()
+    if args.all:
+        ids = sorted(listing.complete)
+        if not ids:
+            choose_id(path, listing, None)  # raises: no complete checkpoint
+        if incomplete_ids(listing):
+            _out(f"incomplete ids (not verified, no metadata): {_ids(incomplete_ids(listing))}")
+    else:
+        ids = [choose_id(path, listing, args.unique_id)]
+    failed = 0
+    for uid in ids:
+        problems, c = verify_checkpoint(path, uid, _progress_enabled(args))
+        for p in problems:
+            _out(p)
+        what = f"{c['tensors']} tensors, {c['pieces']} pieces, {c['bytes']} bytes in {c['files']} files checked"
+        if problems:
+            failed += 1
+            _out(f"checkpoint {uid}: {len(problems)} problem(s); {what}")
+        else:
+            _out(f"checkpoint {uid}: OK, {what}")
+    return EXIT_PROBLEMS if failed else EXIT_OK

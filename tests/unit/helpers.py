@@ -270,3 +270,26 @@ def paddle_builtin_save(paddle, path):
     state = {"model": {"w": paddle.to_tensor(w), "e": e}, "opt": {"n": paddle.to_tensor(n)}}
     dist.save_state_dict(state, str(path))
     return {"model.w": w, "model.e": e.numpy(), "opt.n": n}
+
+
+# dtypes the plan tests draw from, and their sizes in bytes, from the format's definition
+DTYPES = ["float32", "int64", "bool", "float16", "uint8"]
+ITEMSIZE = {"float32": 4, "int64": 8, "bool": 1, "float16": 2, "uint8": 1, "float64": 8}
+
+
+@st.composite
+def layouts(draw, max_world=8, max_tensors=3, max_side=7):
+    """(shapes, dtypes, mesh, placements) of up to ``max_tensors`` tensors saved on a random mesh."""
+    n = draw(st.integers(1, max_tensors))
+    names = [f"t{i}" for i in range(n)]
+    shape = {k: draw(shapes(max_ndim=3, max_side=max_side)) for k in names}
+    dtypes = {k: draw(st.sampled_from(DTYPES)) for k in names}
+    mesh = draw(meshes(max_world))
+    placements = {k: draw(placements_for(len(mesh), len(shape[k]))) for k in names}
+    return shape, dtypes, mesh, placements
+
+
+def arrays_for(shape, dtypes, seed):
+    """Random arrays of the given shapes and dtypes, the same for the same seed."""
+    rng = np.random.default_rng(seed)
+    return {k: random_array(rng, dtypes[k], s) for k, s in shape.items()}

@@ -357,15 +357,6 @@ def test_check_tiling_refuses_a_piece_whose_end_overflows_int64():
         check_tiling(KEY, (4, 4), np.array([[0, 0], [big, 0]]), np.array([[4, 4], [big, 4]]))
 
 
-@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
-def test_mesh_coordinate_of_a_process_is_its_c_order_position(mesh_shape, data):
-    from paddle_dcp.parallel.placements import _coord
-
-    index = data.draw(st.integers(0, math.prod(mesh_shape) - 1))
-    grid = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)  # the ids of a mesh, in order
-    assert grid[_coord(index, mesh_shape)] == index
-
-
 # ------------------------------------------------------------------ flattened ranges
 @st.composite
 def flat_ranges(draw):
@@ -403,3 +394,17 @@ def test_flat_range_mid_row_to_mid_row():
 def test_flat_range_outside_the_box_is_refused(start, stop):
     with pytest.raises(PlanError):
         flat_range_boxes((4, 5), start, stop)
+
+
+@fast(200)
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=4), st.data())
+def test_flat_range_boxes_are_the_range_in_order(shape, data):
+    n = int(np.prod(shape))
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    got = []
+    for box in flat_range_boxes(shape, start, stop):
+        first, end = element_span(shape, box) if shape else (0, 1)
+        assert end - first == box.volume  # one contiguous run
+        got.extend(range(first, end))
+    assert got == list(range(start, stop))

@@ -144,19 +144,3 @@ def test_an_object_shorter_than_the_metadata_says_is_an_integrity_error():
     with pytest.raises(IntegrityError, match="a reader asked for"):
         ObjectRangeReader(store).read_into("f", 450, memoryview(out))
     files.close()
-
-
-def test_a_part_body_reads_seeks_and_sizes_like_a_bytesio_without_copying_the_part():
-    import io
-
-    from paddle_dcp.io.multipart import PartBody
-
-    buf = bytearray(b"0123456789")
-    body = PartBody(memoryview(buf)[2:8])
-    ref = io.BytesIO(bytes(buf[2:8]))
-    for f in (body, ref):
-        assert f.read(3) == b"234" and f.tell() == 3 and f.read() == b"567" and f.read(5) == b""
-        assert f.seek(-2, 2) == 4 and f.read(10) == b"67"
-        assert f.seek(1) == 1 and len(f.getbuffer()) == 6 and f.getvalue() == b"234567"
-    buf[2] = ord("x")  # the body is a view of the part buffer, not a copy
-    assert bytes(body) == b"x34567"

@@ -1,259 +1,120 @@
-"""Files on disk: listings, atomic writes, integrity checks, paths that stay inside the
-checkpoint directory, and a load path without pickle."""
-import json
+"""The storage interface is the only way save and load reach the files: an in-memory storage
+(a fake written here from the Protocol alone) saves and loads a state dict with no file on
+disk, byte for byte as the local disk does."""
+from __future__ import annotations
+
 import os
-import pickle
+from typing import Any
 
 import numpy as np
-import xxhash
 import pytest
 
-from paddle_dcp.io import reads
-from paddle_dcp.core.dtypes import as_bytes
-from paddle_dcp.core import load_plan
-from paddle_dcp.io import local, storage
-from paddle_dcp.core.boxes import Box
-from paddle_dcp.errors import FormatError, IntegrityError, StorageError
+import paddle_dcp
+from paddle_dcp import api
+from paddle_dcp import io as io_package
+from paddle_dcp.errors import IntegrityError
+from paddle_dcp.tools import verify
 
-from ..helpers import listdir, load_rank, save_checkpoint
-
-W = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)
-B = np.arange(300, dtype=np.int64)
+from ..helpers import listdir
+from .memory_storage import memory_storage
 
 
-@pytest.fixture
-def ckpt(tmp_path):
-    """model.w sharded over 2 ranks by rows, model.b replicated: two data files."""
-    path = str(tmp_path / "ck")
-    os.makedirs(path)
-    save_checkpoint(
-        path, {"w": W, "b": B}, {"w": "float32", "b": "int64"}, (2,), {"w": (0,), "b": (None,)}, block_bytes=64,
-        values={"step": 3},
-    )  # fmt: skip
-    return path
+def state() -> dict:
+    w = np.arange(33 * 17, dtype=np.float32).reshape(33, 17) / 7
+    return {"model": {"w": w, "b": np.arange(1001, dtype=np.int64)}, "step": 3}
 
 
-def whole_targets():
-    return [
-        load_plan.TargetPiece("model.w", "float32", (7, 5), Box.whole((7, 5))),
-        load_plan.TargetPiece("model.b", "int64", (300,), Box.whole((300,))),
-    ]
+def loads_the_state(path: str) -> None:
+    target: dict[str, Any] = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    paddle_dcp.load_state_dict(target, path)
+    want = state()
+    assert np.array_equal(target["model"]["w"], want["model"]["w"])
+    assert np.array_equal(target["model"]["b"], want["model"]["b"])
+    assert target["step"] == 3
 
 
-def data_file_of(path, key):
-    meta = local.read_metadata(path, 0)
-    p = meta.tensors[key].pieces
-    return os.path.join(path, meta.files[int(p.files[0])].name), int(p.byte_offsets[0])
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_for_byte(
+    tmp_path, monkeypatch, safetensors
+):
+    disk = str(tmp_path / "disk")
+    paddle_dcp.save_state_dict(state(), disk, safetensors=safetensors)
+    blobs: dict[str, bytes] = {}
+    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: memory_storage(path, blobs=blobs))
+    mem = str(tmp_path / "mem")
+    paddle_dcp.save_state_dict(state(), mem, safetensors=safetensors)
+    assert not os.path.exists(mem)  # nothing reached the disk
+    assert sorted(blobs) == listdir(disk)
+    for name, data in blobs.items():
+        with open(os.path.join(disk, name), "rb") as f:
+            assert f.read() == data, name
+    # a second save of the same id replaces the data files by generation, then tidies
+    paddle_dcp.save_state_dict(state(), mem, unique_id=0, safetensors=safetensors)
+    assert len([n for n in blobs if not n.endswith(".metadata")]) == 1, sorted(blobs)
+    loads_the_state(mem)
 
 
-# ------------------------------------------------------------------ listing
-def test_list_checkpoints_complete_means_metadata_and_data_files_by_id(tmp_path):
-    for name in ["3.metadata", "0_3.distcp", "1_3.distcp", "0_5.distcp", "9.metadata.tmp.ab12",
-                 "2_9.distcp.tmp.cd34", "notes.txt", "x.metadata", "1_x.distcp", "12.metadata",
-                 "0_3.2.distcp", "1_3.2.distcp.tmp.0a1b"]:  # fmt: skip
-        (tmp_path / name).write_bytes(b"")
-    listing = local.list_checkpoints(str(tmp_path))
-    assert listing.complete == {3, 12}
-    assert listing.data == {3: {(0, 0), (1, 0), (0, 2)}, 5: {(0, 0)}}
-    assert listing.generations(3) == {0: [0, 1], 2: [0]}
-    assert listing.temporary == ("1_3.2.distcp.tmp.0a1b", "2_9.distcp.tmp.cd34", "9.metadata.tmp.ab12")
-    assert listing.latest == 12
+def test_a_flipped_byte_in_the_in_memory_storage_is_an_integrity_error(tmp_path, monkeypatch):
+    blobs: dict[str, bytes] = {}
+    monkeypatch.setattr(api, "open_storage", lambda path, storage_options=None: memory_storage(path, blobs=blobs))
+    paddle_dcp.save_state_dict(state(), "mem")
+    data = bytearray(blobs["0_0.distcp"])
+    data[100] ^= 1
+    blobs["0_0.distcp"] = bytes(data)
+    target = {"model": {"w": np.zeros((33, 17), np.float32), "b": np.zeros(1001, np.int64)}, "step": 0}
+    with pytest.raises(IntegrityError, match="0_0.distcp"):
+        paddle_dcp.load_state_dict(target, "mem")
+    assert not target["model"]["w"].any()
 
 
-def test_list_checkpoints_of_a_missing_or_empty_directory(tmp_path):
-    for path in (tmp_path / "nope", tmp_path):
-        listing = local.list_checkpoints(str(path))
-        assert listing.complete == frozenset() and listing.data == {} and listing.latest is None
+def on_the_fake(monkeypatch, blobs: dict) -> None:
+    """Every entry point's storage is the in-memory one: the directory load and save (api),
+    single files (io.open_file), verify."""
+    fake = lambda path, storage_options=None: memory_storage(path, blobs=blobs)  # noqa: E731
+    monkeypatch.setattr(api, "open_storage", fake)
+    monkeypatch.setattr(io_package, "open_storage", fake)
+    monkeypatch.setattr(verify, "open_storage", fake)
 
 
-def test_list_checkpoints_of_a_file_is_a_storage_error(tmp_path):
-    (tmp_path / "f").write_bytes(b"")
-    with pytest.raises(StorageError) as info:
-        local.list_checkpoints(str(tmp_path / "f"))
-    assert info.value.path == str(tmp_path / "f")
+def test_a_gathered_file_saves_and_loads_through_the_in_memory_storage_byte_for_byte(tmp_path, monkeypatch):
+    disk = str(tmp_path / "disk.safetensors")
+    paddle_dcp.save_gathered(state(), disk)
+    blobs: dict[str, bytes] = {}
+    on_the_fake(monkeypatch, blobs)
+    mem = str(tmp_path / "mem.safetensors")
+    paddle_dcp.save_gathered(state(), mem)
+    assert not os.path.exists(mem) and sorted(blobs) == ["mem.safetensors"]
+    with open(disk, "rb") as f:
+        assert f.read() == blobs["mem.safetensors"]
+    loads_the_state(mem)
 
 
-def test_a_save_lists_as_complete(ckpt):
-    listing = local.list_checkpoints(ckpt)
-    assert listing.complete == {0} and listing.data == {0: {(0, 0), (1, 0)}}
-    assert not [n for n in listdir(ckpt) if storage.TMP_MARK in n]
+def test_a_hugging_face_directory_loads_through_the_in_memory_storage(monkeypatch):
+    from safetensors.numpy import save
+
+    w, b = np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5, dtype=np.int64)
+    blobs = {
+        "model-1.safetensors": save({"w": w}),
+        "model-2.safetensors": save({"b": b}),
+        "model.safetensors.index.json": b'{"weight_map": {"w": "model-1.safetensors", "b": "model-2.safetensors"}}',
+    }
+    on_the_fake(monkeypatch, blobs)
+    target = {"w": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.int64)}
+    paddle_dcp.load_state_dict(target, "hf", safetensors=True)
+    assert np.array_equal(target["w"], w) and np.array_equal(target["b"], b)
 
 
-# ------------------------------------------------------------------ writing
-def test_write_atomic_leaves_only_the_final_file(tmp_path):
-    local.write_atomic(str(tmp_path), "0.metadata", b"first")
-    local.write_atomic(str(tmp_path), "0.metadata", b"second", durable=True)
-    assert listdir(str(tmp_path)) == ["0.metadata"]
-    assert (tmp_path / "0.metadata").read_bytes() == b"second"
-
-
-def test_write_atomic_failure_is_a_storage_error_and_leaves_nothing(tmp_path):
-    (tmp_path / "0.metadata").mkdir()  # a directory in the way: the rename fails
-    with pytest.raises(StorageError) as info:
-        local.write_atomic(str(tmp_path), "0.metadata", b"x")
-    assert "0.metadata" in str(info.value)
-    assert listdir(str(tmp_path)) == ["0.metadata"]
-    with pytest.raises(StorageError):
-        local.write_atomic(str(tmp_path / "missing"), "0.metadata", b"x")
-
-
-def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
-    w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
-    a = np.arange(30, dtype=np.uint8)
-    b = np.arange(100, dtype=np.uint8)
-    sums_a = w.write(as_bytes(a))
-    assert [n for n in listdir(str(tmp_path))][0].startswith("0_0.distcp" + storage.TMP_MARK)
-    sums_b = w.write(as_bytes(b))
-    assert w.commit() == 64 + 100
-    raw = (tmp_path / "0_0.distcp").read_bytes()
-    assert raw[:30] == a.tobytes() and raw[30:64] == bytes(34) and raw[64:] == b.tobytes()
-    # block k of a piece is hashed with seed (piece seed + k); the piece seed is 0 here
-    assert sums_a == [xxhash.xxh3_64_intdigest(a.tobytes(), seed=0)]
-    assert sums_b == [xxhash.xxh3_64_intdigest(b.tobytes()[:64], seed=0), xxhash.xxh3_64_intdigest(b.tobytes()[64:], seed=1)]
-    assert listdir(str(tmp_path)) == ["0_0.distcp"]
-
-
-def test_data_writer_abort_removes_its_temporary_file(tmp_path):
-    w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
-    w.write(as_bytes(np.zeros(3, np.uint8)))
-    w.abort()
-    assert listdir(str(tmp_path)) == []
-
-
-# ------------------------------------------------------------------ reading and integrity
-def test_a_clean_checkpoint_loads(ckpt):
-    (w, b), _ = load_rank(ckpt, 0, whole_targets())
-    assert np.array_equal(w, W) and np.array_equal(b, B)
-    assert local.read_metadata(ckpt, 0).values() == {"step": 3}
-
-
-def test_file_set_refuses_a_file_whose_size_differs_from_the_metadata(ckpt):
-    name, _ = data_file_of(ckpt, "model.b")
-    with open(name, "ab") as f:
-        f.write(b"\0")
-    with pytest.raises(IntegrityError) as info:
-        load_rank(ckpt, 0, whole_targets())
-    assert os.path.basename(name) in str(info.value) and "bytes" in str(info.value)
-
-
-def test_file_set_refuses_a_truncated_file(ckpt):
-    name, _ = data_file_of(ckpt, "model.b")
-    os.truncate(name, os.path.getsize(name) - 1)
-    with pytest.raises(IntegrityError, match=os.path.basename(name)):
-        load_rank(ckpt, 0, whole_targets())
-
-
-def test_a_missing_data_file_is_an_integrity_error(ckpt):
-    name, _ = data_file_of(ckpt, "model.w")
-    os.unlink(name)
-    with pytest.raises(IntegrityError, match="missing"):
-        load_rank(ckpt, 0, whole_targets())
-
-
-@pytest.mark.parametrize("direct_min_bytes", [0, 1 << 20])  # bytes landing in place, or staged
-@pytest.mark.parametrize("key, at", [("model.b", 0), ("model.b", 2399), ("model.b", 1000), ("model.w", 70)])
-def test_a_flipped_byte_is_an_integrity_error_naming_file_and_key(ckpt, key, at, direct_min_bytes):
-    name, offset = data_file_of(ckpt, key)
-    with open(name, "r+b") as f:
-        f.seek(offset + at)
-        byte = f.read(1)
-        f.seek(offset + at)
-        f.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(IntegrityError) as info:
-        load_rank(ckpt, 0, whole_targets(), direct_min_bytes=direct_min_bytes)
-    message = str(info.value)
-    assert os.path.basename(name) in message and repr(key) in message
-
-
-def test_a_flipped_byte_outside_the_target_is_not_read(ckpt):
-    name, offset = data_file_of(ckpt, "model.b")
-    with open(name, "r+b") as f:
-        f.seek(offset + 8 * 299)  # the last element of model.b
-        f.write(b"\xff")
-    target = [load_plan.TargetPiece("model.b", "int64", (300,), Box((0,), (100,)))]
-    (b,), _ = load_rank(ckpt, 0, target)
-    assert np.array_equal(b, B[:100])
-
-
-def test_read_metadata_of_a_missing_id_or_the_wrong_id(ckpt):
-    with pytest.raises(StorageError, match="no metadata"):
-        local.read_metadata(ckpt, 1)
-    os.rename(os.path.join(ckpt, "0.metadata"), os.path.join(ckpt, "4.metadata"))
-    with pytest.raises(FormatError, match="checkpoint 0, not 4"):
-        local.read_metadata(ckpt, 4)
-
-
-def test_read_metadata_of_a_truncated_file_is_a_format_error(ckpt):
-    full = os.path.join(ckpt, "0.metadata")
-    os.truncate(full, os.path.getsize(full) // 2)
-    with pytest.raises(FormatError, match="0.metadata"):
-        local.read_metadata(ckpt, 0)
-
-
-# ------------------------------------------------------------------ paths
-def test_inside_accepts_plain_names_and_symlinks_within(tmp_path):
-    (tmp_path / "a").write_bytes(b"")
-    os.symlink("a", tmp_path / "b")
-    assert local.inside(str(tmp_path), "a") == os.path.join(str(tmp_path), "a")
-    assert local.inside(str(tmp_path), "b") == os.path.join(str(tmp_path), "b")
-
-
-def test_inside_refuses_a_symlink_pointing_outside(tmp_path):
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    (tmp_path / "secret").write_bytes(b"x")
-    os.symlink(tmp_path / "secret", ck / "0_0.distcp")
-    os.symlink("../secret", ck / "1_0.distcp")
-    for name in ("0_0.distcp", "1_0.distcp"):
-        with pytest.raises(FormatError, match="outside the checkpoint directory"):
-            local.inside(str(ck), name)
-
-
-@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "", "a/b", ".."])
-def test_inside_refuses_names_that_are_not_plain(tmp_path, name):
-    with pytest.raises(FormatError):
-        local.inside(str(tmp_path), name)
-
-
-def test_a_data_file_symlinked_outside_is_refused_at_load(ckpt, tmp_path):
-    name, _ = data_file_of(ckpt, "model.w")
-    moved = str(tmp_path / "elsewhere.distcp")
-    os.rename(name, moved)
-    os.symlink(moved, name)
-    with pytest.raises(FormatError, match="outside"):
-        load_rank(ckpt, 0, whole_targets())
-
-
-# ------------------------------------------------------------------ no pickle
-def test_the_load_path_never_unpickles(ckpt, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("pickle used on the load path")
-
-    monkeypatch.setattr(pickle, "load", refuse)
-    monkeypatch.setattr(pickle, "loads", refuse)
-    monkeypatch.setattr(pickle, "Unpickler", refuse)
-    meta = local.read_metadata(ckpt, 0)
-    targets = whole_targets() + [load_plan.TargetPiece("model.w", "float32", (7, 5), Box((2, 1), (4, 3)))]
-    ops = load_plan.plan_reads(meta, targets, max_read_bytes=1)
-    out = [np.zeros(t.box.shape, dtype={"float32": np.float32, "int64": np.int64}[t.dtype]) for t in targets]
-    files = local.FileSet(ckpt, meta)
-    try:
-        reads.execute_reads(ops, files, out)
-    finally:
-        files.close()
-    assert np.array_equal(out[0], W) and np.array_equal(out[1], B) and np.array_equal(out[2], W[2:6, 1:4])
-    assert meta.values() == {"step": 3}
-
-
-def test_read_metadata_refuses_a_file_marked_as_a_subset(ckpt):
-    full = os.path.join(ckpt, "0.metadata")
-    with open(full) as f:
-        doc = json.load(f)
-    t = doc["tensors"]["model.w"]  # two pieces: drop the second, leaving a gap
-    t.update(count=1, offsets=t["offsets"][:2], shapes=t["shapes"][:2], file=t["file"][:1],
-             byte_offset=t["byte_offset"][:1], checksums=t["checksums"][:2])  # 80 bytes: 2 blocks  # fmt: skip
-    doc["subset"] = True
-    with open(full, "w") as f:
-        json.dump(doc, f)
-    with pytest.raises(FormatError):
-        local.read_metadata(ckpt, 0)
+def test_verify_reads_through_the_in_memory_storage(monkeypatch):
+    blobs: dict[str, bytes] = {}
+    on_the_fake(monkeypatch, blobs)
+    paddle_dcp.save_state_dict(state(), "mem")
+    problems, counts = verify.verify_checkpoint("mem", 0)
+    assert problems == [] and counts["files"] == 1 and counts["bytes"] > 0
+    data = bytearray(blobs["0_0.distcp"])
+    data[100] ^= 1
+    blobs["0_0.distcp"] = bytes(data)
+    problems, _ = verify.verify_checkpoint("mem", 0)
+    assert len(problems) == 1 and "0_0.distcp" in problems[0] and "checksum" in problems[0], problems
+    del blobs["0_0.distcp"]
+    problems, _ = verify.verify_checkpoint("mem", 0)
+    assert len(problems) == 1 and "missing" in problems[0], problems

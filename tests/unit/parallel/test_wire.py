@@ -9,6 +9,7 @@ from paddle_dcp.parallel import wire
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
 
+from ..core.replicas import flat_pieces, summary_of
 from ..helpers import fast
 
 
@@ -69,3 +70,15 @@ def test_report_round_trip(file_bytes, sums):
 def test_rle_runs():
     assert wire.rle([5, 1, 2, 3, 7, 8, 2]) == [[1, 3], [5, 5], [7, 8]]
     assert wire.rle([]) == []
+
+
+# ------------------------------------------------------------------ several boxes per key (ShardedWeight)
+def test_summary_with_several_rows_for_one_leaf_round_trips_the_wire():
+    s = summary_of(1, {"a": flat_pieces("a", 3, 17), "b": [save_plan.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
+    assert len(s.boxes) == 4 and s.row_leaf.tolist() == [0, 0, 0, 1]
+    back = wire.decode_summary(wire.encode_summary(s), 1)
+    assert back.row_leaf.tolist() == [0, 0, 0, 1] and np.array_equal(back.boxes, s.boxes)
+    assert [back.piece_box(i) for i in range(4)] == [Box((0, 3), (1, 2)), Box((1, 0), (2, 5)), Box((3, 0), (1, 2)), Box((0,), (3,))]
+    assert back.dtypes == ("float32", "int64")
+    one = summary_of(0, {"b": [save_plan.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
+    assert one.row_leaf is None and wire.encode_summary(one)[:4] == b"DCS1"  # unchanged message

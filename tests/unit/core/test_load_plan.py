@@ -1,8 +1,9 @@
-"""Save plans (dedup, balance, order independence, refusals), load plans end to end through
-real files, and key matching.
+"""Load plans: every saved layout loads into every target layout through real files, bit for
+bit; the blocks a verify deals out to its ranks; refusals of targets and of lazily parsed
+pieces that overlap or leave gaps.
 
-Oracles: the set of boxes every rank holds (from paddle's chunking rule written by hand, see
-helpers.ref_box) and numpy slices of the global arrays, compared bit for bit.
+Oracles: numpy slices of the global arrays, compared bit for bit, and boxes and checksum
+blocks computed by hand from the metadata's columns.
 """
 import math
 import tempfile
@@ -13,201 +14,28 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp.io import reads
-from paddle_dcp.core import keys, load_plan, nested, save_plan
-from paddle_dcp.parallel import wire
+from paddle_dcp.core import load_plan
 from paddle_dcp.io import local
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
-from paddle_dcp.core.metadata import ALIGNMENT
 from paddle_dcp.core.metadata_parse import parse_metadata
 
 from ..helpers import (
+    ITEMSIZE,
+    arrays_for,
     coords,
     count_copies,
     fast,
+    layouts,
     load_rank,
     meshes,
     placements_for,
     random_array,
-    rank_states,
     ref_box,
     same_bits,
     save_checkpoint,
-    shapes,
 )
-
-DTYPES = ["float32", "int64", "bool", "float16", "uint8"]
-ITEMSIZE = {"float32": 4, "int64": 8, "bool": 1, "float16": 2, "uint8": 1, "float64": 8}
-
-
-def summary(rank: int, pieces) -> save_plan.SaveSummary:
-    """A summary of (key, dtype, global_shape, box or None) pieces; keys are top-level."""
-    skeleton = {"d": [[key, {"t": 0}] for key, *_ in pieces]}
-    local = [save_plan.LocalPiece(k, d, tuple(g), b) for k, d, g, b in pieces]
-    return save_plan.SaveSummary.from_pieces(rank, skeleton, local)
-
-
-def through_wire(summaries):
-    cache: dict = {}
-    return [wire.decode_summary(wire.encode_summary(s), s.rank, cache) for s in summaries]
-
-
-def plan_rows(plan):
-    """(key, offsets, shape) -> row index of every planned piece."""
-    out = {}
-    for i, k in enumerate(plan.piece_key.tolist()):
-        nd = len(plan.shapes[k])
-        row = (plan.keys[k], tuple(plan.piece_offsets[i, :nd].tolist()), tuple(plan.piece_shapes[i, :nd].tolist()))
-        assert row not in out, f"piece {row} planned twice"
-        out[row] = i
-    return out
-
-
-def assert_same_plan(a, b):
-    assert (a.keys, a.dtypes, a.shapes) == (b.keys, b.dtypes, b.shapes)
-    for f in ("piece_key", "piece_offsets", "piece_shapes", "piece_writer", "piece_leaf", "piece_nbytes",
-              "piece_byte_offset"):
-        assert np.array_equal(getattr(a, f), getattr(b, f)), f
-    assert a.writes.keys() == b.writes.keys()
-    assert all(np.array_equal(a.writes[r], b.writes[r]) for r in a.writes)
-    assert a.file_bytes == b.file_bytes
-    assert a.skeleton == b.skeleton
-
-
-# ------------------------------------------------------------------ strategies
-@st.composite
-def layouts(draw, max_world=8, max_tensors=3, max_side=7):
-    n = draw(st.integers(1, max_tensors))
-    names = [f"t{i}" for i in range(n)]
-    shape = {k: draw(shapes(max_ndim=3, max_side=max_side)) for k in names}
-    dtypes = {k: draw(st.sampled_from(DTYPES)) for k in names}
-    mesh = draw(meshes(max_world))
-    placements = {k: draw(placements_for(len(mesh), len(shape[k]))) for k in names}
-    return shape, dtypes, mesh, placements
-
-
-def arrays_for(shape, dtypes, seed):
-    rng = np.random.default_rng(seed)
-    return {k: random_array(rng, dtypes[k], s) for k, s in shape.items()}
-
-
-# ------------------------------------------------------------------ plan_save
-@fast(150)
-@given(layouts(max_world=16), st.booleans(), st.randoms(use_true_random=False))
-def test_plan_save_writes_each_distinct_piece_once_by_a_holder_in_any_order(layout, via_wire, rnd):
-    shape, dtypes, mesh, placements = layout
-    arrays = arrays_for(shape, dtypes, 0)
-    ranks = rank_states(arrays, dtypes, mesh, placements, {"step": 1}, via_wire=via_wire)
-    summaries = [s for _, _, s in ranks]
-    plan = save_plan.plan_save(summaries)
-
-    holders: dict[tuple, set[int]] = {}
-    for r, (_, pieces, _) in enumerate(ranks):
-        for p in pieces:
-            if p.box.volume > 0:
-                holders.setdefault((p.key, p.box.offsets, p.box.shape), set()).add(r)
-    rows = plan_rows(plan)
-    assert set(rows) == set(holders)  # every distinct piece, once
-    for row, i in rows.items():
-        writer, leaf = int(plan.piece_writer[i]), int(plan.piece_leaf[i])
-        assert writer in holders[row]  # by a rank that holds it
-        p = ranks[writer][1][leaf]
-        assert (p.key, p.box.offsets, p.box.shape) == row  # leaf is the writer's own piece
-        key, _, shp = row
-        assert plan.piece_nbytes[i] == math.prod(shp) * ITEMSIZE[dtypes[key.split(".")[1]]]
-    # each writer's file: its leaves ascending, back to back at 64-byte boundaries
-    for r, leaves in plan.writes.items():
-        assert (np.diff(leaves) > 0).all()
-        idx = [i for i in range(len(plan.piece_key)) if plan.piece_writer[i] == r]
-        idx.sort(key=lambda i: plan.piece_leaf[i])
-        assert [int(plan.piece_leaf[i]) for i in idx] == leaves.tolist()
-        at = 0
-        for i in idx:
-            start = int(plan.piece_byte_offset[i])
-            assert start % ALIGNMENT == 0 and at <= start < at + ALIGNMENT
-            at = start + int(plan.piece_nbytes[i])
-        assert plan.file_bytes[r] == at
-    assert set(plan.writes) == set(plan.piece_writer.tolist())
-
-    shuffled = list(summaries)
-    rnd.shuffle(shuffled)
-    assert_same_plan(plan, save_plan.plan_save(shuffled))
-    assert_same_plan(plan, save_plan.plan_save(through_wire(shuffled)))
-
-
-@fast(200)
-@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 9))
-def test_plan_save_balances_fully_replicated_pieces_within_the_largest_piece(sizes, world):
-    pieces = [(f"k{i}", "uint8", (n,), Box.whole((n,))) for i, n in enumerate(sizes)]
-    plan = save_plan.plan_save([summary(r, pieces) for r in range(world)])
-    per_rank = np.zeros(world, dtype=np.int64)
-    np.add.at(per_rank, plan.piece_writer, plan.piece_nbytes)
-    assert per_rank.sum() == sum(sizes)  # each piece written once
-    assert per_rank.max() - per_rank.min() <= max(sizes)
-
-
-def test_plan_save_ties_go_to_the_lowest_rank_and_single_holders_write_their_own():
-    shared = ("w", "float32", (4,), Box.whole((4,)))
-    plan = save_plan.plan_save([summary(2, [shared, ("a", "uint8", (3,), Box.whole((3,)))]), summary(1, [shared])])
-    rows = plan_rows(plan)
-    assert plan.piece_writer[rows[("w", (0,), (4,))]] == 1
-    assert plan.piece_writer[rows[("a", (0,), (3,))]] == 2
-
-
-def test_plan_save_of_ranks_holding_different_keys_merges_their_structure():
-    s0 = summary(0, [("a", "float32", (2,), Box.whole((2,)))])
-    s1 = summary(1, [("b", "int64", (3,), Box.whole((3,)))])
-    plan = save_plan.plan_save([s1, s0])
-    assert plan.keys == ("a", "b")
-    assert nested.tensor_keys(plan.skeleton) == ["a", "b"]
-    assert plan.writes[0].tolist() == [0] and plan.writes[1].tolist() == [0]
-
-
-@pytest.mark.parametrize(
-    "other, words",
-    [
-        (("w", "float64", (4, 4)), ["float32", "float64"]),
-        (("w", "float32", (4, 5)), ["(4, 4)", "(4, 5)"]),
-    ],
-)
-@pytest.mark.parametrize("via_wire", [False, True])
-def test_plan_save_refuses_ranks_that_disagree_on_dtype_or_shape(other, words, via_wire):
-    key, dtype, g = other
-    summaries = [
-        summary(0, [("w", "float32", (4, 4), Box((0, 0), (2, 4)))]),
-        summary(1, [(key, dtype, g, Box((2, 0), (2, 4)))]),
-    ]
-    if via_wire:
-        summaries = through_wire(summaries)
-    with pytest.raises(MismatchError) as info:
-        save_plan.plan_save(summaries)
-    message = str(info.value)
-    for w in ["w", "rank 0", "rank 1", *words]:
-        assert w in message, (w, message)
-
-
-@pytest.mark.parametrize(
-    "boxes, words",
-    [
-        ([Box((0,), (3,)), Box((4,), (2,))], ["gap"]),  # row 3 missing
-        ([Box((0,), (4,)), Box((2,), (4,))], ["overlap"]),
-        ([Box((0,), (3,)), Box((1,), (2,)), Box((3,), (3,))], ["overlap"]),
-        ([None, None], ["no piece"]),
-    ],
-)
-def test_plan_save_refuses_pieces_that_do_not_tile(boxes, words):
-    summaries = [summary(r, [("layer.w", "float32", (6,), b)]) for r, b in enumerate(boxes)]
-    with pytest.raises(PlanError) as info:
-        save_plan.plan_save(summaries)
-    assert "layer.w" in str(info.value)
-    for w in words:
-        assert w in str(info.value)
-
-
-def test_build_metadata_refuses_a_wrong_number_of_checksums():
-    plan = save_plan.plan_save([summary(0, [("w", "uint8", (200,), Box.whole((200,)))])])
-    with pytest.raises(PlanError, match="rank 0 reported 1 checksums, expected 4"):
-        save_plan.build_metadata(plan, {0: np.zeros(1, np.uint64)}, plan.skeleton, 0, 1, 64)
+from .replicas import SHAPE, meta_of, plan_of, replicated
 
 
 # ------------------------------------------------------------------ save then load, through files
@@ -260,7 +88,6 @@ def test_any_saved_layout_loads_into_any_target_layout_bit_for_bit(
         load_everything(d, shape, dtypes, load_mesh, load_pl, arrays, block_bytes,
                         max_read_bytes=max_read_bytes, coalesce_gap=coalesce_gap,
                         direct_min_bytes=direct_min_bytes)  # fmt: skip
-
 
 
 def every_block(meta, keys):
@@ -378,7 +205,6 @@ def test_plan_reads_refuses_a_target_of_another_shape_or_dtype(tmp_path):
     assert all(w in str(info.value) for w in ["model.w", "float32", "float16"])
 
 
-
 def test_plan_reads_names_each_target_by_its_slot(tmp_path):
     shape = {"w": (6, 4), "s": ()}
     dtypes = {"w": "float32", "s": "int64"}
@@ -404,60 +230,6 @@ def test_plan_reads_names_each_target_by_its_slot(tmp_path):
     assert without_targets(plain) == without_targets(slotted)
     with pytest.raises(ValueError, match="1 slots for 2 targets"):
         load_plan.plan_reads(meta, targets, slots=[0])
-
-# ------------------------------------------------------------------ keys
-@pytest.mark.parametrize(
-    "a, b",
-    [
-        ("opt.master_weights.linear_0.w_0", "opt.linear_0.w_0_fp32_master_0"),
-        ("optimizer.master_weights.embedding_0.w_0", "optimizer.embedding_0.w_0_fp32_master_0"),
-    ],
-)
-def test_mw_compatible_name_maps_both_ways(a, b):
-    assert keys.mw_compatible_name(a) == b
-    assert keys.mw_compatible_name(b) == a
-
-
-@pytest.mark.parametrize("key", ["model.linear_0.w_0", "opt.linear_0.w_0_moment1_0", "step"])
-def test_mw_compatible_name_of_other_keys_is_none(key):
-    assert keys.mw_compatible_name(key) is None
-
-
-def test_match_keys_reports_missing_and_unexpected():
-    m = keys.match_keys(["a", "b", "c"], ["b", "c", "d", "e"])
-    assert m.source == {"b": "b", "c": "c"}
-    assert m.missing == ("a",)
-    assert m.unexpected == ("d", "e")
-
-
-def test_match_keys_loads_master_weights_saved_under_the_other_spelling():
-    wanted = ["opt.master_weights.linear_0.w_0", "opt.linear_1.w_0_fp32_master_0", "model.w"]
-    available = ["opt.linear_0.w_0_fp32_master_0", "opt.master_weights.linear_1.w_0", "model.w"]
-    m = keys.match_keys(wanted, available)
-    assert m.source == {
-        "opt.master_weights.linear_0.w_0": "opt.linear_0.w_0_fp32_master_0",
-        "opt.linear_1.w_0_fp32_master_0": "opt.master_weights.linear_1.w_0",
-        "model.w": "model.w",
-    }
-    assert m.missing == () and m.unexpected == ()
-    off = keys.match_keys(wanted, available, mw_name_compatibility=False)
-    assert off.source == {"model.w": "model.w"}
-    assert off.missing == tuple(wanted[:2])
-    assert off.unexpected == tuple(available[:2])
-
-
-def test_match_keys_prefers_the_exact_key():
-    m = keys.match_keys(["opt.master_weights.w"], ["opt.master_weights.w", "opt.w_fp32_master_0"])
-    assert m.source == {"opt.master_weights.w": "opt.master_weights.w"}
-    assert m.unexpected == ("opt.w_fp32_master_0",)
-
-
-def test_layout_offsets_align_every_piece():
-    starts, total = save_plan.layout_offsets([1, 64, 65, 0, 3])
-    assert starts.tolist() == [0, 64, 128, 256, 256] and total == 259
-    starts, total = save_plan.layout_offsets([])
-    assert len(starts) == 0 and total == 0
-
 
 
 def _lazy_meta_with_boxes(boxes, shape=(8, 4)):
@@ -531,36 +303,15 @@ def test_overlapping_pieces_and_overlap_checks_agree_with_brute_force(count):
     assert load_plan.plan_reads(meta, [top])  # a target away from the overlap plans
 
 
-# ------------------------------------------------------------------ reconcile
-def _sk(sd):
-    return nested.flatten(sd, lambda v: isinstance(v, np.ndarray)).skeleton
-
-
-def test_reconcile_restores_plain_subtrees_whole_and_names_what_is_missing():
-    t = np.zeros(1)
-    saved = _sk({"w": t, "sched": {"milestones": [3, 1, 4, 1.5]}, "opt": [t, 5], "only_saved": 1})
-    target = {"w": t, "sched": {"milestones": []}, "opt": [t, 0, 7], "extra": [1], "x": t}
-    r = keys.reconcile(["w", "opt.0", "x"], _sk(target), ["w", "opt.0"], saved)
-    assert dict(r.plain) == {("sched",): saved["d"][1][1], ("opt", 1): {"v": 5}}
-    assert sorted(r.missing) == ["extra.0", "opt.2", "x"]
-    assert r.unexpected == ("only_saved",)
-    assert r.match.source == {"w": "w", "opt.0": "opt.0"}
-
-
-def test_reconcile_leaves_a_target_subtree_holding_tensors_to_the_tensors():
-    saved = _sk({"m": {}})
-    r = keys.reconcile(["m.w"], _sk({"m": {"w": np.zeros(1)}}), [], saved)
-    assert r.plain == () and r.missing == ("m.w",)
-
-
-def test_reconcile_refuses_a_tensor_against_a_plain_value_either_way():
-    with pytest.raises(MismatchError, match="step: the checkpoint holds a plain value here"):
-        keys.reconcile(["step"], _sk({"step": np.zeros(1)}), [], _sk({"step": 3}))
-    with pytest.raises(MismatchError, match="step: the checkpoint holds a tensor here"):
-        keys.reconcile([], _sk({"step": 3}), ["step"], _sk({"step": np.zeros(1)}))
-
-
-def test_missing_message_names_twenty_keys_and_counts_all():
-    text = keys.missing_message([f"k{i}" for i in range(23)], "checkpoint 4 in /ck")
-    assert text.startswith("23 key(s) of the state_dict are not in checkpoint 4 in /ck: k0, ")
-    assert "k19 and 3 more" in text and "k20" not in text and "strict=False" in text
+def test_a_load_reads_one_copy_from_a_file_it_can_read():
+    meta = parse_metadata(meta_of(plan_of(replicated(), replicas=True)).to_json())
+    target = load_plan.TargetPiece("w", "float32", SHAPE, Box((1, 0), (2, 5)))
+    for readable, file in (([True, False], 0), ([False, True], 1), (None, 0), ([False, False], 0)):
+        ops = load_plan.plan_reads(meta, [target], readable=None if readable is None else np.array(readable))
+        assert {op.file for op in ops} == {file}, (readable, ops)
+        marks = np.zeros(SHAPE, np.int64)
+        for op in ops:
+            for seg in op.segments:
+                for cp in seg.copies:
+                    marks[Box(tuple(a + b for a, b in zip(cp.region_in_target.offsets, (1, 0))), cp.region_in_target.shape).slices()] += 1
+        assert marks[1:3].tolist() == [[1] * 5] * 2 and marks.sum() == 10

@@ -1,4 +1,4 @@
-"""load_state_dict(aoa_config=...) in one process: paddle's engine interprets the statements,
+"""paddle_dcp.parallel.aoa_paddle, through load_state_dict(aoa_config=...) in one process: paddle's engine interprets the statements,
 every result is compared with a numpy oracle built here from the statement's meaning."""
 import logging
 

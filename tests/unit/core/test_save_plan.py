@@ -1,0 +1,241 @@
+"""Save plans: dedup, balance, order independence, refusals, and the file layout.
+
+Oracles: the set of boxes every rank holds (from paddle's chunking rule written by hand, see
+helpers.ref_box) and numpy slices of the global arrays, compared bit for bit.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paddle_dcp.core import nested, save_plan
+from paddle_dcp.parallel import wire
+from paddle_dcp.core.boxes import Box
+from paddle_dcp.errors import MismatchError, PlanError
+from paddle_dcp.core.metadata import ALIGNMENT
+
+from ..helpers import ITEMSIZE, arrays_for, fast, layouts, rank_states
+from .replicas import covered, flat_pieces, plan_of, replicated, summary_of
+
+
+def summary(rank: int, pieces) -> save_plan.SaveSummary:
+    """A summary of (key, dtype, global_shape, box or None) pieces; keys are top-level."""
+    skeleton = {"d": [[key, {"t": 0}] for key, *_ in pieces]}
+    local = [save_plan.LocalPiece(k, d, tuple(g), b) for k, d, g, b in pieces]
+    return save_plan.SaveSummary.from_pieces(rank, skeleton, local)
+
+
+def through_wire(summaries):
+    cache: dict = {}
+    return [wire.decode_summary(wire.encode_summary(s), s.rank, cache) for s in summaries]
+
+
+def plan_rows(plan):
+    """(key, offsets, shape) -> row index of every planned piece."""
+    out = {}
+    for i, k in enumerate(plan.piece_key.tolist()):
+        nd = len(plan.shapes[k])
+        row = (plan.keys[k], tuple(plan.piece_offsets[i, :nd].tolist()), tuple(plan.piece_shapes[i, :nd].tolist()))
+        assert row not in out, f"piece {row} planned twice"
+        out[row] = i
+    return out
+
+
+def assert_same_plan(a, b):
+    assert (a.keys, a.dtypes, a.shapes) == (b.keys, b.dtypes, b.shapes)
+    for f in ("piece_key", "piece_offsets", "piece_shapes", "piece_writer", "piece_leaf", "piece_nbytes",
+              "piece_byte_offset"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.writes.keys() == b.writes.keys()
+    assert all(np.array_equal(a.writes[r], b.writes[r]) for r in a.writes)
+    assert a.file_bytes == b.file_bytes
+    assert a.skeleton == b.skeleton
+
+
+# ------------------------------------------------------------------ plan_save
+@fast(150)
+@given(layouts(max_world=16), st.booleans(), st.randoms(use_true_random=False))
+def test_plan_save_writes_each_distinct_piece_once_by_a_holder_in_any_order(layout, via_wire, rnd):
+    shape, dtypes, mesh, placements = layout
+    arrays = arrays_for(shape, dtypes, 0)
+    ranks = rank_states(arrays, dtypes, mesh, placements, {"step": 1}, via_wire=via_wire)
+    summaries = [s for _, _, s in ranks]
+    plan = save_plan.plan_save(summaries)
+
+    holders: dict[tuple, set[int]] = {}
+    for r, (_, pieces, _) in enumerate(ranks):
+        for p in pieces:
+            if p.box.volume > 0:
+                holders.setdefault((p.key, p.box.offsets, p.box.shape), set()).add(r)
+    rows = plan_rows(plan)
+    assert set(rows) == set(holders)  # every distinct piece, once
+    for row, i in rows.items():
+        writer, leaf = int(plan.piece_writer[i]), int(plan.piece_leaf[i])
+        assert writer in holders[row]  # by a rank that holds it
+        p = ranks[writer][1][leaf]
+        assert (p.key, p.box.offsets, p.box.shape) == row  # leaf is the writer's own piece
+        key, _, shp = row
+        assert plan.piece_nbytes[i] == math.prod(shp) * ITEMSIZE[dtypes[key.split(".")[1]]]
+    # each writer's file: its leaves ascending, back to back at 64-byte boundaries
+    for r, leaves in plan.writes.items():
+        assert (np.diff(leaves) > 0).all()
+        idx = [i for i in range(len(plan.piece_key)) if plan.piece_writer[i] == r]
+        idx.sort(key=lambda i: plan.piece_leaf[i])
+        assert [int(plan.piece_leaf[i]) for i in idx] == leaves.tolist()
+        at = 0
+        for i in idx:
+            start = int(plan.piece_byte_offset[i])
+            assert start % ALIGNMENT == 0 and at <= start < at + ALIGNMENT
+            at = start + int(plan.piece_nbytes[i])
+        assert plan.file_bytes[r] == at
+    assert set(plan.writes) == set(plan.piece_writer.tolist())
+
+    shuffled = list(summaries)
+    rnd.shuffle(shuffled)
+    assert_same_plan(plan, save_plan.plan_save(shuffled))
+    assert_same_plan(plan, save_plan.plan_save(through_wire(shuffled)))
+
+
+@fast(200)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.integers(1, 9))
+def test_plan_save_balances_fully_replicated_pieces_within_the_largest_piece(sizes, world):
+    pieces = [(f"k{i}", "uint8", (n,), Box.whole((n,))) for i, n in enumerate(sizes)]
+    plan = save_plan.plan_save([summary(r, pieces) for r in range(world)])
+    per_rank = np.zeros(world, dtype=np.int64)
+    np.add.at(per_rank, plan.piece_writer, plan.piece_nbytes)
+    assert per_rank.sum() == sum(sizes)  # each piece written once
+    assert per_rank.max() - per_rank.min() <= max(sizes)
+
+
+def test_plan_save_ties_go_to_the_lowest_rank_and_single_holders_write_their_own():
+    shared = ("w", "float32", (4,), Box.whole((4,)))
+    plan = save_plan.plan_save([summary(2, [shared, ("a", "uint8", (3,), Box.whole((3,)))]), summary(1, [shared])])
+    rows = plan_rows(plan)
+    assert plan.piece_writer[rows[("w", (0,), (4,))]] == 1
+    assert plan.piece_writer[rows[("a", (0,), (3,))]] == 2
+
+
+def test_plan_save_of_ranks_holding_different_keys_merges_their_structure():
+    s0 = summary(0, [("a", "float32", (2,), Box.whole((2,)))])
+    s1 = summary(1, [("b", "int64", (3,), Box.whole((3,)))])
+    plan = save_plan.plan_save([s1, s0])
+    assert plan.keys == ("a", "b")
+    assert nested.tensor_keys(plan.skeleton) == ["a", "b"]
+    assert plan.writes[0].tolist() == [0] and plan.writes[1].tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "other, words",
+    [
+        (("w", "float64", (4, 4)), ["float32", "float64"]),
+        (("w", "float32", (4, 5)), ["(4, 4)", "(4, 5)"]),
+    ],
+)
+@pytest.mark.parametrize("via_wire", [False, True])
+def test_plan_save_refuses_ranks_that_disagree_on_dtype_or_shape(other, words, via_wire):
+    key, dtype, g = other
+    summaries = [
+        summary(0, [("w", "float32", (4, 4), Box((0, 0), (2, 4)))]),
+        summary(1, [(key, dtype, g, Box((2, 0), (2, 4)))]),
+    ]
+    if via_wire:
+        summaries = through_wire(summaries)
+    with pytest.raises(MismatchError) as info:
+        save_plan.plan_save(summaries)
+    message = str(info.value)
+    for w in ["w", "rank 0", "rank 1", *words]:
+        assert w in message, (w, message)
+
+
+@pytest.mark.parametrize(
+    "boxes, words",
+    [
+        ([Box((0,), (3,)), Box((4,), (2,))], ["gap"]),  # row 3 missing
+        ([Box((0,), (4,)), Box((2,), (4,))], ["overlap"]),
+        ([Box((0,), (3,)), Box((1,), (2,)), Box((3,), (3,))], ["overlap"]),
+        ([None, None], ["no piece"]),
+    ],
+)
+def test_plan_save_refuses_pieces_that_do_not_tile(boxes, words):
+    summaries = [summary(r, [("layer.w", "float32", (6,), b)]) for r, b in enumerate(boxes)]
+    with pytest.raises(PlanError) as info:
+        save_plan.plan_save(summaries)
+    assert "layer.w" in str(info.value)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_build_metadata_refuses_a_wrong_number_of_checksums():
+    plan = save_plan.plan_save([summary(0, [("w", "uint8", (200,), Box.whole((200,)))])])
+    with pytest.raises(PlanError, match="rank 0 reported 1 checksums, expected 4"):
+        save_plan.build_metadata(plan, {0: np.zeros(1, np.uint64)}, plan.skeleton, 0, 1, 64)
+
+
+def test_layout_offsets_align_every_piece():
+    starts, total = save_plan.layout_offsets([1, 64, 65, 0, 3])
+    assert starts.tolist() == [0, 64, 128, 256, 256] and total == 259
+    starts, total = save_plan.layout_offsets([])
+    assert len(starts) == 0 and total == 0
+
+
+# ------------------------------------------------------------------ several boxes per key, and replicas
+def test_pieces_of_one_key_must_be_one_run_in_skeleton_order():
+    skeleton = {"d": [["a", {"t": 0}], ["b", {"t": 0}]]}
+    a, b = flat_pieces("a", 0, 7), flat_pieces("b", 0, 20)
+    with pytest.raises(PlanError):
+        save_plan.SaveSummary.from_pieces(0, skeleton, [a[0], b[0], a[1]])
+
+
+@fast(150)
+@given(st.integers(0, 20), st.integers(0, 20))
+def test_stage2_flat_ranges_on_two_ranks_tile_the_tensor_exactly_once(cut, dp_cut):
+    """Rank 0 holds [0, cut), rank 1 [cut, 20) of one key; a second key replicated on both
+    (same range on both: its boxes are deduplicated to one writer)."""
+    s0 = summary_of(0, {"w": flat_pieces("w", 0, cut), "r": flat_pieces("r", 0, dp_cut)})
+    s1 = summary_of(1, {"w": flat_pieces("w", cut, 20), "r": flat_pieces("r", 0, dp_cut)})
+    if dp_cut != 20:  # r is not covered: a gap
+        with pytest.raises(PlanError):
+            plan_of([s0, s1])
+        return
+    plan = plan_of([s0, s1])
+    assert (covered(plan, "w") == 1).all() and (covered(plan, "r") == 1).all()
+    assert plan_of([s1, s0]).piece_writer.tolist() == plan.piece_writer.tolist()
+    # every writer's rows name pieces of its own summary, in its order
+    for r, s in ((0, s0), (1, s1)):
+        mine = np.flatnonzero(plan.piece_writer == r)
+        for i in mine.tolist():
+            nd = 2
+            got = Box(tuple(plan.piece_offsets[i, :nd].tolist()), tuple(plan.piece_shapes[i, :nd].tolist()))
+            assert s.piece_box(int(plan.piece_leaf[i])) == got
+
+
+def test_overlapping_flat_ranges_are_refused():
+    s0 = summary_of(0, {"w": flat_pieces("w", 0, 12)})
+    s1 = summary_of(1, {"w": flat_pieces("w", 10, 20)})
+    with pytest.raises(PlanError, match="w"):
+        plan_of([s0, s1])
+
+
+def test_a_summary_whose_rows_do_not_map_onto_its_leaves_is_refused():
+    s = summary_of(0, {"w": flat_pieces("w", 0, 20)})
+    bad = save_plan.SaveSummary(0, s.skeleton, s.dtypes, s.global_shapes, np.zeros((2, 5), np.int64), row_leaf=np.array([1, 1]))
+    with pytest.raises(PlanError, match="rows"):
+        save_plan.plan_save([bad])
+
+
+def test_save_replicas_writes_every_holders_copy_and_the_default_one():
+    once, every = plan_of(replicated()), plan_of(replicated(), replicas=True)
+    assert (covered(once, "w") == 1).all() and (covered(every, "w") == 2).all()
+    assert (covered(every, "h") == 1).all()  # held once: written once either way
+    w = every.keys.index("w")
+    assert sorted(every.piece_writer[every.piece_key == w].tolist()) == [0, 1]
+    assert every.file_bytes[0] == every.file_bytes[1] and sum(every.file_bytes.values()) > sum(once.file_bytes.values())
+
+
+def test_replicas_still_check_the_tiling():
+    s0 = summary_of(0, {"w": flat_pieces("w", 0, 12)})
+    s1 = summary_of(1, {"w": flat_pieces("w", 10, 20)})
+    with pytest.raises(PlanError):
+        plan_of([s0, s1], replicas=True)

@@ -1,0 +1,86 @@
+"""paddle_dcp.tools.inspection (the inspect command): every key, file and value of a checkpoint
+as text, the exact JSON, incomplete ids and temporary files shown, an empty directory a
+problem. Oracle: the tensors, mesh and values the checkpoint was saved from."""
+import json
+import os
+
+
+from .commands import TENSORS, expected_pieces, run
+
+
+def test_inspect_text_lists_every_key_file_and_value(saved, capsys):
+    path, oracle = saved
+    code, out, err = run(capsys, "inspect", path)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"checkpoint directory {path}"
+    assert "  complete ids: 0" in lines
+    for name, (dtype, shape, placements) in TENSORS.items():
+        nbytes = oracle[f"model.{name}"].nbytes
+        row = f"model.{name} {tuple(shape)} {dtype} {expected_pieces(shape, placements)} {nbytes}"
+        assert row in [" ".join(line.split()) for line in lines], row
+    meta = json.loads(open(os.path.join(path, "0.metadata")).read())
+    for f in meta["files"]:
+        assert f"{f['name']} {os.path.getsize(os.path.join(path, f['name']))}" in [" ".join(x.split()) for x in lines]
+    assert "  step = 5" in lines and '  name = "run-1"' in lines and "  done = null" in lines
+    assert "  lr = NaN" in lines
+    total = sum(a.nbytes for a in oracle.values())
+    assert any(line.startswith(f"total: {total} bytes") for line in lines)
+
+
+def test_inspect_json_is_exact(saved, capsys):
+    path, oracle = saved
+    code, out, _ = run(capsys, "inspect", path, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    assert doc == {
+        "path": path,
+        "complete": [0],
+        "incomplete": [],
+        "temporary": [],
+        "problems": [],
+        "checkpoint": {
+            "unique_id": 0,
+            "format_version": 1,
+            "world_size": 4,
+            "created_by": "",
+            "checksum": "xxh3_64",
+            "block_bytes": 64,
+            "tensors": {
+                f"model.{n}": {
+                    "shape": list(s),
+                    "dtype": d,
+                    "pieces": expected_pieces(s, p),
+                    "bytes": oracle[f"model.{n}"].nbytes,
+                }
+                for n, (d, s, p) in sorted(TENSORS.items())
+            },
+            "files": [{"name": n, "bytes": os.path.getsize(os.path.join(path, n))} for n in files],
+            "values": {"step": 5, "lr": "nan", "name": "run-1", "done": None},
+            "tensor_bytes": sum(a.nbytes for a in oracle.values()),
+            "file_bytes": sum(os.path.getsize(os.path.join(path, n)) for n in files),
+        },
+    }
+
+
+def test_inspect_shows_incomplete_ids_and_temporary_files(ck, capsys):
+    for name in ("0_9.distcp", "1_9.distcp", "0_9.distcp.tmp.0badf00d"):
+        open(os.path.join(ck, name), "wb").close()
+    code, out, _ = run(capsys, "inspect", ck, "--json")
+    doc = json.loads(out)
+    assert code == 0
+    assert (doc["complete"], doc["incomplete"], doc["temporary"]) == ([0], [9], ["0_9.distcp.tmp.0badf00d"])
+    code, out, err = run(capsys, "inspect", ck)
+    assert "incomplete ids: 9" in out and "0_9.distcp.tmp.0badf00d" in out
+    code, out, err = run(capsys, "inspect", ck, "--unique-id", 9)
+    assert code == 1 and "checkpoint 9" in err and "incomplete" in err
+    code, out, err = run(capsys, "inspect", ck, "--unique-id", 42)
+    assert code == 2 and "no checkpoint 42" in err and len(err.strip().splitlines()) == 1
+
+
+def test_inspect_empty_directory_is_a_problem(tmp_path, capsys):
+    code, out, err = run(capsys, "inspect", tmp_path)
+    assert code == 1 and "no complete checkpoint" in err
+    code, out, _ = run(capsys, "inspect", tmp_path, "--json")
+    assert code == 1 and json.loads(out)["checkpoint"] is None
