@@ -168,16 +168,6 @@ def test_no_test_module_imports_another():
 # ---------------------------------------------------------------------- tests mirror the package
 TESTS = Path(__file__).resolve().parent
 EXEMPT = {"__init__.py", "__main__.py", "version.py"}  # unless they define a function
-# Modules restructured in another branch whose mirrored test module does not exist yet; each
-# leaves this set when its test module appears (the test below fails while it stays listed).
-PENDING = {
-    "api.py",  # its tests: test_missing_keys, test_patching, io/test_storage ...
-    "parallel/ranks.py",  # parallel/test_protocol, test_directory_load
-    "parallel/loadwork.py",  # parallel/test_protocol, test_staging, test_reliability
-    "tools/simulate.py",  # tools/test_scale
-}
-
-
 def has_logic(source: str, name: str) -> bool:
     """Whether a module holds logic: a function or class definition (a package's
     ``__init__``, ``__main__`` and ``version`` only a function)."""
@@ -203,9 +193,7 @@ def missing_mirrors(package: Path, tests: Path) -> list[str]:
 
 
 def test_every_module_with_logic_has_its_test_module_at_the_mirrored_path():
-    missing = set(missing_mirrors(PACKAGE, TESTS))
-    assert sorted(missing - PENDING) == [], "modules without tests/unit/<subpackage>/test_<module>.py"
-    assert sorted(PENDING - missing) == [], "PENDING lists modules that have their test module now: remove them"
+    assert missing_mirrors(PACKAGE, TESTS) == [], "modules without tests/unit/<subpackage>/test_<module>.py"
 
 
 def test_the_mirror_checker_reports_a_module_without_its_test_module(tmp_path):
