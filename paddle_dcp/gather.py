@@ -46,14 +46,7 @@ from .core.boxes import Box, element_span, is_contiguous
 from .core.dtypes import itemsize, storage_dtype
 from .parallel import protocol, wire
 from .parallel.comm import Comm, make_comm
-from .parallel.gather_plan import (  # noqa: F401 - the plan's names, re-exported
-    GatherPlan,
-    Group,
-    Region,
-    TensorLayout,
-    _limits,
-    plan_gather,
-)
+from .parallel.gather_plan import GatherPlan, Region, plan_gather
 from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
 from .io import open_output

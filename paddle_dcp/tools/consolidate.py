@@ -32,7 +32,7 @@ from ..io import is_url, open_output, open_storage, storage
 from ..io.local import atomic_path
 from ..core.boxes import Box, split_region
 from ..core.dtypes import bf16_to_float32, storage_dtype
-from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
+from ..errors import ArgumentError, StorageError, UnsupportedError
 from ..core.metadata import Metadata, TensorEntry
 from ..format.safetensors import code_of, encode_header, read_arrays
 

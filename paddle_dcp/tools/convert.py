@@ -9,7 +9,7 @@ from typing import Iterator
 
 from . import consolidate
 from ..errors import ArgumentError, DcpError, UnsupportedError
-from ..io import is_url, open_storage, storage
+from ..io import is_url, open_storage
 from .console import EXIT_OK, ProgressBar, UsageError, _directory, _err, _one_line, _out, _progress_enabled, choose_id
 
 

@@ -21,6 +21,7 @@ from paddle_dcp.format import safetensors
 from paddle_dcp.core import save_plan
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.parallel import wire
+from paddle_dcp.parallel.gather_plan import GatherPlan, _limits, plan_gather
 from paddle_dcp.errors import DcpError, FormatError, MismatchError, PlanError
 
 DT = {"float32": np.float32, "int64": np.int64, "bool": np.bool_, "float16": np.float16, "uint8": np.uint8,
@@ -85,7 +86,7 @@ def job(tensors: dict, nranks: int, values: dict | None = None):
     return summaries, locals_, globals_
 
 
-def simulate(plan: gather.GatherPlan, locals_, root: int) -> bytes:
+def simulate(plan: GatherPlan, locals_, root: int) -> bytes:
     """The file the ranks would write, and a check that every byte of every group is written
     exactly once and only from a piece its sender holds."""
     data = bytearray()
@@ -138,8 +139,8 @@ TENSORS = {
 @pytest.mark.parametrize("limit", [1, 7, 40, 1000, 1 << 30])
 def test_plan_writes_every_byte_once_within_the_limit(nranks, root, limit, tmp_path):
     summaries, locals_, globals_ = job(TENSORS, nranks, {"step": 5})
-    plan = gather.plan_gather(summaries, tuple(range(nranks)), root, "params", limit)
-    batch, _, part = gather._limits(limit)
+    plan = plan_gather(summaries, tuple(range(nranks)), root, "params", limit)
+    batch, _, part = _limits(limit)
     for g in plan.groups:
         assert g.nbytes <= max(limit, 8)  # a tensor larger than the limit is cut, down to one element
         assert root not in g.messages  # the gathering rank never sends to itself
@@ -172,7 +173,7 @@ def test_safetensors_reads_the_file(tmp_path):
 
     tensors = {k: v for k, v in TENSORS.items() if v[0] != "bfloat16"}
     summaries, locals_, globals_ = job(tensors, 3)
-    plan = gather.plan_gather(summaries, (0, 1, 2), 1, "params", 24)
+    plan = plan_gather(summaries, (0, 1, 2), 1, "params", 24)
     blob = simulate(plan, locals_, 1)
     assert (8 + struct.unpack("<Q", blob[:8])[0]) % 8 == 0
     theirs = safetensors.numpy.load(blob)
@@ -187,7 +188,7 @@ def test_safetensors_reads_the_file(tmp_path):
 def test_replicated_pieces_travel_once_and_never_to_a_holder():
     tensors = {"r": ("float32", (8, 8), "R"), "s": ("float32", (8, 8), ("S", 0))}
     summaries, _, _ = job(tensors, 4)
-    plan = gather.plan_gather(summaries, (0, 1, 2, 3), 2, "params", 1 << 20)
+    plan = plan_gather(summaries, (0, 1, 2, 3), 2, "params", 1 << 20)
     sent = [(s, reg.key) for g in plan.groups for s, msgs in g.messages.items() for m in msgs for reg in m]
     assert ("r" not in {k for _, k in sent})  # the gathering rank holds it
     assert sorted(s for s, k in sent if k == "s") == [0, 1, 3]
@@ -200,7 +201,7 @@ def test_a_piece_held_by_others_is_sent_by_the_least_loaded_holder():
     boxes = [None, Box((0, 0), (4, 4)), Box((0, 0), (4, 4)), Box((0, 0), (4, 4))]
     tensors = {f"t{i}": ("float32", (4, 4), boxes) for i in range(3)}
     summaries, _, _ = job(tensors, 4)
-    plan = gather.plan_gather(summaries, (0, 1, 2, 3), 0, "params", 1 << 20)
+    plan = plan_gather(summaries, (0, 1, 2, 3), 0, "params", 1 << 20)
     senders = sorted(s for g in plan.groups for s, msgs in g.messages.items() for _ in msgs)
     assert senders == [1, 2, 3]
 
@@ -210,8 +211,8 @@ def test_params_needs_the_same_keys_on_every_rank_and_opt_takes_the_union():
     b = summary(1, {"d": [["w", {"t": 0}], ["m1", {"t": 0}], ["lr", {"v": 2}], ["x", {"v": 3}]]},
                 [["w", "float32", [2], [0], [2]], ["m1", "int64", [3], [0], [3]]])
     with pytest.raises(MismatchError, match="state_type='opt'"):
-        gather.plan_gather([a, b], (0, 1), 0, "params", 100)
-    plan = gather.plan_gather([a, b], (0, 1), 0, "opt", 100)
+        plan_gather([a, b], (0, 1), 0, "params", 100)
+    plan = plan_gather([a, b], (0, 1), 0, "opt", 100)
     assert [t.key for t in plan.tensors] == ["w", "m1"]
     from paddle_dcp.core import nested
 
@@ -224,17 +225,17 @@ def test_disagreements_and_refusals():
 
     w = ["w", "float32", [4], [0], [4]]
     with pytest.raises(MismatchError, match="w"):
-        gather.plan_gather([summ(0, [w]), summ(1, [["w", "float32", [5], [0], [5]]])], (0, 1), 0, "params", 9)
+        plan_gather([summ(0, [w]), summ(1, [["w", "float32", [5], [0], [5]]])], (0, 1), 0, "params", 9)
     with pytest.raises(MismatchError, match="w"):
-        gather.plan_gather([summ(0, [w]), summ(1, [["w", "int64", [4], [0], [4]]])], (0, 1), 0, "params", 9)
+        plan_gather([summ(0, [w]), summ(1, [["w", "int64", [4], [0], [4]]])], (0, 1), 0, "params", 9)
     with pytest.raises(FormatError, match="complex64"):
-        gather.plan_gather([summ(0, [["z", "complex64", [2], [0], [2]]])], (0,), 0, "params", 9)
+        plan_gather([summ(0, [["z", "complex64", [2], [0], [2]]])], (0,), 0, "params", 9)
     with pytest.raises(FormatError, match="__metadata__"):
-        gather.plan_gather([summ(0, [["__metadata__", "float32", [2], [0], [2]]])], (0,), 0, "params", 9)
+        plan_gather([summ(0, [["__metadata__", "float32", [2], [0], [2]]])], (0,), 0, "params", 9)
     with pytest.raises(PlanError):  # rows 2..3 held by nobody
-        gather.plan_gather([summ(0, [["g", "float32", [4], [0], [2]]])], (0,), 0, "params", 9)
+        plan_gather([summ(0, [["g", "float32", [4], [0], [2]]])], (0,), 0, "params", 9)
     with pytest.raises(PlanError):  # overlapping pieces
-        gather.plan_gather([summ(0, [["o", "float32", [4], [0], [3]]]), summ(1, [["o", "float32", [4], [2], [2]]])],
+        plan_gather([summ(0, [["o", "float32", [4], [0], [3]]]), summ(1, [["o", "float32", [4], [2], [2]]])],
                            (0, 1), 0, "params", 9)
 
 
@@ -252,7 +253,7 @@ def test_any_split_any_limit_round_trips(shape, nranks, dim, limit, root):
     spec = ("S", dim % len(shape))
     tensors = {"a": ("int32", shape, spec), "b": ("float16", shape, "R"), "c": ("int8", shape, spec)}
     summaries, locals_, globals_ = job(tensors, nranks)
-    plan = gather.plan_gather(summaries, tuple(range(nranks)), root, "params", limit)
+    plan = plan_gather(summaries, tuple(range(nranks)), root, "params", limit)
     blob = simulate(plan, locals_, root)
     n = struct.unpack("<Q", blob[:8])[0]
     header = safetensors.parse_header(blob[8 : 8 + n], len(blob), "mem")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 import subprocess
 import sys
