@@ -4,17 +4,13 @@ checksum blocks read and checked, every tensor tiled by its pieces (the ``verify
 from __future__ import annotations
 
 import os
-from typing import Sequence
 
-import numpy as np
-
-from ..core import checksums
 from . import consolidate
 from ..core.metadata_parse import check_entry
-from ..core.metadata import Metadata, TensorEntry, blocks_of
+from ..core.metadata import TensorEntry
 from ..core.naming import metadata_name
 from ..errors import FormatError, StorageError
-from ..io import open_storage, storage
+from ..io import open_storage, scrub
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -27,61 +23,6 @@ from .console import (
     choose_id,
     incomplete_ids,
 )
-
-
-def _pieces_by_file(meta: Metadata, entries: dict[str, TensorEntry]) -> dict[int, dict[str, np.ndarray]]:
-    """file index -> columns of the pieces it holds, sorted by byte offset: ``offset``,
-    ``nbytes``, ``key`` (index into ``list(entries)``), ``piece``, ``first_block``."""
-    cols: dict[int, list[np.ndarray]] = {}
-    for k, entry in enumerate(entries.values()):
-        p = entry.pieces
-        if not p.count:
-            continue
-        table = np.stack(
-            [
-                p.byte_offsets,
-                entry.piece_nbytes(),
-                np.full(p.count, k, dtype=np.int64),
-                np.arange(p.count, dtype=np.int64),
-                entry.block_starts()[:-1],
-                p.files,
-            ],
-            axis=1,
-        )
-        for f in np.unique(p.files).tolist():
-            cols.setdefault(int(f), []).append(table[p.files == f])
-    out = {}
-    for f, parts in cols.items():
-        t = np.concatenate(parts)
-        t = t[np.argsort(t[:, 0], kind="stable")]
-        out[f] = {"offset": t[:, 0], "nbytes": t[:, 1], "key": t[:, 2], "piece": t[:, 3], "first_block": t[:, 4]}
-    return out
-
-
-def _keys_list(keys: Sequence[str], limit: int = 5) -> str:
-    keys = sorted(set(keys))
-    shown = ", ".join(keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-class _FileChecker:
-    """Reads data file ``index`` of ``files`` in windows of the size of ``buf`` (reused for
-    every file) and serves the checksum blocks of the pieces it holds from them."""
-
-    def __init__(self, files: storage.DataFiles, index: int, name: str, size: int, buf: np.ndarray):
-        self.files, self.index, self.name, self.size = files, index, name, size
-        self.buf = buf
-        self.lo = self.hi = 0
-
-    def view(self, start: int, length: int) -> memoryview:
-        if not (self.lo <= start and start + length <= self.hi):
-            n = min(len(self.buf), self.size - start)
-            n = max(n, length)
-            if n > len(self.buf):  # a block larger than the window
-                self.buf = np.empty(n, dtype=np.uint8)
-            self.files.read_into(self.index, start, memoryview(self.buf)[:n])
-            self.lo, self.hi = start, start + n
-        return memoryview(self.buf)[start - self.lo : start - self.lo + length]
 
 
 def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tuple[list[str], dict]:
@@ -114,88 +55,40 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
             problems.append(_located(meta_file, exc))
             continue
         entries[key] = entry
-    keys = list(entries)
-    by_file = _pieces_by_file(meta, entries)
     counts["tensors"] = len(entries)
     counts["pieces"] = sum(e.pieces.count for e in entries.values())
-    # files first: presence and size, so the progress bar's total is what will be read
-    readable: dict[int, tuple[str, int]] = {}
-    for f, entry in enumerate(meta.files):
-        held = [keys[k] for k in np.unique(by_file[f]["key"]).tolist()] if f in by_file else []
-        problem, full, size = _file_problem(store, path, entry, f" (holds pieces of {_keys_list(held)})" if held else "")
-        if problem:
-            problems.append(problem)
-        else:
-            readable[f] = (full, size)
-    total = sum(int(by_file[f]["nbytes"].sum()) for f in readable if f in by_file)
-    window = max(consolidate.SLAB_BYTES, meta.block_bytes)
-    largest = max((size for f, (_, size) in readable.items() if f in by_file), default=0)
-    buf = np.empty(min(window, max(largest, 1)), dtype=np.uint8)
-    files = store.open_files(meta)
-    try:
-        with ProgressBar(total, f"verify {unique_id}", progress) as bar:
-            for f, (full, size) in readable.items():
-                counts["files"] += 1
-                if f not in by_file:
-                    continue
-                try:
-                    checker = _FileChecker(files, f, full, size, buf)
-                    problems += _check_pieces(checker, meta, entries, keys, by_file[f], bar, counts)
-                except (FormatError, StorageError) as exc:  # an IntegrityError too: a file cut short
-                    problems.append(f"{full}: {_one_line(exc)}")
-    finally:
-        files.close()
+    with _Progress(f"verify {unique_id}", progress) as bar:
+        found = scrub.check_each_file(store, meta, progress=bar, entries=entries, window_bytes=consolidate.SLAB_BYTES)
+    # files first: presence and size, then the pieces of those present
+    problems += [p for check in found if not check.readable for p in check.problems]
+    problems += [p for check in found if check.readable for p in check.problems]
+    counts["files"] = sum(check.readable for check in found)
+    counts["bytes"] = sum(check.checked for check in found)
     return problems, counts
 
 
-def _file_problem(store: storage.Storage, path: str, entry, holds: str) -> tuple[str, str, int]:
-    """(what is wrong with data file ``entry``, or "", its full name, its size)."""
-    full = os.path.join(path, entry.name)
-    try:
-        full = store.resolve(entry.name)
-        size = store.size(entry.name)
-    except (FormatError, StorageError) as exc:
-        return f"{full}: {_one_line(exc)}{holds}", full, 0
-    if size is None:
-        return f"{full}: missing{holds}", full, 0
-    if size != entry.nbytes:
-        return f"{full}: has {size} bytes, the metadata says {entry.nbytes}{holds}", full, 0
-    return "", full, size
+class _Progress:
+    """A progress bar drawn from the first bytes checked on, when the total is known."""
 
+    def __init__(self, desc: str, enabled: bool):
+        self.desc, self.enabled = desc, enabled
+        self.bar: ProgressBar | None = None
 
-def _check_pieces(checker, meta, entries, keys, cols, bar, counts) -> list[str]:
-    problems = []
-    block = meta.block_bytes
-    pending = 0
-    for off, nbytes, k, i, first in zip(
-        cols["offset"].tolist(), cols["nbytes"].tolist(), cols["key"].tolist(), cols["piece"].tolist(),
-        cols["first_block"].tolist(),
-    ):
-        entry = entries[keys[k]]
-        sums = entry.pieces.checksums
-        seed = checksums.piece_seed(entry.key, entry.dtype, entry.pieces.offsets[i].tolist(), entry.pieces.shapes[i].tolist())
-        bad, first_bad, nblocks = 0, None, int(blocks_of(nbytes, block))
-        for b, at, length in checksums.blocks(off, off + nbytes, off, block):
-            if checksums.block_checksum(checker.view(at, length), seed, b) != int(sums[first + b]):
-                bad += 1
-                first_bad = first_bad or (at, at + length)
-        counts["bytes"] += nbytes
-        pending += nbytes
-        if pending >= (1 << 20):
-            bar.update(pending)
-            pending = 0
-        if bad:
-            box = tuple(int(x) for x in entry.pieces.offsets[i])
-            problems.append(
-                f"{checker.name}: {keys[k]}: piece {i} at offset {box} ({nbytes} bytes from byte {off}): "
-                f"{bad} of {nblocks} checksum blocks differ, the first at bytes [{first_bad[0]}, {first_bad[1]})"
-            )
-    bar.update(pending)
-    return problems
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = ProgressBar(total, self.desc, self.enabled)
+        self.bar.update(done - self.bar.done)
 
 
 def _located(where: str, exc: BaseException) -> str:
-    message = _one_line(exc)
+    message = _one_line(str(exc))
     return message if message.startswith(where) else f"{where}: {message}"
 
 
