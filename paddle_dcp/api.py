@@ -112,21 +112,31 @@ def save_state_dict(
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
-    started = time.perf_counter()
     rank = LocalSaveRank(
         comm, state_dict, open_storage(path, storage_options), unique_id, STATE.save_plans,
         safetensors=safetensors, replicas=save_replicas, durable=durable, staged=async_save,
         staging=STATE.staging if async_save else None,
     )
-    if not async_save:
+    handle = run_save(comm, rank, path)
+    return handle if async_save else None
+
+
+def run_save(comm, rank: LocalSaveRank, path: str, then=None) -> "AsyncSave | protocol.SaveResult":
+    """Run the save of ``rank`` (an async one when ``rank.staged``), then ``then(comm,
+    result)`` on the comm the save finished on (in the background for an async save); returns
+    the SaveResult, or the AsyncSave handle."""
+    started = time.perf_counter()
+    if not rank.staged:
         result = protocol.run(comm, protocol.save(rank))
         STATE.traffic["save"] = comm.traffic
         _log_saved(result, path, started)
-        return None
-    return _save_async(comm, rank, path, started)
+        if then is not None:
+            then(comm, result)
+        return result
+    return _save_async(comm, rank, path, started, then)
 
 
-def _save_async(comm, rank: LocalSaveRank, path: str, started: float) -> "AsyncSave":
+def _save_async(comm, rank: LocalSaveRank, path: str, started: float, then=None) -> "AsyncSave":
     """Run the save until this rank's pieces are staged (or, the first time, written), then
     hand the rest to the background writer."""
     run = protocol.save(rank)
@@ -144,6 +154,8 @@ def _save_async(comm, rank: LocalSaveRank, path: str, started: float) -> "AsyncS
         finally:
             STATE.staging.done()
         _log_saved(result, path, started)
+        if then is not None:
+            then(background, result)
         return result.unique_id
 
     return background_saves.submit(finish)
@@ -235,15 +247,22 @@ def load_state_dict(
     missing = MissingKeys.of(strict, allow_missing)
     if is_file(path, storage_options):  # one safetensors file (save_gathered): each process reads its own part
         return _load_one_file(state_dict, path, offload, mw_name_compatibility, missing, storage_options)
-    path, started = os.fspath(path), time.perf_counter()
+    path = os.fspath(path)
     rank = LocalLoadRank(
         make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id,
         offload=offload, mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors,
         near=near, verify=verify, missing=missing,
     )
+    run_load(rank)
+
+
+def run_load(rank: LocalLoadRank):
+    """Run the load of ``rank``; returns (the checkpoint id, this rank's LocalLoadWork)."""
+    started = time.perf_counter()
     uid, work = protocol.run(rank.comm, protocol.load(rank))
     STATE.traffic["load"] = rank.comm.traffic
     _log_loaded(uid, rank.path, sum(op.nbytes for op in work.ops), started)
+    return uid, work
 
 
 def _load_one_file(state_dict, path, offload: bool, mw: bool, missing: MissingKeys, storage_options) -> None:

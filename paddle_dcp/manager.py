@@ -24,12 +24,14 @@ from typing import Any, Callable
 from .io import cleanup
 from . import async_save as background_saves
 from .parallel.state import STATE
-from .api import load_state_dict, save_state_dict
+from .api import run_load, save_state_dict
+from .parallel.ranks import LocalLoadRank
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
 from .parallel import protocol
 from .parallel.comm import Comm, make_comm
-from .errors import ArgumentError, FormatError
+from .tiers import LocalTier, RestoreReport
+from .errors import ArgumentError, DcpError, FormatError
 from .io import is_url, open_storage
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,14 @@ class CheckpointManager:
             :meth:`close` together.
         storage_options: for a URL ``directory`` (``s3://bucket/prefix``), as for
             ``save_state_dict``.
+        local_directory: a node-local tier: a path each node has for itself (under
+            ``/dev/shm`` or a local SSD; the same path string on every rank). Steps that are
+            multiples of ``local_interval_steps`` are saved there, the newest
+            ``local_max_to_keep`` kept, and each rank's data copied to ranks of ``replicas``
+            other nodes; :meth:`restore` takes each file from the nearest intact copy (see
+            :mod:`paddle_dcp.tiers`). A step due for both tiers is staged once: the global
+            tier's files are the local step's, copied. None (the default): no local tier.
+        local_interval_steps / local_max_to_keep / replicas: see ``local_directory``.
 
     Raises:
         ArgumentError: a bad argument, or another manager already uses ``directory`` (a lock
@@ -76,8 +86,14 @@ class CheckpointManager:
         coordinator_rank: int = 0,
         *,
         storage_options: dict | None = None,
+        local_directory: str | None = None,
+        local_interval_steps: int = 1,
+        local_max_to_keep: int = 2,
+        replicas: int = 1,
     ):
         _check_count("max_to_keep", max_to_keep, allow_none=True)
+        _check_count("local_interval_steps", local_interval_steps)
+        _check_count("local_max_to_keep", local_max_to_keep)
         _check_count("keep_every_n_steps", keep_every_n_steps, allow_none=True)
         _check_count("save_interval_steps", save_interval_steps)
         if best_mode not in ("max", "min"):
@@ -92,6 +108,9 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.store = open_storage(self.directory, storage_options)
         self.comm = make_comm(process_group, coordinator_rank)
+        self.local_interval_steps = local_interval_steps
+        self.local = None if local_directory is None else LocalTier(local_directory, self.comm, replicas, local_max_to_keep)
+        self.last_restore: RestoreReport | None = None
         self._manifest = Manifest()
         self._pending: list[background_saves.AsyncSave] = []
         self._lock_file = None
@@ -100,14 +119,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ public
     def save(self, step: int, state_dict: dict, metrics: dict | None = None, force: bool = False) -> bool:
-        """Save ``state_dict`` as ``step`` when the interval says so (or ``force``).
+        """Save ``state_dict`` as ``step`` when an interval says so (or ``force``): to the
+        global tier every ``save_interval_steps`` steps, to the local tier (when there is
+        one) every ``local_interval_steps``.
 
         Waits for this manager's previous save (and raises its error), records the step,
         saves it as checkpoint id ``step``, then, once it committed (in the background with
-        ``async_save``), applies the retention policy.
+        ``async_save``), applies the retention policy. A step due for both tiers is staged
+        once: saved to the local tier, whose files are then copied to the global one.
 
         Returns:
-            True when the step is saved (or being saved), False when the interval skips it.
+            True when the step is saved (or being saved), False when the intervals skip it.
 
         Raises:
             ArgumentError: a bad step or metrics, or a step this manager already holds.
@@ -117,13 +139,21 @@ class CheckpointManager:
         if type(step) is not int or step < 0:
             raise ArgumentError(f"step must be a non-negative int, got {step!r}")
         metrics = check_metrics(metrics)
-        if not force and step % self.save_interval_steps:
+        due_global = force or step % self.save_interval_steps == 0
+        due_local = self.local is not None and (force or step % self.local_interval_steps == 0)
+        if not due_global and not due_local:
             return False
         self.wait()
-        if step in self._manifest.complete():
-            raise ArgumentError(f"step {step} is already saved in {self.directory}")
-        entry = StepEntry(step, "writing", metrics)
-        self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
+        if due_global:
+            if step in self._manifest.complete():
+                raise ArgumentError(f"step {step} is already saved in {self.directory}")
+            entry = StepEntry(step, "writing", metrics)
+            self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
+        if due_local:
+            then = (lambda comm: self._global_from_local(comm, step)) if due_global else None
+            handle = self.local.save(step, state_dict, self.async_save, then)
+            self._pending = [handle] if handle is not None else []
+            return True
         handle = save_state_dict(
             state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
             async_save=self.async_save, storage_options=self.storage_options,
@@ -134,33 +164,80 @@ class CheckpointManager:
             self._pending = [handle, background_saves.submit(lambda: self._after(handle, step))]
         return True
 
+    def _global_from_local(self, comm: Comm, step: int) -> None:
+        """The global tier's copy of local ``step``: its files copied, its metadata last, then
+        the manifest and retention (on the comm the local save finished on)."""
+        self.local.upload(comm, step, self.store)
+        self._committed(comm, step)
+
     def restore(self, state_dict: dict, step: int | None = None) -> int:
-        """Load ``step`` (default: the latest complete step) into ``state_dict``; returns it.
+        """Load the newest restorable step (or ``step``) into ``state_dict``; returns it.
+
+        With a local tier, the ranks agree on the newest step every piece of which has an
+        intact copy in some tier, and each file comes from the nearest copy: the rank's own
+        node, a copy on another node, else the global tier; a source whose bytes do not verify
+        is passed over (logged on every rank) and ``last_restore`` tells what was used.
 
         Raises:
-            FormatError: the manager holds no complete step (or ``step`` is no checkpoint).
+            FormatError: no step can be restored (or ``step`` cannot), naming why.
         """
         self._check_open()
         self.wait()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FormatError(f"no complete checkpoint of a CheckpointManager in {self.directory}")
-        elif type(step) is not int or step < 0:
+        if step is not None and (type(step) is not int or step < 0):
             raise ArgumentError(f"step must be a non-negative int or None, got {step!r}")
-        load_state_dict(
-            state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
-            storage_options=self.storage_options,
+        local = self.local.steps() if self.local is not None else frozenset()
+        held = set(self._manifest.complete())
+        candidates = [step] if step is not None else sorted(local | held, reverse=True)
+        refused: list[tuple[str, int, str]] = []
+        for s in candidates:
+            if s in local:
+                try:
+                    got, why = self.local.restore(state_dict, s)
+                except DcpError as exc:
+                    got, why = None, str(exc).replace("\n", " ")
+                if got is not None:
+                    return self._restored(s, "local", dict(got, **{"global": 0}), refused)
+                self._refuse(refused, "local", s, why)
+            if s in held:
+                try:
+                    nbytes = self._load_global(state_dict, s)
+                except DcpError as exc:
+                    self._refuse(refused, "global", s, str(exc).replace("\n", " "))
+                    continue
+                return self._restored(s, "global", {"local": 0, "peer": 0, "global": nbytes}, refused)
+        if not candidates:
+            raise FormatError(f"no complete checkpoint of a CheckpointManager in {self.directory}")
+        raise FormatError(
+            f"no restorable step in {self.directory}: " + "; ".join(f"{src} step {s}: {why}" for src, s, why in refused)
         )
+
+    def _load_global(self, state_dict: dict, step: int) -> int:
+        rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step)
+        _, work = run_load(rank)
+        return sum(op.nbytes for op in work.ops)
+
+    def _refuse(self, refused: list, source: str, step: int, why: str) -> None:
+        logger.warning("CheckpointManager: step %d of the %s tier cannot be restored: %s", step, source, why)
+        refused.append((source, step, why))
+
+    def _restored(self, step: int, tier: str, nbytes: dict, refused: list) -> int:
+        self.last_restore = RestoreReport(step, tier, nbytes, tuple(refused))
+        logger.info("CheckpointManager: restored step %d from the %s tier (%s)", step, tier, nbytes)
         return step
 
     def latest_step(self) -> int | None:
-        """The newest complete step (every rank gives the same answer), or None."""
+        """The newest complete step (every rank gives the same answer), or None. With a local
+        tier, every rank calls it together: the newest step any node holds whole, or the
+        global tier's (whether its bytes verify is :meth:`restore`'s to find)."""
         steps = self._manifest.complete()
-        return steps[-1] if steps else None
+        newest = steps[-1] if steps else None
+        if self.local is not None:
+            local = self.local.steps()
+            newest = max([s for s in (newest, max(local, default=None)) if s is not None], default=None)
+        return newest
 
     def all_steps(self) -> list[int]:
-        """The complete steps the manager keeps, ascending."""
+        """The complete steps the global tier keeps, ascending."""
         return self._manifest.complete()
 
     def metrics(self, step: int) -> dict | None:
@@ -217,8 +294,17 @@ class CheckpointManager:
                     manifest = manifest.with_state([step], "deleting")
             return manifest, None
 
-        self._decide(self.comm, "open manager", load, write=False)
-        self._retain(self.comm, unfinished_only=True)
+        try:
+            self._decide(self.comm, "open manager", load, write=False)
+            self._retain(self.comm, unfinished_only=True)
+            if self.local is not None:
+                self.local.open()
+        except BaseException:
+            self._closed = True
+            if self._lock_file is not None:  # released for a manager made again
+                self._lock_file.close()
+                self._lock_file = None
+            raise
 
     def _after(self, handle: background_saves.AsyncSave, step: int) -> int:
         """The writer thread's continuation of an async save: once it committed, retention,

@@ -183,9 +183,13 @@ class SaveRankProtocol(_Protocol):
 
 @dataclass
 class SaveResult:
+    """A save's outcome on one rank; ``metadata``: what the coordinator published (None on
+    the other ranks)."""
+
     unique_id: int
     bytes_written: int
     plan_reused: bool
+    metadata: Metadata | None = None
 
 
 def save(ctx: SaveRankProtocol) -> Protocol:
@@ -232,12 +236,13 @@ def save(ctx: SaveRankProtocol) -> Protocol:
             plan, ctx.ranks, reports, ctx.values(prepared), uid, ctx.block_bytes, ctx.created_by, generation
         )
         ctx.publish(meta)
+        return meta
 
-    yield from local("commit", commit if is_coord else (lambda: None))
+    meta = yield from local("commit", commit if is_coord else (lambda: None))
     yield from local("tidy", lambda: ctx.tidy(uid, generation, listing))
     if direct:  # this rank's own memory, last: no rank waits on it
         ctx.reserve(described, leaves)
-    return SaveResult(uid, size, not changed)
+    return SaveResult(uid, size, not changed, meta)
 
 
 def plan_from_summaries(

@@ -78,8 +78,10 @@ class LocalSaveRank:
         durable: bool = False,
         staged: bool = False,
         staging: StagingArena | None = None,
+        publish: bool = True,
     ):
         self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
+        self.publishes = publish  # False: the caller writes the metadata (SaveResult.metadata) later
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
         self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
         self.safetensors, self.durable = safetensors, durable
@@ -155,6 +157,8 @@ class LocalSaveRank:
         return flat.values
 
     def publish(self, meta: Metadata) -> None:
+        if not self.publishes:
+            return
         if self.safetensors:
             meta = hf_dir.rename_files(meta)
         self.store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), self.durable)
@@ -234,8 +238,10 @@ class LocalLoadRank:
         near: frozenset = frozenset(),
         verify: bool = True,
         missing: MissingKeys = MissingKeys(),
+        exclude: frozenset = frozenset(),
     ):
         self.comm, self.state_dict, self.path, self.unique_id = comm, state_dict, path, unique_id
+        self.exclude = exclude  # files this rank must not read (found damaged): taken from other ranks
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
         self.offload, self.mw, self.aoa_config = offload, mw_name_compatibility, aoa_config
         self.safetensors, self.near, self.verify, self.missing = safetensors, near, verify, missing
@@ -253,6 +259,8 @@ class LocalLoadRank:
         if self.lists_for_all and (self.rank != self.coordinator or given):
             return LoadView(flat, held), storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
         listing = self.store.list_checkpoints(temporary=False)
+        if self.exclude:
+            listing = storage.listing_of(listing.files - self.exclude)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             shards = safetensors_files.shard_names(self.store, listing.files)
             uid = self.unique_id if self.unique_id is not None else 0

@@ -117,6 +117,11 @@ def rle(values: Sequence[int]) -> list[list[int]]:
     return runs
 
 
+def from_runs(runs) -> set[int]:
+    """The ints of the [first, last] ``runs`` (:func:`rle`'s inverse)."""
+    return {v for first, last in runs for v in range(int(first), int(last) + 1)}
+
+
 def in_runs(runs, value: int) -> bool:
     """Whether ``value`` lies in one of the [first, last] ``runs``."""
     return any(int(first) <= value <= int(last) for first, last in runs)

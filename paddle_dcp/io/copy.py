@@ -1,0 +1,37 @@
+"""One file copied from one storage to another, in bounded chunks, appearing whole under its
+name in the target only at the end."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import StorageError
+from .storage import Storage
+
+CHUNK = 64 << 20  # bytes read and written at a time
+
+
+def copy_file(source: Storage, target: Storage, name: str, durable: bool = False, chunk: int = CHUNK) -> int:
+    """Copy the file ``name`` of ``source`` to ``target`` under the same name; returns its
+    size. The copy appears only once complete (a rename, or the end of a multipart upload).
+
+    Raises:
+        StorageError: the file is missing in ``source``, or reading or writing fails.
+    """
+    size = source.size(name)
+    if size is None:
+        raise StorageError(f"{source.resolve(name)} is missing: it cannot be copied", source.path)
+    reader = source.range_reader()
+    writer = target.data_writer(name, block_bytes=0, depth=0, alignment=1)
+    buf = np.empty(min(chunk, size), np.uint8)
+    try:
+        for start in range(0, size, chunk):
+            n = min(chunk, size - start)
+            reader.read_into(name, start, buf[:n].data)
+            writer.write(buf[:n].data, keep=buf)
+        writer.commit(durable)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        reader.close()
+    return size

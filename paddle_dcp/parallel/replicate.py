@@ -1,0 +1,117 @@
+"""Whole data files copied between ranks of different nodes (the copies of a node-local
+checkpoint tier), point to point, each copy written under the original's name and made to
+appear only once every copy of the step has arrived.
+
+Ranks visit their partners in the global order of pairs of :mod:`paddle_dcp.parallel.exchange`
+(deadlock-free); within a pair the lower rank's file crosses first. A file travels as a
+header (its size, or the FAILED status when the sender cannot read it) and then chunks of at
+most :data:`CHUNK` bytes read straight into one reused buffer. A sender that fails while
+reading sends zeros for the rest, so the pair stays in step; its error reaches every rank at
+the step's agreement, after which the receiver drops the copy (its writer is never
+committed).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Mapping
+
+import numpy as np
+
+from . import wire
+from .comm import Comm
+from .exchange import directions, pair_order
+from ..errors import CollectiveError
+from ..io.storage import DataFileWriter, Storage
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 64 << 20  # bytes of one message of a copy
+
+
+def copy_files(comm: Comm, store: Storage, sends: Mapping[int, str], receives: Mapping[int, str]) -> list[DataFileWriter]:
+    """Pairwise: send the file ``sends[peer]`` of ``store`` to every peer in ``sends`` and
+    receive the file ``receives[peer]`` from every peer in ``receives`` into ``store``, each
+    under its own name. Returns the writers of the received copies, written but not committed
+    (the caller commits them once every rank agrees, or aborts them); a failure is raised
+    once every pair is done."""
+    me = comm.rank
+    reader = store.range_reader()
+    buf = np.empty(0, np.uint8)
+    writers: list[DataFileWriter] = []
+    error: BaseException | None = None
+    try:
+        for peer in pair_order(me, set(sends) | set(receives)):
+            for sender, receiver in directions(me, peer):
+                if sender == me and peer in sends:
+                    buf, failed = _send_file(comm, peer, reader, store, sends[peer], buf)
+                    error = error or failed
+                elif receiver == me and peer in receives:
+                    buf, writer, failed = _receive_file(comm, peer, store, receives[peer], buf)
+                    if writer is not None:
+                        writers.append(writer)
+                    error = error or failed
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    finally:
+        reader.close()
+    if error is not None:
+        for w in writers:
+            w.abort()
+        raise error
+    return writers
+
+
+def _send_file(comm: Comm, peer: int, reader, store: Storage, name: str, buf: np.ndarray):
+    size = store.size(name)
+    if size is None:
+        wire.send_failed(comm, peer)
+        return buf, CollectiveError("replicate", {comm.rank: f"its data file {name} is missing, so it cannot be copied"})
+    wire.send_message(comm, peer, json.dumps({"name": name, "size": size}).encode())
+    error = None
+    for start in range(0, size, CHUNK):
+        n = min(CHUNK, size - start)
+        if len(buf) < n:
+            buf = np.empty(n, np.uint8)
+        chunk = buf[:n]
+        if error is None:
+            try:
+                reader.read_into(name, start, memoryview(chunk))
+            except Exception as exc:  # noqa: BLE001 - zeros keep the pair in step; agreed on later
+                error = exc
+        if error is not None:
+            chunk[...] = 0
+        comm.send(peer, chunk)
+    return buf, error
+
+
+def _receive_file(comm: Comm, peer: int, store: Storage, name: str, buf: np.ndarray):
+    header = wire.recv_message(comm, peer)
+    if header is None:  # the sender cannot read its file: its error comes at the agreement
+        return buf, None, None
+    doc = json.loads(header)
+    size = doc.get("size") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or doc.get("name") != name or type(size) is not int or size < 0:
+        raise CollectiveError("replicate", {peer: f"sent {header[:200]!r} where the header of {name} was expected"})
+    writer = store.data_writer(name, block_bytes=0, depth=0, alignment=1)
+    error = None
+    try:
+        for start in range(0, size, CHUNK):
+            n = min(CHUNK, size - start)
+            if len(buf) < n:
+                buf = np.empty(n, np.uint8)
+            comm.recv_into(peer, buf[:n])
+            if error is None:
+                try:
+                    writer.write(memoryview(buf[:n]), keep=buf)
+                except Exception as exc:  # noqa: BLE001 - keep receiving; agreed on later
+                    error = exc
+    except BaseException:
+        writer.abort()
+        raise
+    if error is not None:
+        writer.abort()
+        return buf, None, error
+    return buf, writer, None

@@ -1,0 +1,295 @@
+"""The node-local tier of a CheckpointManager: steps saved often to a directory each node has
+for itself, each rank's data file copied to ranks of other nodes, and a restore that takes
+every file from the nearest copy that verifies.
+
+A local step is an ordinary checkpoint of id ``step`` in every node's local directory: each
+rank writes its data file on its own node (:func:`paddle_dcp.api.run_save`, the metadata held
+back), then copies of every data file go, under the same name, to ranks of ``replicas`` other
+nodes (:mod:`paddle_dcp.core.copies`, :mod:`paddle_dcp.parallel.replicate`), and only then does
+every node get the metadata: a step whose metadata a node holds has every original and every
+copy written. Which ranks share a node is learned at open: ranks that see each other's marker
+files in the local directory (:meth:`LocalTier.open`).
+
+A restore of a local step first checks, node by node, every data file it holds against the
+metadata's checksums (:func:`paddle_dcp.io.scrub.check_files`, the node's ranks sharing the
+work); the step is restorable when every data file has an intact copy on some node. The load
+then reads nothing from a file found damaged (it is left out of that node's listing): the bytes
+come from the node itself, else from a rank of another node that holds an intact copy (the
+load's own transfer between ranks), every block checked again before any tensor changes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .api import run_load, run_save
+from .core.copies import copy_holders, nodes_of
+from .core.naming import metadata_name, parse_data_name
+from .core.metadata_parse import parse_metadata
+from .errors import ArgumentError
+from .io import cleanup, is_url, open_storage
+from .io.copy import copy_file
+from .io.storage import Storage
+from .parallel import protocol, wire
+from .parallel.comm import Comm
+from .parallel.ranks import LocalLoadRank, LocalSaveRank
+from .parallel.replicate import copy_files
+from .parallel.state import STATE
+
+logger = logging.getLogger(__name__)
+
+MARKER = "paddle_dcp_node.{rank}"  # a rank's marker file in the local directory
+_MARKER_RE = re.compile(r"^paddle_dcp_node\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What one rank's last restore did.
+
+    Attributes:
+        step: the step restored.
+        tier: ``"local"`` or ``"global"``.
+        bytes: bytes this rank took from each source: ``"local"`` (its own node's local
+            directory), ``"peer"`` (a copy on another node, received from a rank there) and
+            ``"global"`` (the global tier).
+        refused: (source, step, reason) of every source tried before, newest first.
+    """
+
+    step: int
+    tier: str
+    bytes: dict = field(default_factory=dict)
+    refused: tuple[tuple[str, int, str], ...] = ()
+
+
+class LocalTier:
+    """The local tier of one manager: its directory (the same path string on every rank, each
+    node's own), the nodes, and the copies' placement. Every rank of the group calls its
+    methods together."""
+
+    def __init__(self, directory: str, comm: Comm, replicas: int, max_to_keep: int, durable: bool = False):
+        if is_url(directory):
+            raise ArgumentError(f"local_directory must be a path each node has for itself, not a URL: {directory}")
+        if type(replicas) is not int or replicas < 0:
+            raise ArgumentError(f"replicas must be a non-negative int, got {replicas!r}")
+        self.directory, self.comm, self.replicas, self.max_to_keep = os.fspath(directory), comm, replicas, max_to_keep
+        self.durable = durable
+        self.store = open_storage(self.directory)
+        self.nodes: tuple[tuple[int, ...], ...] = ((comm.rank,),)
+
+    # ------------------------------------------------------------------ open
+    def open(self) -> None:
+        """Learn the nodes (every rank writes a marker holding a token of this job, then lists
+        the markers it sees), refuse ``replicas`` the nodes cannot hold, and remove what
+        crashed saves left (data of steps no node has the metadata of; temporary files)."""
+        self.nodes = protocol.run(self.comm, self._discover())
+        copy_holders(self.nodes, self.replicas)  # raises on every rank alike
+        logger.info("local tier %s: %d nodes %s, %d copies of each rank's data", self.directory,
+                    len(self.nodes), [list(n) for n in self.nodes], self.replicas)
+        steps = protocol.run(self.comm, self._all_steps())
+
+        def tidy() -> None:
+            if self.is_leader:
+                listing = self.store.list_checkpoints()
+                stale = [n for uid in listing.data if uid not in steps for n in listing.data_names(uid)]
+                self.store.remove(stale + cleanup.temporary_names(listing))
+
+        protocol.run(self.comm, protocol.local("local tier: tidy", tidy))
+
+    def _discover(self) -> protocol.Protocol:
+        token = os.urandom(8).hex().encode() if self.comm.is_coordinator else b""
+        token = yield protocol.Broadcast(token, self.comm.coordinator)
+
+        def mark() -> None:
+            self.store.create()
+            self.store.write_atomic(MARKER.format(rank=self.comm.rank), token)
+
+        yield from protocol.local("local tier: mark node", mark)
+
+        def seen() -> bytes:
+            ranks = []
+            for name in self.store.list_checkpoints().files:
+                m = _MARKER_RE.match(name)
+                if m and self.store.read_file(name) == token:
+                    ranks.append(int(m.group(1)))
+            return json.dumps(sorted(ranks)).encode()
+
+        mine = yield from protocol.local("local tier: find node", seen)
+        every = yield protocol.AllGather(mine)
+        return nodes_of({r: json.loads(b) for r, b in zip(self.comm.ranks, every)})
+
+    @property
+    def node(self) -> tuple[int, ...]:
+        return next(n for n in self.nodes if self.comm.rank in n)
+
+    @property
+    def is_leader(self) -> bool:
+        """The rank that writes and removes what its node holds in common (the metadata)."""
+        return self.comm.rank == self.node[0]
+
+    def _all_steps(self) -> protocol.Protocol:
+        """The local steps complete on some node (every rank gets the same set)."""
+        mine = yield from protocol.local(
+            "local tier: list steps", lambda: json.dumps(sorted(self.store.list_checkpoints().complete)).encode()
+        )
+        every = yield protocol.AllGather(mine)
+        return frozenset(s for b in every for s in json.loads(b))
+
+    def steps(self, comm: Comm | None = None) -> frozenset:
+        return protocol.run(comm or self.comm, self._all_steps())
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state_dict: dict, staged: bool, then=None):
+        """Save ``step`` to every node's local directory and copy each data file to the other
+        nodes (an async save when ``staged``: the copies and the metadata follow in the
+        background), then ``then(comm)``. Returns the AsyncSave handle or None."""
+        rank = LocalSaveRank(
+            self.comm, state_dict, self.store, step, STATE.save_plans, staged=staged,
+            staging=STATE.staging if staged else None, durable=self.durable, publish=False,
+        )
+
+        def finish(comm: Comm, result: protocol.SaveResult) -> None:
+            protocol.run(comm, self._replicate(comm, result))
+            if then is not None:
+                then(comm)
+
+        handle = run_save(self.comm, rank, self.directory, then=finish)
+        return handle if staged else None
+
+    def _replicate(self, comm: Comm, result: protocol.SaveResult) -> protocol.Protocol:
+        """Copies of every data file on ranks of other nodes, then the metadata on every
+        node, last."""
+        data = result.metadata.to_json() if comm.is_coordinator else b""
+        data = yield protocol.Broadcast(data, comm.coordinator)
+        sends, receives = yield from protocol.local("local tier: plan copies", lambda: self._copies(comm.rank, data))
+        writers = yield protocol.Pairwise("local tier: copy", lambda c: copy_files(c, self.store, sends, receives))
+        try:
+            yield from protocol.local("local tier: commit copies", lambda: [w.commit(self.durable) for w in writers])
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+
+        def publish() -> None:
+            if self.is_leader:
+                self.store.write_atomic(metadata_name(result.unique_id), data, self.durable)
+
+        yield from protocol.local("local tier: publish", publish)
+        yield from self._retain(comm, keep=result.unique_id)
+
+    def _copies(self, me: int, data: bytes) -> tuple[dict[int, str], dict[int, str]]:
+        """(holder -> this rank's file to send it, writer -> the file to receive from it)."""
+        meta = parse_metadata(data, source="the local step's metadata", lazy=True)
+        files = {}
+        for f in meta.files:
+            parsed = parse_data_name(f.name)
+            if parsed is not None:
+                files[parsed[0]] = (f.name, f.nbytes)
+        holders = copy_holders(self.nodes, self.replicas, {r: n for r, (_, n) in files.items()})
+        sends = {h: files[me][0] for h in holders.get(me, ())} if me in files else {}
+        receives = {r: files[r][0] for r, hs in holders.items() if me in hs and r in files}
+        return sends, receives
+
+    def _retain(self, comm: Comm, keep: int) -> protocol.Protocol:
+        """Keep the ``max_to_keep`` newest local steps (``keep`` among them): the metadata of
+        the others goes first on every node, then their files."""
+        steps = yield from self._all_steps()
+        newest = sorted(steps)[-self.max_to_keep:]
+        doomed = sorted(s for s in steps if s not in newest and s != keep)
+        if not doomed:
+            return
+
+        def forget() -> None:
+            if self.is_leader:
+                self.store.remove([metadata_name(s) for s in doomed])
+
+        def remove() -> None:
+            if self.is_leader:
+                listing = self.store.list_checkpoints()
+                self.store.remove([n for s in doomed for n in listing.data_names(s) + cleanup.temporary_names(listing, s)])
+
+        yield from protocol.local("local tier: retention, metadata", forget)
+        yield from protocol.local("local tier: retention, data", remove)
+        logger.info("local tier %s: deleted steps %s", self.directory, doomed)
+
+    def upload(self, comm: Comm, step: int, target: Storage, durable: bool = False) -> None:
+        """Local ``step`` copied to the global tier ``target``: every rank copies its own data
+        file, then the coordinator writes the metadata, last."""
+        protocol.run(comm, self._upload(comm, step, target, durable))
+
+    def _upload(self, comm: Comm, step: int, target: Storage, durable: bool) -> protocol.Protocol:
+        def copy() -> None:
+            target.create()
+            target.remove(cleanup.temporary_names(target.list_checkpoints(), step, comm.rank))
+            meta = self.store.read_metadata(step, lazy=True)
+            for f in meta.files:
+                if (parse_data_name(f.name) or (-1,))[0] == comm.rank:
+                    copy_file(self.store, target, f.name, durable)
+
+        yield from protocol.local("global tier: copy the local step", copy)
+
+        def publish() -> None:
+            if comm.is_coordinator:
+                target.write_atomic(metadata_name(step), self.store.metadata_bytes(step), durable)
+
+        yield from protocol.local("global tier: publish", publish)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state_dict: dict, step: int, **options: Any) -> tuple[dict | None, str]:
+        """Load local ``step`` into ``state_dict``, each file from the nearest intact copy;
+        returns (bytes by source, "") or (None, why the step cannot be restored from this
+        tier), the same on every rank."""
+        why, exclude = protocol.run(self.comm, self._check(step))
+        if why:
+            return None, why
+        rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, exclude=exclude, **options)
+        _, work = run_load(rank)
+        return {
+            "local": sum(op.nbytes for op in work.local),
+            "peer": sum(op.nbytes for ops in work.remote.values() for op in ops),
+        }, ""
+
+    def _check(self, step: int) -> protocol.Protocol:
+        """Every node's files of ``step`` checked (its ranks share them); returns ("", the
+        files this rank must not read) when every data file has an intact copy on some node,
+        else (why not, ()). What crosses the ranks is a few runs of ranks each."""
+        scrubbed = yield from protocol.local(f"local tier: check step {step}", lambda: self._scrub(step))
+        every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(scrubbed)))]
+        need = next((wire.from_runs(r["need"]) for r in every if r["meta"]), None)
+        if need is None:
+            return f"no node holds an intact {metadata_name(step)}", frozenset()
+        good = {w for r in every for w in wire.from_runs(r["good"])}
+        lost = sorted(need - good)
+        if lost:
+            return f"no intact copy of the data files of ranks {wire.rle(lost)} on any node", frozenset()
+        bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
+        return "", frozenset(bad)
+
+    def _scrub(self, step: int) -> dict:
+        """This rank's share of its node's check of ``step``: {"meta": the node's metadata is
+        intact, "need": the writers of the data files (runs), "good": writers whose file this
+        rank found intact (runs), "bad": names of the files it found damaged or unusable}."""
+        from .io.scrub import check_files
+
+        listing = self.store.list_checkpoints(temporary=False)
+        none = {"meta": False, "need": [], "good": [], "bad": []}
+        if step not in listing.complete:
+            return none
+        try:
+            meta = self.store.read_metadata(step, lazy=True)
+            meta.check_digest()
+        except Exception as exc:  # noqa: BLE001 - a damaged metadata file: another node's serves
+            logger.warning("local tier %s: %s unusable on this node: %s", self.directory, metadata_name(step), exc)
+            return dict(none, bad=[metadata_name(step)] + listing.data_names(step))
+        writer = {f.name: (parse_data_name(f.name) or (-1,))[0] for f in meta.files}
+        names = sorted(n for n in listing.data_names(step) if n in writer)
+        mine = names[self.node.index(self.comm.rank):: len(self.node)]
+        found = check_files(self.store, meta, mine)
+        bad = sorted(n for n, why in found.items() if why is not None)
+        for n in bad:
+            logger.warning("local tier %s: %s", self.directory, found[n])
+        good = [writer[n] for n in mine if n not in bad]
+        return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(good), "bad": bad}

@@ -1,0 +1,65 @@
+"""A CheckpointManager with a node-local tier on two "nodes" (two launches, each in its own
+working directory: the relative ``local`` is a directory of that node alone) and a global tier
+in a directory both see.
+
+Usage (run by launcher.run_two_nodes): tiers.py GLOBAL PHASE REPLICAS [STEP TIER]
+  save: steps 1..4, the local tier every step (the newest 2 kept), the global every 3 steps;
+        each step's values are the oracle's variant ``step``.
+  restore: the manager's restore; it must give STEP from TIER, every tensor bit-exact against
+        the numpy oracle of that step; each rank prints its last_restore as one JSON line.
+"""
+import json
+import sys
+
+import paddle.distributed as dist
+
+import common as c
+import paddle_dcp
+
+dist.init_parallel_env()
+R = c.rank()
+N = dist.get_world_size()
+GLOBAL, PHASE, REPLICAS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+MESH = c.Mesh(list(range(N)))
+S0, S1 = ("S", 0), ("S", 1)
+LEAVES = [
+    c.Leaf(("model", "w"), (8, 6), "float32", MESH, (S0,), index=0),
+    c.Leaf(("model", "b"), (6, 4), "bfloat16", MESH, (S1,), index=1),
+    c.Leaf(("model", "r"), (5,), "int64", MESH, ("R",), index=2),
+    c.Leaf(("opt", "m"), (8, 6), "float32", MESH, (S0,), index=3),
+]
+
+
+def manager() -> paddle_dcp.CheckpointManager:
+    return paddle_dcp.CheckpointManager(
+        GLOBAL, save_interval_steps=3, local_directory="local", local_max_to_keep=2, replicas=REPLICAS,
+    )
+
+
+def save() -> None:
+    with manager() as m:
+        for step in range(1, 5):
+            assert m.save(step, c.build(LEAVES, step, {"step": step}))
+        assert m.all_steps() == [3], m.all_steps()
+        assert m.latest_step() == 4
+
+
+def restore(step: int, tier: str) -> None:
+    with manager() as m:
+        sd = c.build(LEAVES, 0, {"step": -1}, target=True)
+        got = m.restore(sd)
+        report = m.last_restore
+        print("RESTORE " + json.dumps({"rank": R, "step": report.step, "tier": report.tier, "bytes": report.bytes,
+                                       "refused": [list(x) for x in report.refused]}), flush=True)
+        assert (got, report.tier) == (step, tier), (got, report)
+        c.check_state(sd, LEAVES, step, R)
+        assert sd["step"] == step, sd["step"]
+
+
+if PHASE == "save":
+    CASES = {f"save_{REPLICAS}": save}
+else:
+    want_step, want_tier = int(sys.argv[4]), sys.argv[5]
+    CASES = {f"restore_{want_step}_{want_tier}": lambda: restore(want_step, want_tier)}
+c.run_cases(CASES, [])

@@ -1,0 +1,124 @@
+"""The node-local tier (paddle_dcp/tiers.py) in one process, a node of one rank: intervals of
+both tiers, the local tier's retention, a step due for both tiers staged once (the global
+files are the local ones), and a restore that passes over a damaged copy to the next source
+that verifies, never an older step than it must. Two nodes, copies and node loss:
+tests/multirank/test_tiers.py."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from paddle_dcp import ArgumentError, CheckpointManager, FormatError
+from paddle_dcp.tiers import RestoreReport
+
+
+def state(step: int) -> dict:
+    return {"w": np.arange(4096, dtype=np.float32).reshape(64, 64) + step, "b": np.arange(7, dtype=np.int64) * step, "step": step}
+
+
+def target() -> dict:
+    return {"w": np.zeros((64, 64), np.float32), "b": np.zeros(7, np.int64), "step": -1}
+
+
+def restore(m: CheckpointManager, step=None) -> int:
+    got = target()
+    s = m.restore(got, step)
+    want = state(s)
+    assert np.array_equal(got["w"], want["w"]) and np.array_equal(got["b"], want["b"]) and got["step"] == s
+    return s
+
+
+def flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def steps_in(path) -> list[int]:
+    return sorted(int(n.split(".")[0]) for n in os.listdir(path) if n.endswith(".metadata"))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """Steps 1..5: the local tier every step (the newest 2 kept), the global every 2."""
+    local, glob = tmp_path / "local", tmp_path / "global"
+    m = CheckpointManager(glob, save_interval_steps=2, local_directory=str(local), local_max_to_keep=2, replicas=0)
+    assert [s for s in range(1, 6) if m.save(s, state(s))] == [1, 2, 3, 4, 5]
+    return m, str(local), str(glob)
+
+
+def test_each_tier_keeps_its_steps_and_a_step_due_for_both_is_the_same_files(saved):
+    m, local, glob = saved
+    assert steps_in(local) == [4, 5] and steps_in(glob) == [2, 4] and m.all_steps() == [2, 4]
+    for name in ("4.metadata", "0_4.distcp"):  # staged once: the global tier's files are the local step's
+        with open(os.path.join(local, name), "rb") as a, open(os.path.join(glob, name), "rb") as b:
+            assert a.read() == b.read()
+    assert m.latest_step() == 5
+    m.close()
+
+
+def test_restore_takes_the_newest_step_from_the_local_tier(saved):
+    m, _, _ = saved
+    assert restore(m) == 5
+    r = m.last_restore
+    assert isinstance(r, RestoreReport) and (r.step, r.tier, r.refused) == (5, "local", ())
+    assert r.bytes["local"] > 0 and r.bytes["peer"] == 0 and r.bytes["global"] == 0
+    m.close()
+
+
+def test_a_damaged_local_copy_is_passed_over_for_the_global_tier_of_the_same_step(saved):
+    m, local, glob = saved
+    flip(os.path.join(local, "0_4.distcp"))
+    assert restore(m, 4) == 4
+    r = m.last_restore
+    assert r.tier == "global" and r.bytes["global"] > 0 and r.bytes["local"] == 0
+    assert [(src, s) for src, s, _ in r.refused] == [("local", 4)] and "no intact copy" in r.refused[0][2]
+    m.close()
+
+
+def test_when_no_source_of_a_step_verifies_the_next_older_restorable_step_is_restored(saved):
+    m, local, glob = saved
+    flip(os.path.join(local, "0_5.distcp"))  # step 5: local only
+    assert restore(m) == 4  # from the local tier: its copy is intact
+    assert m.last_restore.tier == "local" and [(s, t) for t, s, _ in m.last_restore.refused] == [(5, "local")]
+    flip(os.path.join(local, "0_4.distcp"))
+    flip(os.path.join(glob, "0_4.distcp"))
+    assert restore(m) == 2  # 5 and 4 have no intact copy anywhere; 3 was deleted locally
+    assert [(t, s) for t, s, _ in m.last_restore.refused] == [("local", 5), ("local", 4), ("global", 4)]
+    m.close()
+
+
+def test_a_step_asked_for_that_nothing_verifies_is_an_error_naming_every_source(saved):
+    m, local, glob = saved
+    flip(os.path.join(local, "0_4.distcp"))
+    flip(os.path.join(glob, "0_4.distcp"))
+    with pytest.raises(FormatError, match="local step 4: .*; global step 4: "):
+        m.restore(target(), 4)
+    m.close()
+
+
+def test_copies_need_another_node(tmp_path):
+    with pytest.raises(ArgumentError, match="every rank sees the same local directory"):
+        CheckpointManager(tmp_path / "g", local_directory=str(tmp_path / "l"), replicas=1)
+    with pytest.raises(ArgumentError, match="local_interval_steps"):
+        CheckpointManager(tmp_path / "g", local_directory=str(tmp_path / "l"), local_interval_steps=0)
+    with pytest.raises(ArgumentError, match="URL"):
+        CheckpointManager(tmp_path / "g", local_directory="s3://bucket/x", replicas=0)
+
+
+def test_async_saves_write_both_tiers_in_the_background(tmp_path):
+    local, glob = tmp_path / "local", tmp_path / "global"
+    with CheckpointManager(glob, save_interval_steps=2, async_save=True, local_directory=str(local),
+                           local_max_to_keep=2, replicas=0) as m:
+        for s in range(1, 5):
+            values = state(s)
+            assert m.save(s, values)
+            values["w"][...] = -1  # the caller moves on: the staged copy is what is written
+        m.wait()
+        assert steps_in(local) == [3, 4] and steps_in(glob) == [2, 4] and m.all_steps() == [2, 4]
+        assert restore(m) == 4 and m.last_restore.tier == "local"
+        assert restore(m, 2) == 2 and m.last_restore.tier == "global"
