@@ -15,7 +15,8 @@ metadata's checksums (:func:`paddle_dcp.io.scrub.check_files`, the node's ranks 
 work); the step is restorable when every data file has an intact copy on some node. The load
 then reads nothing from a file found damaged (it is left out of that node's listing): the bytes
 come from the node itself, else from a rank of another node that holds an intact copy (the
-load's own transfer between ranks), every block checked again before any tensor changes.
+load's own transfer between ranks). Every byte it reads has just been checked, so the load
+does not hash them again.
 """
 from __future__ import annotations
 
@@ -245,6 +246,9 @@ class LocalTier:
         why, exclude = protocol.run(self.comm, self._check(step))
         if why:
             return None, why
+        # every byte it reads was checked just now, by its own node's ranks or the serving
+        # node's: the load does not hash them a second time
+        options.setdefault("verify", False)
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, exclude=exclude, **options)
         _, work = run_load(rank)
         return {
