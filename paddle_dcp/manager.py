@@ -192,11 +192,11 @@ class CheckpointManager:
         for s in candidates:
             if s in local:
                 try:
-                    got, why = self.local.restore(state_dict, s)
+                    got, why = self.local.restore(state_dict, s, self.store if s in held else None)
                 except DcpError as exc:
                     got, why = None, str(exc).replace("\n", " ")
                 if got is not None:
-                    return self._restored(s, "local", dict(got, **{"global": 0}), refused)
+                    return self._restored(s, "local", got, refused)
                 self._refuse(refused, "local", s, why)
             if s in held:
                 try:

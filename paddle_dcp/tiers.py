@@ -27,11 +27,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .api import run_load, run_save
 from .core.copies import copy_holders, nodes_of
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
-from .errors import ArgumentError
+from .errors import ArgumentError, IntegrityError
 from .io import cleanup, is_url, open_storage
 from .io.copy import copy_file
 from .io.storage import Storage
@@ -239,13 +241,19 @@ class LocalTier:
         yield from protocol.local("global tier: publish", publish)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state_dict: dict, step: int, **options: Any) -> tuple[dict | None, str]:
-        """Load local ``step`` into ``state_dict``, each file from the nearest intact copy;
-        returns (bytes by source, "") or (None, why the step cannot be restored from this
-        tier), the same on every rank."""
-        why, exclude = protocol.run(self.comm, self._check(step))
-        if why:
-            return None, why
+    def restore(self, state_dict: dict, step: int, fallback: Storage | None = None, **options: Any) -> tuple[dict | None, str]:
+        """Load local ``step`` into ``state_dict``, each file from the nearest intact copy: its
+        own node, another node, else (when no node has one) the global tier ``fallback``
+        holding the same step, from which the file's writer copies it back into its node
+        first. Returns (bytes by source, "") or (None, why the step cannot be restored from
+        this tier), the same on every rank."""
+        why, exclude, lost, digest = protocol.run(self.comm, self._check(step))
+        repaired: dict[int, tuple[str, int]] = {}
+        if lost:
+            if fallback is None:
+                return None, why
+            repaired = protocol.run(self.comm, self._repair(step, lost, digest, fallback))
+            exclude = exclude - {name for r, (name, _) in repaired.items() if r in self.node}
         # every byte it reads was checked just now, by its own node's ranks or the serving
         # node's: the load does not hash them a second time
         options.setdefault("verify", False)
@@ -254,23 +262,48 @@ class LocalTier:
         return {
             "local": sum(op.nbytes for op in work.local),
             "peer": sum(op.nbytes for ops in work.remote.values() for op in ops),
+            "global": repaired.get(self.comm.rank, ("", 0))[1],
         }, ""
 
     def _check(self, step: int) -> protocol.Protocol:
-        """Every node's files of ``step`` checked (its ranks share them); returns ("", the
-        files this rank must not read) when every data file has an intact copy on some node,
-        else (why not, ()). What crosses the ranks is a few runs of ranks each."""
+        """Every node's files of ``step`` checked (its ranks share them). Returns (why the
+        step is not whole on the nodes, or ""; the files this rank must not read; the writers
+        whose file has no intact copy on any node; the digest of the nodes' metadata). What
+        crosses the ranks is a few runs of ranks each."""
         scrubbed = yield from protocol.local(f"local tier: check step {step}", lambda: self._scrub(step))
         every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(scrubbed)))]
-        need = next((wire.from_runs(r["need"]) for r in every if r["meta"]), None)
-        if need is None:
-            return f"no node holds an intact {metadata_name(step)}", frozenset()
+        bad = frozenset(n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"])
+        known = next((r for r in every if r["meta"]), None)
+        if known is None:
+            return f"no node holds an intact {metadata_name(step)}", bad, (), 0
         good = {w for r in every for w in wire.from_runs(r["good"])}
-        lost = sorted(need - good)
-        if lost:
-            return f"no intact copy of the data files of ranks {wire.rle(lost)} on any node", frozenset()
-        bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
-        return "", frozenset(bad)
+        lost = tuple(sorted(wire.from_runs(known["need"]) - good))
+        why = f"no intact copy of the data files of ranks {wire.rle(lost)} on any node" if lost else ""
+        return why, bad, lost, known["digest"]
+
+    def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
+        """The writers of the ``lost`` files copy them from the global tier's same step (the
+        same metadata, ``digest``) into their node, checked; returns writer -> (name, bytes)."""
+        from .io.scrub import check_files
+
+        def fetch() -> bytes:
+            if self.comm.rank not in lost:
+                return b""
+            data = fallback.metadata_bytes(step)
+            if _digest(data) != digest:
+                raise IntegrityError(f"step {step} of the global tier is another save than the local tier's")
+            meta = parse_metadata(data, source=fallback.resolve(metadata_name(step)), lazy=True)
+            name = next(f.name for f in meta.files if (parse_data_name(f.name) or (-1,))[0] == self.comm.rank)
+            size = copy_file(fallback, self.store, name)
+            problem = check_files(self.store, meta, [name])[name]
+            if problem is not None:
+                self.store.remove([name])
+                raise IntegrityError(f"the global tier's copy fails its check too: {problem}")
+            return json.dumps([name, size]).encode()
+
+        mine = yield from protocol.local("local tier: files from the global tier", fetch)
+        every = yield protocol.AllGather(mine)
+        return {r: tuple(json.loads(b)) for r, b in zip(self.comm.ranks, every) if b}
 
     def _scrub(self, step: int) -> dict:
         """This rank's share of its node's check of ``step``: {"meta": the node's metadata is
@@ -296,4 +329,10 @@ class LocalTier:
         for n in bad:
             logger.warning("local tier %s: %s", self.directory, found[n])
         good = [writer[n] for n in mine if n not in bad]
-        return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(good), "bad": bad}
+        digest = _digest(self.store.metadata_bytes(step))
+        return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(good), "bad": bad, "digest": digest}
+
+
+def _digest(data: bytes) -> int:
+    """A metadata file's fingerprint (fits a JSON number and an int64)."""
+    return xxhash.xxh3_64_intdigest(data) >> 1

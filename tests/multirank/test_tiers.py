@@ -70,10 +70,15 @@ def test_a_lost_node_is_restored_from_the_copies_on_the_other_node(tmp_path, npr
         assert [r[:2] for r in d["refused"]] == [["local", 4]] and "no intact copy" in d["refused"][0][2], d
 
 
-def test_without_copies_a_lost_node_falls_back_to_the_global_tier(tmp_path):
+def test_without_copies_a_lost_node_takes_its_files_from_the_global_tier(tmp_path):
+    """Step 4 is on the local tier only: lost with the node. Step 3 is on both: the lost
+    node's ranks copy their files back from the global tier, the other node's read their own."""
     assert_passed(run(tmp_path, 1, "save", 0), ["save_0"], 2)
     wipe(tmp_path, NODES[0])
-    logs = run(tmp_path, 1, "restore", 0, 3, "global")
-    assert_passed(logs, ["restore_3_global"], 2)
-    for d in restores(logs).values():
-        assert [r[:2] for r in d["refused"]] == [["local", 4], ["local", 3]] and d["bytes"]["global"] > 0, d
+    logs = run(tmp_path, 1, "restore", 0, 3, "local")
+    assert_passed(logs, ["restore_3_local"], 2)
+    done = restores(logs)
+    for d in done.values():
+        assert [r[:2] for r in d["refused"]] == [["local", 4]] and "no intact copy" in d["refused"][0][2], d
+    assert sorted(d["bytes"]["global"] > 0 for d in done.values()) == [False, True], done  # the lost node's rank only
+    assert all(d["bytes"]["local"] + d["bytes"]["peer"] > 0 for d in done.values()), done
