@@ -226,7 +226,10 @@ class LocalTier:
     def _upload(self, comm: Comm, step: int, target: Storage, durable: bool) -> protocol.Protocol:
         def copy() -> None:
             target.create()
-            target.remove(cleanup.temporary_names(target.list_checkpoints(), step, comm.rank))
+            if not target.seen_by_all:  # what a crashed copy of this rank left
+                target.remove(cleanup.temporary_names(target.list_checkpoints(), step, comm.rank))
+            elif comm.is_coordinator:  # one listing for every rank's
+                target.remove(cleanup.temporary_names(target.list_checkpoints(), step))
             meta = self.store.read_metadata(step, lazy=True)
             for f in meta.files:
                 if (parse_data_name(f.name) or (-1,))[0] == comm.rank:
