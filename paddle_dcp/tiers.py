@@ -224,12 +224,16 @@ class LocalTier:
         protocol.run(comm, self._upload(comm, step, target, durable))
 
     def _upload(self, comm: Comm, step: int, target: Storage, durable: bool) -> protocol.Protocol:
-        def copy() -> None:
+        def prepare() -> None:  # what a crashed copy left, removed before any rank writes
             target.create()
-            if not target.seen_by_all:  # what a crashed copy of this rank left
+            if not target.seen_by_all:
                 target.remove(cleanup.temporary_names(target.list_checkpoints(), step, comm.rank))
             elif comm.is_coordinator:  # one listing for every rank's
                 target.remove(cleanup.temporary_names(target.list_checkpoints(), step))
+
+        yield from protocol.local("global tier: prepare", prepare)
+
+        def copy() -> None:
             meta = self.store.read_metadata(step, lazy=True)
             for f in meta.files:
                 if (parse_data_name(f.name) or (-1,))[0] == comm.rank:
