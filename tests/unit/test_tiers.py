@@ -126,3 +126,19 @@ def test_async_saves_write_both_tiers_in_the_background(tmp_path):
         assert steps_in(local) == [3, 4] and steps_in(glob) == [2, 4] and m.all_steps() == [2, 4]
         assert restore(m) == 4 and m.last_restore.tier == "local"
         assert restore(m, 2) == 2 and m.last_restore.tier == "global"
+
+
+def test_a_global_tier_on_object_storage_holds_the_local_step_s_files_and_serves_a_lost_one(tmp_path):
+    import uuid
+
+    url = f"memory://bucket/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    with CheckpointManager(url, save_interval_steps=2, async_save=True, local_directory=str(local), replicas=0) as m:
+        for s in range(1, 5):
+            m.save(s, state(s))
+        m.wait()
+        assert sorted(n for n in m.store.sizes() if not n.startswith("paddle_dcp_manager")) == [
+            "0_2.distcp", "0_4.distcp", "2.metadata", "4.metadata"]
+        os.remove(os.path.join(local, "0_4.distcp"))  # lost on the node: the global tier's copy serves
+        assert restore(m) == 4
+        assert m.last_restore.tier == "local" and m.last_restore.bytes["global"] == m.store.size("0_4.distcp")
