@@ -227,14 +227,13 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete step (every rank gives the same answer), or None. With a local
-        tier, every rank calls it together: the newest step any node holds whole, or the
-        global tier's (whether its bytes verify is :meth:`restore`'s to find)."""
-        steps = self._manifest.complete()
-        newest = steps[-1] if steps else None
+        tier, every rank calls it together: the newest step of the global tier, or of the
+        local tier with every data file present on some node (whether the bytes verify is
+        :meth:`restore`'s to find; it passes over a step whose bytes do not)."""
+        steps = set(self._manifest.complete())
         if self.local is not None:
-            local = self.local.steps()
-            newest = max([s for s in (newest, max(local, default=None)) if s is not None], default=None)
-        return newest
+            steps |= self.local.whole_steps()
+        return max(steps) if steps else None
 
     def all_steps(self) -> list[int]:
         """The complete steps the global tier keeps, ascending."""

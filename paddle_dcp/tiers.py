@@ -144,6 +144,37 @@ class LocalTier:
     def steps(self, comm: Comm | None = None) -> frozenset:
         return protocol.run(comm or self.comm, self._all_steps())
 
+    def whole_steps(self) -> frozenset:
+        """The local steps every data file of which some node holds, of the metadata's size
+        (whether their bytes verify is the restore's to find): each node's first rank looks."""
+        return protocol.run(self.comm, self._whole_steps())
+
+    def _whole_steps(self) -> protocol.Protocol:
+        def look() -> bytes:
+            found: dict[int, dict] = {}
+            if not self.is_leader:
+                return wire.encode_json(found)
+            listing = self.store.list_checkpoints(temporary=False)
+            for step in sorted(listing.complete):
+                try:
+                    meta = self.store.read_metadata(step, lazy=True)
+                except Exception:  # noqa: BLE001 - unusable here: another node's may serve
+                    continue
+                writer = {f.name: ((parse_data_name(f.name) or (-1,))[0], f.nbytes) for f in meta.files}
+                here = [writer[n][0] for n in listing.data_names(step) if n in writer and self.store.size(n) == writer[n][1]]
+                found[step] = {"need": wire.rle(w for w, _ in writer.values()), "have": wire.rle(here)}
+            return wire.encode_json(found)
+
+        mine = yield from protocol.local("local tier: find whole steps", look)
+        every = [wire.decode_json(b) for b in (yield protocol.AllGather(mine))]
+        need: dict[int, set] = {}
+        have: dict[int, set] = {}
+        for doc in every:
+            for step, d in doc.items():
+                need.setdefault(int(step), wire.from_runs(d["need"]))
+                have.setdefault(int(step), set()).update(wire.from_runs(d["have"]))
+        return frozenset(s for s in need if need[s] <= have[s])
+
     # ------------------------------------------------------------------ save
     def save(self, step: int, state_dict: dict, staged: bool, then=None):
         """Save ``step`` to every node's local directory and copy each data file to the other

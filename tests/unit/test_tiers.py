@@ -142,3 +142,11 @@ def test_a_global_tier_on_object_storage_holds_the_local_step_s_files_and_serves
         os.remove(os.path.join(local, "0_4.distcp"))  # lost on the node: the global tier's copy serves
         assert restore(m) == 4
         assert m.last_restore.tier == "local" and m.last_restore.bytes["global"] == m.store.size("0_4.distcp")
+
+
+def test_the_latest_step_is_the_newest_one_whose_files_are_all_present(saved):
+    m, local, glob = saved
+    assert m.latest_step() == 5
+    os.remove(os.path.join(local, "0_5.distcp"))  # step 5: local only, now incomplete
+    assert m.latest_step() == 4
+    m.close()
