@@ -1,0 +1,568 @@
+"""Benchmark of CheckpointManager's node-local tier (issue 29, point 6): restores from each tier
+and the save with replication, against today's saves, in one run on this machine.
+
+Two "nodes" on one machine: every job is two ``python -m paddle.distributed.launch --nnodes 2
+--rank {0,1} --master 127.0.0.1:PORT`` launches, each in its own working directory (``nodeA``,
+``nodeB``), so the relative local directory is each node's own; the global tier is a directory
+both see, or a bucket on a local S3 server (tests/s3server.py: SeaweedFS ``weed mini``). The
+state: ``--size`` bytes of float32 in 64 MiB tensors, Shard(0) over the ranks
+(bench_tiers_worker.py). Each repeat, in fresh directories:
+
+- save-local: steps 1 and 2 saved with a local tier (``replicas=1``, async, no global step
+  due): each save's blocked time (the ``save()`` call) and total (until ``wait()`` returned);
+  then, untimed, step 2 saved by the managers of the global-tier restores (``replicas=0``,
+  every step to the global tier too: a directory, and ``s3://``);
+- restore, local: a restarted job restores step 2, nothing deleted (every byte from the own node);
+- restore, peer: nodeB's local directory deleted first (its ranks' bytes come from nodeA's copies);
+- restore, global (disk) and global (S3): ``replicas=0``, nodeB's local directory deleted, so
+  the local step is refused and the restore falls back to the global tier;
+- save-async / save-sync: steps 1 and 2 by a manager without a local tier (today's async save,
+  and the plain save) to a global directory on disk.
+
+The order of save-local (with its restores), save-async and save-sync rotates from repeat to
+repeat. Every rank times its own call after a settle wait and a barrier (process start-up,
+manager construction and the checks are outside); a job's time is its slowest rank's. Every
+restore must give step 2 from the tier meant (``last_restore.tier``), each rank's bytes by
+source (``last_restore.bytes``) must show the source meant, and every tensor's xxh3_64 must
+equal the one its save recorded, or the run fails. The machine's limits are measured in the
+same run: memcpy, xxh3_64, a loopback TCP stream, the page cache, and the S3 server's own PUT
+and GET. Figures: best (the least seconds) and median over ``--repeat``.
+
+Run (1 GiB, 2 nodes x 1 rank, 3 repeats; about 15 minutes)::
+
+    .venv/bin/python scripts/bench_tiers.py --size 1G --repeat 3 --json-out tiers.json
+
+Smoke run (every path, about 3 minutes): ``--size 64M --repeat 1``.
+Prints the table, the ratios and the targets (PASS/MISS), then one JSON line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "bench_tiers_worker.py")
+GB = 1e9
+MiB = 1 << 20
+NODES = ("nodeA", "nodeB")
+
+# the restores and saves measured: name -> what the table calls it
+RESTORES = {
+    "local": "restore, own local tier",
+    "peer": "restore, other node's copies",
+    "global-disk": "restore, global tier on disk",
+    "global-s3": "restore, global tier on S3",
+}
+SAVES = {
+    "local-async": "save, local tier + copy (async)",
+    "async": "save, global only (async, today)",
+    "sync": "save, global only (plain)",
+}
+WHICH = ("first", "later")  # a process's first save (step 1) and its next one (step 2)
+# issue 29, point 6: (name, numerator, denominator, bound, "min" | "max", what it says)
+TARGETS = (
+    ("peer restore >= 3x faster than S3", "restore.global-s3", "restore.peer", 3.0, "min",
+     "restore from S3 / restore from the other node's copies"),
+    ("peer restore within 2x of local", "restore.peer", "restore.local", 2.0, "max",
+     "restore from the other node's copies / restore from the own local tier"),
+    ("local-tier async save blocks <= today's async (later save)", "save.local-async.later.blocked",
+     "save.async.later.blocked", 1.0, "max", "blocked: local tier + copy / global only"),
+    ("local-tier async save blocks <= today's async (first save)", "save.local-async.first.blocked",
+     "save.async.first.blocked", 1.0, "max", "blocked: local tier + copy / global only"),
+)
+# more ratios from the same run, for the doc: (name, numerator, denominator)
+RATIOS = (
+    ("S3 / peer restore", "restore.global-s3", "restore.peer"),
+    ("disk global / peer restore", "restore.global-disk", "restore.peer"),
+    ("peer / local restore", "restore.peer", "restore.local"),
+    ("S3 / local restore", "restore.global-s3", "restore.local"),
+    ("local-tier async / today's async, blocked (later)", "save.local-async.later.blocked", "save.async.later.blocked"),
+    ("local-tier async / today's async, blocked (first)", "save.local-async.first.blocked", "save.async.first.blocked"),
+    ("local-tier async / today's async, total (later)", "save.local-async.later.total", "save.async.later.total"),
+    ("local-tier async blocked / plain save (later)", "save.local-async.later.blocked", "save.sync.later.total"),
+    ("local-tier async total / plain save (later)", "save.local-async.later.total", "save.sync.later.total"),
+)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip()
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+# ------------------------------------------------------------------------------ pure helpers
+def best_median(values: list) -> dict:
+    """Seconds of the repeats: the best (least) and the median."""
+    return {"best": min(values), "median": statistics.median(values), "samples": list(values)}
+
+
+def ratio(summary: dict, num: str, den: str) -> dict | None:
+    """``num`` / ``den``, best by best and median by median; None when either is missing."""
+    a, b = summary.get(num), summary.get(den)
+    if not a or not b or not b["best"] or not b["median"]:
+        return None
+    return {"best": a["best"] / b["best"], "median": a["median"] / b["median"]}
+
+
+def check_targets(summary: dict) -> list:
+    """Every target of TARGETS against the summary: the ratio (best and median) and whether
+    it holds (on the best figures; ``median_ok`` says whether the medians agree)."""
+    out = []
+    for name, num, den, bound, kind, what in TARGETS:
+        r = ratio(summary, num, den)
+        holds = (lambda x: x >= bound) if kind == "min" else (lambda x: x <= bound)
+        out.append({"target": name, "what": what, "bound": bound, "kind": kind, "ratio": r,
+                    "ok": None if r is None else holds(r["best"]),
+                    "median_ok": None if r is None else holds(r["median"])})
+    return out
+
+
+def source_check(kind: str, reports: list, share: int) -> str:
+    """'' when the ranks' ``last_restore`` reports show the source meant, else why not.
+
+    ``reports``: per rank, (its node, {"tier", "bytes": {"local", "peer", "global"}}), the
+    local directory of NODES[1] deleted before the restore (but for ``kind`` "local");
+    ``share``: one rank's bytes. local: every rank's bytes from its own node; peer: the
+    wiped node's from the other node, the rest from their own, none from the global tier;
+    global-*: the wiped node's from the global tier, none from the other node (the intact
+    node's from the global tier too, or from its own node when the library repairs the lost
+    files alone: tier "local" with global bytes)."""
+    wiped = [b["bytes"] for node, b in reports if node == NODES[1]]
+    kept = [b["bytes"] for node, b in reports if node != NODES[1]]
+    tiers = sorted({b["tier"] for _, b in reports})
+    if not wiped or not kept:
+        return f"ranks on nodes {sorted({node for node, _ in reports})}, expected both {NODES}"
+    if kind in ("local", "peer") and tiers != ["local"]:
+        return f"tier {tiers}, expected local"
+    if kind == "local":
+        ok = all(b.get("local") == share and not b.get("peer") and not b.get("global") for b in wiped + kept)
+        return "" if ok else f"bytes {[b for _, b in reports]}: expected all {share} of each rank from its own node"
+    if kind == "peer":
+        ok = (all(b.get("peer") == share and not b.get("global") for b in wiped)
+              and all(b.get("local") == share and not b.get("global") for b in kept))
+        return "" if ok else (f"bytes {[b for _, b in reports]}: expected {NODES[1]}'s ranks' {share} each from "
+                              f"the other node, {NODES[0]}'s from their own")
+    if not set(tiers) <= {"global", "local"}:
+        return f"tier {tiers}, expected global (or local with the lost files from the global tier)"
+    ok = (all(b.get("global") == share and not b.get("peer") for b in wiped)
+          and all((b.get("global") == share or b.get("local") == share) and not b.get("peer") for b in kept))
+    return "" if ok else f"bytes {[b for _, b in reports]}: expected {NODES[1]}'s ranks' {share} each from the global tier"
+
+
+def summarize(runs: dict) -> dict:
+    """Per measure (restore.KIND, save.KIND.WHICH.blocked|total): best and median seconds over
+    the repeats, each repeat's figure its slowest rank's."""
+    out = {}
+    for kind, reps in runs.get("restore", {}).items():
+        if reps:
+            out[f"restore.{kind}"] = best_median([max(r["seconds"] for r in rep) for rep in reps])
+            loads = [[r.get("load_seconds") for r in rep] for rep in reps]
+            if all(x is not None for rep in loads for x in rep):
+                out[f"restore.{kind}.load"] = best_median([max(rep) for rep in loads])
+    for kind, reps in runs.get("save", {}).items():
+        for i, which in enumerate(WHICH):
+            for what in ("blocked", "total"):
+                vals = [max(r["saves"][i][what] for r in rep) for rep in reps if rep]
+                if vals:
+                    out[f"save.{kind}.{which}.{what}"] = best_median(vals)
+    return out
+
+
+def format_table(summary: dict, nbytes: int) -> list:
+    """The lines of the table: every measure's best and median seconds, and GB/s at the best."""
+    lines = ["| measure | best s | median s | GB/s (best) | of which the load step, best (median) s |",
+             "|---|---|---|---|---|"]
+    for kind, title in RESTORES.items():
+        s = summary.get(f"restore.{kind}")
+        if s:
+            load = summary.get(f"restore.{kind}.load")
+            part = f"{load['best']:.2f} ({load['median']:.2f})" if load else "-"
+            lines.append(f"| {title} | {s['best']:.2f} | {s['median']:.2f} | {nbytes / s['best'] / GB:.2f} | {part} |")
+    for kind, title in SAVES.items():
+        for which in WHICH:
+            for what in ("blocked", "total"):
+                s = summary.get(f"save.{kind}.{which}.{what}")
+                if s:
+                    lines.append(f"| {title}, {which}, {what} | {s['best']:.2f} | {s['median']:.2f} | "
+                                 f"{nbytes / s['best'] / GB:.2f} | |")
+    return lines
+
+
+def format_targets(summary: dict) -> list:
+    lines = []
+    for name, num, den in RATIOS:
+        r = ratio(summary, num, den)
+        if r:
+            lines.append(f"ratio {name}: {r['best']:.2f}x best, {r['median']:.2f}x median")
+    for t in check_targets(summary):
+        if t["ratio"] is None:
+            lines.append(f"NOT MEASURED {t['target']}")
+            continue
+        sign = ">=" if t["kind"] == "min" else "<="
+        verdict = "PASS" if t["ok"] else "MISS"
+        agree = "" if t["ok"] == t["median_ok"] else f" (median: {'PASS' if t['median_ok'] else 'MISS'})"
+        lines.append(f"{verdict} {t['target']}: {t['what']} = {t['ratio']['best']:.2f}x best, "
+                     f"{t['ratio']['median']:.2f}x median (target {sign} {t['bound']:g}x){agree}")
+    return lines
+
+
+# ------------------------------------------------------------------------------ machine limits
+def memcpy_speed(nbytes: int, rounds: int = 3) -> float:
+    """GB/s of one numpy copy of ``nbytes`` between buffers touched before, best of ``rounds``."""
+    import numpy as np
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / GB
+
+
+def tcp_loopback_speed(nbytes: int, rounds: int = 2, chunk: int = 4 * MiB) -> float:
+    """GB/s of one TCP stream over 127.0.0.1 (a sender thread, ``recv_into`` a buffer touched
+    before): the wire a copy between the two "nodes" here crosses. Best of ``rounds``."""
+    import numpy as np
+
+    data = memoryview(np.ones(chunk, np.uint8))
+    out = memoryview(np.zeros(nbytes, np.uint8))
+    best = float("inf")
+    for _ in range(rounds):
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            port = srv.getsockname()[1]
+
+            def send():
+                with socket.create_connection(("127.0.0.1", port)) as c:
+                    left = nbytes
+                    while left:
+                        n = min(left, chunk)
+                        c.sendall(data[:n])
+                        left -= n
+
+            t = threading.Thread(target=send)
+            t.start()
+            conn, _ = srv.accept()
+            with conn:
+                t0 = time.perf_counter()
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(out[got:], min(chunk, nbytes - got))
+                    if not n:
+                        raise RuntimeError("the loopback stream ended early")
+                    got += n
+                best = min(best, time.perf_counter() - t0)
+            t.join()
+    return nbytes / best / GB
+
+
+def machine_limits(workdir: str, share: int, store) -> dict:
+    from bench_machine import checksum_speed, page_cache_speed
+
+    out = {"share_bytes": share}
+    log("machine limits: memcpy, xxh3_64, loopback TCP, page cache" + (", S3 server" if store else ""))
+    out["memcpy_gbps"] = memcpy_speed(share)
+    out["xxh3"] = checksum_speed(rounds=3)
+    out["tcp_loopback_gbps"] = tcp_loopback_speed(share)
+    out["page_cache"] = page_cache_speed(os.path.join(workdir, "pagecache"), share, 1, 1.0)
+    shutil.rmtree(os.path.join(workdir, "pagecache"), ignore_errors=True)
+    if store is not None:
+        import bench_s3
+
+        out["s3_server"] = bench_s3.server_speed(store, share)
+    return out
+
+
+# ------------------------------------------------------------------------------ launches
+def _kill(proc: subprocess.Popen) -> None:
+    """The launcher this script started (its own process group, by id) and the workers it
+    started (each in a session of its own, found as its descendants first)."""
+    try:
+        import psutil
+
+        workers = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or already gone
+        workers = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for w in workers:
+        try:
+            if os.getpgid(w.pid) == w.pid:
+                os.killpg(w.pid, signal.SIGKILL)
+            else:
+                w.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def two_nodes(work: str, name: str, phase: str, opts: dict, nproc: int, timeout: float) -> list:
+    """One job of two nodes running the worker's ``phase``; the ranks' results, rank order.
+    Raises LaunchError (with the tails of the logs) when a rank fails or the job outlives
+    ``timeout`` seconds (then both launchers and their workers are killed, by their ids)."""
+    results = os.path.join(work, "results", name)
+    shutil.rmtree(results, ignore_errors=True)
+    opts = dict(opts, results=results)
+    port = _free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([HERE, REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    procs, logs = [], []
+    try:
+        for node_rank, node in enumerate(NODES):
+            cwd = os.path.join(work, node)
+            os.makedirs(cwd, exist_ok=True)
+            log_dir = os.path.join(cwd, f"log-{name}")
+            shutil.rmtree(log_dir, ignore_errors=True)
+            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", "2", "--rank", str(node_rank),
+                   "--nproc_per_node", str(nproc), "--master", f"127.0.0.1:{port}", "--log_dir", log_dir,
+                   WORKER, phase, json.dumps(opts)]
+            with open(os.path.join(cwd, f"launcher-{name}.out"), "w") as out:
+                procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
+                                              stdout=out, stderr=subprocess.STDOUT))
+            logs.append(log_dir)
+        deadline = time.monotonic() + timeout
+        why = ""
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                why = f"a launcher exited with {[p.poll() for p in procs]}"
+                break
+            if time.monotonic() > deadline:
+                why = f"timed out after {timeout:.0f} s"
+                break
+            time.sleep(0.2)
+        if why:
+            for p in procs:
+                if p.poll() is None:
+                    _kill(p)
+            for p in procs:
+                p.wait()
+    except BaseException:
+        for p in procs:
+            _kill(p)
+        raise
+    ranks = 2 * nproc
+    out = []
+    for r in range(ranks):
+        try:
+            with open(os.path.join(results, f"rank{r}.json")) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            out.append(None)
+    errors = [res["error"] for res in out if res and res.get("error")]
+    codes = [p.returncode for p in procs]
+    if why or errors or any(codes) or any(res is None or not res.get("ok") for res in out):
+        tails = "\n".join(f"--- {d}/{f}\n{_tail(os.path.join(d, f))}" for d in logs if os.path.isdir(d)
+                          for f in sorted(os.listdir(d)) if f.startswith("workerlog"))
+        what = why or (errors[0] if errors else f"launcher exit codes {codes}")
+        raise LaunchError(f"{name}: {what}\n{tails}")
+    return out
+
+
+LOADED_RE = re.compile(r"loaded checkpoint \d+ from \S+: \d+ bytes by this rank in ([0-9.]+) s")
+
+
+def load_seconds(work: str, name: str, nproc: int) -> list:
+    """Per rank, the seconds the library's load step took inside its restore (its INFO line
+    "loaded checkpoint ... in X s"; None when absent): the rest of a restore is the tier's
+    check of its files and the agreement on the step."""
+    out = []
+    for node in NODES:
+        for local_rank in range(nproc):
+            found = None
+            path = os.path.join(work, node, f"log-{name}", f"workerlog.{local_rank}")
+            try:
+                with open(path, errors="replace") as f:
+                    for m in LOADED_RE.finditer(f.read()):
+                        found = float(m.group(1))
+            except OSError:
+                pass
+            out.append(found)
+    return out
+
+
+def wipe(work: str, node: str, local: str) -> None:
+    path = os.path.join(work, node, local)
+    if not os.path.isdir(path):
+        raise LaunchError(f"{path} is missing: nothing to delete")
+    shutil.rmtree(path)
+
+
+# ------------------------------------------------------------------------------ one repeat
+def tiers_block(work: str, args, common: dict, s3_url: str | None, runs: dict, checks: list) -> None:
+    """save-local, then the four restores, each a fresh job."""
+    extra = [["global-disk", os.path.join(work, "global-disk"), "local0"]]
+    if s3_url:
+        extra.append(["global-s3", s3_url, "local0s3"])
+    log("  save-local (local tier + copies, async; then the global tiers' step 2, untimed)")
+    res = two_nodes(work, "save-local", "save-local", dict(common, directory=os.path.join(work, "global-none"),
+                    local="local", replicas=1, extra=extra), args.nproc_per_node, args.timeout)
+    runs["save"]["local-async"].append(res)
+    restores = [("local", os.path.join(work, "global-none"), "local", 1, None),
+                ("peer", os.path.join(work, "global-none"), "local", 1, "local"),
+                ("global-disk", os.path.join(work, "global-disk"), "local0", 0, "local0")]
+    if s3_url:
+        restores.append(("global-s3", s3_url, "local0s3", 0, "local0s3"))
+    for kind, directory, local, replicas, doomed in restores:
+        if doomed:
+            wipe(work, NODES[1], doomed)
+        log(f"  restore from {kind}" + (f" ({NODES[1]}/{doomed} deleted)" if doomed else ""))
+        tiers = ["global", "local"] if kind.startswith("global") else ["local"]
+        res = two_nodes(work, f"restore-{kind}", "restore", dict(common, directory=directory, local=local,
+                        replicas=replicas, step=2, tiers=tiers), args.nproc_per_node, args.timeout)
+        why = source_check(kind, [(os.path.basename(r["cwd"]), r["report"]) for r in res], res[0]["share_bytes"])
+        if why:
+            raise LaunchError(f"restore from {kind}: not the source meant: {why}")
+        checks.append({"kind": kind, "reports": [dict(r["report"], node=os.path.basename(r["cwd"])) for r in res],
+                       "checked_bytes": sum(r["checked_bytes"] for r in res)})
+        for r, seconds in zip(res, load_seconds(work, f"restore-{kind}", args.nproc_per_node)):
+            r["load_seconds"] = seconds
+        runs["restore"][kind].append(res)
+
+
+def one_repeat(rep: int, base: str, args, store, runs: dict, checks: list) -> None:
+    work = os.path.join(base, f"rep{rep}")
+    os.makedirs(work, exist_ok=True)
+    common = {"size": args.size, "settle": args.settle, "expected": os.path.join(work, "expected")}
+    s3_url = store.path(f"tiers-rep{rep}") if store else None
+    blocks = ["tiers", "async", "sync"]
+    blocks = blocks[rep % 3:] + blocks[: rep % 3]
+    log(f"repeat {rep + 1}/{args.repeat}: {', '.join(blocks)}")
+    try:
+        for block in blocks:
+            if block == "tiers":
+                tiers_block(work, args, common, s3_url, runs, checks)
+            else:
+                log(f"  save-{block} (no local tier)")
+                res = two_nodes(work, f"save-{block}", f"save-{block}",
+                                dict(common, directory=os.path.join(work, f"global-{block}")),
+                                args.nproc_per_node, args.timeout)
+                runs["save"][block].append(res)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+            if store and s3_url:
+                store.remove(s3_url)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=1 << 30, help="bytes of float32 state over all ranks (1G)")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--settle", type=float, default=3.0, help="seconds each rank waits before its timed call")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one job may take before it is killed")
+    p.add_argument("--no-s3", action="store_true", help="skip the S3 server and the restore from it")
+    p.add_argument("--workdir", default=None, help="where the nodes' directories go (a fresh temporary one)")
+    p.add_argument("--keep", action="store_true", help="keep the directories of every repeat")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from bench_machine import machine_info
+
+    base = args.workdir or tempfile.mkdtemp(prefix="bench_tiers_")
+    os.makedirs(base, exist_ok=True)
+    t_start = time.perf_counter()
+    store = None
+    runs = {"restore": {k: [] for k in RESTORES}, "save": {k: [] for k in SAVES}}
+    checks: list = []
+    result: dict = {"config": {"size_bytes": args.size, "nodes": 2, "nproc_per_node": args.nproc_per_node,
+                               "repeat": args.repeat, "settle": args.settle, "workdir": base},
+                    "machine": machine_info(base), "load_average_start": os.getloadavg()}
+    try:
+        if not args.no_s3:
+            import bench_s3
+
+            store = bench_s3.S3Store.start(os.path.join(base, "s3"))
+            result["s3_server"] = store.info()
+        share = args.size // (2 * args.nproc_per_node)
+        result["limits"] = machine_limits(base, share, store)
+        for rep in range(args.repeat):
+            one_repeat(rep, base, args, store, runs, checks)
+    finally:
+        if store is not None:
+            store.close()
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    result["load_average_end"] = os.getloadavg()
+    result["seconds"] = time.perf_counter() - t_start
+    nbytes = runs["restore"]["local"][0][0]["share_bytes"] * 2 * args.nproc_per_node
+    summary = summarize(runs)
+    result.update(bytes=nbytes, summary=summary, targets=check_targets(summary), checks=checks,
+                  ratios={name: ratio(summary, a, b) for name, a, b in RATIOS},
+                  raw={k: {kind: [[{x: r.get(x) for x in ("rank", "cwd", "seconds", "load_seconds", "saves", "report",
+                                                           "extra_saves")} for r in rep] for rep in reps]
+                           for kind, reps in v.items()} for k, v in runs.items()})
+    print(report(result))
+    line = json.dumps(result, default=str)
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+def report(result: dict) -> str:
+    m, cfg, lim = result["machine"], result["config"], result.get("limits", {})
+    out = [f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / (1 << 30):.1f} GiB RAM, disk "
+           f"{m['disk']['device']} ({m['disk']['fstype']}); python {m['python']}, paddle {m['paddlepaddle']}; "
+           f"paddle_dcp {m.get('paddle_dcp_commit')}{' (uncommitted changes)' if m.get('paddle_dcp_uncommitted') else ''}; "
+           f"{m['date']}; load average {result['load_average_start'][0]:.2f} at the start, "
+           f"{result['load_average_end'][0]:.2f} at the end; {result['seconds']:.0f} s",
+           f"state: {result['bytes'] / MiB:.0f} MiB of float32 over 2 nodes x {cfg['nproc_per_node']} rank(s); "
+           f"{cfg['repeat']} repeat(s); every restore checked (step, tier, bytes by source, xxh3_64 of every tensor)"]
+    if lim:
+        pc = lim["page_cache"]
+        out.append(f"limits ({lim['share_bytes'] / MiB:.0f} MiB, one rank's share): memcpy {lim['memcpy_gbps']:.2f} GB/s; "
+                   f"xxh3_64 {lim['xxh3']['blocks_gbps']:.2f} GB/s; loopback TCP {lim['tcp_loopback_gbps']:.2f} GB/s; "
+                   f"page cache write {pc['write_cold_gbps']:.2f} cold / {pc['write_warm_gbps']:.2f} warm, "
+                   f"read {pc['read_gbps']:.2f} GB/s")
+        s3 = lim.get("s3_server")
+        if s3:
+            out.append("S3 server: PUT " + " / ".join(f"{v:.2f}" for v in s3["put_gbps"].values())
+                       + ", GET " + " / ".join(f"{v:.2f}" for v in s3["get_gbps"].values())
+                       + f" GB/s from {' / '.join(s3['put_gbps'])} stream(s)")
+    out += format_table(result["summary"], result["bytes"])
+    out += format_targets(result["summary"])
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
