@@ -187,6 +187,8 @@ class CheckpointManager:
             raise ArgumentError(f"step must be a non-negative int or None, got {step!r}")
         local = self.local.steps() if self.local is not None else frozenset()
         held = set(self._manifest.complete())
+        if step is not None and step not in local | held:
+            raise FormatError(f"step {step} is in no tier of {self.directory}: it holds {sorted(local | held) or 'none'}")
         candidates = [step] if step is not None else sorted(local | held, reverse=True)
         refused: list[tuple[str, int, str]] = []
         for s in candidates:

@@ -92,7 +92,7 @@ class LocalTier:
         copy_holders(self.nodes, self.replicas)  # raises on every rank alike
         logger.info("local tier %s: %d nodes %s, %d copies of each rank's data", self.directory,
                     len(self.nodes), [list(n) for n in self.nodes], self.replicas)
-        steps = protocol.run(self.comm, self._all_steps())
+        steps = protocol.run(self.comm, self._complete_everywhere())
 
         def tidy() -> None:
             if self.is_leader:
@@ -101,6 +101,36 @@ class LocalTier:
                 self.store.remove(stale + cleanup.temporary_names(listing))
 
         protocol.run(self.comm, protocol.local("local tier: tidy", tidy))
+
+    def _complete_everywhere(self) -> protocol.Protocol:
+        """The local steps complete on some node; a node that holds data of such a step but
+        not its metadata (a crash between two nodes' publishing: every copy was committed
+        before the first) gets the metadata from a node that has it."""
+        def look() -> bytes:
+            listing = self.store.list_checkpoints()
+            return wire.encode_json({"complete": sorted(listing.complete), "data": sorted(listing.data)})
+
+        mine = yield from protocol.local("local tier: list steps", look)
+        every = [wire.decode_json(b) for b in (yield protocol.AllGather(mine))]
+        by_rank = dict(zip(self.comm.ranks, every))
+        steps = sorted({s for doc in every for s in doc["complete"]})
+        for step in steps:
+            lacking = [n[0] for n in self.nodes if step not in by_rank[n[0]]["complete"] and step in by_rank[n[0]]["data"]]
+            if not lacking:
+                continue
+            source = min(r for r, doc in by_rank.items() if step in doc["complete"])
+            data = yield from protocol.local(
+                "local tier: read metadata", lambda: self.store.metadata_bytes(step) if self.comm.rank == source else b""
+            )
+            data = yield protocol.Broadcast(data, source)
+
+            def publish(step=step, data=data) -> None:
+                if self.comm.rank in lacking:
+                    self.store.write_atomic(metadata_name(step), data, self.durable)
+
+            yield from protocol.local("local tier: publish", publish)
+            logger.info("local tier %s: step %d's metadata written again on the nodes of ranks %s", self.directory, step, lacking)
+        return frozenset(steps)
 
     def _discover(self) -> protocol.Protocol:
         token = os.urandom(8).hex().encode() if self.comm.is_coordinator else b""

@@ -150,3 +150,10 @@ def test_the_latest_step_is_the_newest_one_whose_files_are_all_present(saved):
     os.remove(os.path.join(local, "0_5.distcp"))  # step 5: local only, now incomplete
     assert m.latest_step() == 4
     m.close()
+
+
+def test_a_step_in_no_tier_is_named_with_the_steps_there_are(saved):
+    m, _, _ = saved
+    with pytest.raises(FormatError, match=r"step 9 is in no tier of .*: it holds \[2, 4, 5\]"):
+        m.restore(target(), 9)
+    m.close()
