@@ -397,6 +397,18 @@ def check_pieces(meta, leaves, nranks: int) -> None:
         assert set(saved) == leaf.boxes(nranks), (leaf.key, sorted(saved), sorted(leaf.boxes(nranks)))
 
 
+def tier_leaves(nranks: int) -> list:
+    """The state of the node-local tier's tests: rows, columns and a replicated tensor over
+    every rank, a bfloat16 one among them."""
+    mesh = Mesh(list(range(nranks)))
+    return [
+        Leaf(("model", "w"), (8, 6), "float32", mesh, (("S", 0),), index=0),
+        Leaf(("model", "b"), (6, 4), "bfloat16", mesh, (("S", 1),), index=1),
+        Leaf(("model", "r"), (5,), "int64", mesh, ("R",), index=2),
+        Leaf(("opt", "m"), (8, 6), "float32", mesh, (("S", 0),), index=3),
+    ]
+
+
 # name, global shape, dtype; the same values (the index picks them) in every layout
 MIXED = [
     ("a", (7, 6), "float32"),

@@ -21,14 +21,7 @@ R = c.rank()
 N = dist.get_world_size()
 GLOBAL, PHASE, REPLICAS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
-MESH = c.Mesh(list(range(N)))
-S0, S1 = ("S", 0), ("S", 1)
-LEAVES = [
-    c.Leaf(("model", "w"), (8, 6), "float32", MESH, (S0,), index=0),
-    c.Leaf(("model", "b"), (6, 4), "bfloat16", MESH, (S1,), index=1),
-    c.Leaf(("model", "r"), (5,), "int64", MESH, ("R",), index=2),
-    c.Leaf(("opt", "m"), (8, 6), "float32", MESH, (S0,), index=3),
-]
+LEAVES = c.tier_leaves(N)
 
 
 def manager() -> paddle_dcp.CheckpointManager:

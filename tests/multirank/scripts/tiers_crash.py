@@ -59,14 +59,7 @@ VICTIM = N - 1
 LOCAL = os.path.abspath("local")
 replicate.CHUNK = 32  # every rank alike: both ends of a copy count its chunks
 
-MESH = c.Mesh(list(range(N)))
-S0, S1 = ("S", 0), ("S", 1)
-LEAVES = [
-    c.Leaf(("model", "w"), (8, 6), "float32", MESH, (S0,), index=0),
-    c.Leaf(("model", "b"), (6, 4), "bfloat16", MESH, (S1,), index=1),
-    c.Leaf(("model", "r"), (5,), "int64", MESH, ("R",), index=2),
-    c.Leaf(("opt", "m"), (8, 6), "float32", MESH, (S0,), index=3),
-]
+LEAVES = c.tier_leaves(N)
 RESTORED = {"save_before": 2, "save_writing": 2, "copy_receiving": 2, "copy_sending": 2, "retention": 3,
             "retention_stopped": 3, "publish_stopped": 3}
 
