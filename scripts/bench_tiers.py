@@ -15,7 +15,10 @@ state: ``--size`` bytes of float32 in 64 MiB tensors, Shard(0) over the ranks
 - restore, local: a restarted job restores step 2, nothing deleted (every byte from the own node);
 - restore, peer: nodeB's local directory deleted first (its ranks' bytes come from nodeA's copies);
 - restore, global (disk) and global (S3): ``replicas=0``, nodeB's local directory deleted, so
-  the local step is refused and the restore falls back to the global tier;
+  no node holds nodeB's files and the restore takes them from the global tier (since 2b3ecef
+  the library copies the lost files back into their node and restores the rest locally:
+  tier "local", nodeB's bytes "global"); then the same with both nodes' local directories
+  deleted (``-all``: every byte from the global tier, tier "global");
 - save-async / save-sync: steps 1 and 2 by a manager without a local tier (today's async save,
   and the plain save) to a global directory on disk.
 
@@ -24,11 +27,14 @@ repeat. Every rank times its own call after a settle wait and a barrier (process
 manager construction and the checks are outside); a job's time is its slowest rank's. Every
 restore must give step 2 from the tier meant (``last_restore.tier``), each rank's bytes by
 source (``last_restore.bytes``) must show the source meant, and every tensor's xxh3_64 must
-equal the one its save recorded, or the run fails. The machine's limits are measured in the
+equal the one its save recorded, or the run fails. Beside each time, from the ranks' own INFO
+lines: the library's load step inside a restore (the rest is the tier's check of its files)
+and, for a save, the seconds until its data file was written (the rest of an async local-tier
+save's total is the copy to the other node). The machine's limits are measured in the
 same run: memcpy, xxh3_64, a loopback TCP stream, the page cache, and the S3 server's own PUT
 and GET. Figures: best (the least seconds) and median over ``--repeat``.
 
-Run (1 GiB, 2 nodes x 1 rank, 3 repeats; about 15 minutes)::
+Run (1 GiB, 2 nodes x 1 rank, 3 repeats; 8 to 11 minutes here)::
 
     .venv/bin/python scripts/bench_tiers.py --size 1G --repeat 3 --json-out tiers.json
 
@@ -64,6 +70,8 @@ RESTORES = {
     "peer": "restore, other node's copies",
     "global-disk": "restore, global tier on disk",
     "global-s3": "restore, global tier on S3",
+    "global-disk-all": "restore, global tier on disk, both nodes' local directories deleted",
+    "global-s3-all": "restore, global tier on S3, both nodes' local directories deleted",
 }
 SAVES = {
     "local-async": "save, local tier + copy (async)",
@@ -88,6 +96,8 @@ RATIOS = (
     ("disk global / peer restore", "restore.global-disk", "restore.peer"),
     ("peer / local restore", "restore.peer", "restore.local"),
     ("S3 / local restore", "restore.global-s3", "restore.local"),
+    ("S3, no local copy left / peer restore", "restore.global-s3-all", "restore.peer"),
+    ("disk global, no local copy left / peer restore", "restore.global-disk-all", "restore.peer"),
     ("local-tier async / today's async, blocked (later)", "save.local-async.later.blocked", "save.async.later.blocked"),
     ("local-tier async / today's async, blocked (first)", "save.local-async.first.blocked", "save.async.first.blocked"),
     ("local-tier async / today's async, total (later)", "save.local-async.later.total", "save.async.later.total"),
@@ -142,7 +152,13 @@ def source_check(kind: str, reports: list, share: int) -> str:
     wiped node's from the other node, the rest from their own, none from the global tier;
     global-*: the wiped node's from the global tier, none from the other node (the intact
     node's from the global tier too, or from its own node when the library repairs the lost
-    files alone: tier "local" with global bytes)."""
+    files alone: tier "local" with global bytes); global-*-all (both nodes' local directories
+    deleted): every byte of every rank from the global tier, tier "global"."""
+    if kind.endswith("-all"):
+        tiers = sorted({b["tier"] for _, b in reports})
+        ok = tiers == ["global"] and all(b["bytes"].get("global") == share and not b["bytes"].get("peer")
+                                         and not b["bytes"].get("local") for _, b in reports)
+        return "" if ok else f"{[b for _, b in reports]}: expected every rank's {share} from the global tier"
     wiped = [b["bytes"] for node, b in reports if node == NODES[1]]
     kept = [b["bytes"] for node, b in reports if node != NODES[1]]
     tiers = sorted({b["tier"] for _, b in reports})
@@ -177,8 +193,9 @@ def summarize(runs: dict) -> dict:
                 out[f"restore.{kind}.load"] = best_median([max(rep) for rep in loads])
     for kind, reps in runs.get("save", {}).items():
         for i, which in enumerate(WHICH):
-            for what in ("blocked", "total"):
-                vals = [max(r["saves"][i][what] for r in rep) for rep in reps if rep]
+            for what in ("blocked", "total", "written"):
+                vals = [max(r["saves"][i].get(what) or 0 for r in rep) for rep in reps
+                        if rep and all(r["saves"][i].get(what) is not None for r in rep)]
                 if vals:
                     out[f"save.{kind}.{which}.{what}"] = best_median(vals)
     return out
@@ -186,7 +203,8 @@ def summarize(runs: dict) -> dict:
 
 def format_table(summary: dict, nbytes: int) -> list:
     """The lines of the table: every measure's best and median seconds, and GB/s at the best."""
-    lines = ["| measure | best s | median s | GB/s (best) | of which the load step, best (median) s |",
+    lines = ["| measure | best s | median s | GB/s (best) | of which the load step (a save: its data file written), "
+             "best (median) s |",
              "|---|---|---|---|---|"]
     for kind, title in RESTORES.items():
         s = summary.get(f"restore.{kind}")
@@ -199,8 +217,10 @@ def format_table(summary: dict, nbytes: int) -> list:
             for what in ("blocked", "total"):
                 s = summary.get(f"save.{kind}.{which}.{what}")
                 if s:
+                    w = summary.get(f"save.{kind}.{which}.written") if what == "total" else None
+                    part = f"{w['best']:.2f} ({w['median']:.2f})" if w else ""
                     lines.append(f"| {title}, {which}, {what} | {s['best']:.2f} | {s['median']:.2f} | "
-                                 f"{nbytes / s['best'] / GB:.2f} | |")
+                                 f"{nbytes / s['best'] / GB:.2f} | {part}{' ' if part else ''}|")
     return lines
 
 
@@ -418,11 +438,29 @@ def load_seconds(work: str, name: str, nproc: int) -> list:
     return out
 
 
+SAVED_RE = re.compile(r"saved checkpoint (\d+) to \S+: \d+ bytes written by this rank in ([0-9.]+) s")
+
+
+def written_seconds(work: str, name: str, nproc: int) -> list:
+    """Per rank, {step: seconds from the save call's start until its data file was written}
+    (the library's INFO line "saved checkpoint N to DIR: ... in X s", the first for each step:
+    the launch's untimed saves come after)."""
+    out = []
+    for node in NODES:
+        for local_rank in range(nproc):
+            found: dict = {}
+            try:
+                with open(os.path.join(work, node, f"log-{name}", f"workerlog.{local_rank}"), errors="replace") as f:
+                    for m in SAVED_RE.finditer(f.read()):
+                        found.setdefault(int(m.group(1)), float(m.group(2)))
+            except OSError:
+                pass
+            out.append(found)
+    return out
+
+
 def wipe(work: str, node: str, local: str) -> None:
-    path = os.path.join(work, node, local)
-    if not os.path.isdir(path):
-        raise LaunchError(f"{path} is missing: nothing to delete")
-    shutil.rmtree(path)
+    shutil.rmtree(os.path.join(work, node, local), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ one repeat
@@ -434,17 +472,22 @@ def tiers_block(work: str, args, common: dict, s3_url: str | None, runs: dict, c
     log("  save-local (local tier + copies, async; then the global tiers' step 2, untimed)")
     res = two_nodes(work, "save-local", "save-local", dict(common, directory=os.path.join(work, "global-none"),
                     local="local", replicas=1, extra=extra), args.nproc_per_node, args.timeout)
+    _add_written(res, work, "save-local", args.nproc_per_node)
     runs["save"]["local-async"].append(res)
     restores = [("local", os.path.join(work, "global-none"), "local", 1, None),
                 ("peer", os.path.join(work, "global-none"), "local", 1, "local"),
                 ("global-disk", os.path.join(work, "global-disk"), "local0", 0, "local0")]
     if s3_url:
         restores.append(("global-s3", s3_url, "local0s3", 0, "local0s3"))
+    if s3_url:
+        restores.append(("global-s3-all", s3_url, "local0s3", 0, "local0s3"))
+    restores.insert(3, ("global-disk-all", os.path.join(work, "global-disk"), "local0", 0, "local0"))
     for kind, directory, local, replicas, doomed in restores:
-        if doomed:
-            wipe(work, NODES[1], doomed)
-        log(f"  restore from {kind}" + (f" ({NODES[1]}/{doomed} deleted)" if doomed else ""))
-        tiers = ["global", "local"] if kind.startswith("global") else ["local"]
+        wiped = NODES if kind.endswith("-all") else NODES[1:]
+        for node in wiped if doomed else ():
+            wipe(work, node, doomed)
+        log(f"  restore from {kind}" + (f" ({', '.join(n + '/' + doomed for n in wiped)} deleted)" if doomed else ""))
+        tiers = ["global"] if kind.endswith("-all") else ["global", "local"] if kind.startswith("global") else ["local"]
         res = two_nodes(work, f"restore-{kind}", "restore", dict(common, directory=directory, local=local,
                         replicas=replicas, step=2, tiers=tiers), args.nproc_per_node, args.timeout)
         why = source_check(kind, [(os.path.basename(r["cwd"]), r["report"]) for r in res], res[0]["share_bytes"])
@@ -455,6 +498,12 @@ def tiers_block(work: str, args, common: dict, s3_url: str | None, runs: dict, c
         for r, seconds in zip(res, load_seconds(work, f"restore-{kind}", args.nproc_per_node)):
             r["load_seconds"] = seconds
         runs["restore"][kind].append(res)
+
+
+def _add_written(res: list, work: str, name: str, nproc: int) -> None:
+    for r, steps in zip(res, written_seconds(work, name, nproc)):
+        for save in r["saves"]:
+            save["written"] = steps.get(save["step"])
 
 
 def one_repeat(rep: int, base: str, args, store, runs: dict, checks: list) -> None:
@@ -474,6 +523,7 @@ def one_repeat(rep: int, base: str, args, store, runs: dict, checks: list) -> No
                 res = two_nodes(work, f"save-{block}", f"save-{block}",
                                 dict(common, directory=os.path.join(work, f"global-{block}")),
                                 args.nproc_per_node, args.timeout)
+                _add_written(res, work, f"save-{block}", args.nproc_per_node)
                 runs["save"][block].append(res)
     finally:
         if not args.keep:

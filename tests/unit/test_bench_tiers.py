@@ -92,6 +92,9 @@ def test_each_restore_must_take_its_bytes_from_the_source_meant():
     assert check("global-disk", [(A, report("local", SHARE)), (B, report("local", glob=SHARE))], SHARE) == ""
     assert "global tier" in check("global-s3", [(A, report("local", SHARE)), (B, report("local", 0, SHARE))], SHARE)
     assert "both" in check("local", [(A, report("local", SHARE)), (A, report("local", SHARE))], SHARE)
+    # both nodes' local directories deleted: a load of the global tier alone
+    assert check("global-s3-all", [(A, report("global", glob=SHARE)), (B, report("global", glob=SHARE))], SHARE) == ""
+    assert "global tier" in check("global-disk-all", [(A, report("local", SHARE)), (B, report("local", glob=SHARE))], SHARE)
 
 
 @pytest.mark.parametrize("size,ranks", [(1 << 30, 2), (1 << 30, 4), (64 * MiB, 2), (100 * MiB + 12345, 2)])
@@ -125,3 +128,21 @@ def test_the_load_step_is_read_from_the_workers_logs_and_summarized(tmp_path):
     s = bench_tiers.summarize(runs)
     assert s["restore.peer.load"]["best"] == 0.5 and "restore.local.load" not in s
     assert "| restore, other node's copies | 0.75 | 0.75 | 1.33 | 0.50 (0.50) |" in bench_tiers.format_table(s, 10**9)
+
+
+def test_a_saves_written_time_is_read_from_the_workers_logs_the_first_line_of_each_step(tmp_path):
+    for node in bench_tiers.NODES:
+        log = tmp_path / node / "log-save-local"
+        log.mkdir(parents=True)
+        (log / "workerlog.0").write_text(
+            "[..] INFO api.py:165 - saved checkpoint 1 to local: 536870912 bytes written by this rank in 6.534 s\n"
+            "[..] INFO api.py:165 - saved checkpoint 2 to local: 536870912 bytes written by this rank in 3.231 s (plan reused)\n"
+            "[..] INFO api.py:165 - saved checkpoint 2 to local0: 536870912 bytes written by this rank in 0.669 s\n")
+    assert bench_tiers.written_seconds(str(tmp_path), "save-local", 1) == [{1: 6.534, 2: 3.231}] * 2
+    res = [{"saves": [{"step": 1, "blocked": 1.0, "total": 9.0}, {"step": 2, "blocked": 0.2, "total": 5.0}]}
+           for _ in range(2)]
+    bench_tiers._add_written(res, str(tmp_path), "save-local", 1)
+    s = bench_tiers.summarize({"save": {"local-async": [res]}})
+    assert s["save.local-async.later.written"]["best"] == 3.231
+    line = next(x for x in bench_tiers.format_table(s, 10**9) if "later, total" in x)
+    assert line.endswith("| 3.23 (3.23) |")
