@@ -334,20 +334,30 @@ class LocalTier:
         }, ""
 
     def _check(self, step: int) -> protocol.Protocol:
-        """Every node's files of ``step`` checked (its ranks share them). Returns (why the
-        step is not whole on the nodes, or ""; the files this rank must not read; the writers
-        whose file has no intact copy on any node; the digest of the nodes' metadata). What
-        crosses the ranks is a few runs of ranks each."""
-        scrubbed = yield from protocol.local(f"local tier: check step {step}", lambda: self._scrub(step))
-        every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(scrubbed)))]
-        bad = frozenset(n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"])
+        """The step's files checked, node by node (its ranks share them): first the originals
+        (the files of the node's own ranks); only for a writer whose original did not verify,
+        the copies of it other nodes hold. Returns (why the step is not whole on the nodes, or
+        ""; the files this rank must not read: damaged ones and copies left unchecked; the
+        writers whose file has no intact copy on any node; the digest of the nodes'
+        metadata). What crosses the ranks is a few runs of ranks each."""
+        first, mine = yield from protocol.local(f"local tier: check step {step}", lambda: self._scrub(step, None))
+        every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(first)))]
         known = next((r for r in every if r["meta"]), None)
         if known is None:
-            return f"no node holds an intact {metadata_name(step)}", bad, (), 0
-        good = {w for r in every for w in wire.from_runs(r["good"])}
-        lost = tuple(sorted(wire.from_runs(known["need"]) - good))
+            bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
+            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0
+        lost = wire.from_runs(known["need"]) - {w for r in every for w in wire.from_runs(r["good"])}
+        if lost:  # the copies of those writers, checked where they are
+            second, checked = yield from protocol.local(
+                f"local tier: check copies of step {step}", lambda: self._scrub(step, sorted(lost))
+            )
+            more = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(second)))]
+            lost -= {w for r in more for w in wire.from_runs(r["good"])}
+            every = [dict(a, bad=a["bad"] + b["bad"]) for a, b in zip(every, more)]
+            mine = mine - checked
+        bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
         why = f"no intact copy of the data files of ranks {wire.rle(lost)} on any node" if lost else ""
-        return why, bad, lost, known["digest"]
+        return why, frozenset(bad | mine), tuple(sorted(lost)), known["digest"]
 
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
         """The writers of the ``lost`` files copy them from the global tier's same step (the
@@ -373,32 +383,42 @@ class LocalTier:
         every = yield protocol.AllGather(mine)
         return {r: tuple(json.loads(b)) for r, b in zip(self.comm.ranks, every) if b}
 
-    def _scrub(self, step: int) -> dict:
-        """This rank's share of its node's check of ``step``: {"meta": the node's metadata is
+    def _scrub(self, step: int, writers: list[int] | None) -> tuple[dict, set]:
+        """This rank's share of its node's check of ``step``'s originals (``writers`` None) or
+        of the copies it holds of ``writers``' files. Returns ({"meta": the node's metadata is
         intact, "need": the writers of the data files (runs), "good": writers whose file this
-        rank found intact (runs), "bad": names of the files it found damaged or unusable}."""
+        rank found intact (runs), "bad": names of files it found damaged or unusable,
+        "digest": the metadata's}, and for this rank alone the names of the copies on its node
+        (first check) or of those its node found intact (second))."""
         from .io.scrub import check_files
 
         listing = self.store.list_checkpoints(temporary=False)
-        none = {"meta": False, "need": [], "good": [], "bad": []}
+        none = {"meta": False, "need": [], "good": [], "bad": [], "digest": 0}
         if step not in listing.complete:
-            return none
+            return none, set()
         try:
             meta = self.store.read_metadata(step, lazy=True)
             meta.check_digest()
         except Exception as exc:  # noqa: BLE001 - a damaged metadata file: another node's serves
             logger.warning("local tier %s: %s unusable on this node: %s", self.directory, metadata_name(step), exc)
-            return dict(none, bad=[metadata_name(step)] + listing.data_names(step))
+            return dict(none, bad=[metadata_name(step)] + listing.data_names(step)), set()
         writer = {f.name: (parse_data_name(f.name) or (-1,))[0] for f in meta.files}
-        names = sorted(n for n in listing.data_names(step) if n in writer)
+        present = sorted(n for n in listing.data_names(step) if n in writer)
+        copies = {n for n in present if writer[n] not in self.node}
+        if writers is None:
+            names = [n for n in present if n not in copies]
+        else:
+            names = [n for n in present if n in copies and writer[n] in set(writers)]
         mine = names[self.node.index(self.comm.rank):: len(self.node)]
         found = check_files(self.store, meta, mine)
         bad = sorted(n for n, why in found.items() if why is not None)
         for n in bad:
             logger.warning("local tier %s: %s", self.directory, found[n])
-        good = [writer[n] for n in mine if n not in bad]
         digest = _digest(self.store.metadata_bytes(step))
-        return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(good), "bad": bad, "digest": digest}
+        doc = {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(writer[n] for n in mine if n not in bad),
+               "bad": bad, "digest": digest}
+        # the copies a node-mate found intact are as readable as the ones this rank did
+        return doc, (copies if writers is None else set(names) - set(bad))
 
 
 def _digest(data: bytes) -> int:

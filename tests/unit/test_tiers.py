@@ -157,3 +157,65 @@ def test_a_step_in_no_tier_is_named_with_the_steps_there_are(saved):
     with pytest.raises(FormatError, match=r"step 9 is in no tier of .*: it holds \[2, 4, 5\]"):
         m.restore(target(), 9)
     m.close()
+
+
+# ---------------------------------------------------------------------- two nodes, as threads
+def two_nodes(tmp_path) -> dict[int, str]:
+    """Two ranks, each its own node: each node holds its rank's original, a copy of the other's
+    data file and the metadata (a local step as the tier leaves it)."""
+    import shutil
+
+    from .helpers import random_array, save_checkpoint
+
+    rng = np.random.default_rng(7)
+    arrays = {"w": random_array(rng, "float32", (8, 16)), "b": random_array(rng, "int64", (6,))}
+    a, b = tmp_path / "A", tmp_path / "B"
+    a.mkdir()
+    save_checkpoint(str(a), arrays, {"w": "float32", "b": "int64"}, (2,), {"w": (0,), "b": (0,)}, block_bytes=64, unique_id=3)
+    shutil.copytree(a, b)
+    return {0: str(a), 1: str(b)}
+
+
+def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict]:
+    """Every rank's LocalTier._check of step 3, and the files each rank hashed."""
+    from paddle_dcp.io import scrub
+    from paddle_dcp.parallel import protocol
+    from paddle_dcp.tiers import LocalTier
+
+    from .parallel.fakes import ThreadWorld
+
+    hashed: dict[str, list] = {}
+    real = scrub.check_files
+
+    def spy(store, meta, names=None, *args, **kwargs):
+        hashed.setdefault(store.path, []).extend(names or [])
+        return real(store, meta, names, *args, **kwargs)
+
+    monkeypatch.setattr(scrub, "check_files", spy)
+
+    def rank(comm):
+        tier = LocalTier(dirs[comm.rank], comm, 1, 2)
+        tier.nodes = ((0,), (1,))
+        return protocol.run(comm, tier._check(3))
+
+    return ThreadWorld(2).run(rank), hashed
+
+
+def test_whole_nodes_check_only_their_originals_and_read_no_copy(tmp_path, monkeypatch):
+    dirs = two_nodes(tmp_path)
+    results, hashed = check_on_threads(dirs, monkeypatch)
+    assert hashed == {dirs[0]: ["0_3.distcp"], dirs[1]: ["1_3.distcp"]}  # half the bytes: no copy hashed
+    assert results[0][:3] == ("", frozenset({"1_3.distcp"}), ())  # the unchecked copy is not read
+    assert results[1][:3] == ("", frozenset({"0_3.distcp"}), ())
+
+
+def test_a_damaged_original_makes_its_copies_checked_and_read(tmp_path, monkeypatch):
+    dirs = two_nodes(tmp_path)
+    flip(os.path.join(dirs[1], "1_3.distcp"))
+    results, hashed = check_on_threads(dirs, monkeypatch)
+    assert hashed == {dirs[0]: ["0_3.distcp", "1_3.distcp"], dirs[1]: ["1_3.distcp"]}
+    assert results[0][:3] == ("", frozenset(), ())  # node A reads its checked copy of rank 1's file
+    assert results[1][:3] == ("", frozenset({"1_3.distcp", "0_3.distcp"}), ())
+    flip(os.path.join(dirs[0], "1_3.distcp"))  # the copy too: nothing left of rank 1's file
+    results, _ = check_on_threads(dirs, monkeypatch)
+    assert all(r[0].startswith("no intact copy of the data files of ranks [[1, 1]]") and r[2] == (1,) for r in results.values())
