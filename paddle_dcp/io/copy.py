@@ -21,11 +21,12 @@ def copy_file(source: Storage, target: Storage, name: str, durable: bool = False
     if size is None:
         raise StorageError(f"{source.resolve(name)} is missing: it cannot be copied", source.path)
     reader = source.range_reader()
-    writer = target.data_writer(name, block_bytes=0, depth=0, alignment=1)
-    buf = np.empty(min(chunk, size), np.uint8)
+    # the next chunk is read while the writer still writes the last two (three buffers in turn)
+    writer = target.data_writer(name, block_bytes=0, depth=2, alignment=1)
+    bufs = [np.empty(min(chunk, size), np.uint8) for _ in range(min(3, -(-size // chunk)))]
     try:
-        for start in range(0, size, chunk):
-            n = min(chunk, size - start)
+        for i, start in enumerate(range(0, size, chunk)):
+            n, buf = min(chunk, size - start), bufs[i % len(bufs)]
             reader.read_into(name, start, buf[:n].data)
             writer.write(buf[:n].data, keep=buf)
         writer.commit(durable)

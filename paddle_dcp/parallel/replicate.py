@@ -5,7 +5,8 @@ appear only once every copy of the step has arrived.
 Ranks visit their partners in the global order of pairs of :mod:`paddle_dcp.parallel.exchange`
 (deadlock-free); within a pair the lower rank's file crosses first. A file travels as a
 header (its size, or the FAILED status when the sender cannot read it) and then chunks of at
-most :data:`CHUNK` bytes read straight into one reused buffer. A sender that fails while
+most :data:`CHUNK` bytes, read by the sender into one reused buffer and written by the
+receiver while it receives the next (three buffers in turn). A sender that fails while
 reading sends zeros for the rest, so the pair stays in step; its error reaches every rank at
 the step's agreement, after which the receiver drops the copy (its writer is never
 committed).
@@ -37,17 +38,17 @@ def copy_files(comm: Comm, store: Storage, sends: Mapping[int, str], receives: M
     once every pair is done."""
     me = comm.rank
     reader = store.range_reader()
-    buf = np.empty(0, np.uint8)
+    sending = [np.empty(0, np.uint8)]  # reused from file to file
     writers: list[DataFileWriter] = []
     error: BaseException | None = None
     try:
         for peer in pair_order(me, set(sends) | set(receives)):
             for sender, receiver in directions(me, peer):
                 if sender == me and peer in sends:
-                    buf, failed = _send_file(comm, peer, reader, store, sends[peer], buf)
+                    failed = _send_file(comm, peer, reader, store, sends[peer], sending)
                     error = error or failed
                 elif receiver == me and peer in receives:
-                    buf, writer, failed = _receive_file(comm, peer, store, receives[peer], buf)
+                    writer, failed = _receive_file(comm, peer, store, receives[peer])
                     if writer is not None:
                         writers.append(writer)
                     error = error or failed
@@ -64,18 +65,22 @@ def copy_files(comm: Comm, store: Storage, sends: Mapping[int, str], receives: M
     return writers
 
 
-def _send_file(comm: Comm, peer: int, reader, store: Storage, name: str, buf: np.ndarray):
+def _chunk(bufs: list, i: int, n: int) -> np.ndarray:
+    """The first ``n`` bytes of buffer ``i`` of ``bufs`` (grown when too small)."""
+    if len(bufs[i]) < n:
+        bufs[i] = np.empty(n, np.uint8)
+    return bufs[i][:n]
+
+
+def _send_file(comm: Comm, peer: int, reader, store: Storage, name: str, bufs: list) -> BaseException | None:
     size = store.size(name)
     if size is None:
         wire.send_failed(comm, peer)
-        return buf, CollectiveError("replicate", {comm.rank: f"its data file {name} is missing, so it cannot be copied"})
+        return CollectiveError("replicate", {comm.rank: f"its data file {name} is missing, so it cannot be copied"})
     wire.send_message(comm, peer, json.dumps({"name": name, "size": size}).encode())
     error = None
     for start in range(0, size, CHUNK):
-        n = min(CHUNK, size - start)
-        if len(buf) < n:
-            buf = np.empty(n, np.uint8)
-        chunk = buf[:n]
+        chunk = _chunk(bufs, 0, min(CHUNK, size - start))
         if error is None:
             try:
                 reader.read_into(name, start, memoryview(chunk))
@@ -84,28 +89,29 @@ def _send_file(comm: Comm, peer: int, reader, store: Storage, name: str, buf: np
         if error is not None:
             chunk[...] = 0
         comm.send(peer, chunk)
-    return buf, error
+    return error
 
 
-def _receive_file(comm: Comm, peer: int, store: Storage, name: str, buf: np.ndarray):
+def _receive_file(comm: Comm, peer: int, store: Storage, name: str):
     header = wire.recv_message(comm, peer)
     if header is None:  # the sender cannot read its file: its error comes at the agreement
-        return buf, None, None
+        return None, None
     doc = json.loads(header)
     size = doc.get("size") if isinstance(doc, dict) else None
     if not isinstance(doc, dict) or doc.get("name") != name or type(size) is not int or size < 0:
         raise CollectiveError("replicate", {peer: f"sent {header[:200]!r} where the header of {name} was expected"})
-    writer = store.data_writer(name, block_bytes=0, depth=0, alignment=1)
+    # a chunk is received while the writer still writes the last two (three buffers in turn,
+    # this file's own: the writer is committed only later, and may still hold them)
+    bufs = [np.empty(0, np.uint8) for _ in range(3)]
+    writer = store.data_writer(name, block_bytes=0, depth=2, alignment=1)
     error = None
     try:
-        for start in range(0, size, CHUNK):
-            n = min(CHUNK, size - start)
-            if len(buf) < n:
-                buf = np.empty(n, np.uint8)
-            comm.recv_into(peer, buf[:n])
+        for i, start in enumerate(range(0, size, CHUNK)):
+            chunk = _chunk(bufs, i % 3, min(CHUNK, size - start))
+            comm.recv_into(peer, chunk)
             if error is None:
                 try:
-                    writer.write(memoryview(buf[:n]), keep=buf)
+                    writer.write(chunk.data, keep=bufs[i % 3])
                 except Exception as exc:  # noqa: BLE001 - keep receiving; agreed on later
                     error = exc
     except BaseException:
@@ -113,5 +119,5 @@ def _receive_file(comm: Comm, peer: int, store: Storage, name: str, buf: np.ndar
         raise
     if error is not None:
         writer.abort()
-        return buf, None, error
-    return buf, writer, None
+        return None, error
+    return writer, None
