@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from launcher import NODES, assert_passed, run_two_nodes, script
+from launcher import NODES, assert_passed, run_launch, run_two_nodes, script
 
 
 def restores(logs: str) -> dict[int, dict]:
@@ -69,6 +69,11 @@ def test_a_lost_node_is_restored_from_the_copies_on_the_other_node(tmp_path, npr
     assert_passed(logs, ["restore_3_local"], ranks)
     for d in restores(logs).values():
         assert [r[:2] for r in d["refused"]] == [["local", 4]] and "no intact copy" in d["refused"][0][2], d
+
+
+def test_copies_on_a_single_node_are_refused_on_every_rank(tmp_path):
+    logs = run_launch(script("tiers.py"), 2, tmp_path, args=(str(tmp_path / "global"), "one_node", 1), timeout=120)
+    assert_passed(logs, ["refused_on_one_node"], 2)
 
 
 def test_without_copies_a_lost_node_takes_its_files_from_the_global_tier(tmp_path):

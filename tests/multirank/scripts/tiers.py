@@ -2,9 +2,10 @@
 working directory: the relative ``local`` is a directory of that node alone) and a global tier
 in a directory both see.
 
-Usage (run by launcher.run_two_nodes): tiers.py GLOBAL PHASE REPLICAS [STEP TIER]
+Usage (run by launcher.run_two_nodes; one_node by launcher.run_launch): tiers.py GLOBAL PHASE REPLICAS [STEP TIER]
   save: steps 1..4, the local tier every step (the newest 2 kept), the global every 3 steps;
         each step's values are the oracle's variant ``step``.
+  one_node: one launch, every rank seeing the same local directory: replicas must be refused.
   restore: the manager's restore; it must give STEP from TIER, every tensor bit-exact against
         the numpy oracle of that step; each rank prints its last_restore as one JSON line.
 """
@@ -50,8 +51,21 @@ def restore(step: int, tier: str) -> None:
         assert sd["step"] == step, sd["step"]
 
 
+def refused_on_one_node() -> None:
+    """Every rank sees the same local directory: one node, so copies have nowhere to go; every
+    rank raises the same error, and none waits for another."""
+    try:
+        manager()
+    except paddle_dcp.ArgumentError as exc:
+        assert "every rank sees the same local directory" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"replicas={REPLICAS} on one node was accepted")
+
+
 if PHASE == "save":
     CASES = {f"save_{REPLICAS}": save}
+elif PHASE == "one_node":
+    CASES = {"refused_on_one_node": refused_on_one_node}
 else:
     want_step, want_tier = int(sys.argv[4]), sys.argv[5]
     CASES = {f"restore_{want_step}_{want_tier}": lambda: restore(want_step, want_tier)}
