@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -149,20 +150,34 @@ class _ServerFailed(Exception):
 
 
 def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
+    """Answer ``client``'s request, range by range, each read while the one before it is sent
+    (one reading thread, two buffers in turn); a range that cannot be read is answered FAILED."""
     request = json.loads(wire.recv_message(comm, client) or b"[]")
+    buffers = (staging, Staging())
+
+    def read(i: int) -> np.ndarray:
+        name, start, stop = request[i]
+        if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > wire.MAX_MESSAGE:
+            # the peer broke the protocol (a bug, or another version): no file is at fault
+            raise CollectiveError("exchange", {client: f"asked rank {comm.rank} for a malformed range [{start}, {stop}) of {name!r}"})
+        buf = buffers[i % 2].get(stop - start)
+        reader.read_into(str(name), start, memoryview(buf))
+        return buf
+
     error = None
-    for name, start, stop in request:
-        try:
-            if type(start) is not int or type(stop) is not int or not 0 <= start <= stop or stop - start > wire.MAX_MESSAGE:
-                # the peer broke the protocol (a bug, or another version): no file is at fault
-                raise CollectiveError("exchange", {client: f"asked rank {comm.rank} for a malformed range [{start}, {stop}) of {name!r}"})
-            buf = staging.get(stop - start)
-            reader.read_into(str(name), start, memoryview(buf))
-        except DcpError as exc:
-            wire.send_failed(comm, client)
-            error = error or exc
-            continue
-        wire.send_message(comm, client, buf)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-serve") as pool:
+        pending = pool.submit(read, 0) if request else None
+        for i in range(len(request)):
+            try:
+                buf, failed = pending.result(), None
+            except DcpError as exc:
+                buf, failed = None, exc
+            pending = pool.submit(read, i + 1) if i + 1 < len(request) else None  # into the other buffer
+            if failed is not None:
+                wire.send_failed(comm, client)
+                error = error or failed
+                continue
+            wire.send_message(comm, client, buf)
     return error
 
 
