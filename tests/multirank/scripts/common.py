@@ -21,6 +21,7 @@ with its traceback and ends the process at once, so the launcher stops the other
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import sys
@@ -407,6 +408,18 @@ def tier_leaves(nranks: int) -> list:
         Leaf(("model", "r"), (5,), "int64", mesh, ("R",), index=2),
         Leaf(("opt", "m"), (8, 6), "float32", mesh, (("S", 0),), index=3),
     ]
+
+
+def restore_reported(manager, leaves, r: int):
+    """``manager.restore`` into a target state dict of ``leaves``; prints this rank's
+    ``last_restore`` as one "RESTORE {json}" line (the tier tests read it from the logs).
+    Returns (the step restored, the report, the state dict)."""
+    sd = build(leaves, 0, {"step": -1}, target=True)
+    got = manager.restore(sd)
+    report = manager.last_restore
+    print("RESTORE " + json.dumps({"rank": r, "step": report.step, "tier": report.tier, "bytes": report.bytes,
+                                   "refused": [list(x) for x in report.refused]}), flush=True)
+    return got, report, sd
 
 
 # name, global shape, dtype; the same values (the index picks them) in every layout

@@ -9,7 +9,6 @@ Usage (run by launcher.run_two_nodes; one_node by launcher.run_launch): tiers.py
   restore: the manager's restore; it must give STEP from TIER, every tensor bit-exact against
         the numpy oracle of that step; each rank prints its last_restore as one JSON line.
 """
-import json
 import sys
 
 import paddle.distributed as dist
@@ -41,11 +40,7 @@ def save() -> None:
 
 def restore(step: int, tier: str) -> None:
     with manager() as m:
-        sd = c.build(LEAVES, 0, {"step": -1}, target=True)
-        got = m.restore(sd)
-        report = m.last_restore
-        print("RESTORE " + json.dumps({"rank": R, "step": report.step, "tier": report.tier, "bytes": report.bytes,
-                                       "refused": [list(x) for x in report.refused]}), flush=True)
+        got, report, sd = c.restore_reported(m, LEAVES, R)
         assert (got, report.tier) == (step, tier), (got, report)
         c.check_state(sd, LEAVES, step, R)
         assert sd["step"] == step, sd["step"]

@@ -37,7 +37,6 @@ Kill points (the victim is the last rank, N - 1), while step 3 is saved:
                   victim is dead, before their own removal, as paddle's launcher stops every
                   rank once one failed: 1.metadata stays on their node alone
 """
-import json
 import os
 import sys
 import time
@@ -204,11 +203,7 @@ def crash() -> None:
 def resume() -> None:
     want = RESTORED[POINT]
     with manager() as m:
-        sd = c.build(LEAVES, 0, {"step": -1}, target=True)
-        got = m.restore(sd)
-        report = m.last_restore
-        print("RESTORE " + json.dumps({"rank": R, "step": report.step, "tier": report.tier, "bytes": report.bytes,
-                                       "refused": [list(x) for x in report.refused]}), flush=True)
+        got, report, sd = c.restore_reported(m, LEAVES, R)
         assert (got, report.tier) == (want, "local"), (got, report)
         c.check_state(sd, LEAVES, want, R)
         assert sd["step"] == want, sd["step"]
