@@ -36,7 +36,7 @@ from .core.metadata_parse import parse_metadata
 from .errors import ArgumentError, IntegrityError
 from .io import cleanup, is_url, open_storage
 from .io.copy import copy_file
-from .io.storage import Storage
+from .io.storage import Storage, metadata_from_bytes
 from .parallel import protocol, wire
 from .parallel.comm import Comm
 from .parallel.ranks import LocalLoadRank, LocalSaveRank
@@ -396,8 +396,9 @@ class LocalTier:
         none = {"meta": False, "need": [], "good": [], "bad": [], "digest": 0}
         if step not in listing.complete:
             return none, set()
-        try:
-            meta = self.store.read_metadata(step, lazy=True)
+        try:  # read once: parsed, and fingerprinted below
+            data = self.store.metadata_bytes(step)
+            meta = metadata_from_bytes(data, step, self.store.resolve(metadata_name(step)), lazy=True)
             meta.check_digest()
         except Exception as exc:  # noqa: BLE001 - a damaged metadata file: another node's serves
             logger.warning("local tier %s: %s unusable on this node: %s", self.directory, metadata_name(step), exc)
@@ -414,7 +415,7 @@ class LocalTier:
         bad = sorted(n for n, why in found.items() if why is not None)
         for n in bad:
             logger.warning("local tier %s: %s", self.directory, found[n])
-        digest = _digest(self.store.metadata_bytes(step))
+        digest = _digest(data)
         doc = {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(writer[n] for n in mine if n not in bad),
                "bad": bad, "digest": digest}
         # the copies a node-mate found intact are as readable as the ones this rank did
