@@ -1,6 +1,7 @@
 """Which data files of a checkpoint hold exactly the bytes its metadata describes: each file
 present with the size the metadata gives, and every checksum block of every piece it holds
-matching, read through the storage in windows of bounded size.
+matching, read through the storage in windows of bounded size (mapped from the page cache
+on a local disk).
 
 A load checks the blocks it reads (``core/checksums.py``, the one checksum scheme); this checks
 whole files ahead of any load, without loading: ``paddle-dcp verify`` reports every problem
@@ -11,6 +12,7 @@ sizes checked: there is nothing else to check them against.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
@@ -64,7 +66,7 @@ def check_files(
         meta: the checkpoint's metadata; without checksums, only presence and sizes are checked.
         names: the data files to check (names in ``meta.files``); default: all of them.
         progress: called with (bytes checked so far, bytes to check in all) as pieces are read.
-        window_bytes: the most bytes of a file read into memory at once (one reused buffer).
+        window_bytes: the most bytes of a file held at once (one window, mapped or fetched).
 
     Returns:
         data file name -> None when it is present with the right size and every checksum block
@@ -127,8 +129,7 @@ def check_each_file(
         if progress is not None:
             progress(done, total)
 
-    largest = max((meta.files[f].nbytes for f in to_read), default=1)
-    window = _Window(np.empty(min(max(window_bytes, meta.block_bytes), max(largest, 1)), dtype=np.uint8))
+    window = _Window(max(window_bytes, meta.block_bytes))
     files = store.open_files(meta)
     try:
         for n, f in enumerate(indices):
@@ -136,6 +137,7 @@ def check_each_file(
                 window.start(files, f, meta.files[f].nbytes)
                 found[n] = _read_pieces(found[n], window, meta.block_bytes, listed, by_file[f], tick)
     finally:
+        window.close()
         files.close()
     return found
 
@@ -212,27 +214,39 @@ def _one_line(exc: BaseException) -> str:
 
 
 class _Window:
-    """The bytes of one data file, read in windows of the size of ``buf`` (reused for every
-    file) to serve the checksum blocks of its pieces in the order of their offsets."""
+    """The bytes of one data file, taken in windows of at most ``size`` bytes through
+    :meth:`DataFiles.mapped` (on a local disk straight from the page cache, nothing copied) to
+    serve the checksum blocks of its pieces in the order of their offsets. One window is held
+    at a time; :meth:`close` releases the last."""
 
-    def __init__(self, buf: np.ndarray):
-        self.buf = buf
+    def __init__(self, size: int):
+        self.width = size
         self.files: DataFiles | None = None
         self.index = self.size = self.lo = self.hi = 0
+        self._held: contextlib.ExitStack | None = None
+        self._bytes = np.empty(0, dtype=np.uint8)
 
     def start(self, files: DataFiles, index: int, size: int) -> None:
+        self.close()
         self.files, self.index, self.size = files, index, size
         self.lo = self.hi = 0
 
     def view(self, start: int, length: int) -> memoryview:
         assert self.files is not None, "start() names the file first"
         if not (self.lo <= start and start + length <= self.hi):
-            n = max(min(len(self.buf), self.size - start), length)
-            if n > len(self.buf):  # a block larger than the window
-                self.buf = np.empty(n, dtype=np.uint8)
-            self.files.read_into(self.index, start, self.buf.data[:n])
-            self.lo, self.hi = start, start + n
-        return self.buf.data[start - self.lo : start - self.lo + length]
+            n = max(min(self.width, self.size - start), length)  # a block larger than a window: whole
+            self.close()
+            held = contextlib.ExitStack()
+            self._bytes = held.enter_context(self.files.mapped(self.index, start, start + n))
+            self._held, self.lo, self.hi = held, start, start + n
+        return self._bytes.data[start - self.lo : start - self.lo + length]
+
+    def close(self) -> None:
+        self._bytes = np.empty(0, dtype=np.uint8)
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+        self.lo = self.hi = 0
 
 
 def _read_pieces(

@@ -194,3 +194,36 @@ def test_a_hugging_face_directory_has_only_its_files_sizes_checked(tmp_path):
     os.truncate(tmp_path / "model.safetensors", size - 1)
     reason = scrub.check_files(store, meta)["model.safetensors"]
     assert reason is not None and f"the metadata says {size}" in reason and "holds pieces of w" in reason
+
+
+def test_a_local_file_is_checked_from_the_page_cache_one_bounded_window_at_a_time(two_files, monkeypatch):
+    """No read copies the bytes (they are mapped, as a load maps them); each window spans at
+    most ``window_bytes`` (or one block), one is held at a time, and none is left after."""
+    path, arrays = two_files
+    name, at = located(path, arrays["w"][4:])
+    flip(path, name, at + 200)
+    want = check(path, window_bytes=1 << 20)
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("a data file was read into a buffer")
+
+    monkeypatch.setattr(local.FileSet, "read_into", no_copies)
+    real_map, spans, held = local.map_range, [], [0, 0]
+
+    def counted(fd, start, stop, name_):
+        spans.append(stop - start)
+        held[0] += 1
+        held[1] = max(held)
+        try:
+            with real_map(fd, start, stop, name_) as data:
+                yield data
+        finally:
+            held[0] -= 1
+
+    monkeypatch.setattr(local, "map_range", __import__("contextlib").contextmanager(counted))
+    for window in (1, 100, 1 << 20):
+        spans.clear()
+        assert check(path, window_bytes=window) == want
+        assert spans and max(spans) <= max(window, BLOCK)
+    assert held == [0, 1]
+    assert "[{}, {})".format(at + 192, at + 256) in want[name]
