@@ -4,7 +4,9 @@ Node-local loads and ``save_gathered`` move checkpoint bytes between pairs of ra
 start and end in host memory, so they travel host to host: no device buffers, no NCCL
 communicator (one per pair would cost device memory and a communicator setup each), no gloo
 group per pair (paddle keeps every group's context for the life of the process). Each process
-has one listening socket, announced in the job's store on first use; a pair talks over one
+has one listening socket; the ranks of a group that pairs up learn each other's addresses by
+one all-gather over the group, the first time (:meth:`Transport.learn`; a rank that finds no
+address learned asks the job's store, whose get takes ~90 ms); a pair talks over one
 connection per channel (the caller's thread and an async save's writer thread each have
 their own), made by the lower rank, accepted by the higher. Connections are closed when the
 pairwise step that used them ends (:meth:`Transport.end_step`), so a process holds none
@@ -61,6 +63,7 @@ class Transport:
         self._conns: dict[tuple[int, str], socket.socket] = {}
         self._waiting: dict[tuple[int, str], socket.socket] = {}  # accepted, not yet asked for
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._groups: set[tuple[int, ...]] = set()  # groups whose addresses were all-gathered
         self._lock = threading.Lock()
         self._accepting = threading.Lock()
 
@@ -77,6 +80,25 @@ class Transport:
                 self._store.set(self._key(self.rank), f"{host}:{listener.getsockname()[1]}".encode())
                 self._listener = listener
             return self._listener
+
+    def address(self) -> str:
+        """Where this process listens (``host:port``; listening from now on)."""
+        host, port = self._listen().getsockname()[:2]
+        return f"{host}:{port}"
+
+    def knows(self, group: tuple[int, ...]) -> bool:
+        """Whether ``group``'s addresses were learned together (:meth:`learn`): the same answer
+        on every rank of it, as all of them took part."""
+        with self._lock:
+            return group in self._groups
+
+    def learn(self, group: tuple[int, ...], addresses: list[str]) -> None:
+        """The addresses of ``group``'s ranks (``address()`` of each, in order), all-gathered."""
+        with self._lock:
+            for rank, text in zip(group, addresses):
+                host, port = text.rsplit(":", 1)
+                self._addresses[rank] = (host, int(port))
+            self._groups.add(group)
 
     def connection(self, peer: int, channel: str) -> socket.socket:
         """The connection to ``peer`` on ``channel``, made (or accepted) on first use."""
@@ -98,8 +120,8 @@ class Transport:
         return conn
 
     def _address(self, peer: int) -> tuple[str, int]:
-        """Where ``peer`` listens: asked of the job's store once (a get costs ~90 ms there),
-        then remembered (a listener lives as long as its process)."""
+        """Where ``peer`` listens: learned with its group, else asked of the job's store once (a
+        get costs ~90 ms there), then remembered (a listener lives as long as its process)."""
         with self._lock:
             address = self._addresses.get(peer)
         if address is None:

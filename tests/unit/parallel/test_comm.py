@@ -38,3 +38,30 @@ def test_a_read_only_message_can_be_sent():
     message = np.frombuffer(b"paddle_dcp", dtype=np.uint8)
     assert not message.flags.writeable
     assert host_tensor(message).numpy().tobytes() == b"paddle_dcp"
+
+
+def test_a_group_pairs_up_after_one_all_gather_of_addresses(monkeypatch):
+    """PaddleComm.begin_pairwise: the first pairwise step of a group all-gathers where its
+    ranks listen; later ones (and the same group's other comms) do not gather again."""
+    from paddle_dcp.parallel import comm as comm_mod
+
+    learned, gathers = {}, []
+
+    class FakeTransport:
+        def knows(self, group):
+            return group in learned
+
+        def address(self):
+            return "127.0.0.1:4000"
+
+        def learn(self, group, addresses):
+            learned[group] = addresses
+
+    monkeypatch.setattr(comm_mod.STATE.groups, "transport", lambda rank: FakeTransport())
+    c = comm_mod.PaddleComm.__new__(comm_mod.PaddleComm)
+    c.rank, c.ranks = 1, (0, 1, 2)
+    monkeypatch.setattr(c, "all_gather", lambda data: gathers.append(data) or [b"h0:1", data, b"h2:3"], raising=False)
+    c.begin_pairwise()
+    c.begin_pairwise()
+    assert gathers == [b"127.0.0.1:4000"]
+    assert learned == {(0, 1, 2): ["h0:1", "127.0.0.1:4000", "h2:3"]}
