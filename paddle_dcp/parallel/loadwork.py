@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,18 +119,28 @@ class LocalLoadWork:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
         not hashed again; a file written since it was opened is refused once the copy ends."""
         try:
-            for op in reads.read_ahead(self.files, self.local):
-                reads.execute_op(op, self.files, self.arrays, self.staging, verify=False)
-            self.files.check_unchanged()
-        finally:
-            if not self.remote:
-                self.files.close()
-
-    def exchange(self, comm: Comm, clients) -> None:
-        try:
-            exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run_op)
+            self._copy_local()
         finally:
             self.files.close()
+
+    def _copy_local(self) -> None:
+        for op in reads.read_ahead(self.files, self.local):
+            reads.execute_op(op, self.files, self.arrays, self.staging, verify=False)
+        self.files.check_unchanged()
+
+    def exchange(self, comm: Comm, clients) -> None:
+        """Copy from the local files (in a helper thread: host memory only) while the bytes of
+        other ranks' files cross on this one, in both directions: a rank that serves a copy
+        of a file does not wait for its own reads first, nor its clients for them."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-read") as pool:
+            copying = pool.submit(self._copy_local)
+            try:
+                exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run_op)
+            finally:
+                failed = copying.exception()  # waits for the copy
+                self.files.close()
+        if failed is not None:
+            raise failed
 
     def finish(self) -> None:
         """Fill constants, copy host buffers into the caller's tensors (through one bounded

@@ -311,10 +311,11 @@ class LoadWork(_Protocol):
         """The same for the blocks its servers send (pairwise)."""
 
     def read_local(self) -> None:
-        """Copy from this rank's own files."""
+        """Copy from this rank's own files (a load that moves no bytes between ranks)."""
 
     def exchange(self, comm: Any, clients: Sequence[int]) -> None:
-        """Receive the remote bytes and serve ``clients`` (pairwise)."""
+        """Copy from this rank's own files, receive the remote bytes and serve ``clients``
+        (pairwise)."""
 
     def finish(self) -> None:
         """Fill constants, finish the buffers, set the plain values."""
@@ -406,8 +407,7 @@ def load(ctx: LoadRankProtocol) -> Protocol:
         yield from local("read", lambda: (work.read_local(), work.finish()))
         return uid, work
     yield Pairwise("verify remote", lambda comm: work.verify_remote(comm, clients))
-    yield from local("read", work.read_local)
-    yield Pairwise("exchange", lambda comm: work.exchange(comm, clients))
+    yield Pairwise("read and exchange", lambda comm: work.exchange(comm, clients))
     yield from local("values", work.finish)
     return uid, work
 

@@ -78,3 +78,46 @@ def test_a_finished_work_is_freed_without_the_garbage_collector(store):
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, monkeypatch):
+    """exchange(): the rank's own reads go on in a helper thread while fetch_remote serves and
+    receives on the caller's thread (the copy here waits until the exchange has started, so
+    a copy done first would fail), and a failed copy is raised once the exchange is over."""
+    import threading
+
+    from paddle_dcp.errors import StorageError
+    from paddle_dcp.parallel import loadwork
+
+    meta = store.read_metadata(0, lazy=True)
+    state, flat, held = target()
+    work = plan_load(state, flat, held, meta, "mem", store, False, True)
+    exchanging, served = threading.Event(), []
+    real_ahead = loadwork.reads.read_ahead
+
+    def ahead_after_the_exchange_started(files, ops, *args, **kwargs):
+        assert exchanging.wait(5), "the copy did not run while the exchange did"
+        return real_ahead(files, ops, *args, **kwargs)
+
+    def fetch(comm, store_, remote, clients, name, run_op):
+        exchanging.set()
+        served.append(list(clients))
+
+    monkeypatch.setattr(loadwork.reads, "read_ahead", ahead_after_the_exchange_started)
+    monkeypatch.setattr(loadwork.exchange, "fetch_remote", fetch)
+    work.exchange(SoloComm(), [1])
+    work.finish()
+    assert served == [[1]]
+    np.testing.assert_array_equal(state["a"], SAVED["a"])
+    np.testing.assert_array_equal(state["b"], SAVED["b"])
+
+    def broken(files, ops, *args, **kwargs):
+        raise StorageError("disk gone")
+
+    state, flat, held = target()
+    work = plan_load(state, flat, held, meta, "mem", store, False, True)
+    monkeypatch.setattr(loadwork.reads, "read_ahead", broken)
+    served.clear()
+    with pytest.raises(StorageError, match="disk gone"):
+        work.exchange(SoloComm(), [1])
+    assert served == [[1]]  # the pair was served all the same: no peer left waiting

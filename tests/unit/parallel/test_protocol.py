@@ -244,8 +244,8 @@ def test_load_routes_clients_to_their_servers():
     # rank 2 needs bytes from rank 0: rank 0 learns its client, rank 2 its server's work is remote
     ranks = {r: FakeLoadRank(r, meta, listing_of(meta), remote={0: ["op"]} if r == 2 else None) for r in range(SIZE)}
     ThreadWorld(SIZE).run(lambda comm: protocol.run(comm, protocol.load(ranks[comm.rank])))
-    assert ranks[0].log == ["verify", ("verify remote", [2]), "read", ("exchange", [2]), "finish"]
-    assert ranks[1].log == ["verify", ("verify remote", []), "read", ("exchange", []), "finish"]
+    assert ranks[0].log == ["verify", ("verify remote", [2]), ("exchange", [2]), "finish"]
+    assert ranks[1].log == ["verify", ("verify remote", []), ("exchange", []), "finish"]
 
 
 def test_load_of_an_empty_directory_fails_the_same_on_every_rank():
