@@ -334,30 +334,36 @@ class LocalTier:
         }, ""
 
     def _check(self, step: int) -> protocol.Protocol:
-        """The step's files checked, node by node (its ranks share them): first the originals
-        (the files of the node's own ranks); only for a writer whose original did not verify,
-        the copies of it other nodes hold. Returns (why the step is not whole on the nodes, or
-        ""; the files this rank must not read: damaged ones and copies left unchecked; the
-        writers whose file has no intact copy on any node; the digest of the nodes'
-        metadata). What crosses the ranks is a few runs of ranks each."""
-        first, mine = yield from protocol.local(f"local tier: check step {step}", lambda: self._scrub(step, None))
-        every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(first)))]
+        """The step's files checked, node by node (its ranks share them). First every node
+        says which originals (the files of its own ranks) it holds at their size; then each
+        checks, in one pass, its originals and its copies of the writers whose original no
+        node holds; only for a writer whose original failed its check are that writer's
+        copies checked after. Returns (why the step is not whole on the nodes, or ""; the
+        files this rank must not read: damaged ones and copies left unchecked; the writers
+        whose file has no intact copy on any node; the digest of the nodes' metadata). What
+        crosses the ranks is a few runs of ranks each."""
+        look, copies = yield from protocol.local(f"local tier: look at step {step}", lambda: self._survey(step))
+        every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(look)))]
         known = next((r for r in every if r["meta"]), None)
         if known is None:
             bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
             return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0
-        lost = wire.from_runs(known["need"]) - {w for r in every for w in wire.from_runs(r["good"])}
-        if lost:  # the copies of those writers, checked where they are
-            second, checked = yield from protocol.local(
-                f"local tier: check copies of step {step}", lambda: self._scrub(step, sorted(lost))
-            )
-            more = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(second)))]
-            lost -= {w for r in more for w in wire.from_runs(r["good"])}
-            every = [dict(a, bad=a["bad"] + b["bad"]) for a, b in zip(every, more)]
-            mine = mine - checked
-        bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
+        need = wire.from_runs(known["need"])
+        absent = need - {w for r in every for w in wire.from_runs(r["good"])}
+        lost, bad, usable = need, set(), set()
+        passes = [(f"local tier: check step {step}", absent, True)]
+        while passes:
+            what, writers, originals = passes.pop()
+            doc, ok = yield from protocol.local(what, lambda: self._scrub(step, writers, originals))
+            more = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(doc)))]
+            lost = lost - {w for r in more for w in wire.from_runs(r["good"])}
+            bad |= {n for r, d in zip(self.comm.ranks, more) if r in self.node for n in d["bad"]}
+            usable |= ok
+            if originals and lost - absent:  # originals that failed: their copies, checked now
+                passes.append((f"local tier: check copies of step {step}", lost - absent, False))
+        bad |= {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
         why = f"no intact copy of the data files of ranks {wire.rle(lost)} on any node" if lost else ""
-        return why, frozenset(bad | mine), tuple(sorted(lost)), known["digest"]
+        return why, frozenset(bad | (copies - usable)), tuple(sorted(lost)), known["digest"]
 
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
         """The writers of the ``lost`` files copy them from the global tier's same step (the
@@ -383,43 +389,60 @@ class LocalTier:
         every = yield protocol.AllGather(mine)
         return {r: tuple(json.loads(b)) for r, b in zip(self.comm.ranks, every) if b}
 
-    def _scrub(self, step: int, writers: list[int] | None) -> tuple[dict, set]:
-        """This rank's share of its node's check of ``step``'s originals (``writers`` None) or
-        of the copies it holds of ``writers``' files. Returns ({"meta": the node's metadata is
-        intact, "need": the writers of the data files (runs), "good": writers whose file this
-        rank found intact (runs), "bad": names of files it found damaged or unusable,
-        "digest": the metadata's}, and for this rank alone the names of the copies on its node
-        (first check) or of those its node found intact (second))."""
-        from .io.scrub import check_files
-
+    def _step_files(self, step: int):
+        """(the node's metadata of ``step`` and its bytes, writer of each data file, the
+        step's data files on this node) or None when the node has no usable metadata (then
+        also the names to keep away from)."""
         listing = self.store.list_checkpoints(temporary=False)
-        none = {"meta": False, "need": [], "good": [], "bad": [], "digest": 0}
         if step not in listing.complete:
-            return none, set()
-        try:  # read once: parsed, and fingerprinted below
+            return None, []
+        try:  # read once: parsed, and fingerprinted by the survey
             data = self.store.metadata_bytes(step)
             meta = metadata_from_bytes(data, step, self.store.resolve(metadata_name(step)), lazy=True)
             meta.check_digest()
         except Exception as exc:  # noqa: BLE001 - a damaged metadata file: another node's serves
             logger.warning("local tier %s: %s unusable on this node: %s", self.directory, metadata_name(step), exc)
-            return dict(none, bad=[metadata_name(step)] + listing.data_names(step)), set()
+            return None, [metadata_name(step)] + listing.data_names(step)
         writer = {f.name: (parse_data_name(f.name) or (-1,))[0] for f in meta.files}
-        present = sorted(n for n in listing.data_names(step) if n in writer)
+        return (meta, data, writer, sorted(n for n in listing.data_names(step) if n in writer)), []
+
+    def _survey(self, step: int) -> tuple[dict, set]:
+        """What this node holds of ``step``, before any byte is hashed: ({"meta": its metadata
+        is intact, "need": the writers of the data files (runs), "good": writers whose
+        original is here at its size (runs), "bad": names to keep away from, "digest": the
+        metadata's}, the names of the copies here)."""
+        found, bad = self._step_files(step)
+        if found is None:
+            return {"meta": False, "need": [], "good": [], "bad": bad, "digest": 0}, set()
+        meta, data, writer, present = found
+        size = {f.name: f.nbytes for f in meta.files}
+        here = [writer[n] for n in present if writer[n] in self.node and self.store.size(n) == size[n]]
         copies = {n for n in present if writer[n] not in self.node}
-        if writers is None:
-            names = [n for n in present if n not in copies]
-        else:
-            names = [n for n in present if n in copies and writer[n] in set(writers)]
+        return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(here), "bad": [],
+                "digest": _digest(data)}, copies
+
+    def _scrub(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
+        """This rank's share of its node's check of ``step``: the originals (with
+        ``originals``) and the copies it holds of ``writers``' files, on as many threads as
+        the node's ranks leave cores. Returns ({"good": writers whose file this rank found
+        intact (runs), "bad": names of files it found damaged or unusable}, the names of the
+        copies its node checks in this pass, found intact by this rank or a node-mate's
+        share, so as readable)."""
+        from .io.scrub import check_files
+
+        found, bad = self._step_files(step)
+        if found is None:
+            return {"good": [], "bad": bad}, set()
+        meta, _, writer, present = found
+        names = [n for n in present if (originals and writer[n] in self.node) or (writer[n] not in self.node and writer[n] in writers)]
         mine = names[self.node.index(self.comm.rank):: len(self.node)]
-        found = check_files(self.store, meta, mine)
-        bad = sorted(n for n, why in found.items() if why is not None)
-        for n in bad:
-            logger.warning("local tier %s: %s", self.directory, found[n])
-        digest = _digest(data)
-        doc = {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(writer[n] for n in mine if n not in bad),
-               "bad": bad, "digest": digest}
-        # the copies a node-mate found intact are as readable as the ones this rank did
-        return doc, (copies if writers is None else set(names) - set(bad))
+        workers = max(1, (os.cpu_count() or 1) // len(self.node))
+        result = check_files(self.store, meta, mine, workers=workers)
+        failed = sorted(n for n, why in result.items() if why is not None)
+        for n in failed:
+            logger.warning("local tier %s: %s", self.directory, result[n])
+        doc = {"good": wire.rle(writer[n] for n in mine if n not in failed), "bad": failed}
+        return doc, {n for n in names if writer[n] not in self.node} - set(failed)
 
 
 def _digest(data: bytes) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -58,6 +60,7 @@ def check_files(
     progress: Progress | None = None,
     *,
     window_bytes: int = WINDOW_BYTES,
+    workers: int = 1,
 ) -> dict[str, str | None]:
     """Which data files of ``meta`` hold exactly the bytes it describes.
 
@@ -67,6 +70,7 @@ def check_files(
         names: the data files to check (names in ``meta.files``); default: all of them.
         progress: called with (bytes checked so far, bytes to check in all) as pieces are read.
         window_bytes: the most bytes of a file held at once (one window, mapped or fetched).
+        workers: threads checking files at once (each its own files, one window each).
 
     Returns:
         data file name -> None when it is present with the right size and every checksum block
@@ -79,7 +83,7 @@ def check_files(
         FormatError: a tensor entry of a lazily parsed ``meta`` is malformed.
     """
     out: dict[str, str | None] = {}
-    for found in check_each_file(store, meta, names, progress, window_bytes=window_bytes):
+    for found in check_each_file(store, meta, names, progress, window_bytes=window_bytes, workers=workers):
         more = len(found.problems) - 1
         first = found.problems[0] if found.problems else None
         if first and more:
@@ -96,13 +100,14 @@ def check_each_file(
     *,
     entries: Mapping[str, TensorEntry] | None = None,
     window_bytes: int = WINDOW_BYTES,
+    workers: int = 1,
 ) -> list[FileCheck]:
     """Every problem of each data file of ``meta`` (or of those in ``names``), in the order of
     ``meta.files``: presence and size of all of them first, then the pieces of the readable
     ones (so ``progress``'s total is what will be read).
 
     Args:
-        store, meta, names, progress, window_bytes: as for :func:`check_files`.
+        store, meta, names, progress, window_bytes, workers: as for :func:`check_files`.
         entries: the tensor entries whose pieces to check; default: all of ``meta.tensors``.
 
     Returns:
@@ -121,24 +126,33 @@ def check_each_file(
     sums = meta.checksum_algorithm != NO_CHECKSUMS
     to_read = {f for f, check in zip(indices, found) if sums and check.readable and f in by_file}
     total = sum(int(by_file[f]["nbytes"].sum()) for f in to_read)
-    done = 0
+    done, lock = 0, threading.Lock()
 
     def tick(nbytes: int) -> None:
         nonlocal done
-        done += nbytes
-        if progress is not None:
-            progress(done, total)
+        with lock:
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
 
-    window = _Window(max(window_bytes, meta.block_bytes))
-    files = store.open_files(meta)
-    try:
-        for n, f in enumerate(indices):
-            if f in to_read:
+    def check(jobs: list[tuple[int, int]]) -> None:  # (position in found, file index), one thread
+        window = _Window(max(window_bytes, meta.block_bytes))
+        files = store.open_files(meta)
+        try:
+            for n, f in jobs:
                 window.start(files, f, meta.files[f].nbytes)
                 found[n] = _read_pieces(found[n], window, meta.block_bytes, listed, by_file[f], tick)
-    finally:
-        window.close()
-        files.close()
+        finally:
+            window.close()
+            files.close()
+
+    jobs = [(n, f) for n, f in enumerate(indices) if f in to_read]
+    parts = [jobs[i::workers] for i in range(max(1, min(workers, len(jobs))))]
+    if len(parts) == 1:
+        check(parts[0])
+    else:  # the hash and the page-cache reads leave the GIL
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="paddle_dcp-check") as pool:
+            list(pool.map(check, parts))
     return found
 
 

@@ -176,8 +176,9 @@ def two_nodes(tmp_path) -> dict[int, str]:
     return {0: str(a), 1: str(b)}
 
 
-def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict]:
-    """Every rank's LocalTier._check of step 3, and the files each rank hashed."""
+def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict, dict]:
+    """Every rank's LocalTier._check of step 3, the files each node hashed, and its calls of
+    check_files (the names of each)."""
     from paddle_dcp.io import scrub
     from paddle_dcp.parallel import protocol
     from paddle_dcp.tiers import LocalTier
@@ -185,10 +186,12 @@ def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict]:
     from .parallel.fakes import ThreadWorld
 
     hashed: dict[str, list] = {}
+    calls: dict[str, list] = {}
     real = scrub.check_files
 
     def spy(store, meta, names=None, *args, **kwargs):
         hashed.setdefault(store.path, []).extend(names or [])
+        calls.setdefault(store.path, []).append(sorted(names or []))
         return real(store, meta, names, *args, **kwargs)
 
     monkeypatch.setattr(scrub, "check_files", spy)
@@ -198,12 +201,12 @@ def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict]:
         tier.nodes = ((0,), (1,))
         return protocol.run(comm, tier._check(3))
 
-    return ThreadWorld(2).run(rank), hashed
+    return ThreadWorld(2).run(rank), hashed, calls
 
 
 def test_whole_nodes_check_only_their_originals_and_read_no_copy(tmp_path, monkeypatch):
     dirs = two_nodes(tmp_path)
-    results, hashed = check_on_threads(dirs, monkeypatch)
+    results, hashed, calls = check_on_threads(dirs, monkeypatch)
     assert hashed == {dirs[0]: ["0_3.distcp"], dirs[1]: ["1_3.distcp"]}  # half the bytes: no copy hashed
     assert results[0][:3] == ("", frozenset({"1_3.distcp"}), ())  # the unchecked copy is not read
     assert results[1][:3] == ("", frozenset({"0_3.distcp"}), ())
@@ -212,10 +215,23 @@ def test_whole_nodes_check_only_their_originals_and_read_no_copy(tmp_path, monke
 def test_a_damaged_original_makes_its_copies_checked_and_read(tmp_path, monkeypatch):
     dirs = two_nodes(tmp_path)
     flip(os.path.join(dirs[1], "1_3.distcp"))
-    results, hashed = check_on_threads(dirs, monkeypatch)
+    results, hashed, calls = check_on_threads(dirs, monkeypatch)
     assert hashed == {dirs[0]: ["0_3.distcp", "1_3.distcp"], dirs[1]: ["1_3.distcp"]}
     assert results[0][:3] == ("", frozenset(), ())  # node A reads its checked copy of rank 1's file
     assert results[1][:3] == ("", frozenset({"1_3.distcp", "0_3.distcp"}), ())
     flip(os.path.join(dirs[0], "1_3.distcp"))  # the copy too: nothing left of rank 1's file
-    results, _ = check_on_threads(dirs, monkeypatch)
+    results, _, _ = check_on_threads(dirs, monkeypatch)
     assert all(r[0].startswith("no intact copy of the data files of ranks [[1, 1]]") and r[2] == (1,) for r in results.values())
+
+
+def test_a_lost_original_has_its_copies_checked_in_the_same_pass_as_the_originals(tmp_path, monkeypatch):
+    """Node B lost rank 1's file (the node was replaced): every node says what it holds
+    before hashing, so node A checks its original and its copy of rank 1's file in one pass,
+    not one after the other."""
+    dirs = two_nodes(tmp_path)
+    os.remove(os.path.join(dirs[1], "1_3.distcp"))
+    results, hashed, calls = check_on_threads(dirs, monkeypatch)
+    assert calls[dirs[0]] == [["0_3.distcp", "1_3.distcp"]]
+    assert hashed[dirs[1]] == []
+    assert results[0][:3] == ("", frozenset(), ())
+    assert results[1][:3] == ("", frozenset({"0_3.distcp"}), ())  # its unchecked copy unread

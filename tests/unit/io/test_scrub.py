@@ -227,3 +227,23 @@ def test_a_local_file_is_checked_from_the_page_cache_one_bounded_window_at_a_tim
         assert spans and max(spans) <= max(window, BLOCK)
     assert held == [0, 1]
     assert "[{}, {})".format(at + 192, at + 256) in want[name]
+
+
+def test_files_checked_on_several_threads_find_the_same_and_count_every_byte_once(two_files, monkeypatch):
+    path, arrays = two_files
+    name, at = located(path, arrays["w"][4:])
+    flip(path, name, at + 200)
+    want = check(path)
+    threads: set = set()
+    real = scrub._read_pieces
+
+    def spy(*args, **kwargs):
+        threads.add(__import__("threading").get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scrub, "_read_pieces", spy)
+    calls: list[tuple[int, int]] = []
+    assert check(path, workers=2, progress=lambda done, all_: calls.append((done, all_))) == want
+    total = arrays["w"].nbytes + arrays["b"].nbytes
+    assert len(data_files(path)) == 2 and len(threads) == 2
+    assert calls[-1] == (total, total) and all(a < b for (a, _), (b, _) in zip(calls, calls[1:]))
