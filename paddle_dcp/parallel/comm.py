@@ -73,6 +73,7 @@ class Comm:
     ranks: tuple[int, ...]
     coordinator: int
     traffic: Traffic
+    lanes: int = 1  # connections a pair may move bytes over at once (see lane())
 
     @property
     def size(self) -> int:
@@ -135,6 +136,13 @@ class Comm:
     def recv_into(self, peer: int, out: np.ndarray) -> None:
         """Receive exactly ``len(out)`` bytes from ``peer`` into the uint8 array ``out``."""
         raise NotImplementedError
+
+    def lane(self, index: int) -> "Comm":
+        """A view of this comm whose point-to-point messages travel on connection ``index``
+        of each pair (0: this comm's own), apart from the others' (``index < lanes``)."""
+        if index != 0:
+            raise ValueError(f"this comm has {self.lanes} lane(s), not {index + 1}")
+        return self
 
     def begin_pairwise(self) -> None:
         """A pairwise step starts (on every rank of the group): make what its point-to-point
@@ -305,6 +313,11 @@ class PaddleComm(Comm):
     def recv_into(self, peer, out):
         STATE.groups.transport(self.rank).recv_into(peer, self.purpose, out)
 
+    lanes = 2
+
+    def lane(self, index: int) -> "Comm":
+        return self if index == 0 else _Lane(self, index)
+
     def begin_pairwise(self) -> None:
         """The group's ranks learn where the others listen: one all-gather, the first time
         this group pairs up in this process (a store lookup per peer would cost ~90 ms)."""
@@ -316,6 +329,21 @@ class PaddleComm(Comm):
 
     def end_pairwise(self) -> None:
         STATE.groups.transport(self.rank).end_step(self.purpose)
+
+
+class _Lane(Comm):
+    """Point-to-point messages of a PaddleComm on a connection of their own (channel
+    ``purpose/index``), closed with the comm's at the end of the pairwise step."""
+
+    def __init__(self, comm: "PaddleComm", index: int):
+        self.rank, self.ranks, self.coordinator, self.traffic = comm.rank, comm.ranks, comm.coordinator, comm.traffic
+        self.channel = f"{comm.purpose}/{index}"
+
+    def send(self, peer, data):
+        STATE.groups.transport(self.rank).send(peer, self.channel, data)
+
+    def recv_into(self, peer, out):
+        STATE.groups.transport(self.rank).recv_into(peer, self.channel, out)
 
 
 def _gloo_group(group):

@@ -32,7 +32,7 @@ from .comm import Comm
 from ..errors import CollectiveError, DcpError, StorageError
 from ..core.load_plan import ReadOp
 from ..io.reads import Staging
-from ..io.storage import RangeSource, Storage
+from ..io.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,36 @@ def ask_for_metadata(
     return reply
 
 
+LANES = 2  # connections the bytes of one direction of a pair travel over at once
+LANE_BYTES = 32 << 20  # a direction moving fewer bytes keeps to one connection
+
+
+def lanes_of(request: list, lanes: int) -> list[list[int]]:
+    """The ranges of ``request`` ([name, start, stop] each) dealt to the connections of a pair:
+    each to the lane with the fewest bytes so far, in order. Client and server compute it from
+    the same request, so they agree on which range travels where."""
+    sizes = [stop - start if type(start) is int and type(stop) is int and stop > start else 0 for _, start, stop in request]
+    count = lanes if len(request) > 1 and sum(sizes) >= LANE_BYTES else 1
+    parts: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i, n in enumerate(sizes):
+        lane = load.index(min(load))
+        parts[lane].append(i)
+        load[lane] += n
+    return [p for p in parts if p] or [[]]
+
+
+def _on_lanes(comm: Comm, parts: list[list[int]], fn: Callable) -> list:
+    """``fn(lane comm, part)`` for every part, each on its own connection and thread (the
+    first on the caller's)."""
+    if len(parts) == 1:
+        return [fn(comm, parts[0])]
+    with ThreadPoolExecutor(max_workers=len(parts) - 1, thread_name_prefix="paddle_dcp-lane") as pool:
+        others = [pool.submit(fn, comm.lane(i), part) for i, part in enumerate(parts) if i]
+        first = fn(comm, parts[0])
+        return [first] + [f.result() for f in others]
+
+
 def fetch_remote(
     comm: Comm,
     store: Storage,
@@ -87,73 +117,88 @@ def fetch_remote(
     run_op: Callable[[ReadOp, Callable[[ReadOp, memoryview], None]], None],
 ) -> int:
     """Pairwise: fetch the bytes of this rank's remote ops from their servers and serve the
-    ranges other ranks ask of this rank. Returns the bytes received.
+    ranges other ranks ask of this rank; a direction that moves many bytes uses ``LANES``
+    connections at once. Returns the bytes received.
 
     Args:
         my_servers: server rank -> this rank's ops in files it cannot read.
         my_clients: ranks that will ask this rank for bytes.
         file_name: data file name of a file index of this rank's metadata.
-        run_op: carries out one op, taking its bytes from the fetch function it is given.
+        run_op: carries out one op, taking its bytes from the fetch function it is given
+            (called from several threads at once, for distinct ops).
     """
     me = comm.rank
-    reader = store.range_reader()
-    staging = Staging()
     received, error = 0, None
-    try:
-        for peer in pair_order(me, set(my_servers) | set(my_clients)):
-            for client, server in directions(me, peer):
-                if client == me and server in my_servers:
-                    ops = my_servers[server]
-                    request = json.dumps([[file_name(op.file), op.start, op.stop] for op in ops]).encode()
-                    wire.send_message(comm, peer, request)
-                    server_failed = False
-                    for op in ops:
-                        taken = [False]
-
-                        def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
-                            status, length = wire.recv_header(comm, peer)
-                            taken[0] = True
-                            if status == wire.FAILED:
-                                raise _ServerFailed()
-                            if length != len(out):
-                                if length:
-                                    comm.recv_into(peer, np.zeros(length, np.uint8))
-                                raise StorageError(
-                                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of "
-                                    f"{file_name(op.file)}: it sent {length} bytes where {len(out)} were expected"
-                                )
-                            comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
-
-                        try:
-                            if error is None and not server_failed:
-                                run_op(op, fetch)
-                                received += op.nbytes
-                        except _ServerFailed:  # its own error comes at the agreement
-                            server_failed = True
-                        except DcpError as exc:
-                            error = error or exc
-                        if not taken[0]:  # keep the pair in step after an error
-                            status, length = wire.recv_header(comm, peer)
-                            if length:
-                                comm.recv_into(peer, np.zeros(length, np.uint8))
-                elif server == me and client in my_clients:
-                    error = _serve(comm, peer, reader, staging) or error
-    finally:
-        reader.close()
+    for peer in pair_order(me, set(my_servers) | set(my_clients)):
+        for client, server in directions(me, peer):
+            if client == me and server in my_servers:
+                ops = my_servers[server]
+                request = [[file_name(op.file), op.start, op.stop] for op in ops]
+                wire.send_message(comm, peer, json.dumps(request).encode())
+                parts = lanes_of(request, comm.lanes)
+                for got, failed in _on_lanes(comm, parts, lambda c, part: _fetch(c, peer, [ops[i] for i in part], file_name, run_op)):
+                    received, error = received + got, error or failed
+            elif server == me and client in my_clients:
+                error = _serve(comm, peer, store) or error
     if error is not None:
         raise error
     return received
+
+
+def _fetch(comm: Comm, peer: int, ops: list[ReadOp], file_name: Callable[[int], str], run_op) -> tuple[int, DcpError | None]:
+    """Receive ``ops``' bytes from ``peer`` on one connection; (bytes received, the first
+    error). The pair stays in step after an error: every answer is taken."""
+    received, error, server_failed = 0, None, False
+    for op in ops:
+        taken = [False]
+
+        def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
+            status, length = wire.recv_header(comm, peer)
+            taken[0] = True
+            if status == wire.FAILED:
+                raise _ServerFailed()
+            if length != len(out):
+                if length:
+                    comm.recv_into(peer, np.zeros(length, np.uint8))
+                raise StorageError(
+                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of "
+                    f"{file_name(op.file)}: it sent {length} bytes where {len(out)} were expected"
+                )
+            comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
+
+        try:
+            if error is None and not server_failed:
+                run_op(op, fetch)
+                received += op.nbytes
+        except _ServerFailed:  # its own error comes at the agreement
+            server_failed = True
+        except DcpError as exc:
+            error = error or exc
+        if not taken[0]:  # keep the pair in step after an error
+            status, length = wire.recv_header(comm, peer)
+            if length:
+                comm.recv_into(peer, np.zeros(length, np.uint8))
+    return received, error
 
 
 class _ServerFailed(Exception):
     """The server sent FAILED in place of an op's bytes (inside fetch_remote only)."""
 
 
-def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> DcpError | None:
-    """Answer ``client``'s request, range by range, each read while the one before it is sent
-    (one reading thread, two buffers in turn); a range that cannot be read is answered FAILED."""
+def _serve(comm: Comm, client: int, store: Storage) -> DcpError | None:
+    """Answer ``client``'s request, on as many connections as it uses (:func:`lanes_of`);
+    returns the first error (the client got FAILED for that range)."""
     request = json.loads(wire.recv_message(comm, client) or b"[]")
-    buffers = (staging, Staging())
+    parts = lanes_of(request, comm.lanes)
+    errors = _on_lanes(comm, parts, lambda c, part: _serve_lane(c, client, [request[i] for i in part], store))
+    return next((e for e in errors if e is not None), None)
+
+
+def _serve_lane(comm: Comm, client: int, request: list, store: Storage) -> DcpError | None:
+    """Answer ranges of ``request`` in order, each read while the one before it is sent (one
+    reading thread, two buffers in turn); a range that cannot be read is answered FAILED."""
+    buffers = (Staging(), Staging())
+    reader = store.range_reader()
 
     def read(i: int) -> np.ndarray:
         name, start, stop = request[i]
@@ -165,19 +210,22 @@ def _serve(comm: Comm, client: int, reader: RangeSource, staging: Staging) -> Dc
         return buf
 
     error = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-serve") as pool:
-        pending = pool.submit(read, 0) if request else None
-        for i in range(len(request)):
-            try:
-                buf, failed = pending.result(), None
-            except DcpError as exc:
-                buf, failed = None, exc
-            pending = pool.submit(read, i + 1) if i + 1 < len(request) else None  # into the other buffer
-            if failed is not None:
-                wire.send_failed(comm, client)
-                error = error or failed
-                continue
-            wire.send_message(comm, client, buf)
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-serve") as pool:
+            pending = pool.submit(read, 0) if request else None
+            for i in range(len(request)):
+                try:
+                    buf, failed = pending.result(), None
+                except DcpError as exc:
+                    buf, failed = None, exc
+                pending = pool.submit(read, i + 1) if i + 1 < len(request) else None  # into the other buffer
+                if failed is not None:
+                    wire.send_failed(comm, client)
+                    error = error or failed
+                    continue
+                wire.send_message(comm, client, buf)
+    finally:
+        reader.close()
     return error
 
 

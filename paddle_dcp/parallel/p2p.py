@@ -176,9 +176,10 @@ class Transport:
         _recv_exact(conn, memoryview(out).cast("B"), peer)
 
     def end_step(self, channel: str) -> None:
-        """Close this channel's connections: the pairwise step that used them is over."""
+        """Close this channel's connections (and its lanes', ``channel/i``): the pairwise step
+        that used them is over."""
         with self._lock:
-            done = [k for k in self._conns if k[1] == channel]
+            done = [k for k in self._conns if k[1] == channel or k[1].startswith(channel + "/")]
             conns = [self._conns.pop(k) for k in done]
         for conn in conns:
             conn.close()

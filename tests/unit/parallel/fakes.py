@@ -19,8 +19,9 @@ class ThreadWorld:
         self.size = size
         self.barrier = threading.Barrier(size, timeout=TIMEOUT)
         self.slots: list = [None] * size
-        self.mail = {(a, b): queue.Queue() for a in range(size) for b in range(size) if a != b}
+        self.mail = {(a, b, lane): queue.Queue() for a in range(size) for b in range(size) if a != b for lane in range(2)}
         self.sent: list[tuple[int, int, int]] = []  # (sender, receiver, bytes), in order of sending
+        self.lanes_used: set[int] = set()  # which of a pair's connections carried messages
         self.lock = threading.Lock()
 
     def everyone(self, rank: int, value):
@@ -51,11 +52,17 @@ class ThreadWorld:
 
 
 class ThreadComm(Comm):
-    def __init__(self, world: ThreadWorld, rank: int, coordinator: int = 0):
+    lanes = 2
+
+    def __init__(self, world: ThreadWorld, rank: int, coordinator: int = 0, lane: int = 0):
         self.world, self.rank = world, rank
         self.ranks = tuple(range(world.size))
         self.coordinator = coordinator
         self.traffic = Traffic()
+        self.index = lane  # which of a pair's connections its messages travel on
+
+    def lane(self, index):
+        return ThreadComm(self.world, self.rank, self.coordinator, index)
 
     def _all_max(self, values):
         return [max(v) for v in zip(*self.world.everyone(self.rank, list(values)))]
@@ -77,12 +84,13 @@ class ThreadComm(Comm):
         taken = threading.Event()
         with self.world.lock:
             self.world.sent.append((self.rank, peer, len(data)))
-        self.world.mail[(self.rank, peer)].put((np.array(data, dtype=np.uint8, copy=True), taken))
+            self.world.lanes_used.add(self.index)
+        self.world.mail[(self.rank, peer, self.index)].put((np.array(data, dtype=np.uint8, copy=True), taken))
         if not taken.wait(TIMEOUT):
             raise TimeoutError(f"rank {self.rank}: rank {peer} never took the message")
 
     def recv_into(self, peer, out):
-        data, taken = self.world.mail[(peer, self.rank)].get(timeout=TIMEOUT)
+        data, taken = self.world.mail[(peer, self.rank, self.index)].get(timeout=TIMEOUT)
         taken.set()
         assert len(data) == len(out), f"rank {self.rank} expected {len(out)} bytes from {peer}, got {len(data)}"
         out[...] = data

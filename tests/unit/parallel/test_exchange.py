@@ -118,8 +118,6 @@ def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
     storage error of the file: both sides raise a CollectiveError naming the asking rank."""
     import json
 
-    from paddle_dcp.io.reads import Staging
-
     class Reader:
         def read_into(self, name, start, out):
             raise AssertionError("no byte is read for a malformed request")
@@ -127,9 +125,13 @@ def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
         def close(self):
             pass
 
+    class Store:
+        def range_reader(self):
+            return Reader()
+
     def rank(comm):
         if comm.rank == 0:
-            return exchange._serve(comm, 1, Reader(), Staging())
+            return exchange._serve(comm, 1, Store())
         wire.send_message(comm, 0, json.dumps([["0_0.distcp", 5, 2]]).encode())
         return wire.recv_message(comm, 0)
 
@@ -137,3 +139,76 @@ def test_a_malformed_range_from_a_peer_is_a_collective_error_naming_the_peer():
     assert isinstance(results[0], CollectiveError) and list(results[0].failures) == [1], results[0]
     assert "malformed range [5, 2) of '0_0.distcp'" in str(results[0])
     assert results[1] is None  # the client learns only that rank 0 could not answer
+
+
+def test_lanes_deal_each_range_to_the_least_loaded_connection_the_same_on_both_sides():
+    request = [["a", 0, 100], ["a", 100, 150], ["b", 0, 60], ["b", 60, 61], ["c", 5, 2], ["d", "x", 9]]
+    small = exchange.lanes_of(request, 2)
+    assert small == [[0, 1, 2, 3, 4, 5]]  # 211 bytes: one connection is enough
+    big = [[n, 0, s] for n, s in zip("abcde", [40 << 20, 10 << 20, 20 << 20, 30 << 20, 1])]
+    assert exchange.lanes_of(big, 2) == [[0, 4], [1, 2, 3]]  # 40 MiB + 1 against 60 MiB: greedy, in order
+    assert exchange.lanes_of(big, 1) == [[0, 1, 2, 3, 4]] and exchange.lanes_of([], 2) == [[]]
+    assert exchange.lanes_of(big[:1], 2) == [[0]]
+
+
+class _Op:
+    def __init__(self, file, start, stop):
+        self.file, self.start, self.stop, self.nbytes = file, start, stop, stop - start
+
+
+def test_a_pair_moves_its_ranges_over_two_connections_and_stays_in_step_after_a_failed_range(monkeypatch):
+    """Rank 1 fetches ranges of rank 0's files: with many bytes they cross on two lanes at
+    once, every range lands where asked, and a range rank 0 cannot read (FAILED on its lane)
+    costs that lane's later ranges only, the error raised by the server after serving."""
+    from paddle_dcp.errors import StorageError
+
+    monkeypatch.setattr(exchange, "LANE_BYTES", 1)
+    rng = np.random.default_rng(3)
+    files = {"f0": rng.integers(0, 255, 5000, dtype=np.uint8), "f1": rng.integers(0, 255, 3000, dtype=np.uint8)}
+
+    class Reader:
+        def read_into(self, name, start, out):
+            if name == "f1" and start == 2000:
+                raise StorageError("f1 is cut short")
+            out[:] = files[name][start : start + len(out)].data
+
+        def close(self):
+            pass
+
+    class Store:
+        def range_reader(self):
+            return Reader()
+
+    def run(ops):
+        def rank(comm):
+            if comm.rank == 0:
+                return exchange.fetch_remote(comm, Store(), {}, [1], lambda i: f"f{i}", None)
+            got = {}
+
+            def run_op(op, fetch):
+                out = np.empty(op.nbytes, np.uint8)
+                fetch(op, out.data)
+                got[(op.file, op.start)] = out
+
+            try:
+                exchange.fetch_remote(comm, Store(), {0: ops}, [], lambda i: f"f{i}", run_op)
+            except DcpError as exc:
+                return got, exc
+            return got, None
+
+        world = ThreadWorld(2)
+        return world.run(rank), world.lanes_used
+
+    ops = [_Op(0, 0, 1000), _Op(0, 1000, 4000), _Op(1, 0, 2000), _Op(0, 4000, 5000)]
+    results, lanes = run(ops)
+    got, error = results[1]
+    assert results[0] == 0 and error is None and lanes == {0, 1}
+    for op in ops:
+        np.testing.assert_array_equal(got[(op.file, op.start)], files[f"f{op.file}"][op.start : op.stop])
+    ops = [_Op(0, 0, 1000), _Op(1, 2000, 3000), _Op(0, 1000, 2000), _Op(0, 2000, 2500)]
+    results, _ = run(ops)
+    assert isinstance(results[0], StorageError) and "cut short" in str(results[0])
+    got, error = results[1]
+    assert error is None  # the client learns only that the server failed: its error comes at the agreement
+    lane_of = {i: lane for lane, part in enumerate(exchange.lanes_of([["", o.start, o.stop] for o in ops], 2)) for i in part}
+    assert {k for k in got} == {(o.file, o.start) for i, o in enumerate(ops) if lane_of[i] != lane_of[1]}
