@@ -76,8 +76,6 @@ class LocalTier:
     def __init__(self, directory: str, comm: Comm, replicas: int, max_to_keep: int, durable: bool = False):
         if is_url(directory):
             raise ArgumentError(f"local_directory must be a path each node has for itself, not a URL: {directory}")
-        if type(replicas) is not int or replicas < 0:
-            raise ArgumentError(f"replicas must be a non-negative int, got {replicas!r}")
         self.directory, self.comm, self.replicas, self.max_to_keep = os.fspath(directory), comm, replicas, max_to_keep
         self.durable = durable
         self.store = open_storage(self.directory)

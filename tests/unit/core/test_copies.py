@@ -68,6 +68,9 @@ def test_a_single_node_cannot_keep_copies_and_says_why():
     assert copy_holders([(0, 1)], 0) == {0: (), 1: ()}
     with pytest.raises(ArgumentError, match="needs 3 nodes"):
         copy_holders([(0,), (1,)], 2)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ArgumentError, match="replicas must be a non-negative int"):
+            copy_holders([(0,), (1,)], bad)
 
 
 def test_nodes_are_the_ranks_that_see_each_other():
