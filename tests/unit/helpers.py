@@ -16,7 +16,8 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from paddle_dcp.core import checksums
+from paddle_dcp.core import checksums, quant
+from paddle_dcp.core.compress import policy_of
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan, nested, save_plan
@@ -184,12 +185,15 @@ def save_checkpoint(
     unique_id: int = 0,
     via_wire: bool = True,
     replicas: bool = False,
+    compress: dict | None = None,
 ) -> Saved:
     """Save the global ``arrays`` (state dict ``{"model": arrays, **values}``) as the ranks of
-    ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own."""
+    ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own (the
+    keys ``compress`` names encoded as a rank's write encodes them)."""
     ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire)
     summaries = [s for _, _, s in ranks]
-    plan = save_plan.plan_save(summaries, replicas)
+    policy = policy_of(compress)
+    plan = save_plan.plan_save(summaries, replicas, policy)
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]
@@ -198,7 +202,11 @@ def save_checkpoint(
         for leaf in leaves.tolist():
             p = pieces[leaf]
             seed = checksums.piece_seed(p.key, p.dtype, p.box.offsets, p.box.shape)
-            cs += w.write(as_bytes(np.ascontiguousarray(flat.tensors[p.key])), seed=seed)
+            data = np.ascontiguousarray(flat.tensors[p.key])
+            encoding = policy.encoding_of(p.key, p.dtype) if policy is not None else None
+            if encoding is not None:
+                data = quant.encode_piece(data, p.dtype, encoding, p.key)
+            cs += w.write(as_bytes(data), seed=seed)
         assert w.commit() == plan.file_bytes[r]
         sums[r] = np.array(cs, dtype=np.uint64)
     structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)
