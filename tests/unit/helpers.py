@@ -301,3 +301,55 @@ def arrays_for(shape, dtypes, seed):
     """Random arrays of the given shapes and dtypes, the same for the same seed."""
     rng = np.random.default_rng(seed)
     return {k: random_array(rng, dtypes[k], s) for k, s in shape.items()}
+
+
+# ------------------------------------------------------------------ the reference quantizer
+# From the format's definition (docs/format.md, "Tensors stored quantized"): a piece's elements
+# in C order, in blocks of 256, each its float32 minimum and step and codes
+# round((x - min) / step); read back as min + code * step in float32, then cast to the dtype.
+BLOCK = 256
+LEVELS = {"int8": 255, "int4": 15}
+BLOCK_BYTES = {"int8": 8 + 256, "int4": 8 + 128}
+
+
+def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # the high half of a float32's bits
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # round to nearest, ties to even, on the bits
+        bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return values.astype(STORAGE[dtype])
+
+
+def dequantized(piece: np.ndarray, encoding: str) -> np.ndarray:
+    """What a piece of float32 values reads back as: block by block over its C order."""
+    flat = np.ascontiguousarray(piece, np.float32).reshape(-1)
+    out = np.empty_like(flat)
+    levels = np.float32(LEVELS[encoding])
+    for at in range(0, flat.size, BLOCK):
+        block = flat[at : at + BLOCK]
+        low = block.min()
+        step = np.float32((block.max() - low) / levels)
+        if step == 0:
+            out[at : at + BLOCK] = low
+        else:
+            codes = np.clip(np.rint((block - low) / step), 0, levels).astype(np.float32)
+            out[at : at + BLOCK] = low + codes * step
+    return out.reshape(piece.shape)
+
+
+def saved_boxes(shape, mesh, placements) -> list[Box]:
+    boxes = {ref_box(shape, mesh, placements, c) for c in coords(mesh)}
+    return sorted((b for b in boxes if b.volume), key=lambda b: b.offsets)
+
+
+def expected_tensor(array: np.ndarray, dtype: str, encoding: str, boxes) -> np.ndarray:
+    """The whole tensor as a load of it gives it: each saved piece dequantized on its own."""
+    out = np.empty_like(array)
+    for box in boxes:
+        out[box.slices()] = from_float32(dequantized(to_float32(array[box.slices()], dtype), encoding), dtype)
+    return out
