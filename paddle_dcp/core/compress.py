@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from . import quant
+from .keys import compiled_regex
 from ..errors import ArgumentError
 
 # AdamW's first and second moments, as paddle's optimizers key them (``linear_0.w_0_moment1_0``),
@@ -68,12 +69,7 @@ def policy_of(compress: Any) -> Policy | None:
         )
     rules = []
     for pattern, name in compress.items():
-        if not isinstance(pattern, str):
-            raise ArgumentError(f"compress: a key must be a regular expression string, got {pattern!r}")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ArgumentError(f"compress: {pattern!r} is not a regular expression: {exc}") from None
+        compiled_regex(pattern, "compress")
         if name not in quant.ENCODINGS:
             raise ArgumentError(
                 f"compress: {pattern!r} names encoding {name!r}; the encodings are {', '.join(sorted(quant.ENCODINGS))}"

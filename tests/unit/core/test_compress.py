@@ -68,7 +68,7 @@ def test_nothing_to_compress_is_no_policy_and_a_policy_passes_through():
         ({"moment": "int3"}, "'int3'"),
         ({"moment": 8}, "8"),
         ({"(": "int8"}, "not a regular expression"),
-        ({3: "int8"}, "regular expression string"),
+        ({3: "int8"}, "regular expressions (str), got int"),
     ],
 )
 def test_bad_arguments_are_refused_naming_what_is_wrong(compress, words):
