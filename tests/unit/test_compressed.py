@@ -338,3 +338,17 @@ def test_hostile_metadata_of_a_quantized_tensor_is_a_format_error_and_nothing_ch
     assert (sd["model"]["m"] == SENTINEL).all() and (sd["model"]["n"] == 0).all()
     with pytest.raises(FormatError):
         local.read_metadata(path, 0).validate()
+
+
+def test_an_async_save_encodes_what_it_staged_not_what_the_tensors_hold_later(tmp_path):
+    state = adamw_state(np.random.default_rng(4))
+    saved = state["opt"]["w_moment1_0"].copy()
+    # the first async save of a process writes before it returns (and makes staging memory)
+    paddle_dcp.save_state_dict(state, str(tmp_path), async_save=True, compress=paddle_dcp.ADAMW_MOMENTS_INT8).wait()
+    handle = paddle_dcp.save_state_dict(state, str(tmp_path), async_save=True, compress=paddle_dcp.ADAMW_MOMENTS_INT8)
+    state["opt"]["w_moment1_0"][...] = 0  # the training goes on while the save writes
+    handle.wait()
+    got = zeros_like(state)
+    paddle_dcp.load_state_dict(got, str(tmp_path))
+    assert got["opt"]["w_moment1_0"].tobytes() == dequantized(saved, "int8").tobytes()
+    assert paddle_dcp.read_metadata(str(tmp_path)).tensors["opt.w_moment1_0"].encoding == "int8"
