@@ -352,3 +352,17 @@ def test_an_async_save_encodes_what_it_staged_not_what_the_tensors_hold_later(tm
     paddle_dcp.load_state_dict(got, str(tmp_path))
     assert got["opt"]["w_moment1_0"].tobytes() == dequantized(saved, "int8").tobytes()
     assert paddle_dcp.read_metadata(str(tmp_path)).tensors["opt.w_moment1_0"].encoding == "int8"
+
+
+def test_the_manager_s_node_local_tier_saves_with_its_policy_and_its_check_takes_the_stored_sizes(tmp_path):
+    state = adamw_state(np.random.default_rng(5))
+    local_dir = str(tmp_path / "local")
+    with paddle_dcp.CheckpointManager(str(tmp_path / "global"), local_directory=local_dir, replicas=0,
+                                      save_interval_steps=10, compress=paddle_dcp.ADAMW_MOMENTS_INT4) as manager:  # fmt: skip
+        manager.save(1, state)  # the local tier alone
+        got = zeros_like(state)
+        assert manager.restore(got) == 1
+        assert manager.last_restore.tier == "local"
+    assert paddle_dcp.read_metadata(local_dir, 1).tensors["opt.w_moment2_0"].encoding == "int4"
+    assert got["opt"]["w_moment2_0"].tobytes() == dequantized(state["opt"]["w_moment2_0"], "int4").tobytes()
+    assert got["model"]["w"].tobytes() == state["model"]["w"].tobytes()
