@@ -23,6 +23,7 @@ from .errors import (
 from .gather import save_gathered
 from .manager import CheckpointManager
 from .core.metadata import FORMAT_VERSION
+from .core.compress import ADAMW_MOMENTS, ADAMW_MOMENTS_INT4, ADAMW_MOMENTS_INT8
 from .patching import PaddlePatch, StateDictMetadata, patch_paddle, read_state_dict_metadata
 from .training import get_state_dict, set_state_dict
 from .version import __version__
@@ -58,5 +59,8 @@ __all__ = [
     "PlanError",
     "UnsupportedError",
     "FORMAT_VERSION",
+    "ADAMW_MOMENTS",
+    "ADAMW_MOMENTS_INT8",
+    "ADAMW_MOMENTS_INT4",
     "__version__",
 ]

@@ -16,6 +16,7 @@ import time
 from . import async_save as background_saves
 from .async_save import AsyncSave, wait_async_save
 from .core import aoa
+from .core.compress import policy_of
 from .core.keys import MissingKeys
 from .parallel import protocol
 from .parallel.comm import make_comm
@@ -68,6 +69,7 @@ def save_state_dict(
     *,
     durable: bool = False,
     storage_options: dict | None = None,
+    compress: "dict[str, str] | None" = None,
 ) -> "AsyncSave | None":
     """Save a (nested) state dict of dist tensors, plain tensors, ShardedWeights and plain values.
 
@@ -104,18 +106,30 @@ def save_state_dict(
             ``part_size``, ``parts_in_flight``, ``read_concurrency``, ``read_chunk_bytes``,
             ``read_ahead_bytes``, ``read_cache_bytes``, ``retries``, ``retry_deadline`` (see
             the guide's object storage section).
+        compress: ``{regex: "int8" | "int4"}``: the float16, bfloat16 and float32 tensors
+            whose flat key a regex matches (``re.search``; the first that matches wins) are
+            stored quantized in blocks of 256 elements, each with its own minimum and step
+            (``paddle_dcp.ADAMW_MOMENTS_INT8`` / ``ADAMW_MOMENTS_INT4``: AdamW's moments); a
+            load dequantizes them into any layout. Every rank passes the same. Matched tensors
+            of other dtypes are saved as they are (docs/guide.md, "Compressed checkpoints").
 
     Raises:
+        ArgumentError: a bad ``compress`` (or ``compress`` with ``safetensors=True``, whose
+            rank files hold raw tensors only).
+        UnsupportedError: a tensor to compress holds a NaN or an infinity (naming its key).
         CollectiveError: on every rank, when a step failed on some rank (several ranks).
         DcpError: the failure itself (one rank).
     """
+    policy = policy_of(compress)
+    if policy is not None and safetensors:
+        raise ArgumentError("compress cannot be used with safetensors=True: a safetensors rank file holds raw tensors only")
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     rank = LocalSaveRank(
         comm, state_dict, open_storage(path, storage_options), unique_id, STATE.save_plans,
         safetensors=safetensors, replicas=save_replicas, durable=durable, staged=async_save,
-        staging=STATE.staging if async_save else None,
+        staging=STATE.staging if async_save else None, compress=policy,
     )
     handle = run_save(comm, rank, path)
     return handle if async_save else None

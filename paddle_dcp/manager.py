@@ -25,6 +25,7 @@ from .io import cleanup
 from . import async_save as background_saves
 from .parallel.state import STATE
 from .api import run_load, save_state_dict
+from .core.compress import policy_of
 from .parallel.ranks import LocalLoadRank
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
@@ -67,6 +68,8 @@ class CheckpointManager:
             :mod:`paddle_dcp.tiers`). A step due for both tiers is staged once: the global
             tier's files are the local step's, copied. None (the default): no local tier.
         local_interval_steps / local_max_to_keep / replicas: see ``local_directory``.
+        compress: ``{regex: encoding}``, as for ``save_state_dict``: the tensors stored
+            quantized, in both tiers (e.g. ``paddle_dcp.ADAMW_MOMENTS_INT8``).
 
     Raises:
         ArgumentError: a bad argument, or another manager already uses ``directory`` (a lock
@@ -90,6 +93,7 @@ class CheckpointManager:
         local_interval_steps: int = 1,
         local_max_to_keep: int = 2,
         replicas: int = 1,
+        compress: dict[str, str] | None = None,
     ):
         _check_count("max_to_keep", max_to_keep, allow_none=True)
         _check_count("local_interval_steps", local_interval_steps)
@@ -106,6 +110,7 @@ class CheckpointManager:
         self.best_fn, self.best_mode = best_fn, best_mode
         self.process_group, self.coordinator_rank = process_group, coordinator_rank
         self.storage_options = storage_options
+        self.compress = policy_of(compress)
         self.store = open_storage(self.directory, storage_options)
         self.comm = make_comm(process_group, coordinator_rank)
         self.local_interval_steps = local_interval_steps
@@ -151,12 +156,12 @@ class CheckpointManager:
             self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
         if due_local:
             then = (lambda comm: self._global_from_local(comm, step)) if due_global else None
-            handle = self.local.save(step, state_dict, self.async_save, then)
+            handle = self.local.save(step, state_dict, self.async_save, then, self.compress)
             self._pending = [handle] if handle is not None else []
             return True
         handle = save_state_dict(
             state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
-            async_save=self.async_save, storage_options=self.storage_options,
+            async_save=self.async_save, storage_options=self.storage_options, compress=self.compress,
         )
         if handle is None:
             self._committed(self.comm, step)

@@ -30,6 +30,7 @@ from typing import Any
 import xxhash
 
 from .api import run_load, run_save
+from .core.compress import Policy
 from .core.copies import copy_holders, nodes_of
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
@@ -204,13 +205,14 @@ class LocalTier:
         return frozenset(s for s in need if need[s] <= have[s])
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state_dict: dict, staged: bool, then=None):
-        """Save ``step`` to every node's local directory and copy each data file to the other
-        nodes (an async save when ``staged``: the copies and the metadata follow in the
-        background), then ``then(comm)``. Returns the AsyncSave handle or None."""
+    def save(self, step: int, state_dict: dict, staged: bool, then=None, compress: Policy | None = None):
+        """Save ``step`` to every node's local directory (the keys ``compress`` names stored
+        quantized) and copy each data file to the other nodes (an async save when ``staged``:
+        the copies and the metadata follow in the background), then ``then(comm)``. Returns
+        the AsyncSave handle or None."""
         rank = LocalSaveRank(
             self.comm, state_dict, self.store, step, STATE.save_plans, staged=staged,
-            staging=STATE.staging if staged else None, durable=self.durable, publish=False,
+            staging=STATE.staging if staged else None, durable=self.durable, publish=False, compress=compress,
         )
 
         def finish(comm: Comm, result: protocol.SaveResult) -> None:

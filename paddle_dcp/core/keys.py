@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from . import nested
 from ..errors import ArgumentError, MismatchError
@@ -149,16 +149,25 @@ class MissingKeys:
         else:
             raise ArgumentError(f"allow_missing takes a regular expression or a list of them, got {allow_missing!r}")
         for pattern in patterns:
-            if not isinstance(pattern, str):
-                raise ArgumentError(f"allow_missing takes regular expressions (str), got {type(pattern).__name__}")
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ArgumentError(f"allow_missing: {pattern!r} is not a regular expression: {exc}") from exc
+            compiled_regex(pattern, "allow_missing")
         return cls(bool(strict), patterns)
 
     def allows(self, key: str) -> bool:
         return any(re.search(p, key) for p in self.allowed)
+
+
+def compiled_regex(pattern: Any, what: str) -> "re.Pattern[str]":
+    """``pattern`` compiled, for the argument ``what``.
+
+    Raises:
+        ArgumentError: not a str, or not a regular expression (naming ``what`` and why).
+    """
+    if not isinstance(pattern, str):
+        raise ArgumentError(f"{what} takes regular expressions (str), got {type(pattern).__name__}")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ArgumentError(f"{what}: {pattern!r} is not a regular expression: {exc}") from None
 
 
 def report(

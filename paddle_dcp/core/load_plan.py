@@ -12,7 +12,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from . import nested
+from . import nested, quant
 from .boxes import FEW_BOXES, Box, c_strides, first_overlap, meet, split_region, strided_span
 from ..errors import MismatchError, PlanError
 from .metadata import Metadata, PieceTable, SavedPiece, TensorEntry, blocks_of
@@ -39,7 +39,8 @@ class Copy:
 
 @dataclass(frozen=True)
 class Segment:
-    """The bytes [start, stop) of one saved piece inside a read: whole checksum blocks."""
+    """The bytes [start, stop) of one saved piece inside a read: whole checksum blocks (of a
+    piece stored with an encoding, they hold the whole encoded blocks of its copies' regions)."""
 
     piece: SavedPiece
     start: int  # in the file, in bytes
@@ -155,7 +156,8 @@ def plan_reads(
     """The reads that fill every target piece exactly, sorted by file and offset.
 
     Each overlap of a target with a saved piece becomes a segment covering whole checksum
-    blocks of that piece; a segment larger than ``max_read_bytes`` is cut along the region's
+    blocks of that piece (of a tensor stored with an encoding: the whole encoded blocks, with
+    their scales, that the overlap's elements lie in, rounded out to checksum blocks); a segment larger than ``max_read_bytes`` is cut along the region's
     outer dims; neighbouring segments of one file less than ``coalesce_gap`` bytes apart are
     merged into one read of at most ``max_read_bytes`` (many small pieces, one syscall);
     exact segments of at least ``direct_min_bytes`` stay alone so they can land in place.
@@ -206,7 +208,7 @@ def _target_segments(
     hits = overlapping_pieces(entry, tbox)
     if meta.replicas:
         hits = pick_replicas(entry, hits, readable)
-    if len(hits) == 1:
+    if len(hits) == 1 and entry.encoding is None:
         piece = entry.piece(int(hits[0]), starts)
         if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
             # the target is exactly one saved piece (a load into the layout that saved, or
@@ -215,7 +217,10 @@ def _target_segments(
             seg = Segment(piece, piece.byte_offset, piece.byte_offset + piece.nbytes, (Copy(slot, whole, whole),))
             return [(piece.file, seg.start, seg.stop, seg, True, piece.nbytes >= direct_min_bytes)]
     _check_disjoint(entry, tbox, hits)
-    max_elems = max(1, (max_read_bytes - 2 * block) // isz)
+    if entry.encoding is None:
+        max_elems = max(1, (max_read_bytes - 2 * block) // isz)
+    else:  # a read's elements are decoded to float32 in one scratch array of at most a read's size
+        max_elems = max(1, (max_read_bytes - 2 * block - 2 * quant.encoding(entry.encoding).block_bytes) // 4)
     t_strides = c_strides(tbox.shape)
     found: list[_Found] = []
     covered = 0
@@ -227,15 +232,16 @@ def _target_segments(
             continue
         covered += overlap.volume
         for part, part_in_target, first, stop in _parts(overlap, pbox, tbox, max_elems):
-            b0 = (first * isz) // block * block
-            b1 = min(-(-(stop * isz) // block) * block, piece.nbytes)
+            lo, hi = _stored_range(entry.encoding, isz, first, stop)
+            b0 = lo // block * block
+            b1 = min(-(-hi // block) * block, piece.nbytes)
             seg = Segment(
                 piece=piece,
                 start=piece.byte_offset + b0,
                 stop=piece.byte_offset + b1,
                 copies=(Copy(slot, part, part_in_target),),
             )
-            exact = b0 == first * isz and b1 == stop * isz and stop - first == part.volume
+            exact = entry.encoding is None and b0 == lo and b1 == hi and stop - first == part.volume
             if exact:
                 t_first, t_stop = strided_span(part_in_target.offsets, part.shape, t_strides)
                 exact = t_stop - t_first == part.volume
@@ -247,6 +253,14 @@ def _target_segments(
             f"of the target box {tbox}"
         )
     return found
+
+
+def _stored_range(encoding: str | None, isz: int, first: int, stop: int) -> tuple[int, int]:
+    """[start, stop) in a piece's stored bytes of its elements ``first`` .. ``stop``: their
+    raw bytes, or the whole encoded blocks they lie in."""
+    if encoding is None:
+        return first * isz, stop * isz
+    return quant.byte_range(encoding, first, stop - first)
 
 
 def _parts(overlap: Box, pbox: Box, tbox: Box, max_elems: int) -> list[tuple[Box, Box, int, int]]:
@@ -410,7 +424,7 @@ def restrict(
             byte_offsets=p.byte_offsets[sel],
             checksums=p.checksums[blocks],
         )
-        tensors[key] = TensorEntry(key, entry.dtype, entry.shape, table, entry.block_bytes)
+        tensors[key] = TensorEntry(key, entry.dtype, entry.shape, table, entry.block_bytes, entry.encoding)
     return Metadata(
         unique_id=meta.unique_id,
         world_size=meta.world_size,

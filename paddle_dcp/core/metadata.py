@@ -21,14 +21,15 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 import xxhash
 
-from . import nested
+from . import nested, quant
 from .boxes import Box
 from .dtypes import itemsize
 from ..errors import FormatError
 
 FORMAT_NAME = "paddle_dcp"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+ENCODED_VERSION = 2  # written only by a save that stores some tensor quantized (``encoding``)
+SUPPORTED_VERSIONS = (1, 2)
 CHECKSUM_ALGORITHMS = ("xxh3_64",)
 DEFAULT_BLOCK_BYTES = 4 << 20
 ALIGNMENT = 64  # bytes; every piece starts at a multiple of it in its data file
@@ -91,20 +92,28 @@ class SavedPiece:
     box: Box  # in_global
     file: int
     byte_offset: int
-    nbytes: int
+    nbytes: int  # stored bytes in its file (its logical bytes unless the tensor has an encoding)
     first_block: int  # index of its first checksum in PieceTable.checksums
     nblocks: int
 
 
 @dataclass(frozen=True, eq=False)
 class TensorEntry:
-    """A tensor of the checkpoint: global shape, dtype and saved pieces."""
+    """A tensor of the checkpoint: global shape, dtype and saved pieces.
+
+    Attributes:
+        dtype: the tensor's dtype (a load fills tensors of it, whatever the encoding).
+        encoding: None: every piece is stored as its raw bytes; else the name of the
+            :mod:`~paddle_dcp.core.quant` encoding every piece is stored in (its stored bytes
+            then differ from its logical bytes: :meth:`stored_nbytes`).
+    """
 
     key: str
     dtype: str
     shape: tuple[int, ...]
     pieces: PieceTable
     block_bytes: int
+    encoding: str | None = None
 
     @property
     def itemsize(self) -> int:
@@ -112,14 +121,19 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
+        """Logical bytes of the whole tensor (its elements in its dtype)."""
         return math.prod(self.shape) * self.itemsize
 
+    def stored_nbytes(self, elements: Any) -> Any:
+        """Stored bytes of a piece of ``elements`` elements (an int or an int64 array)."""
+        return stored_nbytes(elements, self.dtype, self.encoding)
+
     def piece_nbytes(self) -> np.ndarray:
-        """(p,) bytes of every piece (computed once)."""
+        """(p,) stored bytes of every piece (computed once)."""
         nbytes = self.__dict__.get("_nbytes")
         if nbytes is None:
             p = self.pieces
-            nbytes = _frozen(np.multiply.reduce(p.shapes, axis=1, dtype=np.int64) * self.itemsize)
+            nbytes = _frozen(self.stored_nbytes(np.multiply.reduce(p.shapes, axis=1, dtype=np.int64)))
             object.__setattr__(self, "_nbytes", nbytes)
         return nbytes
 
@@ -142,10 +156,21 @@ class TensorEntry:
             box=box,
             file=int(p.files[i]),
             byte_offset=int(p.byte_offsets[i]),
-            nbytes=box.volume * self.itemsize,
+            nbytes=self.stored_nbytes(box.volume),
             first_block=int(starts[i]),
             nblocks=int(starts[i + 1] - starts[i]),
         )
+
+
+def stored_nbytes(elements: Any, dtype: str, encoding: str | None) -> Any:
+    """Stored bytes of pieces of ``elements`` elements (an int or an int64 array) of ``dtype``:
+    their raw bytes, or with ``encoding`` the whole blocks of :mod:`~paddle_dcp.core.quant`."""
+    if encoding is None:
+        return elements * itemsize(dtype)
+    enc = quant.encoding(encoding)
+    if isinstance(elements, np.ndarray):
+        return -(-elements // quant.BLOCK) * enc.block_bytes
+    return enc.nbytes(elements)
 
 
 def aligned(offset: Any, alignment: int = ALIGNMENT) -> Any:
@@ -243,9 +268,10 @@ class Metadata:
     # ---------------------------------------------------------------- JSON
     def to_json(self) -> bytes:
         tensors = {}
+        encoded = False
         for key, t in self.tensors.items():
             p = t.pieces
-            tensors[key] = {
+            entry = tensors[key] = {
                 "dtype": t.dtype,
                 "shape": list(t.shape),
                 "count": p.count,
@@ -255,9 +281,12 @@ class Metadata:
                 "byte_offset": _encode_column(p.byte_offsets),
                 "checksums": _encode_column(p.checksums, hex_digits=True),
             }
+            if t.encoding is not None:  # absent otherwise: plain checkpoints keep version 1's bytes
+                entry["encoding"] = t.encoding
+                encoded = True
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": max(self.format_version, ENCODED_VERSION) if encoded else self.format_version,
             "unique_id": self.unique_id,
             "world_size": self.world_size,
             "created_by": self.created_by,

@@ -12,11 +12,11 @@ import base64
 import binascii
 import json
 import zlib
-from typing import Any, Callable, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import nested
+from . import nested, quant
 from .boxes import check_inside, check_tiling
 from .dtypes import DTYPE_NAMES, itemsize
 from ..errors import FormatError, PlanError
@@ -25,6 +25,7 @@ from .metadata import (
     _HEX_DIGITS,
     _MAX_INT,
     CHECKSUM_ALGORITHMS,
+    ENCODED_VERSION,
     FORMAT_NAME,
     MAX_METADATA_BYTES,
     SUPPORTED_VERSIONS,
@@ -38,6 +39,7 @@ from .metadata import (
     _frozen,
     blocks_of,
     check_file_name,
+    stored_nbytes,
 )
 
 
@@ -158,7 +160,8 @@ def _parse(
     def parse_tensor(key: str, t: Any) -> TensorEntry:
         try:
             return _parse_tensor(
-                key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas
+                key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas,
+                version=version,
             )
         except (FormatError, PlanError) as exc:  # pieces that do not tile: a bad checkpoint
             raise FormatError(f"{source}: {exc}") from None
@@ -168,7 +171,9 @@ def _parse(
     def parse_many(keys: list[str]) -> dict[str, TensorEntry]:
         if full:  # a full parse checks the tiling, tensor by tensor
             return {}
-        return _parse_many(keys, tensors_doc, file_sizes, block_bytes, size, lambda k: parse_tensor(k, tensors_doc[k]))
+        return _parse_many(
+            keys, tensors_doc, file_sizes, block_bytes, size, lambda k: parse_tensor(k, tensors_doc[k]), version
+        )
 
     tensors = LazyTensors(tensors_doc, parse_tensor, parse_many)
     structure = doc["structure"]
@@ -271,12 +276,13 @@ def _parse_many(
     block_bytes: int,
     size: int,
     word: Callable[[str], TensorEntry],
+    version: int = 1,
 ) -> dict[str, TensorEntry]:
     """Many tensor entries at once, validated as :func:`_parse_tensor` does without tiling,
     with numpy over the pieces of all of them rather than per tensor: this pass is the
     validator of the entries it returns. Entries whose columns are packed (``z:`` strings) are
     left to the per-entry parse on first use, which decodes them. Returns key -> entry."""
-    rows, _, _ = _plain_rows(keys, docs, size)  # entries refused here: worded on first use
+    rows, _, _ = _plain_rows(keys, docs, size, version)  # entries refused here: worded on first use
     entries = _vectorised(rows, file_sizes, block_bytes)
     if entries is not None:
         return entries
@@ -327,7 +333,7 @@ def _vectorised(rows: list["_Row"], file_sizes: np.ndarray, block_bytes: int) ->
     # one entry per tensor: views of the arrays above
     out = {}
     box_at = 0
-    for i, (key, dtype, shape, count, _) in enumerate(rows):
+    for i, (key, dtype, shape, count, _, encoding) in enumerate(rows):
         p0, p1 = int(piece_start[i]), int(piece_start[i + 1])
         d = len(shape)
         box_end = box_at + count * d
@@ -339,17 +345,21 @@ def _vectorised(rows: list["_Row"], file_sizes: np.ndarray, block_bytes: int) ->
             checksums=checksums[int(block_start[i]) : int(block_start[i + 1])],
         )
         box_at = box_end
-        entry = out[key] = TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)
+        entry = out[key] = TensorEntry(
+            key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes, encoding=encoding
+        )
         starts = block_start_all[p0 : p1 + 1] - block_start_all[p0]
         object.__setattr__(entry, "_starts", _frozen(starts))
     return out
 
 
-# a tensor entry taken by _parse_many: (key, dtype, shape, count, its five columns)
-_Row = Tuple[str, str, Tuple[int, ...], int, List[list]]
+# a tensor entry taken by _parse_many: (key, dtype, shape, count, its five columns, encoding)
+_Row = Tuple[str, str, Tuple[int, ...], int, List[list], Optional[str]]
 
 
-def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> tuple[list[_Row], list[str], list[str]]:
+def _plain_rows(
+    keys: Sequence[str], docs: dict, size: int, version: int = 1
+) -> tuple[list[_Row], list[str], list[str]]:
     """(the entries of ``keys`` whose columns are JSON lists, plain fields and column lengths
     checked as _parse_tensor checks them; keys whose columns are not lists; keys refused)."""
     rows: list[_Row] = []
@@ -361,6 +371,7 @@ def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> tuple[list[_Row],
                 refused.append(key)
                 continue
             shape, count = _shape_and_count(key, t, size)
+            encoding = _encoding(key, t, t["dtype"], version)
             cols = [t["offsets"], t["shapes"], t["file"], t["byte_offset"], t["checksums"]]
         except (KeyError, TypeError, ValueError, FormatError):
             refused.append(key)
@@ -372,7 +383,7 @@ def _plain_rows(keys: Sequence[str], docs: dict, size: int) -> tuple[list[_Row],
         if (not shape and count > 1) or len(cols[0]) != n or len(cols[1]) != n or len(cols[2]) != count or len(cols[3]) != count:
             refused.append(key)  # a scalar is one piece; columns of the count's lengths
             continue
-        rows.append((key, t["dtype"], shape, count, cols))
+        rows.append((key, t["dtype"], shape, count, cols, encoding))
     return rows, packed, refused
 
 
@@ -384,7 +395,7 @@ def _stacked_columns(
     files in the list, checksums 16 lowercase hex digits. None at the first doubt."""
     offsets, shapes, files, byte_offsets, sums = [], [], [], [], []
     limits: list[int] = []
-    for _, _, shape, count, cols in rows:
+    for _, _, shape, count, cols, _ in rows:
         offsets += cols[0]
         shapes += cols[1]
         limits += shape * count
@@ -417,17 +428,23 @@ def _stacked_columns(
 
 
 def _piece_nbytes(rows: Sequence[_Row], counts: np.ndarray, shp: np.ndarray) -> np.ndarray:
-    """Bytes of every piece: the product of its shape row times the item size, the rows
-    sorted by rank so that each rank's shapes form one matrix."""
+    """Stored bytes of every piece: the product of its shape row times the item size (or the
+    encoded blocks', for an entry with an encoding), the rows sorted by rank so that each
+    rank's shapes form one matrix."""
     ndims = np.array([len(r[2]) for r in rows], dtype=np.int64)
-    sizes = np.array([itemsize(r[1]) for r in rows], dtype=np.int64)
-    nbytes = np.repeat(sizes, counts)
+    elements = np.ones(int(counts.sum()), dtype=np.int64)
     at = 0
     for d in sorted(set(ndims.tolist())):  # (np.unique imports numpy.ma on first use: 20 ms)
         m = int(counts[ndims == d].sum())
         if d and m:
-            nbytes[at : at + m] *= np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
+            elements[at : at + m] = np.prod(shp[int(counts[ndims < d] @ ndims[ndims < d]) :][: m * d].reshape(m, d), axis=1)
         at += m
+    nbytes = elements * np.repeat(np.array([itemsize(r[1]) for r in rows], dtype=np.int64), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for i, r in enumerate(rows):
+        if r[5] is not None:
+            lo, hi = int(starts[i]), int(starts[i + 1])
+            nbytes[lo:hi] = stored_nbytes(elements[lo:hi], r[1], r[5])
     return nbytes
 
 
@@ -480,6 +497,7 @@ def _parse_tensor(
     require_cover: bool = True,
     size: int = MAX_METADATA_BYTES,
     replicas: bool = False,
+    version: int = 1,
 ) -> TensorEntry:
     """One tensor entry, validated. With ``tiling`` off (a load's lazy parse) the pieces are
     checked to lie inside the tensor but not to tile it: a load then checks that the pieces it
@@ -492,6 +510,7 @@ def _parse_tensor(
     if dtype not in DTYPE_NAMES:
         raise FormatError(f"tensor {key!r}: unknown dtype {str(dtype)[:40]!r}; supported: {', '.join(DTYPE_NAMES)}")
     shape, count = _shape_and_count(key, t, size)
+    encoding = _encoding(key, t, dtype, version)
     ndim = len(shape)
     what = f"tensor {key!r}"
     offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
@@ -504,8 +523,7 @@ def _parse_tensor(
         check_inside(key, shape, offsets, shapes)
     if count and ((files < 0) | (files >= len(file_sizes))).any():
         raise FormatError(f"{what}: a piece names a file index outside the file list")
-    isz = itemsize(dtype)
-    nbytes = np.prod(shapes, axis=1, dtype=np.int64) * isz
+    nbytes = stored_nbytes(np.prod(shapes, axis=1, dtype=np.int64), dtype, encoding)
     if count:
         # compared without forming byte_offsets + nbytes, which could wrap around
         bad = (byte_offsets < 0) | (byte_offsets > file_sizes[files] - nbytes)
@@ -524,4 +542,23 @@ def _parse_tensor(
         byte_offsets=_frozen(byte_offsets),
         checksums=_frozen(checksums),
     )
-    return TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes)
+    return TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes, encoding=encoding)
+
+
+def _encoding(key: str, t: dict, dtype: str, version: int) -> str | None:
+    """A tensor entry's encoding (None when absent: its pieces are raw bytes), checked: one
+    this version reads, in a file of a version that has encodings, of a dtype it can store."""
+    if "encoding" not in t:
+        return None
+    name = t["encoding"]
+    what = f"tensor {key!r}: encoding {str(name)[:40]!r}"
+    if version < ENCODED_VERSION:
+        raise FormatError(f"{what} in a format_version {version} file: encodings came with version {ENCODED_VERSION}")
+    if type(name) is not str or name not in quant.ENCODINGS:
+        raise FormatError(
+            f"{what} is unknown: this paddle_dcp reads {', '.join(sorted(quant.ENCODINGS))}; "
+            f"a newer paddle_dcp may read it"
+        )
+    if dtype not in quant.ENCODABLE:
+        raise FormatError(f"{what} cannot hold dtype {dtype}; it holds {', '.join(quant.ENCODABLE)}")
+    return name

@@ -10,7 +10,8 @@ s / 2, with s = (max - min) / 255 or / 15 over the block. A block whose elements
 has s = 0 and reads back exactly. The last block of a piece is padded with codes 0.
 
 Non-finite values cannot be stored this way: :func:`encode` refuses them (the caller names the
-key).
+key). Sources are float16, bfloat16 (its bit patterns, :func:`encode_piece`) or float32
+(``ENCODABLE``); a load decodes to float32 and casts to the tensor's dtype.
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ArgumentError, FormatError
+from .dtypes import bf16_to_float32
+from ..errors import ArgumentError, FormatError, UnsupportedError
 
 BLOCK = 256  # elements per block
 HEADER = 8  # bytes of a block's minimum and step
+ENCODABLE = ("float16", "bfloat16", "float32")  # the dtypes an encoding may store
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ def decode(data: np.ndarray, name: str, first: int, count: int) -> np.ndarray:
     bytes of the blocks they lie in, from the block of element ``first`` on.
 
     Raises:
-        FormatError: ``data`` is shorter than those blocks.
+        FormatError: ``data`` is shorter than those blocks, or a block's minimum or step is
+            not finite, negative, or decodes to a value that is not (no writer stores these).
     """
     enc = encoding(name)
     start_block, skip = divmod(int(first), BLOCK)
@@ -119,8 +123,11 @@ def decode(data: np.ndarray, name: str, first: int, count: int) -> np.ndarray:
         codes = np.empty((n, BLOCK), np.uint8)
         codes[:, 0::2] = body & 0x0F
         codes[:, 1::2] = body >> 4
-    values = low[:, None] + codes.astype(np.float32) * step[:, None]
-    return values.reshape(-1)[skip : skip + count]
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = (low[:, None] + codes.astype(np.float32) * step[:, None]).reshape(-1)[skip : skip + count]
+    if not (np.isfinite(values).all() and (step >= 0).all()):  # no writer stores these: damage
+        raise FormatError(f"a {name} block holds a minimum or step that does not decode to finite values")
+    return values
 
 
 def byte_range(name: str, first: int, count: int) -> tuple[int, int]:
@@ -132,3 +139,22 @@ def byte_range(name: str, first: int, count: int) -> tuple[int, int]:
     lo = int(first) // BLOCK
     hi = (int(first) + int(count) - 1) // BLOCK + 1
     return lo * enc.block_bytes, hi * enc.block_bytes
+
+
+def encode_piece(array: np.ndarray, dtype: str, name: str, key: str) -> np.ndarray:
+    """The stored bytes of a saved piece: ``array`` in the storage dtype of ``dtype`` (one of
+    ``ENCODABLE``; bfloat16 as its bit patterns), encoded as ``name``.
+
+    Raises:
+        UnsupportedError: a NaN or infinity in the piece (naming ``key``), or a dtype that
+            cannot be encoded.
+    """
+    if dtype not in ENCODABLE:
+        raise UnsupportedError(f"{key}: dtype {dtype} cannot be stored as {name}; encodable: {', '.join(ENCODABLE)}")
+    values = bf16_to_float32(np.ascontiguousarray(array).reshape(-1)) if dtype == "bfloat16" else array
+    try:
+        return encode(values, name)
+    except ArgumentError as exc:
+        raise UnsupportedError(
+            f"{key}: {exc} (a {name} checkpoint stores finite values only): save this key without compress"
+        ) from None

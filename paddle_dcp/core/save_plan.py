@@ -15,10 +15,11 @@ import numpy as np
 
 from . import nested
 from .boxes import Box, check_tiling
+from .compress import Policy
 from .dtypes import itemsize
 from ..errors import MismatchError, PlanError
 from .naming import data_file_name
-from .metadata import FileEntry, Metadata, PieceTable, TensorEntry, aligned, blocks_of
+from .metadata import ENCODED_VERSION, FORMAT_VERSION, FileEntry, Metadata, PieceTable, TensorEntry, aligned, blocks_of, stored_nbytes
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,11 @@ class SavePlan:
         dtypes / shapes: per key.
         piece_key / piece_offsets / piece_shapes: the distinct pieces (rows), sorted by key
             then offsets.
+        encodings: per key, the encoding its pieces are stored in (None: raw bytes).
         piece_writer: global rank that writes each piece.
         piece_leaf: the piece's row in the writer's summary (its leaf, unless the writer holds
             that leaf as several boxes).
+        piece_nbytes: the piece's stored bytes.
         piece_byte_offset: where the piece starts in the writer's file, in bytes.
         writes: global rank -> summary rows it writes, ascending (the order of its file).
         file_bytes: global rank -> size of its data file, in bytes (ranks that write).
@@ -141,6 +144,7 @@ class SavePlan:
     file_bytes: dict[int, int]
     skeleton: dict = field(default_factory=dict)
     replicas: bool = False
+    encodings: tuple[str | None, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -157,13 +161,14 @@ def layout_offsets(nbytes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, int]
     return starts, total
 
 
-def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SavePlan:
+def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress: Policy | None = None) -> SavePlan:
     """Deduplicate replicated pieces and balance the bytes each rank writes.
 
     Every distinct (key, box) is written once, by one of the ranks that hold it: pieces held by
     a single rank go to it; the others, largest first, to the holder with the fewest bytes so
     far (ties to the lowest rank). With ``replicas``, every holder writes its own copy instead
-    (copies sorted by rank). The result does not depend on the order of ``summaries``.
+    (copies sorted by rank). The result does not depend on the order of ``summaries``. The
+    keys ``compress`` names are stored in its encodings: their pieces' stored sizes.
 
     Raises:
         MismatchError: ranks disagree on a key's dtype, shape, or kind.
@@ -178,13 +183,9 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
     table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
     pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
     p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
-    isz = np.array([itemsize(key_info[k][0]) for k in keys_sorted], dtype=np.int64)
+    encodings = tuple(compress.encoding_of(k, key_info[k][0]) if compress else None for k in keys_sorted)
     nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
-    if len(p_key):
-        masked = np.where(np.arange(max_nd)[None, :] < nds[p_key][:, None], p_shape, 1)
-        p_nbytes = np.prod(masked, axis=1, dtype=np.int64) * isz[p_key]
-    else:
-        p_nbytes = np.zeros(0, np.int64)
+    p_nbytes = _piece_nbytes(p_key, p_shape, nds, [(key_info[k][0], e) for k, e in zip(keys_sorted, encodings)])
     _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas)
     p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
     p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
@@ -203,7 +204,23 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False) -> SaveP
         file_bytes=file_bytes,
         skeleton=skeleton if skeleton is not None else {"d": []},
         replicas=replicas,
+        encodings=encodings,
     )
+
+
+def _piece_nbytes(p_key: np.ndarray, p_shape: np.ndarray, nds: np.ndarray, stored: Sequence[tuple]) -> np.ndarray:
+    """Stored bytes of every piece (rows of ``p_shape``, padded to the largest rank), its
+    key's (dtype, encoding) in ``stored``."""
+    if not len(p_key):
+        return np.zeros(0, np.int64)
+    masked = np.where(np.arange(p_shape.shape[1])[None, :] < nds[p_key][:, None], p_shape, 1)
+    elements = np.prod(masked, axis=1, dtype=np.int64)
+    nbytes = elements * np.array([itemsize(dtype) for dtype, _ in stored], dtype=np.int64)[p_key]
+    for k, (dtype, encoding) in enumerate(stored):
+        if encoding is not None:  # pieces are sorted by key: one slice each
+            lo, hi = np.searchsorted(p_key, [k, k + 1]).tolist()
+            nbytes[lo:hi] = stored_nbytes(elements[lo:hi], dtype, encoding)
+    return nbytes
 
 
 _KeyInfo = Dict[str, Tuple[str, Tuple[int, ...], int]]  # key -> (dtype, shape, first rank)
@@ -428,7 +445,7 @@ def build_metadata(
             byte_offsets=plan.piece_byte_offset[lo:hi].copy(),
             checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
         )
-        tensors[key] = TensorEntry(key, plan.dtypes[k], plan.shapes[k], table, block_bytes)
+        tensors[key] = TensorEntry(key, plan.dtypes[k], plan.shapes[k], table, block_bytes, _encoding(plan, k))
     return Metadata(
         unique_id=unique_id,
         world_size=world_size,
@@ -438,4 +455,9 @@ def build_metadata(
         block_bytes=block_bytes,
         created_by=created_by,
         replicas=plan.replicas,
+        format_version=ENCODED_VERSION if any(plan.encodings) else FORMAT_VERSION,
     )
+
+
+def _encoding(plan: SavePlan, k: int) -> str | None:
+    return plan.encodings[k] if plan.encodings else None

@@ -1,6 +1,8 @@
 """Reading byte ranges of a checkpoint's data files into the buffers that need them, every
 block's checksum checked first (:mod:`paddle_dcp.core.checksums`): a load's read ops, a small
-read of a named file, and the read-ahead that keeps the disk busy.
+read of a named file, and the read-ahead that keeps the disk busy. :func:`saved_region` is the
+one place stored bytes become a region's values (a view of raw bytes, or quantized blocks
+decoded, :mod:`paddle_dcp.core.quant`).
 """
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..core import quant
 from ..core.boxes import Box, c_strides, element_span
 from ..core.checksums import check_blocks
-from ..core.dtypes import as_bytes, storage_dtype
+from ..core.dtypes import as_bytes, cast, storage_dtype
 from ..core.load_plan import ReadOp, Segment
-from ..core.metadata import Metadata, SavedPiece
+from ..core.metadata import Metadata, SavedPiece, TensorEntry
+from ..errors import FormatError
 from .storage import DataFiles, Storage
 
 
@@ -40,6 +44,30 @@ def piece_view(buf: np.ndarray, buf_start: int, piece: SavedPiece, region: Box, 
         offset=piece.byte_offset + first * isz - buf_start,
         strides=strides,
     )
+
+
+def saved_region(buf: np.ndarray, buf_start: int, piece: SavedPiece, region: Box, entry: TensorEntry) -> np.ndarray:
+    """The values of ``region`` (in_saved) of ``piece`` of ``entry``, in the storage dtype of
+    the entry's dtype, from ``buf`` (the file's bytes from offset ``buf_start`` on): a view of
+    raw bytes (:func:`piece_view`), or, for a tensor stored with an encoding, the encoded
+    blocks the region's elements lie in decoded and cast (a new array).
+
+    Raises:
+        FormatError: naming the key, when encoded blocks are short or do not decode to finite
+            values (damaged bytes that passed no checksum: a load without ``verify``).
+    """
+    if entry.encoding is None:
+        return piece_view(buf, buf_start, piece, region, storage_dtype(entry.dtype))
+    first, stop = element_span(piece.box.shape, region)
+    lo, hi = quant.byte_range(entry.encoding, first, stop - first)
+    at = piece.byte_offset + lo - buf_start
+    try:
+        values = quant.decode(buf[at : at + (hi - lo)], entry.encoding, first, stop - first)
+    except FormatError as exc:
+        raise FormatError(f"{entry.key}: piece at offset {piece.box.offsets}: {exc}") from None
+    strides = tuple(s * values.itemsize for s in c_strides(piece.box.shape))
+    view = np.lib.stride_tricks.as_strided(values, region.shape, strides, writeable=False)
+    return cast(view, "float32", entry.dtype)
 
 
 def verify_segment(meta: Metadata, files: DataFiles, file: int, seg: Segment, data: memoryview) -> None:
@@ -133,9 +161,9 @@ def _verify_and_copy(op: ReadOp, files: DataFiles, targets, buf: np.ndarray, ver
     if check_only:
         return
     for seg in op.segments:
-        dtype = storage_dtype(meta.tensors[seg.piece.key].dtype)
+        entry = meta.tensors[seg.piece.key]
         for c in seg.copies:
-            targets[c.target][c.region_in_target.slices()] = piece_view(buf, op.start, seg.piece, c.region_in_saved, dtype)
+            targets[c.target][c.region_in_target.slices()] = saved_region(buf, op.start, seg.piece, c.region_in_saved, entry)
 
 
 def execute_reads(

@@ -28,6 +28,7 @@ import xxhash
 from . import wire
 from .requests import Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, Scatter  # noqa: F401 - protocol.Gather...
 from ..core import load_plan, nested, save_plan
+from ..core.compress import Policy
 from ..errors import FormatError, StorageError
 from ..core.metadata import Metadata
 
@@ -126,6 +127,8 @@ class SaveRankProtocol(_Protocol):
             the protocol then yields Detach and may finish in the background.
         layout: the coordinator's last word on where pieces go in their files (safetensors
             rank files put a header first); None: the plan's own layout.
+        compress: which keys are stored quantized (:class:`~paddle_dcp.core.compress.Policy`;
+            None: none); every rank's the same.
     """
 
     rank: int
@@ -137,6 +140,7 @@ class SaveRankProtocol(_Protocol):
     replicas: bool
     staged: bool
     layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None
+    compress: Policy | None
 
     def prepare(self) -> Any:
         """The state dict flattened (opaque to the protocol); raise on what cannot be saved."""
@@ -200,7 +204,7 @@ def save(ctx: SaveRankProtocol) -> Protocol:
     described: Described = yield from local("describe", lambda: ctx.describe(prepared, reduced))
     summary = wire.encode_summary(save_plan.SaveSummary.from_pieces(ctx.rank, described.skeleton, described.pieces))
     # a plan is reused when no rank's layout changed since the last save of this group
-    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None)
+    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None, ctx.compress)
     digest = xxhash.xxh3_128_digest(summary)
     cached = ctx.cache.get(key)
     changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
@@ -213,7 +217,9 @@ def save(ctx: SaveRankProtocol) -> Protocol:
     if changed:
         blobs = yield Gather(summary, ctx.coordinator)
         plan, parts = yield from local(
-            "plan", (lambda: plan_from_summaries(ctx.ranks, blobs, ctx.replicas, ctx.layout)) if is_coord else (lambda: (None, None))
+            "plan",
+            (lambda: plan_from_summaries(ctx.ranks, blobs, ctx.replicas, ctx.layout, ctx.compress))
+            if is_coord else (lambda: (None, None)),
         )
         leaves = wire.decode_assignment((yield Scatter(parts, ctx.coordinator)))
         ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
@@ -250,13 +256,14 @@ def plan_from_summaries(
     blobs: Sequence[bytes],
     replicas: bool = False,
     layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None,
+    compress: Policy | None = None,
 ) -> tuple[save_plan.SavePlan, list[bytes]]:
     """The coordinator's half of planning a save: decode every summary (each distinct layout
-    once), plan (then ``layout`` places the pieces in their files), and encode every rank's
-    assignment."""
+    once), plan (the keys ``compress`` names at their stored sizes; then ``layout`` places the
+    pieces in their files), and encode every rank's assignment."""
     cache: dict = {}
     summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
-    plan = save_plan.plan_save(summaries, replicas)
+    plan = save_plan.plan_save(summaries, replicas, compress)
     if layout is not None:
         plan = layout(plan)
     parts = [wire.encode_assignment(plan.writes.get(s.rank, np.zeros(0, np.int64)), len(s.boxes)) for s in summaries]

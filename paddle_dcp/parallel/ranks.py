@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core import checksums
+from ..core import checksums, quant
+from ..core.compress import Policy
 from ..io import cleanup
 from ..core.dtypes import as_bytes
 from . import exchange, protocol, wire
@@ -79,6 +80,7 @@ class LocalSaveRank:
         staged: bool = False,
         staging: StagingArena | None = None,
         publish: bool = True,
+        compress: Policy | None = None,
     ):
         self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
         self.publishes = publish  # False: the caller writes the metadata (SaveResult.metadata) later
@@ -86,6 +88,7 @@ class LocalSaveRank:
         self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
         self.safetensors, self.durable = safetensors, durable
         self.layout = hf_dir.layout_plan if safetensors else None
+        self.compress = compress  # which keys are stored quantized (core/compress.py)
 
     def prepare(self) -> nested.Flat:
         check_id(self.unique_id)
@@ -151,7 +154,7 @@ class LocalSaveRank:
     def write(self, described: protocol.Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
         name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")
         pieces: HeldPieces = described.data
-        return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, self.durable, self.safetensors)
+        return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, self.durable, self.safetensors, self.compress)
 
     def values(self, flat: nested.Flat) -> dict:
         return flat.values
@@ -173,10 +176,13 @@ class LocalSaveRank:
 
 
 def write_pieces(
-    store: storage.Storage, name: str, held, rows, chosen: np.ndarray, durable: bool, safetensors: bool = False
+    store: storage.Storage, name: str, held, rows, chosen: np.ndarray, durable: bool, safetensors: bool = False,
+    compress: Policy | None = None,
 ) -> tuple[int, list[int]]:
     """Write the ``chosen`` rows (held index, piece, start in the flat local or None); a
-    safetensors rank file starts with the header the coordinator's layout_plan counted."""
+    safetensors rank file starts with the header the coordinator's layout_plan counted. A
+    piece whose key ``compress`` names is written as its encoded blocks (as the plan counted
+    them, :func:`paddle_dcp.core.save_plan.plan_save`)."""
     if not len(chosen):
         return 0, []
     sums: list[int] = []
@@ -197,8 +203,11 @@ def write_pieces(
                 data = array = None  # the previous copy (and every view of it) goes first
                 last, data = i, host_bytes(held[i].local)
             array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
+            encoding = compress.encoding_of(piece.key, piece.dtype) if compress is not None else None
+            if encoding is not None:  # the writer keeps the encoded copy until it is written
+                array = quant.encode_piece(array, piece.dtype, encoding, piece.key)
             seed = checksums.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)
-            sums.extend(writer.write(as_bytes(array), keep=data, seed=seed))
+            sums.extend(writer.write(as_bytes(array), keep=data if encoding is None else array, seed=seed))
         return writer.commit(durable), sums
     except BaseException:
         writer.abort()

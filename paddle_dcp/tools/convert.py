@@ -66,7 +66,19 @@ def cmd_convert(args) -> int:
     bf16 = [k for k in selection.keys if meta.tensors[k].dtype == "bfloat16"]
     if bf16 and not args.bf16_as_float32 and to == "npz":
         _err(f"note: {len(bf16)} bfloat16 tensors are stored as uint16 bit patterns (--bf16-as-float32 for values)")
+    _note_dequantized(meta, selection.keys)
     return EXIT_OK
+
+
+def _note_dequantized(meta, keys) -> None:
+    """Say that tensors the checkpoint holds quantized were written as their dequantized values."""
+    encoded = sorted({meta.tensors[k].encoding for k in keys} - {None})
+    if encoded:
+        count = sum(1 for k in keys if meta.tensors[k].encoding is not None)
+        _err(
+            f"note: {count} tensors stored quantized ({', '.join(encoded)}) are written dequantized, in their dtype: "
+            f"the values a load gives, not the values that were saved"
+        )
 
 
 def _convert_hf(path: str, args) -> int:
@@ -93,6 +105,7 @@ def _convert_hf(path: str, args) -> int:
     with ProgressBar(total, f"convert {uid}", _progress_enabled(args)) as bar:
         names = export(path, meta, args.out, selection, max_bytes, args.bf16_as_float32, bar.update)
     _out(f"wrote {len(selection.keys)} tensors ({total} bytes) of checkpoint {uid} to {args.out}: {', '.join(names)}")
+    _note_dequantized(meta, selection.keys)
     if selection.values:
         _err(f"note: {len(selection.values)} plain values are not exported (a Hugging Face directory holds tensors only)")
     return EXIT_OK

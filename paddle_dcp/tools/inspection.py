@@ -26,7 +26,8 @@ from .console import (
 def describe(path: str, unique_id: int | None = None) -> dict:
     """What ``inspect`` reports, as one JSON-ready dict: the ids in ``path`` and, for the chosen
     checkpoint, every tensor, data file and plain value. Entries of the metadata that fail
-    validation are listed in ``problems`` (the rest is still described)."""
+    validation are listed in ``problems`` (the rest is still described). A tensor stored
+    quantized also has its ``encoding`` and ``stored_bytes`` (absent for the others)."""
     listing = open_storage(path).list_checkpoints()
     doc: dict[str, Any] = {
         "path": path,
@@ -56,6 +57,8 @@ def describe(path: str, unique_id: int | None = None) -> dict:
             "pieces": entry.pieces.count,
             "bytes": entry.nbytes,
         }
+        if entry.encoding is not None:
+            tensors[key].update(encoding=entry.encoding, stored_bytes=int(entry.piece_nbytes().sum()))
         tensor_bytes += entry.nbytes
     doc["checkpoint"] = {
         "unique_id": uid,
@@ -99,13 +102,7 @@ def render_inspect(doc: dict) -> list[str]:
     )
     lines.append(f"tensors: {len(ck['tensors'])}")
     if ck["tensors"]:
-        rows = [("key", "shape", "dtype", "pieces", "bytes")]
-        for key, t in ck["tensors"].items():
-            if "error" in t:
-                rows.append((key, "?", "?", "?", "invalid entry"))
-            else:
-                rows.append((key, str(tuple(t["shape"])), t["dtype"], str(t["pieces"]), str(t["bytes"])))
-        lines += _table(rows, (False, False, False, True, True))
+        lines += _tensor_table(ck["tensors"])
     lines.append(f"files: {len(ck['files'])}")
     if ck["files"]:
         lines += _table([("name", "bytes")] + [(f["name"], str(f["bytes"])) for f in ck["files"]], (False, True))
@@ -116,6 +113,23 @@ def render_inspect(doc: dict) -> list[str]:
         f"{ck['file_bytes']} bytes in {len(ck['files'])} data files"
     )
     return lines
+
+
+def _tensor_table(tensors: dict) -> list[str]:
+    """One row per tensor; with an ``encoding`` and ``stored`` column when some tensor is
+    stored quantized (``-`` for those that are not)."""
+    encoded = any("encoding" in t for t in tensors.values())
+    extra = ("encoding", "stored") if encoded else ()
+    rows = [("key", "shape", "dtype", "pieces", "bytes") + extra]
+    for key, t in tensors.items():
+        if "error" in t:
+            rows.append((key, "?", "?", "?", "invalid entry") + ("?",) * len(extra))
+            continue
+        row = (key, str(tuple(t["shape"])), t["dtype"], str(t["pieces"]), str(t["bytes"]))
+        if encoded:
+            row += (t.get("encoding", "-"), str(t.get("stored_bytes", t["bytes"])))
+        rows.append(row)
+    return _table(rows, (False, False, False, True, True) + (False, True)[: len(extra)])
 
 
 def cmd_inspect(args) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..core.compress import Policy
 from ..core import load_plan, save_plan
 from ..parallel import protocol
 from ..io import storage
@@ -69,6 +70,7 @@ class _SimSaveRank:
     replicas = False
     staged = False
     layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None = None
+    compress: Policy | None = None  # a simulation writes no bytes: stored sizes are the plain ones
 
     def __init__(self, rank, ranks, coordinator, layout: RankLayout, values, block_bytes, cache, unique_id, published):
         self.rank, self.ranks, self.coordinator = rank, ranks, coordinator

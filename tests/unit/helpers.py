@@ -16,7 +16,8 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from paddle_dcp.core import checksums
+from paddle_dcp.core import checksums, quant
+from paddle_dcp.core.compress import policy_of
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan, nested, save_plan
@@ -184,12 +185,15 @@ def save_checkpoint(
     unique_id: int = 0,
     via_wire: bool = True,
     replicas: bool = False,
+    compress: dict | None = None,
 ) -> Saved:
     """Save the global ``arrays`` (state dict ``{"model": arrays, **values}``) as the ranks of
-    ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own."""
+    ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own (the
+    keys ``compress`` names encoded as a rank's write encodes them)."""
     ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire)
     summaries = [s for _, _, s in ranks]
-    plan = save_plan.plan_save(summaries, replicas)
+    policy = policy_of(compress)
+    plan = save_plan.plan_save(summaries, replicas, policy)
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]
@@ -198,7 +202,11 @@ def save_checkpoint(
         for leaf in leaves.tolist():
             p = pieces[leaf]
             seed = checksums.piece_seed(p.key, p.dtype, p.box.offsets, p.box.shape)
-            cs += w.write(as_bytes(np.ascontiguousarray(flat.tensors[p.key])), seed=seed)
+            data = np.ascontiguousarray(flat.tensors[p.key])
+            encoding = policy.encoding_of(p.key, p.dtype) if policy is not None else None
+            if encoding is not None:
+                data = quant.encode_piece(data, p.dtype, encoding, p.key)
+            cs += w.write(as_bytes(data), seed=seed)
         assert w.commit() == plan.file_bytes[r]
         sums[r] = np.array(cs, dtype=np.uint64)
     structure, _ = nested.fill_values(plan.skeleton, ranks[0][0].values)
@@ -293,3 +301,55 @@ def arrays_for(shape, dtypes, seed):
     """Random arrays of the given shapes and dtypes, the same for the same seed."""
     rng = np.random.default_rng(seed)
     return {k: random_array(rng, dtypes[k], s) for k, s in shape.items()}
+
+
+# ------------------------------------------------------------------ the reference quantizer
+# From the format's definition (docs/format.md, "Tensors stored quantized"): a piece's elements
+# in C order, in blocks of 256, each its float32 minimum and step and codes
+# round((x - min) / step); read back as min + code * step in float32, then cast to the dtype.
+BLOCK = 256
+LEVELS = {"int8": 255, "int4": 15}
+BLOCK_BYTES = {"int8": 8 + 256, "int4": 8 + 128}
+
+
+def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # the high half of a float32's bits
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # round to nearest, ties to even, on the bits
+        bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return values.astype(STORAGE[dtype])
+
+
+def dequantized(piece: np.ndarray, encoding: str) -> np.ndarray:
+    """What a piece of float32 values reads back as: block by block over its C order."""
+    flat = np.ascontiguousarray(piece, np.float32).reshape(-1)
+    out = np.empty_like(flat)
+    levels = np.float32(LEVELS[encoding])
+    for at in range(0, flat.size, BLOCK):
+        block = flat[at : at + BLOCK]
+        low = block.min()
+        step = np.float32((block.max() - low) / levels)
+        if step == 0:
+            out[at : at + BLOCK] = low
+        else:
+            codes = np.clip(np.rint((block - low) / step), 0, levels).astype(np.float32)
+            out[at : at + BLOCK] = low + codes * step
+    return out.reshape(piece.shape)
+
+
+def saved_boxes(shape, mesh, placements) -> list[Box]:
+    boxes = {ref_box(shape, mesh, placements, c) for c in coords(mesh)}
+    return sorted((b for b in boxes if b.volume), key=lambda b: b.offsets)
+
+
+def expected_tensor(array: np.ndarray, dtype: str, encoding: str, boxes) -> np.ndarray:
+    """The whole tensor as a load of it gives it: each saved piece dequantized on its own."""
+    out = np.empty_like(array)
+    for box in boxes:
+        out[box.slices()] = from_float32(dequantized(to_float32(array[box.slices()], dtype), encoding), dtype)
+    return out

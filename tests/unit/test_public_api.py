@@ -34,6 +34,9 @@ EXPECTED = {
     "PlanError",
     "UnsupportedError",
     "FORMAT_VERSION",
+    "ADAMW_MOMENTS",
+    "ADAMW_MOMENTS_INT8",
+    "ADAMW_MOMENTS_INT4",
     "__version__",
 }
 

@@ -435,7 +435,7 @@ HOSTILE = {
     "unknown_dtype": (_set(("tensors", "model.w", "dtype"), "float128"), "unknown dtype"),
     "numpy_object_dtype": (_set(("tensors", "model.w", "dtype"), "object"), "unknown dtype"),
     "dtype_not_a_string": (_set(("tensors", "model.w", "dtype"), ["float32"]), "model.w"),
-    "future_version": (_set(("format_version",), 2), "format_version"),
+    "future_version": (_set(("format_version",), 3), "format_version"),
     "version_zero": (_set(("format_version",), 0), "format_version"),
     "version_as_string": (_set(("format_version",), "1"), "format_version"),
     "version_as_float": (_set(("format_version",), 1.0), "format_version"),

@@ -75,3 +75,40 @@ def unpack(column: str, dtype: str) -> np.ndarray:
     """A packed column, decoded from the format's definition: z: + base64(zlib(LE 64-bit))."""
     assert column.startswith("z:")
     return np.frombuffer(zlib.decompress(base64.b64decode(column[2:])), dtype=dtype)
+
+
+# bytes of one stored block of 256 elements: its float32 minimum and step, then the codes
+QUANT_BLOCK_BYTES = {"int8": 8 + 256, "int4": 8 + 128}
+
+
+def encoded_meta(seed: int = 0) -> Metadata:
+    """``q.a`` (20 x 40 float32, int8) in two row pieces of 400 elements (two blocks each),
+    ``q.b`` (300 bfloat16, int4) in one piece (two blocks), ``q.p`` (5 int64) plain; one file.
+    Stored sizes from docs/format.md: whole blocks."""
+    rng = np.random.default_rng(seed)
+    rows = [  # key, dtype, shape, encoding, pieces (offset, shape)
+        ("q.a", "float32", (20, 40), "int8", [((0, 0), (10, 40)), ((10, 0), (10, 40))]),
+        ("q.b", "bfloat16", (300,), "int4", [((0,), (300,))]),
+        ("q.p", "int64", (5,), None, [((0,), (5,))]),
+    ]
+    tensors, at = {}, 0
+    for key, dtype, shape, encoding, pieces in rows:
+        itemsize = {"float32": 4, "bfloat16": 2, "int64": 8}[dtype]
+        nbytes = [
+            itemsize * math.prod(s) if encoding is None else -(-math.prod(s) // 256) * QUANT_BLOCK_BYTES[encoding]
+            for _, s in pieces
+        ]
+        starts = []
+        for n in nbytes:
+            starts.append(at)
+            at = roundup(at + n, 64)
+        table = PieceTable(
+            offsets=np.array([o for o, _ in pieces], dtype=np.int64),
+            shapes=np.array([s for _, s in pieces], dtype=np.int64),
+            files=np.zeros(len(pieces), dtype=np.int64),
+            byte_offsets=np.array(starts, dtype=np.int64),
+            checksums=rng.integers(0, 2**64, size=sum(-(-n // BLOCK) for n in nbytes), dtype=np.uint64),
+        )
+        tensors[key] = TensorEntry(key, dtype, shape, table, BLOCK, encoding)
+    structure = {"d": [["q", {"d": [["a", {"t": 0}], ["b", {"t": 0}], ["p", {"t": 0}]]}]]}
+    return Metadata(7, 1, (FileEntry("0_7.distcp", at),), tensors, structure, block_bytes=BLOCK, created_by="unit test")

@@ -315,3 +315,18 @@ def test_a_load_reads_one_copy_from_a_file_it_can_read():
                 for cp in seg.copies:
                     marks[Box(tuple(a + b for a, b in zip(cp.region_in_target.offsets, (1, 0))), cp.region_in_target.shape).slices()] += 1
         assert marks[1:3].tolist() == [[1] * 5] * 2 and marks.sum() == 10
+
+
+def test_a_target_equal_to_a_quantized_piece_reads_its_stored_bytes_and_is_never_direct(tmp_path):
+    values = np.random.default_rng(2).standard_normal((40, 100)).astype(np.float32)
+    save_checkpoint(str(tmp_path), {"q": values, "p": values}, {"q": "float32", "p": "float32"}, (2,),
+                    {"q": (0,), "p": (0,)}, block_bytes=64, compress={r"\.q$": "int4"})  # fmt: skip
+    meta = local.read_metadata(str(tmp_path), 0)
+    box = Box((20, 0), (20, 100))  # rank 1's piece: 2000 elements, 8 blocks of 136 bytes
+    targets = [load_plan.TargetPiece(f"model.{k}", "float32", (40, 100), box) for k in ("q", "p")]
+    ops = load_plan.plan_reads(meta, targets, direct_min_bytes=1)
+    by_key = {op.segments[0].piece.key: op for op in ops}
+    q, p = by_key["model.q"], by_key["model.p"]
+    assert not q.direct and q.nbytes == 8 * 136 and len(q.segments) == 1
+    assert q.segments[0].start == q.segments[0].piece.byte_offset
+    assert p.direct and p.nbytes == 2000 * 4  # the same box of a plain tensor lands in place

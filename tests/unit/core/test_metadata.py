@@ -125,3 +125,29 @@ def test_a_member_name_may_be_any_name_of_the_file_system_but_a_metadata_name_is
             metadata.check_file_name(name)
     with pytest.raises(FormatError):
         metadata.check_member_name("x" * 256)
+
+
+def test_an_encoding_is_written_only_for_tensors_that_have_one_and_then_as_version_2():
+    from .hand_metadata import encoded_meta
+
+    plain = doc_of(hand_meta(2))
+    assert plain["format_version"] == FORMAT_VERSION == 1
+    assert not any("encoding" in t for t in plain["tensors"].values())
+    doc = doc_of(encoded_meta())
+    assert doc["format_version"] == 2
+    assert {k: t.get("encoding") for k, t in doc["tensors"].items()} == {"q.a": "int8", "q.b": "int4", "q.p": None}
+
+
+def test_an_encoded_entry_s_pieces_take_their_whole_blocks_and_its_logical_bytes_stay_its_elements():
+    from .hand_metadata import encoded_meta
+
+    meta = encoded_meta()
+    a, b, p = (meta.tensors[k] for k in ("q.a", "q.b", "q.p"))
+    assert a.piece_nbytes().tolist() == [2 * 264, 2 * 264] and a.nbytes == 20 * 40 * 4
+    assert b.piece_nbytes().tolist() == [2 * 136] and b.nbytes == 600
+    assert p.piece_nbytes().tolist() == [40]
+    piece = a.piece(1)
+    assert piece.nbytes == 528 and piece.first_block == -(-528 // BLOCK)
+    assert metadata.stored_nbytes(257, "float16", "int4") == 2 * 136
+    assert metadata.stored_nbytes(np.array([1, 256, 512, 513]), "float32", "int8").tolist() == [264, 264, 528, 792]
+    assert metadata.stored_nbytes(7, "float16", None) == 14

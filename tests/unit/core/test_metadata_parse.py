@@ -83,11 +83,11 @@ def small():
 
 
 def test_refuses_other_format_versions_naming_found_and_supported(small):
-    small["format_version"] = 2
-    message = refused(small, "format_version", "reads versions 1")
-    assert re.search(r"format_version\W+2\b", message), message
+    small["format_version"] = 3
+    message = refused(small, "format_version", "reads versions 1, 2")
+    assert re.search(r"format_version\W+3\b", message), message
     small["format_version"] = 0
-    refused(small, "format_version", "0", "reads versions 1")
+    refused(small, "format_version", "0", "reads versions 1, 2")
     del small["format_version"]
     refused(small, "format_version")
 
@@ -515,3 +515,46 @@ def test_a_copy_that_only_overlaps_is_refused_even_with_replicas():
 
     with pytest.raises(FormatError, match="overlap"):
         parse_metadata(edit(meta, shift))
+
+
+def test_encoded_entries_parse_back_the_same_one_by_one_and_many_at_once():
+    from .hand_metadata import encoded_meta
+
+    data = encoded_meta().to_json()
+    full = parse_metadata(data)
+    lazy = parse_metadata(data, lazy=True)
+    lazy.prefetch(["q.a", "q.b", "q.p"])  # the vectorised pass takes them all, or raises
+    assert lazy.tensors.parsed_count == 3 and lazy.format_version == full.format_version == 2
+    for key in ("q.a", "q.b", "q.p"):
+        a, b = full.tensors[key], lazy.tensors[key]
+        assert a.encoding == b.encoding == encoded_meta().tensors[key].encoding
+        assert a.piece_nbytes().tolist() == b.piece_nbytes().tolist()
+        assert a.block_starts().tolist() == b.block_starts().tolist()
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda d: d["tensors"]["q.a"].update(encoding="fp8"), ["'q.a'", "'fp8'", "int4, int8"]),
+        (lambda d: d["tensors"]["q.a"].update(encoding=["int8"]), ["'q.a'", "encoding"]),
+        (lambda d: d["tensors"]["q.p"].update(encoding="int8"), ["'q.p'", "int64"]),
+        (lambda d: d.update(format_version=1), ["'q.a'", "format_version 1"]),
+        (lambda d: d["tensors"]["q.b"]["checksums"].pop(), ["'q.b'", "checksums"]),
+        (lambda d: d["tensors"]["q.a"].pop("encoding"), ["'q.a'"]),  # raw bytes would need 1600: past the file's end
+    ],
+)
+def test_a_bad_encoding_is_refused_naming_the_key_by_either_parse(edit, words):
+    from .hand_metadata import encoded_meta
+
+    doc = doc_of(encoded_meta())
+    edit(doc)
+    body = with_digest(json.dumps({k: v for k, v in doc.items() if k != "digest"}).encode())
+    with pytest.raises(FormatError) as info:
+        parse_metadata(body)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    lazy = parse_metadata(body, lazy=True)
+    key = next(w for w in words if w.startswith("'q.")).strip("'")
+    lazy.prefetch([key])  # refused by the vectorised pass: worded by the per-entry parse
+    with pytest.raises(FormatError, match=re.escape(key)):
+        lazy.tensors[key]

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paddle_dcp.core import quant
-from paddle_dcp.errors import ArgumentError, FormatError
+from paddle_dcp.errors import ArgumentError, FormatError, UnsupportedError
 
 from ..helpers import fast
 
@@ -87,3 +87,36 @@ def test_refusals():
         quant.decode(stored[:100], "int8", 0, 600)
     assert quant.byte_range("int4", 5, 0) == (0, 0)
     assert quant.byte_range("int4", 255, 2) == (0, 2 * 136)
+
+
+def test_a_piece_is_encoded_from_its_storage_dtype_bfloat16_bits_included():
+    values = np.random.default_rng(1).standard_normal(600).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 by truncation: exact below
+    as_float = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert quant.encode_piece(bits, "bfloat16", "int4", "k").tobytes() == reference(as_float, 4)
+    half = values.astype(np.float16)
+    assert quant.encode_piece(half, "float16", "int8", "k").tobytes() == reference(half.astype(np.float32), 8)
+    assert quant.encode_piece(values.reshape(20, 30), "float32", "int8", "k").tobytes() == reference(values, 8)
+
+
+def test_a_piece_with_a_non_finite_value_or_of_another_dtype_is_refused_naming_its_key():
+    bad = np.ones(10, np.float32)
+    bad[4] = np.nan
+    with pytest.raises(UnsupportedError, match=r"opt\.w_moment1_0: 1 values are not finite.*without compress"):
+        quant.encode_piece(bad, "float32", "int8", "opt.w_moment1_0")
+    inf_bits = np.array([0x7F80], np.uint16)  # bfloat16 +inf
+    with pytest.raises(UnsupportedError, match="not finite"):
+        quant.encode_piece(inf_bits, "bfloat16", "int4", "k")
+    with pytest.raises(UnsupportedError, match="k: dtype int64 cannot be stored as int8"):
+        quant.encode_piece(np.arange(3), "int64", "int8", "k")
+
+
+@pytest.mark.parametrize(
+    "low, step", [(np.nan, 1.0), (0.0, np.nan), (np.inf, 0.0), (0.0, np.inf), (0.0, -0.5), (3e38, 3e37)]
+)
+def test_a_block_whose_minimum_or_step_cannot_have_been_written_is_refused(low, step):
+    stored = quant.encode(np.linspace(0, 1, 300, dtype=np.float32), "int8")
+    stored[264 : 264 + 8] = np.frombuffer(np.array([low, step], "<f4").tobytes(), np.uint8)
+    assert np.isfinite(quant.decode(stored, "int8", 0, 256)).all()  # the first block is sound
+    with pytest.raises(FormatError, match="int8 block"):
+        quant.decode(stored, "int8", 250, 20)

@@ -239,3 +239,25 @@ def test_replicas_still_check_the_tiling():
     s1 = summary_of(1, {"w": flat_pieces("w", 10, 20)})
     with pytest.raises(PlanError):
         plan_of([s0, s1], replicas=True)
+
+
+def test_keys_a_policy_compresses_are_planned_at_their_stored_sizes():
+    from paddle_dcp.core.compress import policy_of
+
+    pieces = lambda r: [  # noqa: E731 - two ranks, rows of a (9, 70) float32, a (600,) bfloat16 replicated, int64 plain
+        ("a", "float32", (9, 70), Box((5 * r, 0), (5 - r, 70))),
+        ("b", "bfloat16", (600,), Box.whole((600,))),
+        ("c", "int64", (3,), Box.whole((3,))),
+    ]
+    policy = policy_of({"a": "int8", "b|c": "int4"})
+    plan = save_plan.plan_save([summary(r, pieces(r)) for r in (0, 1)], compress=policy)
+    assert dict(zip(plan.keys, plan.encodings)) == {"a": "int8", "b": "int4", "c": None}
+    # whole blocks of 256 elements: 264 bytes each in int8, 136 in int4 (docs/format.md)
+    want = {("a", 0): 2 * 264, ("a", 5): 2 * 264, ("b", 0): 3 * 136, ("c", 0): 24}
+    got = {(plan.keys[k], int(o[0])): int(n) for k, o, n in zip(plan.piece_key, plan.piece_offsets, plan.piece_nbytes)}
+    assert got == want
+    for r, rows in plan.writes.items():  # each file's size: its pieces, each at a multiple of 64
+        mine = np.flatnonzero(plan.piece_writer == r)
+        end = max(int(plan.piece_byte_offset[i] + plan.piece_nbytes[i]) for i in mine)
+        assert plan.file_bytes[r] == end and all(plan.piece_byte_offset[i] % ALIGNMENT == 0 for i in mine)
+    assert save_plan.plan_save([summary(r, pieces(r)) for r in (0, 1)]).encodings == (None, None, None)

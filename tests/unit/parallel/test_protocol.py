@@ -37,6 +37,7 @@ class FakeSaveRank:
     replicas = False
     staged = False
     layout = None
+    compress = None
 
     def __init__(self, rank: int, cache: dict, fail_step: str | None = None):
         self.rank, self.ranks, self.coordinator, self.cache = rank, tuple(range(SIZE)), 0, cache

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ..helpers import random_array, save_checkpoint
+from ..helpers import expected_tensor, random_array, save_checkpoint, saved_boxes
 from .commands import MESH, TENSORS, VALUES
 
 
@@ -30,3 +30,26 @@ def ck(saved, tmp_path):
     path = str(tmp_path / "ck")
     shutil.copytree(saved[0], path)
     return path
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    """A 4-rank checkpoint with two tensors stored quantized (float32 int8 split by rows,
+    bfloat16 int4 split by columns: blocks of 256 that cross rows) and an int64 one the policy
+    matches but leaves plain; the values a load of each gives, from the reference quantizer."""
+    path = str(tmp_path_factory.mktemp("compressed") / "ck")
+    os.makedirs(path)
+    rng = np.random.default_rng(11)
+    arrays = {
+        "m1": (rng.standard_normal((9, 70)) * 0.01).astype(np.float32),
+        "m2": (rng.standard_normal((5, 300)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16),
+        "n": np.arange(12, dtype=np.int64),
+    }
+    dtypes = {"m1": "float32", "m2": "bfloat16", "n": "int64"}
+    placements = {"m1": (0, None), "m2": (None, 1), "n": (None, None)}
+    save_checkpoint(path, arrays, dtypes, (2, 2), placements, block_bytes=64, compress={"m1": "int8", "m2|n": "int4"})
+    encodings = {"m1": "int8", "m2": "int4"}
+    loaded = {f"model.{k}": expected_tensor(a, dtypes[k], encodings[k], saved_boxes(a.shape, (2, 2), placements[k]))
+              for k, a in arrays.items() if k in encodings}  # fmt: skip
+    loaded["model.n"] = arrays["n"]
+    return path, loaded

@@ -214,3 +214,48 @@ def test_convert_to_hf_refuses_a_used_directory_and_a_bad_size(tmp_path, capsys)
     assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "new"), "--to", "hf", "--max-shard-size", "lots"]) == 2
     assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "one"), "--to", "hf"]) == 0
     assert sorted(os.listdir(tmp_path / "one")) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_quantized_tensors_convert_to_their_dequantized_values_in_their_dtype(compressed, tmp_path, capsys, fmt):
+    path, loaded = compressed
+    out = tmp_path / f"all.{fmt}"
+    code, _, err = run(capsys, "convert", path, out)
+    assert code == 0, err
+    assert "2 tensors stored quantized (int4, int8) are written dequantized" in err
+    if fmt == "npz":
+        with np.load(out, allow_pickle=False) as z:
+            got = {k: z[k] for k in z.files if k != "__metadata__"}
+    else:
+        got = _safetensors_raw(out)  # numpy's reader has no bfloat16
+    assert sorted(got) == sorted(loaded)
+    for key, want in loaded.items():
+        assert same_bits(got[key], want), key
+
+
+def _safetensors_raw(path) -> dict:
+    """Every tensor of a safetensors file as its bytes' numpy dtype (bfloat16 as uint16)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="np") as f:
+        for k in f.keys():
+            if k != "model.m2":
+                out[k] = f.get_tensor(k)
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    info = json.loads(raw[8 : 8 + n])["model.m2"]
+    a, b = info["data_offsets"]
+    out["model.m2"] = np.frombuffer(raw[8 + n + a : 8 + n + b], "<u2").reshape(info["shape"])
+    return out
+
+
+def test_quantized_tensors_export_to_a_hugging_face_directory_dequantized(compressed, tmp_path, capsys):
+    path, loaded = compressed
+    out = tmp_path / "hf"
+    code, _, err = run(capsys, "convert", path, out, "--to", "hf", "--bf16-as-float32")
+    assert code == 0, err
+    assert "written dequantized" in err
+    got = load_file(str(out / "model.safetensors"))
+    assert same_bits(got["model.m2"], bf16_as_f32(loaded["model.m2"]))
+    assert same_bits(got["model.m1"], loaded["model.m1"]) and same_bits(got["model.n"], loaded["model.n"])

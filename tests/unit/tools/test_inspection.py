@@ -84,3 +84,20 @@ def test_inspect_empty_directory_is_a_problem(tmp_path, capsys):
     assert code == 1 and "no complete checkpoint" in err
     code, out, _ = run(capsys, "inspect", tmp_path, "--json")
     assert code == 1 and json.loads(out)["checkpoint"] is None
+
+
+def test_inspect_shows_each_tensor_s_encoding_and_stored_bytes(compressed, capsys):
+    path, _ = compressed
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "checkpoint 0: format_version 2" in lines[2]
+    assert "key shape dtype pieces bytes encoding stored" in lines
+    # stored: whole blocks per piece, by the format's definition (264 bytes for int8, 136 for int4)
+    assert "model.m1 (9, 70) float32 2 2520 int8 1056" in lines  # rows 5 | 4: 350 and 280 elements, 2 blocks each
+    assert "model.m2 (5, 300) bfloat16 2 3000 int4 816" in lines  # columns 150 | 150: 750 elements, 3 blocks each
+    assert "model.n (12,) int64 1 96 - 96" in lines  # matched, but integers stay plain
+    code, out, _ = run(capsys, "inspect", path, "--json")
+    tensors = json.loads(out)["checkpoint"]["tensors"]
+    assert tensors["model.m1"]["encoding"] == "int8" and tensors["model.m1"]["stored_bytes"] == 1056
+    assert "encoding" not in tensors["model.n"] and "stored_bytes" not in tensors["model.n"]

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from paddle_dcp.io import local
 from paddle_dcp.tools import consolidate
 
 from ..helpers import save_checkpoint
@@ -116,3 +117,26 @@ def test_verify_takes_the_copies_of_a_save_replicas_checkpoint(tmp_path):
         f.write(b"\xff")
     problems, _ = verify.verify_checkpoint(str(tmp_path), 0)
     assert len(problems) == 1 and "1_0.distcp" in problems[0] and "model.w" in problems[0], problems
+
+
+def test_verify_checks_quantized_pieces_at_their_stored_sizes(compressed, tmp_path, capsys):
+    """Every stored byte of a quantized piece is covered (its last block too), and a flip in
+    its scales or codes is found."""
+    code, out, _ = run(capsys, "verify", compressed[0])
+    assert code == 0, out
+    meta = local.read_metadata(compressed[0], 0)
+    for key in ("model.m1", "model.m2"):
+        entry = meta.tensors[key]
+        for i in range(entry.pieces.count):
+            path = shutil.copytree(compressed[0], str(tmp_path / f"{key}-{i}"))
+            name = os.path.join(path, meta.files[int(entry.pieces.files[i])].name)
+            rows = entry.pieces.shapes[i]
+            blocks = -(-int(np.prod(rows)) // 256)
+            last = int(entry.pieces.byte_offsets[i]) + blocks * (264 if key == "model.m1" else 136) - 1
+            with open(name, "r+b") as f:  # the piece's last stored byte, by the format's sizes
+                f.seek(last)
+                byte = f.read(1)
+                f.seek(last)
+                f.write(bytes([byte[0] ^ 1]))
+            code, out, _ = run(capsys, "verify", path)
+            assert code == 1 and "checksum" in out and key in out, out
