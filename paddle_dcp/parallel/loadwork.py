@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,6 +55,7 @@ class LocalLoadWork:
         self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
         self.verify = verify
         self.staging = reads.Staging()
+        self._lanes = threading.local()  # a staging buffer per thread receiving bytes (run_op)
         # ops on files this rank reads itself, and the others by the rank that serves them
         self.local, self.remote = (list(ops) if local is None else local), (remote or {})
         self.checks: list | None = None  # this rank's share of the checks, when shared
@@ -64,8 +66,12 @@ class LocalLoadWork:
         self.arrays = list(views) + aoa.staging_arrays(self.staged)
 
     def run_op(self, op, fetch) -> None:
-        """Carry out one op whose bytes ``fetch`` receives from another rank."""
-        reads.execute_op(op, self.files, self.arrays, self.staging, self.verify, fetch)
+        """Carry out one op whose bytes ``fetch`` receives from another rank (several threads
+        at once, one per connection: each its own staging buffer)."""
+        staging = getattr(self._lanes, "staging", None)
+        if staging is None:
+            staging = self._lanes.staging = reads.Staging()
+        reads.execute_op(op, self.files, self.arrays, staging, self.verify, fetch)
 
     def open_local(self) -> None:
         """Open every file this rank reads itself (its size checked) before any byte moves."""
@@ -124,8 +130,9 @@ class LocalLoadWork:
             self.files.close()
 
     def _copy_local(self) -> None:
+        staging = reads.Staging()  # its own: the copy may run beside run_op's threads
         for op in reads.read_ahead(self.files, self.local):
-            reads.execute_op(op, self.files, self.arrays, self.staging, verify=False)
+            reads.execute_op(op, self.files, self.arrays, staging, verify=False)
         self.files.check_unchanged()
 
     def exchange(self, comm: Comm, clients) -> None:

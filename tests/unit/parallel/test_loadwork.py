@@ -121,3 +121,41 @@ def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, mon
     with pytest.raises(StorageError, match="disk gone"):
         work.exchange(SoloComm(), [1])
     assert served == [[1]]  # the pair was served all the same: no peer left waiting
+
+
+def test_ops_received_on_several_connections_at_once_never_share_a_staging_buffer(store, monkeypatch):
+    """run_op is called from one thread per lane (exchange.fetch_remote): a read that is not
+    direct lands in a staging buffer first, which must be the thread's own; the copy from the
+    rank's own files has its own too."""
+    import threading
+
+    from paddle_dcp.parallel import loadwork
+
+    meta = store.read_metadata(0, lazy=True)
+    state, flat, held = target()
+    work = plan_load(state, flat, held, meta, "mem", store, False, True)
+    seen: dict = {}
+    both = threading.Barrier(3, timeout=5)
+
+    def record(op, files, arrays, staging, *args, **kwargs):
+        seen.setdefault(threading.current_thread().name, set()).add(id(staging))
+
+    monkeypatch.setattr(loadwork.reads, "execute_op", record)
+
+    def lane(name):
+        def run():
+            both.wait()
+            work.run_op(work.ops[0], None)
+            work.run_op(work.ops[-1], None)
+        return threading.Thread(target=run, name=name)
+
+    threads = [lane("lane0"), lane("lane1")]
+    for t in threads:
+        t.start()
+    both.wait()
+    work._copy_local()
+    for t in threads:
+        t.join(5)
+    stagings = [ids for ids in seen.values()]
+    assert len(seen) == 3 and all(len(ids) == 1 for ids in stagings)  # one buffer per thread, kept
+    assert len(set().union(*stagings)) == 3
