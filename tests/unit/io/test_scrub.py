@@ -234,11 +234,15 @@ def test_files_checked_on_several_threads_find_the_same_and_count_every_byte_onc
     name, at = located(path, arrays["w"][4:])
     flip(path, name, at + 200)
     want = check(path)
+    import threading
+
     threads: set = set()
     real = scrub._read_pieces
+    together = threading.Barrier(2, timeout=5)  # a serial check would wait here in vain
 
     def spy(*args, **kwargs):
-        threads.add(__import__("threading").get_ident())
+        threads.add(threading.get_ident())
+        together.wait()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(scrub, "_read_pieces", spy)
