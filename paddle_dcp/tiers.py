@@ -86,8 +86,9 @@ class LocalTier:
     def open(self) -> None:
         """Learn the nodes (every rank writes a marker holding a token of this job, then lists
         the markers it sees), refuse ``replicas`` the nodes cannot hold, and remove what
-        crashed saves left (data of steps no node has the metadata of; temporary files)."""
-        self.nodes = protocol.run(self.comm, self._discover())
+        crashed saves left (data of steps no node has the metadata of; temporary files) and
+        the markers of earlier jobs."""
+        self.nodes, stale = protocol.run(self.comm, self._discover())
         copy_holders(self.nodes, self.replicas)  # raises on every rank alike
         logger.info("local tier %s: %d nodes %s, %d copies of each rank's data", self.directory,
                     len(self.nodes), [list(n) for n in self.nodes], self.replicas)
@@ -96,8 +97,8 @@ class LocalTier:
         def tidy() -> None:
             if self.is_leader:
                 listing = self.store.list_checkpoints()
-                stale = [n for uid in listing.data if uid not in steps for n in listing.data_names(uid)]
-                self.store.remove(stale + cleanup.temporary_names(listing))
+                orphans = [n for uid in listing.data if uid not in steps for n in listing.data_names(uid)]
+                self.store.remove(orphans + cleanup.temporary_names(listing) + stale)
 
         protocol.run(self.comm, protocol.local("local tier: tidy", tidy))
 
@@ -141,17 +142,21 @@ class LocalTier:
 
         yield from protocol.local("local tier: mark node", mark)
 
+        stale: list[str] = []  # markers of earlier jobs, removed by the node's leader at open
+
         def seen() -> bytes:
             ranks = []
             for name in self.store.list_checkpoints().files:
                 m = _MARKER_RE.match(name)
                 if m and self.store.read_file(name) == token:
                     ranks.append(int(m.group(1)))
+                elif m:
+                    stale.append(name)
             return json.dumps(sorted(ranks)).encode()
 
         mine = yield from protocol.local("local tier: find node", seen)
         every = yield protocol.AllGather(mine)
-        return nodes_of({r: json.loads(b) for r, b in zip(self.comm.ranks, every)})
+        return nodes_of({r: json.loads(b) for r, b in zip(self.comm.ranks, every)}), stale
 
     @property
     def node(self) -> tuple[int, ...]:

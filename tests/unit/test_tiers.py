@@ -235,3 +235,16 @@ def test_a_lost_original_has_its_copies_checked_in_the_same_pass_as_the_original
     assert hashed[dirs[1]] == []
     assert results[0][:3] == ("", frozenset(), ())
     assert results[1][:3] == ("", frozenset({"0_3.distcp"}), ())  # its unchecked copy unread
+
+
+def test_markers_of_earlier_jobs_are_removed_when_the_tier_opens(tmp_path):
+    """Each job marks its ranks with a token of its own; the markers an earlier job left (here
+    of a rank this job does not have) are gone once the tier is open, this job's stay."""
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "paddle_dcp_node.7").write_bytes(b"0123456789abcdef")
+    (local / "paddle_dcp_node.0").write_bytes(b"an earlier token")
+    CheckpointManager(tmp_path / "global", local_directory=str(local), replicas=0)
+    markers = sorted(n for n in os.listdir(local) if n.startswith("paddle_dcp_node."))
+    assert markers == ["paddle_dcp_node.0"]
+    assert (local / "paddle_dcp_node.0").read_bytes() != b"an earlier token"
