@@ -23,7 +23,8 @@ Three parts, one process (one rank; paddle's CPU build):
   run's exactly), and a control: the uncompressed checkpoint with AdamW's moments reset.
 
 The machine's limits in the same run: the page cache's write and read, the S3 server's own PUT
-and GET, and the codec's encode and decode speed (core/quant.py, one thread). Targets
+and GET (before and after the timed saves: the best of both), and the codec's encode and
+decode speed (core/quant.py, one thread, in pieces of the state's tensors' size). Targets
 (issue 30): the optimizer part at most 1/3 of its uncompressed size with 8-bit moments and at
 most 1/5 with 4-bit moments and derived master weights; save time no worse than uncompressed on
 the S3 server; resumed losses within ``TOLERANCE`` of the uncompressed resume's.
@@ -284,21 +285,24 @@ def _resume_without_moments(run, path: str, first: int, last: int) -> list:
 
 
 # ---------------------------------------------------------------- limits, targets, the report
-def codec_speed(nbytes: int = 64 * MiB, rounds: int = 3) -> dict:
-    """core/quant.py's encode and decode of ``nbytes`` of float32 in one thread: GB/s of float32
-    in (encode) and out (decode), best of ``rounds``."""
+def codec_speed(nbytes: int = 64 * MiB, piece_bytes: int = 4 * MiB, rounds: int = 5) -> dict:
+    """core/quant.py's encode and decode of ``nbytes`` of float32 in pieces of ``piece_bytes``
+    (a save encodes piece by piece), one thread: GB/s of float32 in (encode) and out (decode),
+    best of ``rounds``."""
     from paddle_dcp.core import quant
 
     values = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32)
-    out = {"bytes": nbytes}
+    step = max(1, piece_bytes // 4)
+    out: dict = {"bytes": nbytes, "piece_bytes": piece_bytes}
     for name in quant.ENCODINGS:
         enc, dec = [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            data = quant.encode(values, name)
+            data = [quant.encode(values[i : i + step], name) for i in range(0, values.size, step)]
             enc.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            quant.decode(data, name, 0, values.size)
+            for d, i in zip(data, range(0, values.size, step)):
+                quant.decode(d, name, 0, min(step, values.size - i))
             dec.append(time.perf_counter() - t0)
         out[name] = {"encode_gbps": nbytes / min(enc) / GB, "decode_gbps": nbytes / min(dec) / GB}
     return out
@@ -395,7 +399,7 @@ def report(result: dict) -> str:
            f"limits: page cache write {pc['write_cold_gbps']:.2f} cold / {pc['write_warm_gbps']:.2f} warm, read "
            f"{pc['read_gbps']:.2f} GB/s; codec (1 thread) " + ", ".join(
                f"{n} encode {c['encode_gbps']:.2f} / decode {c['decode_gbps']:.2f}" for n, c in codec.items()
-               if isinstance(c, dict)) + " GB/s of float32"]
+               if isinstance(c, dict)) + f" GB/s of float32 ({codec['piece_bytes'] / 1024:.0f} KiB pieces)"]
     s3 = lim.get("s3_server")
     if s3:
         out.append("S3 server: PUT " + " / ".join(f"{v:.3f}" for v in s3["put_gbps"].values()) + ", GET "
@@ -411,17 +415,21 @@ def report(result: dict) -> str:
     return "\n".join(out)
 
 
-def machine_limits(work: str, nbytes: int, store) -> dict:
+def machine_limits(work: str, nbytes: int, piece_bytes: int, store) -> dict:
     from bench_machine import page_cache_speed
 
     out = {"page_cache": page_cache_speed(os.path.join(work, "pagecache"), nbytes, threads=1, settle=1.0),
-           "codec": codec_speed()}
+           "codec": codec_speed(piece_bytes=piece_bytes)}
     if store is not None:
-        import bench_s3
-
-        out["s3_server"] = bench_s3.best_server_speed([bench_s3.server_speed(store, min(nbytes, 64 * MiB), streams=(1, 4))])
-        out["s3_server"].pop("samples", None)
+        out["s3_samples"] = [s3_speed(store, nbytes)]
     return out
+
+
+def s3_speed(store, nbytes: int) -> dict:
+    """The S3 server's own PUT and GET of one object of at most 64 MiB (bench_s3.server_speed)."""
+    import bench_s3
+
+    return bench_s3.server_speed(store, min(nbytes, 64 * MiB), streams=(1, 4))
 
 
 def parse_count(text: str) -> int:
@@ -458,12 +466,17 @@ def main(argv=None) -> int:
             result["s3_server"] = store.info()
         state = o2_state(args.params, args.tensors)
         nbytes = sum(int(np.prod(t.shape)) * (2 if k == "model" else 4) for k in state for t in _leaves(state[k]))
-        result["limits"] = machine_limits(work, nbytes, store)
+        piece = int(np.prod(state["opt"]["master_weights"]["linear_0.w_0"].shape)) * 4
+        result["limits"] = limits = machine_limits(work, nbytes, piece, store)
         log("sizes and times, local directory")
         times = {"local": summarize(time_variants(state, Place("local", os.path.join(work, "ck")), args.repeat))}
         if store is not None:
             log("sizes and times, S3")
             times["s3"] = summarize(time_variants(state, Place("s3", work, store), args.repeat))
+            limits["s3_samples"].append(s3_speed(store, nbytes))  # before and after: the best of both
+            import bench_s3
+
+            limits["s3_server"] = bench_s3.best_server_speed(limits.pop("s3_samples"))
         del state
         log("training")
         training = training_part(args, os.path.join(work, "train"))
