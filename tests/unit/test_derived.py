@@ -189,3 +189,19 @@ def test_read_state_dict_metadata_lays_a_derived_tensor_out_as_its_source(tmp_pa
     sdm = paddle_dcp.read_state_dict_metadata(str(tmp_path)).state_dict_metadata
     (piece,) = sdm["opt.master_weights.linear_0.w_0"]
     assert (piece.dtype, piece.global_shape, piece.local_shape, piece.global_offset) == ("float32", (300, 7), (300, 7), (0, 0))
+
+
+def test_a_load_whose_checkpoint_lacks_the_parameter_fails_naming_both_before_any_tensor_changes(tmp_path):
+    from paddle_dcp.core.metadata import with_digest
+    from paddle_dcp.errors import FormatError
+
+    state = paddle_state(np.random.default_rng(5))
+    paddle_dcp.save_state_dict(state, str(tmp_path), compress=paddle_dcp.MASTER_WEIGHTS_DERIVED)
+    doc = json.loads((tmp_path / "0.metadata").read_bytes())
+    doc["tensors"]["opt.master_weights.linear_0.w_0"]["source"] = "model.fc.gone"  # a hand-edited file
+    body = json.dumps({k: v for k, v in doc.items() if k != "digest"}, separators=(",", ":")).encode()
+    (tmp_path / "0.metadata").write_bytes(with_digest(body))
+    got = zeros(state)
+    with pytest.raises(FormatError, match=r"opt\.master_weights\.linear_0\.w_0.*'model\.fc\.gone'.*not a tensor"):
+        paddle_dcp.load_state_dict(got, str(tmp_path))
+    assert not any(t.numpy().any() for t in (got["model"]["fc.weight"], got["opt"]["master_weights"]["linear_0.b_0"]))
