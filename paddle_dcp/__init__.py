@@ -23,7 +23,8 @@ from .errors import (
 from .gather import save_gathered
 from .manager import CheckpointManager
 from .core.metadata import FORMAT_VERSION
-from .core.compress import ADAMW_MOMENTS, ADAMW_MOMENTS_INT4, ADAMW_MOMENTS_INT8
+from .core.compress import ADAMW_MOMENTS, ADAMW_MOMENTS_INT4, ADAMW_MOMENTS_INT8, MASTER_WEIGHTS_DERIVED
+from .core.derive import MASTER_WEIGHTS
 from .patching import PaddlePatch, StateDictMetadata, patch_paddle, read_state_dict_metadata
 from .training import get_state_dict, set_state_dict
 from .version import __version__
@@ -62,5 +63,7 @@ __all__ = [
     "ADAMW_MOMENTS",
     "ADAMW_MOMENTS_INT8",
     "ADAMW_MOMENTS_INT4",
+    "MASTER_WEIGHTS",
+    "MASTER_WEIGHTS_DERIVED",
     "__version__",
 ]

@@ -95,7 +95,8 @@ def state_dict_metadata(meta) -> StateDictMetadata:
     out: dict[str, list[TensorPieceMetadata]] = {}
     for key in meta.tensors:
         entry = meta.tensors[key]
-        pieces = entry.pieces
+        # a derived tensor (stored as none) is laid out as the source it is read from
+        pieces = meta.tensors[entry.source].pieces if entry.derived else entry.pieces
         out[key] = [
             TensorPieceMetadata(
                 global_offset=tuple(int(x) for x in pieces.offsets[i]),

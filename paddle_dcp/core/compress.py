@@ -1,10 +1,13 @@
-"""Which tensors a save stores quantized: a policy of regular expressions over flat keys, each
-naming an encoding of :mod:`~paddle_dcp.core.quant`, and the ready policies for AdamW's moments.
+"""Which tensors a save stores quantized or leaves to be derived: a policy of regular
+expressions over flat keys, each naming an encoding of :mod:`~paddle_dcp.core.quant` or
+``"derived"`` (:mod:`~paddle_dcp.core.derive`), and the ready policies for AdamW's moments and
+master weights.
 
-``save_state_dict(..., compress={regex: "int8" | "int4"})``: each regex is searched
+``save_state_dict(..., compress={regex: "int8" | "int4" | "derived"})``: each regex is searched
 (``re.search``) in a tensor's flat key, in the mapping's order; the first that matches names
 its encoding. A matched tensor of a dtype that cannot be encoded (integers, bool, float64,
-complex) is saved plain: only float16, bfloat16 and float32 tensors are quantized.
+complex) is saved plain: only float16, bfloat16 and float32 tensors are quantized, and only
+float32 tensors derived (from their float16 / bfloat16 parameter).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from . import quant
+from .derive import DERIVED, DERIVED_DTYPES, MASTER_WEIGHTS
 from .keys import compiled_regex
 from ..errors import ArgumentError
 
@@ -24,6 +28,9 @@ from ..errors import ArgumentError
 ADAMW_MOMENTS = r"[._/]moment(?:1|2|2_max)(?:_\d+)?$"
 ADAMW_MOMENTS_INT8: Mapping[str, str] = MappingProxyType({ADAMW_MOMENTS: "int8"})
 ADAMW_MOMENTS_INT4: Mapping[str, str] = MappingProxyType({ADAMW_MOMENTS: "int4"})
+# master weights left out of the checkpoint and derived on load from their parameter
+MASTER_WEIGHTS_DERIVED: Mapping[str, str] = MappingProxyType({MASTER_WEIGHTS: DERIVED})
+ENCODING_NAMES = tuple(sorted(quant.ENCODINGS)) + (DERIVED,)
 
 
 @dataclass(frozen=True)
@@ -37,13 +44,19 @@ class Policy:
     rules: tuple[tuple[str, str], ...]
 
     def encoding_of(self, key: str, dtype: str) -> str | None:
-        """The encoding tensor ``key`` of dtype ``dtype`` is stored with (None: plain)."""
+        """The encoding tensor ``key`` of dtype ``dtype`` is stored with (None: plain;
+        ``"derived"``: not stored, derived from its parameter)."""
         if dtype not in quant.ENCODABLE:
             return None
         for pattern, name in self._compiled():
             if pattern.search(key) is not None:
-                return name
+                return name if name != DERIVED or dtype in DERIVED_DTYPES else None
         return None
+
+    @property
+    def derives(self) -> bool:
+        """Whether some rule derives tensors (a save then looks for their parameters)."""
+        return any(name == DERIVED for _, name in self.rules)
 
     def _compiled(self) -> tuple[tuple[re.Pattern, str], ...]:
         compiled = self.__dict__.get("_regexes")
@@ -70,9 +83,7 @@ def policy_of(compress: Any) -> Policy | None:
     rules = []
     for pattern, name in compress.items():
         compiled_regex(pattern, "compress")
-        if name not in quant.ENCODINGS:
-            raise ArgumentError(
-                f"compress: {pattern!r} names encoding {name!r}; the encodings are {', '.join(sorted(quant.ENCODINGS))}"
-            )
+        if name not in ENCODING_NAMES:
+            raise ArgumentError(f"compress: {pattern!r} names encoding {name!r}; the encodings are {', '.join(ENCODING_NAMES)}")
         rules.append((pattern, name))
     return Policy(tuple(rules)) if rules else None

@@ -3,6 +3,8 @@
 A rank intersects its target pieces with the saved pieces of the metadata and turns every
 overlap into block-aligned byte ranges to read and regions to copy (:func:`plan_reads`),
 without asking any other rank; :func:`restrict` cuts the metadata down to what one rank needs.
+A target of a derived tensor (:mod:`~paddle_dcp.core.derive`) reads its source's pieces, its
+copies cast to the derived tensor's dtype.
 """
 from __future__ import annotations
 
@@ -30,11 +32,13 @@ class TargetPiece:
 
 @dataclass(frozen=True)
 class Copy:
-    """Copy ``region_in_saved`` of a saved piece into ``region_in_target`` of target ``target``."""
+    """Copy ``region_in_saved`` of a saved piece into ``region_in_target`` of target ``target``
+    (cast to ``dtype`` on the way when given: a derived tensor read from its source)."""
 
     target: int
     region_in_saved: Box
     region_in_target: Box
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,16 @@ def check_targets(meta: Metadata, targets: Sequence[TargetPiece]) -> None:
             )
         if entry.dtype != t.dtype:
             raise MismatchError(f"{t.key}: checkpoint has dtype {entry.dtype}, state_dict has {t.dtype}")
+
+
+def stored_target(meta: Metadata, t: TargetPiece) -> tuple[TargetPiece, str | None]:
+    """The target whose pieces fill ``t``: ``t`` itself, or for a derived tensor the same box of
+    its source (the dtype the copies cast to is then the second value; else None)."""
+    entry = meta.tensors[t.key]
+    if not entry.derived or entry.source is None:
+        return t, None
+    source = meta.tensors[entry.source]
+    return TargetPiece(source.key, source.dtype, tuple(source.shape), t.box), entry.dtype
 
 
 def overlapping_pieces(entry: TensorEntry, box: Box) -> np.ndarray:
@@ -163,7 +177,8 @@ def plan_reads(
     exact segments of at least ``direct_min_bytes`` stay alone so they can land in place.
     Copies name target ``i`` by ``slots[i]`` when given (the caller's own numbering), else by i.
     Of a piece saved in several copies (``meta.replicas``), one is read: the first in a file
-    this rank can read (``readable[file]``), else the first.
+    this rank can read (``readable[file]``), else the first. A derived tensor's target reads
+    its source's pieces, never straight into the target (its copies cast).
 
     Raises:
         MismatchError: a target's shape or dtype differs from the checkpoint's.
@@ -175,14 +190,15 @@ def plan_reads(
         raise ValueError(f"{len(slots)} slots for {len(targets)} targets")
     segments: list[_Found] = []
     starts_cache: dict[str, np.ndarray] = {}
-    for ti, t in enumerate(targets):
-        if 0 in t.box.shape:  # an empty target reads nothing
+    for ti, target in enumerate(targets):
+        if 0 in target.box.shape:  # an empty target reads nothing
             continue
+        t, cast_to = stored_target(meta, target)
         starts = starts_cache.get(t.key)
         if starts is None:
             starts = starts_cache[t.key] = meta.tensors[t.key].block_starts()
         slot = ti if slots is None else slots[ti]
-        segments.extend(_target_segments(meta, t, slot, starts, max_read_bytes, direct_min_bytes, readable))
+        segments.extend(_target_segments(meta, t, slot, starts, max_read_bytes, direct_min_bytes, readable, cast_to))
     return _coalesce(segments, coalesce_gap, max_read_bytes)
 
 
@@ -199,8 +215,10 @@ def _target_segments(
     max_read_bytes: int,
     direct_min_bytes: int,
     readable: np.ndarray | None,
+    cast_to: str | None = None,
 ) -> list[_Found]:
-    """The segments that fill target ``t`` (copies named ``slot``), checked to cover it."""
+    """The segments that fill target ``t`` (copies named ``slot``, cast to ``cast_to`` when
+    given), checked to cover it."""
     block = meta.block_bytes
     entry = meta.tensors[t.key]
     tbox = t.box
@@ -208,7 +226,8 @@ def _target_segments(
     hits = overlapping_pieces(entry, tbox)
     if meta.replicas:
         hits = pick_replicas(entry, hits, readable)
-    if len(hits) == 1 and entry.encoding is None:
+    plain = entry.encoding is None and cast_to is None  # its bytes are the target's
+    if len(hits) == 1 and plain:
         piece = entry.piece(int(hits[0]), starts)
         if piece.box == tbox and piece.nbytes <= max_read_bytes - 2 * block:
             # the target is exactly one saved piece (a load into the layout that saved, or
@@ -239,9 +258,9 @@ def _target_segments(
                 piece=piece,
                 start=piece.byte_offset + b0,
                 stop=piece.byte_offset + b1,
-                copies=(Copy(slot, part, part_in_target),),
+                copies=(Copy(slot, part, part_in_target, cast_to),),
             )
-            exact = entry.encoding is None and b0 == lo and b1 == hi and stop - first == part.volume
+            exact = plain and b0 == lo and b1 == hi and stop - first == part.volume
             if exact:
                 t_first, t_stop = strided_span(part_in_target.offsets, part.shape, t_strides)
                 exact = t_stop - t_first == part.volume
@@ -391,7 +410,8 @@ def restrict(
 ) -> Metadata:
     """The part of ``meta`` a rank with these targets needs: the pieces that overlap them
     (with their checksums and files), the plain subtrees at the paths ``plain``, and, with no pieces, the
-    tensors of ``tensor_keys`` it holds nothing of (so it knows the checkpoint has them). Its
+    tensors of ``tensor_keys`` it holds nothing of (so it knows the checkpoint has them). A
+    derived tensor comes with its source, and the source's pieces that overlap its targets. Its
     size grows with that rank's pieces, not with the job; sent to ranks that cannot read the
     metadata file.
 
@@ -402,29 +422,19 @@ def restrict(
     # tensors the rank has keys for but holds nothing of stay listed (with no pieces), so it
     # knows they exist in the checkpoint
     rows: dict[str, set[int]] = {k: set() for k in tensor_keys if k in meta.tensors}
-    for t in targets:
+    for target in targets:
+        rows.setdefault(target.key, set())
+        t, _ = stored_target(meta, target)
         entry = meta.tensors[t.key]
         hit = overlapping_pieces(entry, t.box) if t.box.volume or t.box.ndim == 0 else np.zeros(0, np.int64)
         rows.setdefault(t.key, set()).update(hit.tolist())
+    for key in list(rows):  # a derived tensor is read from its source: the part lists both
+        source = meta.tensors[key].source
+        if source is not None:
+            rows.setdefault(source, set())
     used_files = sorted({int(meta.tensors[k].pieces.files[i]) for k, idx in rows.items() for i in idx})
     new_index = {f: i for i, f in enumerate(used_files)}
-    tensors = {}
-    for key, idx in rows.items():
-        entry = meta.tensors[key]
-        sel = np.array(sorted(idx), dtype=np.int64)
-        starts = entry.block_starts()
-        blocks = (
-            np.concatenate([np.arange(starts[i], starts[i + 1]) for i in sel]) if len(sel) else np.zeros(0, np.int64)
-        )
-        p = entry.pieces
-        table = PieceTable(
-            offsets=p.offsets[sel],
-            shapes=p.shapes[sel],
-            files=np.array([new_index[int(f)] for f in p.files[sel]], dtype=np.int64),
-            byte_offsets=p.byte_offsets[sel],
-            checksums=p.checksums[blocks],
-        )
-        tensors[key] = TensorEntry(key, entry.dtype, entry.shape, table, entry.block_bytes, entry.encoding)
+    tensors = {key: _restricted_entry(meta.tensors[key], idx, new_index) for key, idx in rows.items()}
     return Metadata(
         unique_id=meta.unique_id,
         world_size=meta.world_size,
@@ -437,3 +447,19 @@ def restrict(
         subset=True,
         replicas=meta.replicas,
     )
+
+
+def _restricted_entry(entry: TensorEntry, rows: set[int], new_index: dict[int, int]) -> TensorEntry:
+    """``entry`` with only its pieces ``rows`` (and their checksums), files renumbered."""
+    sel = np.array(sorted(rows), dtype=np.int64)
+    starts = entry.block_starts()
+    blocks = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in sel]) if len(sel) else np.zeros(0, np.int64)
+    p = entry.pieces
+    table = PieceTable(
+        offsets=p.offsets[sel],
+        shapes=p.shapes[sel],
+        files=np.array([new_index[int(f)] for f in p.files[sel]], dtype=np.int64),
+        byte_offsets=p.byte_offsets[sel],
+        checksums=p.checksums[blocks],
+    )
+    return TensorEntry(entry.key, entry.dtype, entry.shape, table, entry.block_bytes, entry.encoding, entry.source)

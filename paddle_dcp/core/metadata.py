@@ -23,6 +23,7 @@ import xxhash
 
 from . import nested, quant
 from .boxes import Box
+from .derive import DERIVED
 from .dtypes import itemsize
 from ..errors import FormatError
 
@@ -105,7 +106,11 @@ class TensorEntry:
         dtype: the tensor's dtype (a load fills tensors of it, whatever the encoding).
         encoding: None: every piece is stored as its raw bytes; else the name of the
             :mod:`~paddle_dcp.core.quant` encoding every piece is stored in (its stored bytes
-            then differ from its logical bytes: :meth:`stored_nbytes`).
+            then differ from its logical bytes: :meth:`stored_nbytes`), or ``"derived"``: no
+            piece is stored, the tensor is ``source`` cast to ``dtype``
+            (:mod:`~paddle_dcp.core.derive`).
+        source: the key of the tensor a derived one is read from (same shape; None unless
+            ``encoding`` is ``"derived"``).
     """
 
     key: str
@@ -114,6 +119,12 @@ class TensorEntry:
     pieces: PieceTable
     block_bytes: int
     encoding: str | None = None
+    source: str | None = None
+
+    @property
+    def derived(self) -> bool:
+        """No piece of it is stored: a load reads ``source`` and casts it."""
+        return self.encoding == DERIVED
 
     @property
     def itemsize(self) -> int:
@@ -164,9 +175,12 @@ class TensorEntry:
 
 def stored_nbytes(elements: Any, dtype: str, encoding: str | None) -> Any:
     """Stored bytes of pieces of ``elements`` elements (an int or an int64 array) of ``dtype``:
-    their raw bytes, or with ``encoding`` the whole blocks of :mod:`~paddle_dcp.core.quant`."""
+    their raw bytes, or with ``encoding`` the whole blocks of :mod:`~paddle_dcp.core.quant`
+    (a derived tensor stores none)."""
     if encoding is None:
         return elements * itemsize(dtype)
+    if encoding == DERIVED:
+        return elements * 0
     enc = quant.encoding(encoding)
     if isinstance(elements, np.ndarray):
         return -(-elements // quant.BLOCK) * enc.block_bytes
@@ -284,6 +298,8 @@ class Metadata:
             if t.encoding is not None:  # absent otherwise: plain checkpoints keep version 1's bytes
                 entry["encoding"] = t.encoding
                 encoded = True
+            if t.source is not None:
+                entry["source"] = t.source
         doc = {
             "format": FORMAT_NAME,
             "format_version": max(self.format_version, ENCODED_VERSION) if encoded else self.format_version,

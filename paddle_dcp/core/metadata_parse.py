@@ -18,6 +18,7 @@ import numpy as np
 
 from . import nested, quant
 from .boxes import check_inside, check_tiling
+from .derive import DERIVED, DERIVED_DTYPES, SOURCE_DTYPES
 from .dtypes import DTYPE_NAMES, itemsize
 from ..errors import FormatError, PlanError
 from .metadata import (
@@ -161,7 +162,7 @@ def _parse(
         try:
             return _parse_tensor(
                 key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas,
-                version=version,
+                version=version, docs=tensors_doc,
             )
         except (FormatError, PlanError) as exc:  # pieces that do not tile: a bad checkpoint
             raise FormatError(f"{source}: {exc}") from None
@@ -376,6 +377,9 @@ def _plain_rows(
         except (KeyError, TypeError, ValueError, FormatError):
             refused.append(key)
             continue
+        if encoding == DERIVED or "source" in t:  # no pieces to vectorise; its source checked on first use
+            packed.append(key)
+            continue
         if any(type(c) is not list for c in cols):
             packed.append(key)
             continue
@@ -467,7 +471,10 @@ def check_entry_tiling(
 
 def check_entry(entry: TensorEntry, replicas: bool) -> None:
     """The pieces of a parsed entry tile its tensor (:func:`check_entry_tiling`); pieces that
-    do not are a FormatError, as everywhere the metadata is read."""
+    do not are a FormatError, as everywhere the metadata is read. A derived entry has none
+    (its source's are checked as that tensor's)."""
+    if entry.derived:
+        return
     p = entry.pieces
     try:
         check_entry_tiling(entry.key, entry.shape, p.offsets, p.shapes, p.files, replicas)
@@ -498,12 +505,14 @@ def _parse_tensor(
     size: int = MAX_METADATA_BYTES,
     replicas: bool = False,
     version: int = 1,
+    docs: Mapping[str, Any] | None = None,
 ) -> TensorEntry:
     """One tensor entry, validated. With ``tiling`` off (a load's lazy parse) the pieces are
     checked to lie inside the tensor but not to tile it: a load then checks that the pieces it
     uses cover each of its boxes exactly, which is all it relies on. With ``replicas``, rows
     with exactly equal boxes are copies of one piece (each in another file); the distinct
-    boxes must tile the tensor."""
+    boxes must tile the tensor. A derived entry is checked against its source's entry in
+    ``docs`` (every tensor's, as in the file) and has no pieces."""
     if not isinstance(t, dict):
         raise FormatError(f"tensor {key!r}: entry must be an object")
     dtype = t["dtype"]
@@ -511,13 +520,14 @@ def _parse_tensor(
         raise FormatError(f"tensor {key!r}: unknown dtype {str(dtype)[:40]!r}; supported: {', '.join(DTYPE_NAMES)}")
     shape, count = _shape_and_count(key, t, size)
     encoding = _encoding(key, t, dtype, version)
+    source = _source(key, t, shape, count, encoding, docs or {})
     ndim = len(shape)
     what = f"tensor {key!r}"
     offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
     shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
     files = _decode_column(t["file"], count, f"{what}: file")
     byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
-    if tiling:
+    if tiling and source is None:
         check_entry_tiling(key, shape, offsets, shapes, files, replicas, require_cover)
     else:
         check_inside(key, shape, offsets, shapes)
@@ -542,7 +552,9 @@ def _parse_tensor(
         byte_offsets=_frozen(byte_offsets),
         checksums=_frozen(checksums),
     )
-    return TensorEntry(key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes, encoding=encoding)
+    return TensorEntry(
+        key=key, dtype=dtype, shape=shape, pieces=pieces, block_bytes=block_bytes, encoding=encoding, source=source
+    )
 
 
 def _encoding(key: str, t: dict, dtype: str, version: int) -> str | None:
@@ -554,11 +566,43 @@ def _encoding(key: str, t: dict, dtype: str, version: int) -> str | None:
     what = f"tensor {key!r}: encoding {str(name)[:40]!r}"
     if version < ENCODED_VERSION:
         raise FormatError(f"{what} in a format_version {version} file: encodings came with version {ENCODED_VERSION}")
-    if type(name) is not str or name not in quant.ENCODINGS:
+    if type(name) is not str or (name not in quant.ENCODINGS and name != DERIVED):
         raise FormatError(
-            f"{what} is unknown: this paddle_dcp reads {', '.join(sorted(quant.ENCODINGS))}; "
+            f"{what} is unknown: this paddle_dcp reads {', '.join(sorted(quant.ENCODINGS) + [DERIVED])}; "
             f"a newer paddle_dcp may read it"
         )
-    if dtype not in quant.ENCODABLE:
-        raise FormatError(f"{what} cannot hold dtype {dtype}; it holds {', '.join(quant.ENCODABLE)}")
+    holds = DERIVED_DTYPES if name == DERIVED else quant.ENCODABLE
+    if dtype not in holds:
+        raise FormatError(f"{what} cannot hold dtype {dtype}; it holds {', '.join(holds)}")
     return name
+
+
+def _source(
+    key: str, t: dict, shape: tuple[int, ...], count: int, encoding: str | None, docs: Mapping[str, Any]
+) -> str | None:
+    """A derived entry's source key, checked against the source's entry in ``docs``: another
+    tensor of the checkpoint, stored (not derived: no chain, no cycle), float16 or bfloat16,
+    of the same shape; and the derived entry has no pieces. None for any other entry."""
+    what = f"tensor {key!r} (derived)"
+    if encoding != DERIVED:
+        if "source" in t:
+            raise FormatError(f"tensor {key!r}: has a source but is not derived (encoding {str(encoding)[:40]!r})")
+        return None
+    source = t.get("source")
+    if type(source) is not str:
+        raise FormatError(f"{what}: its source must be a tensor key, found {str(source)[:40]!r}")
+    if count:
+        raise FormatError(f"{what} from {source[:200]!r} is stored too ({count} pieces): a derived tensor has none")
+    entry = docs.get(source)
+    if source == key or (isinstance(entry, dict) and entry.get("encoding") == DERIVED):
+        raise FormatError(f"{what}: its source {source[:200]!r} is derived itself (a chain or a cycle)")
+    if not isinstance(entry, dict):
+        raise FormatError(f"{what}: its source {source[:200]!r} is not a tensor of the checkpoint")
+    if entry.get("dtype") not in SOURCE_DTYPES:
+        raise FormatError(
+            f"{what}: its source {source[:200]!r} is {str(entry.get('dtype'))[:40]}; a tensor derives from "
+            f"{' or '.join(SOURCE_DTYPES)}"
+        )
+    if entry.get("shape") != list(shape):
+        raise FormatError(f"{what}: shape {shape}, its source {source[:200]!r} has shape {str(entry.get('shape'))[:80]}")
+    return source

@@ -9,13 +9,14 @@ with numpy and grows as O(pieces log pieces).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 
 from . import nested
 from .boxes import Box, check_tiling
 from .compress import Policy
+from .derive import DERIVED, check_sources
 from .dtypes import itemsize
 from ..errors import MismatchError, PlanError
 from .naming import data_file_name
@@ -53,6 +54,8 @@ class SaveSummary:
         row_leaf: (rows,) int64, the leaf of every row, ascending; None when row i is leaf i.
         header_id: equal for summaries whose skeleton, dtypes and shapes are equal (lets the
             coordinator parse and check each distinct layout once).
+        derived: (master weight key, parameter key) of every tensor the rank found to derive
+            (:func:`paddle_dcp.core.derive.find_sources`), sorted.
     """
 
     rank: int
@@ -62,11 +65,14 @@ class SaveSummary:
     boxes: np.ndarray
     header_id: object = None
     row_leaf: np.ndarray | None = None
+    derived: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def from_pieces(cls, rank: int, skeleton: dict, pieces: Sequence[LocalPiece]) -> "SaveSummary":
+    def from_pieces(
+        cls, rank: int, skeleton: dict, pieces: Sequence[LocalPiece], derived: Mapping[str, str] | None = None
+    ) -> "SaveSummary":
         """From the pieces in the skeleton's tensor order: one per leaf, or a run of several of
-        one key (a leaf held as several boxes)."""
+        one key (a leaf held as several boxes); ``derived``: master weight -> parameter key."""
         keys = nested.tensor_keys(skeleton)
         starts = [i for i, p in enumerate(pieces) if i == 0 or p.key != pieces[i - 1].key]
         if [pieces[i].key for i in starts] != keys:
@@ -92,6 +98,7 @@ class SaveSummary:
             global_shapes=tuple(tuple(p.global_shape) for p in firsts),
             boxes=boxes,
             row_leaf=row_leaf,
+            derived=tuple(sorted((derived or {}).items())),
         )
 
     def leaves_of_rows(self) -> np.ndarray:
@@ -117,7 +124,9 @@ class SavePlan:
         dtypes / shapes: per key.
         piece_key / piece_offsets / piece_shapes: the distinct pieces (rows), sorted by key
             then offsets.
-        encodings: per key, the encoding its pieces are stored in (None: raw bytes).
+        encodings: per key, the encoding its pieces are stored in (None: raw bytes;
+            ``"derived"``: none are stored).
+        sources: per key, the key a derived tensor is read from (None for the others).
         piece_writer: global rank that writes each piece.
         piece_leaf: the piece's row in the writer's summary (its leaf, unless the writer holds
             that leaf as several boxes).
@@ -145,6 +154,7 @@ class SavePlan:
     skeleton: dict = field(default_factory=dict)
     replicas: bool = False
     encodings: tuple[str | None, ...] = ()
+    sources: tuple[str | None, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -168,10 +178,12 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
     a single rank go to it; the others, largest first, to the holder with the fewest bytes so
     far (ties to the lowest rank). With ``replicas``, every holder writes its own copy instead
     (copies sorted by rank). The result does not depend on the order of ``summaries``. The
-    keys ``compress`` names are stored in its encodings: their pieces' stored sizes.
+    keys ``compress`` names are stored in its encodings: their pieces' stored sizes; the keys it
+    derives are not stored at all (no pieces), their parameters as the ranks found them.
 
     Raises:
-        MismatchError: ranks disagree on a key's dtype, shape, or kind.
+        MismatchError: ranks disagree on a key's dtype, shape, or kind, or on the parameter of
+            a key to derive (:func:`paddle_dcp.core.derive.check_sources`).
         PlanError: the distinct pieces of a key do not tile it exactly.
     """
     summaries = sorted(summaries, key=lambda s: s.rank)
@@ -181,12 +193,18 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
     max_nd = max((len(info[1]) for info in key_info.values()), default=0)
     layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
     table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
+    encodings = tuple(compress.encoding_of(k, key_info[k][0]) if compress else None for k in keys_sorted)
+    derived = [k for k, e in zip(keys_sorted, encodings) if e == DERIVED]
+    # ranks with one header found the same (layouts: one summary of each distinct header)
+    sources = check_sources(((s.rank, dict(s.derived)) for _, s in layouts.values()), key_info, derived) if derived else {}
+    if derived:  # their pieces are not written: the plan has none
+        keep = ~np.isin(table[:, 0], [key_id[k] for k in derived])
+        table, row_rank, row_leaf = table[keep], row_rank[keep], row_leaf[keep]
     pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
     p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
-    encodings = tuple(compress.encoding_of(k, key_info[k][0]) if compress else None for k in keys_sorted)
     nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
     p_nbytes = _piece_nbytes(p_key, p_shape, nds, [(key_info[k][0], e) for k, e in zip(keys_sorted, encodings)])
-    _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas)
+    _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas, set(derived))
     p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
     p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
     return SavePlan(
@@ -205,6 +223,7 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
         skeleton=skeleton if skeleton is not None else {"d": []},
         replicas=replicas,
         encodings=encodings,
+        sources=tuple(sources.get(k) for k in keys_sorted),
     )
 
 
@@ -321,13 +340,17 @@ def _distinct_pieces(
 
 
 def _check_tilings(
-    keys_sorted: Sequence[str], key_info: _KeyInfo, nds: np.ndarray, pieces: _Pieces, max_nd: int, replicas: bool
+    keys_sorted: Sequence[str], key_info: _KeyInfo, nds: np.ndarray, pieces: _Pieces, max_nd: int, replicas: bool,
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> None:
-    """Raise PlanError unless the distinct pieces of every key tile it exactly."""
+    """Raise PlanError unless the distinct pieces of every key (but those of ``skip``, which
+    are not written) tile it exactly."""
     p_key = pieces.uniq[:, 0]
     p_off, p_shape = pieces.uniq[:, 1 : 1 + max_nd], pieces.uniq[:, 1 + max_nd :]
     bounds = np.searchsorted(p_key, np.arange(len(keys_sorted) + 1))
     for k, key in enumerate(keys_sorted):
+        if key in skip:
+            continue
         nd = int(nds[k])
         lo, hi = bounds[k], bounds[k + 1]
         distinct = np.flatnonzero(pieces.new_group[lo:hi]) + lo if replicas else slice(lo, hi)  # copies: one box
@@ -445,7 +468,10 @@ def build_metadata(
             byte_offsets=plan.piece_byte_offset[lo:hi].copy(),
             checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
         )
-        tensors[key] = TensorEntry(key, plan.dtypes[k], plan.shapes[k], table, block_bytes, _encoding(plan, k))
+        tensors[key] = TensorEntry(
+            key, plan.dtypes[k], plan.shapes[k], table, block_bytes, _encoding(plan, k),
+            plan.sources[k] if plan.sources else None,
+        )
     return Metadata(
         unique_id=unique_id,
         world_size=world_size,

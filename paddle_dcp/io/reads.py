@@ -163,7 +163,10 @@ def _verify_and_copy(op: ReadOp, files: DataFiles, targets, buf: np.ndarray, ver
     for seg in op.segments:
         entry = meta.tensors[seg.piece.key]
         for c in seg.copies:
-            targets[c.target][c.region_in_target.slices()] = saved_region(buf, op.start, seg.piece, c.region_in_saved, entry)
+            values = saved_region(buf, op.start, seg.piece, c.region_in_saved, entry)
+            if c.dtype is not None:  # a derived tensor, read from its source
+                values = cast(values, entry.dtype, c.dtype)
+            targets[c.target][c.region_in_target.slices()] = values
 
 
 def execute_reads(

@@ -37,6 +37,17 @@ def is_sharded_weight(value: Any) -> bool:
     return cls is not None and isinstance(value, cls)
 
 
+def tensor_name(value: Any) -> str | None:
+    """paddle's name of a state-dict tensor (a ShardedWeight's local tensor's), None for a
+    numpy array or a tensor without one."""
+    if isinstance(value, np.ndarray):
+        return None
+    if is_sharded_weight(value):
+        value = value.local_tensor
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) and name else None
+
+
 @functools.lru_cache(maxsize=None)
 def _sharded_weight_class():
     try:

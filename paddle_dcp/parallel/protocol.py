@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Generator, Protocol as _Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Mapping, Protocol as _Protocol, Sequence
 
 import numpy as np
 import xxhash
@@ -106,11 +106,14 @@ class Described:
         pieces: the rank's pieces in skeleton order, one row each (the rows the plan assigns).
         data: the rank's own handle on the pieces' bytes, opaque to the protocol, which
             carries it to ``stage`` and ``write``.
+        derived: master weight key -> the parameter key it derives from, for the keys the
+            ``compress`` policy derives (:func:`paddle_dcp.core.derive.find_sources`).
     """
 
     skeleton: dict
     pieces: tuple[save_plan.LocalPiece, ...]
     data: Any = None
+    derived: Mapping[str, str] = field(default_factory=dict)
 
 
 class SaveRankProtocol(_Protocol):
@@ -202,7 +205,9 @@ def save(ctx: SaveRankProtocol) -> Protocol:
     prepared = yield from local("prepare", ctx.prepare)
     reduced = yield from local("reduce partial", lambda: ctx.reduce(prepared))
     described: Described = yield from local("describe", lambda: ctx.describe(prepared, reduced))
-    summary = wire.encode_summary(save_plan.SaveSummary.from_pieces(ctx.rank, described.skeleton, described.pieces))
+    summary = wire.encode_summary(
+        save_plan.SaveSummary.from_pieces(ctx.rank, described.skeleton, described.pieces, described.derived)
+    )
     # a plan is reused when no rank's layout changed since the last save of this group
     key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None, ctx.compress)
     digest = xxhash.xxh3_128_digest(summary)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..core import checksums, quant
+from ..core import checksums, derive, quant
 from ..core.compress import Policy
 from ..io import cleanup
 from ..core.dtypes import as_bytes
@@ -19,7 +19,7 @@ from . import exchange, protocol, wire
 from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
-from .placements import Held, describe, held_of, is_tensor, reduce_partials
+from .placements import Held, describe, held_of, is_tensor, reduce_partials, tensor_name
 from ..core import aoa, load_plan, nested, save_plan
 from ..core.keys import MissingKeys, match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
@@ -102,7 +102,21 @@ class LocalSaveRank:
     def describe(self, flat: nested.Flat, reduced: dict[str, Any]) -> protocol.Described:
         held = held_of(flat.tensors, reduced, self.rank, flat_ok=True)
         rows = tuple((i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces())
-        return protocol.Described(flat.skeleton, tuple(piece for _, piece, _ in rows), HeldPieces(tuple(held), rows))
+        pieces = tuple(piece for _, piece, _ in rows)
+        return protocol.Described(flat.skeleton, pieces, HeldPieces(tuple(held), rows), self._derived(flat, held))
+
+    def _derived(self, flat: nested.Flat, held: Sequence[Held]) -> dict[str, str]:
+        """Master weight -> parameter key of every tensor the policy derives (by paddle's
+        tensor names or the keys, :mod:`paddle_dcp.core.derive`); raises MismatchError for one
+        whose parameter this state dict lacks."""
+        if self.compress is None or not self.compress.derives:
+            return {}
+        found = [
+            derive.Candidate(h.piece.key, h.piece.dtype, tuple(h.piece.global_shape), tensor_name(flat.tensors[h.piece.key]))
+            for h in held
+        ]
+        keys = [c.key for c in found if self.compress.encoding_of(c.key, c.dtype) == derive.DERIVED]
+        return derive.find_sources(found, keys)
 
     def choose_id(self) -> tuple[int, storage.Listing | None]:
         if self.unique_id is not None:
@@ -204,6 +218,7 @@ def write_pieces(
                 last, data = i, host_bytes(held[i].local)
             array = data.array if at is None else data.array.reshape(-1)[at : at + piece.box.volume]
             encoding = compress.encoding_of(piece.key, piece.dtype) if compress is not None else None
+            assert encoding != derive.DERIVED, f"{piece.key}: the plan gives no writer to a derived tensor's pieces"
             if encoding is not None:  # the writer keeps the encoded copy until it is written
                 array = quant.encode_piece(array, piece.dtype, encoding, piece.key)
             seed = checksums.piece_seed(piece.key, piece.dtype, piece.box.offsets, piece.box.shape)

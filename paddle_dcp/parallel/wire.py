@@ -33,11 +33,10 @@ _ASSIGN = b"DCA1"
 
 
 def encode_summary(summary: SaveSummary) -> bytes:
-    header = json.dumps(
-        {"s": summary.skeleton, "d": list(summary.dtypes), "g": [list(g) for g in summary.global_shapes]},
-        separators=(",", ":"),
-        allow_nan=False,
-    ).encode()
+    doc = {"s": summary.skeleton, "d": list(summary.dtypes), "g": [list(g) for g in summary.global_shapes]}
+    if summary.derived:  # absent otherwise: a save without derived tensors sends what it did
+        doc["v"] = [list(pair) for pair in summary.derived]
+    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     hz = zlib.compress(header, 6)
     boxes = np.ascontiguousarray(summary.boxes, dtype="<i8")
     tag = _SUMMARY
@@ -59,7 +58,8 @@ def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSum
     parsed = cache.get(hid) if cache is not None else None
     if parsed is None:
         header = json.loads(zlib.decompress(hz))
-        parsed = (header["s"], tuple(header["d"]), tuple(tuple(g) for g in header["g"]))
+        derived = tuple((str(m), str(p)) for m, p in header.get("v", ()))
+        parsed = (header["s"], tuple(header["d"]), tuple(tuple(g) for g in header["g"]), derived)
         if cache is not None:
             cache[hid] = parsed
     raw = zlib.decompress(data[body + hlen :])
@@ -67,7 +67,7 @@ def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSum
     row_leaf = None
     if data[:4] == _SUMMARY_ROWS:
         row_leaf, boxes = boxes[:, 0], boxes[:, 1:]
-    return SaveSummary(rank, parsed[0], parsed[1], parsed[2], boxes, header_id=hid, row_leaf=row_leaf)
+    return SaveSummary(rank, parsed[0], parsed[1], parsed[2], boxes, header_id=hid, row_leaf=row_leaf, derived=parsed[3])
 
 
 def encode_assignment(writes: np.ndarray, leaves: int) -> bytes:

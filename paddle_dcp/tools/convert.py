@@ -71,13 +71,21 @@ def cmd_convert(args) -> int:
 
 
 def _note_dequantized(meta, keys) -> None:
-    """Say that tensors the checkpoint holds quantized were written as their dequantized values."""
-    encoded = sorted({meta.tensors[k].encoding for k in keys} - {None})
+    """Say that tensors the checkpoint holds quantized were written as their dequantized values,
+    and derived ones (not stored) as their sources' values cast to their dtype."""
+    derived = [k for k in keys if meta.tensors[k].derived]
+    encoded = sorted({meta.tensors[k].encoding for k in keys if not meta.tensors[k].derived} - {None})
     if encoded:
-        count = sum(1 for k in keys if meta.tensors[k].encoding is not None)
+        count = sum(1 for k in keys if meta.tensors[k].encoding is not None and not meta.tensors[k].derived)
         _err(
             f"note: {count} tensors stored quantized ({', '.join(encoded)}) are written dequantized, in their dtype: "
             f"the values a load gives, not the values that were saved"
+        )
+    if derived:
+        _err(
+            f"note: {len(derived)} tensors the checkpoint derives (master weights it does not store, e.g. {derived[0]}) "
+            f"are written as their parameters' values cast to their dtype: the values a load gives, not the master "
+            f"weights that were trained (--keys leaves them out)"
         )
 
 

@@ -27,7 +27,8 @@ def describe(path: str, unique_id: int | None = None) -> dict:
     """What ``inspect`` reports, as one JSON-ready dict: the ids in ``path`` and, for the chosen
     checkpoint, every tensor, data file and plain value. Entries of the metadata that fail
     validation are listed in ``problems`` (the rest is still described). A tensor stored
-    quantized also has its ``encoding`` and ``stored_bytes`` (absent for the others)."""
+    quantized also has its ``encoding`` and ``stored_bytes`` (absent for the others); a derived
+    one its ``encoding`` ``"derived"``, ``stored_bytes`` 0 and its ``source`` key."""
     listing = open_storage(path).list_checkpoints()
     doc: dict[str, Any] = {
         "path": path,
@@ -59,6 +60,8 @@ def describe(path: str, unique_id: int | None = None) -> dict:
         }
         if entry.encoding is not None:
             tensors[key].update(encoding=entry.encoding, stored_bytes=int(entry.piece_nbytes().sum()))
+        if entry.source is not None:
+            tensors[key]["source"] = entry.source
         tensor_bytes += entry.nbytes
     doc["checkpoint"] = {
         "unique_id": uid,
@@ -117,7 +120,7 @@ def render_inspect(doc: dict) -> list[str]:
 
 def _tensor_table(tensors: dict) -> list[str]:
     """One row per tensor; with an ``encoding`` and ``stored`` column when some tensor is
-    stored quantized (``-`` for those that are not)."""
+    stored quantized or derived (``-`` for those that are not; ``derived from <key>``)."""
     encoded = any("encoding" in t for t in tensors.values())
     extra = ("encoding", "stored") if encoded else ()
     rows = [("key", "shape", "dtype", "pieces", "bytes") + extra]
@@ -127,7 +130,8 @@ def _tensor_table(tensors: dict) -> list[str]:
             continue
         row = (key, str(tuple(t["shape"])), t["dtype"], str(t["pieces"]), str(t["bytes"]))
         if encoded:
-            row += (t.get("encoding", "-"), str(t.get("stored_bytes", t["bytes"])))
+            encoding = f"derived from {t['source']}" if "source" in t else t.get("encoding", "-")
+            row += (encoding, str(t.get("stored_bytes", t["bytes"])))
         rows.append(row)
     return _table(rows, (False, False, False, True, True) + (False, True)[: len(extra)])
 

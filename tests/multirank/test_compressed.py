@@ -1,7 +1,8 @@
 """Compressed checkpoints on paddle ranks: moments saved quantized by 2 ranks (Shard on either
 axis, float32 and bfloat16), loaded with the shards swapped and by 1 rank into whole tensors;
-the values checked inside the workers against the unit tests' reference quantizer
-(scripts/compressed.py)."""
+the values checked inside the workers against the unit tests' reference quantizer; float32
+master weights derived from their bfloat16 parameters (each sharded on the other axis) load as
+those parameters' values (scripts/compressed.py)."""
 from launcher import assert_passed, run_launch, script
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from paddle_dcp.core import checksums, quant
+from paddle_dcp.core import checksums, derive, quant
 from paddle_dcp.core.compress import policy_of
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
@@ -154,9 +154,10 @@ def state_dict_of(tensors: dict[str, np.ndarray], values: dict | None = None) ->
     return sd
 
 
-def rank_states(arrays, dtypes, mesh, placements, values=None, via_wire=False):
+def rank_states(arrays, dtypes, mesh, placements, values=None, via_wire=False, policy=None):
     """What every rank of ``mesh`` holds of the global ``arrays`` under ``placements[name]``:
-    a list, by rank, of (Flat of its state dict, its LocalPieces, its SaveSummary)."""
+    a list, by rank, of (Flat of its state dict, its LocalPieces, its SaveSummary); a summary
+    names the parameters of the keys ``policy`` derives, as a rank finds them (by key)."""
     out = []
     cache: dict = {}
     for r, coord in enumerate(coords(mesh)):
@@ -167,7 +168,11 @@ def rank_states(arrays, dtypes, mesh, placements, values=None, via_wire=False):
         for key in flat.tensors:
             name = key.split(".", 1)[1]
             pieces.append(save_plan.LocalPiece(key, dtypes[name], arrays[name].shape, boxes[name]))
-        s = save_plan.SaveSummary.from_pieces(r, flat.skeleton, pieces)
+        found = {}
+        if policy is not None and policy.derives:
+            seen = [derive.Candidate(p.key, p.dtype, tuple(p.global_shape)) for p in pieces]
+            found = derive.find_sources(seen, [c.key for c in seen if policy.encoding_of(c.key, c.dtype) == derive.DERIVED])
+        s = save_plan.SaveSummary.from_pieces(r, flat.skeleton, pieces, found)
         if via_wire:
             s = wire.decode_summary(wire.encode_summary(s), r, cache)
         out.append((flat, pieces, s))
@@ -190,9 +195,9 @@ def save_checkpoint(
     """Save the global ``arrays`` (state dict ``{"model": arrays, **values}``) as the ranks of
     ``mesh`` with ``placements[name]`` would hold them; every step the pipeline's own (the
     keys ``compress`` names encoded as a rank's write encodes them)."""
-    ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire)
-    summaries = [s for _, _, s in ranks]
     policy = policy_of(compress)
+    ranks = rank_states(arrays, dtypes, mesh, placements, values, via_wire, policy)
+    summaries = [s for _, _, s in ranks]
     plan = save_plan.plan_save(summaries, replicas, policy)
     sums = {}
     for r, leaves in plan.writes.items():

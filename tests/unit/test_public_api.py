@@ -37,6 +37,8 @@ EXPECTED = {
     "ADAMW_MOMENTS",
     "ADAMW_MOMENTS_INT8",
     "ADAMW_MOMENTS_INT4",
+    "MASTER_WEIGHTS",
+    "MASTER_WEIGHTS_DERIVED",
     "__version__",
 }
 

@@ -81,16 +81,11 @@ def unpack(column: str, dtype: str) -> np.ndarray:
 QUANT_BLOCK_BYTES = {"int8": 8 + 256, "int4": 8 + 128}
 
 
-def encoded_meta(seed: int = 0) -> Metadata:
-    """``q.a`` (20 x 40 float32, int8) in two row pieces of 400 elements (two blocks each),
-    ``q.b`` (300 bfloat16, int4) in one piece (two blocks), ``q.p`` (5 int64) plain; one file.
-    Stored sizes from docs/format.md: whole blocks."""
+def _one_file_tensors(rows, seed: int) -> tuple[dict, int]:
+    """Entries of ``rows`` (key, dtype, shape, encoding, pieces as (offset, shape)) laid out one
+    after the other in one file, each piece at a multiple of 64 bytes, of their stored sizes
+    (docs/format.md: raw bytes, or whole blocks); and the file's size."""
     rng = np.random.default_rng(seed)
-    rows = [  # key, dtype, shape, encoding, pieces (offset, shape)
-        ("q.a", "float32", (20, 40), "int8", [((0, 0), (10, 40)), ((10, 0), (10, 40))]),
-        ("q.b", "bfloat16", (300,), "int4", [((0,), (300,))]),
-        ("q.p", "int64", (5,), None, [((0,), (5,))]),
-    ]
     tensors, at = {}, 0
     for key, dtype, shape, encoding, pieces in rows:
         itemsize = {"float32": 4, "bfloat16": 2, "int64": 8}[dtype]
@@ -110,5 +105,31 @@ def encoded_meta(seed: int = 0) -> Metadata:
             checksums=rng.integers(0, 2**64, size=sum(-(-n // BLOCK) for n in nbytes), dtype=np.uint64),
         )
         tensors[key] = TensorEntry(key, dtype, shape, table, BLOCK, encoding)
+    return tensors, at
+
+
+def encoded_meta(seed: int = 0) -> Metadata:
+    """``q.a`` (20 x 40 float32, int8) in two row pieces of 400 elements (two blocks each),
+    ``q.b`` (300 bfloat16, int4) in one piece (two blocks), ``q.p`` (5 int64) plain; one file.
+    Stored sizes from docs/format.md: whole blocks."""
+    tensors, at = _one_file_tensors([
+        ("q.a", "float32", (20, 40), "int8", [((0, 0), (10, 40)), ((10, 0), (10, 40))]),
+        ("q.b", "bfloat16", (300,), "int4", [((0,), (300,))]),
+        ("q.p", "int64", (5,), None, [((0,), (5,))]),
+    ], seed)  # fmt: skip
     structure = {"d": [["q", {"d": [["a", {"t": 0}], ["b", {"t": 0}], ["p", {"t": 0}]]}]]}
+    return Metadata(7, 1, (FileEntry("0_7.distcp", at),), tensors, structure, block_bytes=BLOCK, created_by="unit test")
+
+
+def derived_meta(seed: int = 0) -> Metadata:
+    """``m.p`` (20 x 40 bfloat16) in two row pieces and ``o.q`` (5 float32) in one, stored;
+    ``o.p.w_0`` (20 x 40 float32) derived from ``m.p``: no pieces, ``encoding`` "derived" and
+    ``source`` "m.p" (docs/format.md, "Derived tensors"). One file."""
+    tensors, at = _one_file_tensors([
+        ("m.p", "bfloat16", (20, 40), None, [((0, 0), (10, 40)), ((10, 0), (10, 40))]),
+        ("o.q", "float32", (5,), None, [((0,), (5,))]),
+    ], seed)  # fmt: skip
+    none = PieceTable(*(np.zeros((0, 2), np.int64),) * 2, *(np.zeros(0, np.int64),) * 2, np.zeros(0, np.uint64))
+    tensors["o.p.w_0"] = TensorEntry("o.p.w_0", "float32", (20, 40), none, BLOCK, "derived", "m.p")
+    structure = {"d": [["m", {"d": [["p", {"t": 0}]]}], ["o", {"d": [["q", {"t": 0}], ["p.w_0", {"t": 0}]]}]]}
     return Metadata(7, 1, (FileEntry("0_7.distcp", at),), tensors, structure, block_bytes=BLOCK, created_by="unit test")

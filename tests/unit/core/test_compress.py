@@ -76,3 +76,22 @@ def test_bad_arguments_are_refused_naming_what_is_wrong(compress, words):
         policy_of(compress)
     assert words in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_derived_is_an_encoding_of_float32_tensors_only_and_the_ready_policy_takes_master_weights():
+    from paddle_dcp import MASTER_WEIGHTS_DERIVED
+
+    p = policy_of({**ADAMW_MOMENTS_INT4, **MASTER_WEIGHTS_DERIVED})
+    assert p.derives and not policy_of(ADAMW_MOMENTS_INT8).derives
+    for key in ("opt.master_weights.linear_0.w_0", "llama.embed_tokens.weight.w_0", "optim.fc1.weight.master_weight"):
+        assert p.encoding_of(key, "float32") == "derived", key
+        assert p.encoding_of(key, "bfloat16") is None and p.encoding_of(key, "float16") is None, key
+    for key in MOMENTS:  # the two rules do not meet
+        assert p.encoding_of(key, "float32") == "int4", key
+    for key in ("model.fc.weight", "opt.linear_0.w_0_beta1_pow_acc_0", "model.w_0_proj.weight", "opt.LR_Scheduler.last_lr"):
+        assert p.encoding_of(key, "float32") is None, key
+    # the regex is a key's spelling only: a float32 tensor keyed by paddle's parameter name is
+    # taken as flex's "<struct>.w_0" (docs/guide.md says so); a save then finds no parameter
+    assert p.encoding_of("model.linear_0.w_0", "float32") == "derived"
+    with pytest.raises(ArgumentError, match="int4, int8, derived"):
+        policy_of({"x": "derive"})

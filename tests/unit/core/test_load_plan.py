@@ -330,3 +330,33 @@ def test_a_target_equal_to_a_quantized_piece_reads_its_stored_bytes_and_is_never
     assert not q.direct and q.nbytes == 8 * 136 and len(q.segments) == 1
     assert q.segments[0].start == q.segments[0].piece.byte_offset
     assert p.direct and p.nbytes == 2000 * 4  # the same box of a plain tensor lands in place
+
+
+def test_a_derived_tensor_reads_its_source_s_pieces_and_casts_every_copy():
+    from .hand_metadata import derived_meta
+
+    meta = parse_metadata(derived_meta().to_json(), lazy=True)
+    box = Box((5, 8), (10, 20))  # rows 5..15: half in each of m.p's two pieces (rows 0..10, 10..20)
+    target = load_plan.TargetPiece("o.p.w_0", "float32", (20, 40), box)
+    ops = load_plan.plan_reads(meta, [target], direct_min_bytes=1)
+    segs = [seg for op in ops for seg in op.segments]
+    assert {seg.piece.key for seg in segs} == {"m.p"} and not any(op.direct for op in ops)
+    assert sorted(seg.piece.box.offsets for seg in segs) == [(0, 0), (10, 0)]
+    copies = [c for seg in segs for c in seg.copies]
+    assert {c.dtype for c in copies} == {"float32"} and sum(c.region_in_target.volume for c in copies) == box.volume
+    plain = load_plan.plan_reads(meta, [load_plan.TargetPiece("m.p", "bfloat16", (20, 40), box)], direct_min_bytes=1)
+    assert {c.dtype for op in plain for seg in op.segments for c in seg.copies} == {None}
+    with pytest.raises(MismatchError, match=r"o\.p\.w_0: checkpoint has dtype float32, state_dict has bfloat16"):
+        load_plan.plan_reads(meta, [load_plan.TargetPiece("o.p.w_0", "bfloat16", (20, 40), box)])
+
+
+def test_the_part_of_the_metadata_for_a_derived_target_lists_it_and_its_source_s_pieces():
+    from .hand_metadata import derived_meta
+
+    meta = parse_metadata(derived_meta().to_json())
+    part = load_plan.restrict(meta, [load_plan.TargetPiece("o.p.w_0", "float32", (20, 40), Box((12, 0), (3, 40)))])
+    again = parse_metadata(part.to_json(), allow_subset=True)  # what the receiving rank parses
+    assert sorted(again.tensors) == ["m.p", "o.p.w_0"]
+    assert again.tensors["o.p.w_0"].source == "m.p" and again.tensors["m.p"].pieces.offsets.tolist() == [[10, 0]]
+    nothing = load_plan.restrict(meta, [], tensor_keys=["o.p.w_0"])  # holds none of it: still listed, with its source
+    assert sorted(parse_metadata(nothing.to_json(), allow_subset=True).tensors) == ["m.p", "o.p.w_0"]

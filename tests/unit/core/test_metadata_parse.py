@@ -548,13 +548,84 @@ def test_a_bad_encoding_is_refused_naming_the_key_by_either_parse(edit, words):
 
     doc = doc_of(encoded_meta())
     edit(doc)
+    _refused_by_either_parse(doc, words, next(w for w in words if w.startswith("'q.")).strip("'"))
+
+
+def _refused_by_either_parse(doc: dict, words, key: str) -> None:
+    """``doc`` (its digest made anew) is refused by a full parse with all of ``words`` in the
+    message, and by a lazy one when entry ``key`` is first used (after a prefetch of every entry:
+    the vectorised pass leaves it to the per-entry parse, which words the error)."""
     body = with_digest(json.dumps({k: v for k, v in doc.items() if k != "digest"}).encode())
     with pytest.raises(FormatError) as info:
         parse_metadata(body)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
     lazy = parse_metadata(body, lazy=True)
-    key = next(w for w in words if w.startswith("'q.")).strip("'")
-    lazy.prefetch([key])  # refused by the vectorised pass: worded by the per-entry parse
+    lazy.prefetch(list(doc["tensors"]))
     with pytest.raises(FormatError, match=re.escape(key)):
         lazy.tensors[key]
+
+
+# ------------------------------------------------------------------ derived tensors
+def test_derived_entries_parse_back_by_either_parse_with_their_source_and_no_pieces():
+    from .hand_metadata import derived_meta
+
+    data = derived_meta().to_json()
+    doc = json.loads(data)
+    assert doc["format_version"] == 2
+    assert doc["tensors"]["o.p.w_0"] == {
+        "dtype": "float32", "shape": [20, 40], "count": 0, "offsets": [], "shapes": [], "file": [],
+        "byte_offset": [], "checksums": [], "encoding": "derived", "source": "m.p",
+    }
+    full = parse_metadata(data)
+    lazy = parse_metadata(data, lazy=True)
+    lazy.prefetch(["m.p", "o.q", "o.p.w_0"])  # the derived entry is left to the per-entry parse
+    for meta in (full, lazy):
+        entry = meta.tensors["o.p.w_0"]
+        assert (entry.encoding, entry.source, entry.derived, entry.pieces.count) == ("derived", "m.p", True, 0)
+        assert entry.piece_nbytes().tolist() == [] and entry.nbytes == 20 * 40 * 4
+        assert meta.tensors["m.p"].source is None and not meta.tensors["m.p"].derived
+
+
+def _as_derived(doc: dict, key: str, source: str, shape=None) -> None:
+    """Turn entry ``key`` of ``doc`` into a float32 tensor derived from ``source``."""
+    t = doc["tensors"][key]
+    t.update(dtype="float32", count=0, offsets=[], shapes=[], file=[], byte_offset=[], checksums=[])
+    t.update(encoding="derived", source=source)
+    if shape is not None:
+        t["shape"] = shape
+
+
+def _piece(doc: dict) -> None:
+    """Give the derived entry one stored piece as well (a derived key that is also stored)."""
+    doc["tensors"]["o.p.w_0"].update(
+        count=1, offsets=[0, 0], shapes=[20, 40], file=[0], byte_offset=[0], checksums=["0" * 16] * 50
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda d: d["tensors"]["o.p.w_0"].update(source="m.nope"), ["'o.p.w_0'", "'m.nope'", "not a tensor"]),
+        (lambda d: d["tensors"]["o.p.w_0"].update(shape=[40, 20]), ["'o.p.w_0'", "(40, 20)", "[20, 40]"]),
+        (lambda d: d["tensors"]["o.p.w_0"].update(source="o.p.w_0"), ["'o.p.w_0'", "derived itself"]),
+        (lambda d: _as_derived(d, "o.q", "o.p.w_0", [20, 40]), ["'o.q'", "'o.p.w_0'", "derived itself"]),  # a chain
+        (  # a cycle: each derived from the other
+            lambda d: (_as_derived(d, "o.q", "o.p.w_0", [20, 40]), d["tensors"]["o.p.w_0"].update(source="o.q")),
+            ["derived itself"],
+        ),
+        (_piece, ["'o.p.w_0'", "stored too", "1 pieces"]),
+        (lambda d: d["tensors"]["o.p.w_0"].pop("source"), ["'o.p.w_0'", "source must be a tensor key"]),
+        (lambda d: d["tensors"]["o.p.w_0"].update(source=["m.p"]), ["'o.p.w_0'", "source must be a tensor key"]),
+        (lambda d: d["tensors"]["o.p.w_0"].update(dtype="bfloat16"), ["'o.p.w_0'", "cannot hold dtype bfloat16"]),
+        (lambda d: d["tensors"]["o.p.w_0"].update(source="o.q"), ["'o.p.w_0'", "'o.q'", "float32"]),
+        (lambda d: d["tensors"]["o.q"].update(source="m.p"), ["'o.q'", "not derived"]),
+        (lambda d: d.update(format_version=1), ["'o.p.w_0'", "format_version 1"]),
+    ],
+)
+def test_hostile_derived_entries_are_refused_naming_the_key_by_either_parse(edit, words):
+    from .hand_metadata import derived_meta
+
+    doc = doc_of(derived_meta())
+    edit(doc)
+    _refused_by_either_parse(doc, words, next((w for w in words if w.startswith("'")), "'o.p.w_0'").strip("'"))

@@ -261,3 +261,30 @@ def test_keys_a_policy_compresses_are_planned_at_their_stored_sizes():
         end = max(int(plan.piece_byte_offset[i] + plan.piece_nbytes[i]) for i in mine)
         assert plan.file_bytes[r] == end and all(plan.piece_byte_offset[i] % ALIGNMENT == 0 for i in mine)
     assert save_plan.plan_save([summary(r, pieces(r)) for r in (0, 1)]).encodings == (None, None, None)
+
+
+def test_keys_a_policy_derives_get_no_pieces_and_their_parameter_as_the_ranks_found_it():
+    from paddle_dcp.core.compress import policy_of
+
+    pieces = lambda r: [  # noqa: E731 - two ranks: a bfloat16 parameter by rows, its master weight by columns
+        ("p", "bfloat16", (6, 8), Box((3 * r, 0), (3, 8))),
+        ("p.w_0", "float32", (6, 8), Box((0, 4 * r), (6, 4))),
+        ("q", "float32", (5,), Box.whole((5,))),
+    ]
+    policy = policy_of({r"\.w_0$": "derived"})
+    summaries = through_wire([
+        save_plan.SaveSummary.from_pieces(r, {"d": [[k, {"t": 0}] for k, *_ in pieces(r)]},
+                                          [save_plan.LocalPiece(k, d, g, b) for k, d, g, b in pieces(r)], {"p.w_0": "p"})
+        for r in (0, 1)
+    ])  # fmt: skip
+    assert [s.derived for s in summaries] == [(("p.w_0", "p"),)] * 2  # the wire carries what each rank found
+    plan = save_plan.plan_save(summaries, compress=policy)
+    assert dict(zip(plan.keys, plan.encodings)) == {"p": None, "p.w_0": "derived", "q": None}
+    assert dict(zip(plan.keys, plan.sources)) == {"p": None, "p.w_0": "p", "q": None}
+    assert sorted(plan.keys[k] for k in plan.piece_key.tolist()) == ["p", "p", "q"]  # none of p.w_0's
+    assert sum(plan.file_bytes.values()) <= 6 * 8 * 2 + 5 * 4 + 2 * 64
+    meta = save_plan.build_metadata(plan, {r: np.zeros(1 + (r == 0), np.uint64) for r in plan.file_bytes}, {"d": []}, 0, 2, 1 << 20)
+    entry = meta.tensors["p.w_0"]
+    assert (entry.encoding, entry.source, entry.pieces.count, meta.format_version) == ("derived", "p", 0, 2)
+    with pytest.raises(MismatchError, match="no rank found its parameter"):  # a rank must say
+        save_plan.plan_save([summary(r, pieces(r)) for r in (0, 1)], compress=policy)

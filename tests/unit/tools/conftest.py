@@ -53,3 +53,20 @@ def compressed(tmp_path_factory):
               for k, a in arrays.items() if k in encodings}  # fmt: skip
     loaded["model.n"] = arrays["n"]
     return path, loaded
+
+
+@pytest.fixture(scope="module")
+def derived(tmp_path_factory):
+    """A 4-rank checkpoint whose float32 master weight ``model.p.w_0`` (split by columns) is
+    derived from its bfloat16 parameter ``model.p`` (split by rows) and not stored; ``model.q``
+    (float32) is plain. The values a load gives: the master weight is the parameter, as float32."""
+    path = str(tmp_path_factory.mktemp("derived") / "ck")
+    os.makedirs(path)
+    rng = np.random.default_rng(13)
+    p = (rng.standard_normal((9, 70)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    arrays = {"p": p, "p.w_0": rng.standard_normal((9, 70)).astype(np.float32), "q": rng.standard_normal(7).astype(np.float32)}
+    dtypes = {"p": "bfloat16", "p.w_0": "float32", "q": "float32"}
+    placements = {"p": (0, None), "p.w_0": (None, 1), "q": (None, None)}
+    save_checkpoint(path, arrays, dtypes, (2, 2), placements, block_bytes=64, compress={r"\.w_0$": "derived"})
+    loaded = {"model.p": p, "model.p.w_0": (p.astype(np.uint32) << 16).view(np.float32), "model.q": arrays["q"]}
+    return path, loaded

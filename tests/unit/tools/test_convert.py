@@ -234,20 +234,16 @@ def test_quantized_tensors_convert_to_their_dequantized_values_in_their_dtype(co
 
 
 def _safetensors_raw(path) -> dict:
-    """Every tensor of a safetensors file as its bytes' numpy dtype (bfloat16 as uint16)."""
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(str(path), framework="np") as f:
-        for k in f.keys():
-            if k != "model.m2":
-                out[k] = f.get_tensor(k)
+    """Every tensor of a safetensors file as its bytes' numpy dtype (bfloat16 as uint16), read
+    from the format's definition (numpy's reader has no bfloat16)."""
     raw = open(path, "rb").read()
     n = int.from_bytes(raw[:8], "little")
-    info = json.loads(raw[8 : 8 + n])["model.m2"]
-    a, b = info["data_offsets"]
-    out["model.m2"] = np.frombuffer(raw[8 + n + a : 8 + n + b], "<u2").reshape(info["shape"])
-    return out
+    header = json.loads(raw[8 : 8 + n])
+    kinds = {"F32": "<f4", "BF16": "<u2", "I64": "<i8"}
+    return {
+        k: np.frombuffer(raw[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]], kinds[v["dtype"]]).reshape(v["shape"])
+        for k, v in header.items() if k != "__metadata__"
+    }  # fmt: skip
 
 
 def test_quantized_tensors_export_to_a_hugging_face_directory_dequantized(compressed, tmp_path, capsys):
@@ -259,3 +255,32 @@ def test_quantized_tensors_export_to_a_hugging_face_directory_dequantized(compre
     got = load_file(str(out / "model.safetensors"))
     assert same_bits(got["model.m2"], bf16_as_f32(loaded["model.m2"]))
     assert same_bits(got["model.m1"], loaded["model.m1"]) and same_bits(got["model.n"], loaded["model.n"])
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_a_derived_tensor_converts_to_its_parameter_cast_and_keys_can_leave_it_out(derived, tmp_path, capsys, fmt):
+    path, loaded = derived
+    out = tmp_path / f"all.{fmt}"
+    code, _, err = run(capsys, "convert", path, out, "--bf16-as-float32")
+    assert code == 0, err
+    assert "1 tensors the checkpoint derives" in err and "model.p.w_0" in err and "cast to their dtype" in err
+    if fmt == "npz":
+        with np.load(out, allow_pickle=False) as z:
+            got = {k: z[k] for k in z.files if k != "__metadata__"}
+    else:
+        got = load_file(str(out))
+    assert sorted(got) == sorted(loaded)
+    assert got["model.p.w_0"].dtype == np.float32 and same_bits(got["model.p.w_0"], loaded["model.p.w_0"])
+    assert same_bits(got["model.p"], bf16_as_f32(loaded["model.p"])) and same_bits(got["model.q"], loaded["model.q"])
+    code, _, err = run(capsys, "convert", path, tmp_path / f"some.{fmt}", "--keys", r"\.[pq]$")
+    assert code == 0 and "derives" not in err
+
+
+def test_a_derived_tensor_exports_to_a_hugging_face_directory_as_its_parameter_cast(derived, tmp_path, capsys):
+    path, loaded = derived
+    code, _, err = run(capsys, "convert", path, tmp_path / "hf", "--to", "hf")
+    assert code == 0 and "derives" in err, err
+    got = _safetensors_raw(tmp_path / "hf" / "model.safetensors")
+    assert got["model.p.w_0"].dtype == np.float32 and same_bits(got["model.p.w_0"], loaded["model.p.w_0"])
+    assert same_bits(got["model.p"], loaded["model.p"])
+

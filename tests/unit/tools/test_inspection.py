@@ -101,3 +101,19 @@ def test_inspect_shows_each_tensor_s_encoding_and_stored_bytes(compressed, capsy
     tensors = json.loads(out)["checkpoint"]["tensors"]
     assert tensors["model.m1"]["encoding"] == "int8" and tensors["model.m1"]["stored_bytes"] == 1056
     assert "encoding" not in tensors["model.n"] and "stored_bytes" not in tensors["model.n"]
+
+
+def test_inspect_shows_a_derived_tensor_s_source_and_no_stored_bytes(derived, capsys):
+    path, _ = derived
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert "model.p.w_0 (9, 70) float32 0 2520 derived from model.p 0" in lines
+    assert "model.p (9, 70) bfloat16 2 1260 - 1260" in lines
+    code, out, _ = run(capsys, "inspect", path, "--json")
+    tensors = json.loads(out)["checkpoint"]["tensors"]
+    assert tensors["model.p.w_0"] == {
+        "shape": [9, 70], "dtype": "float32", "pieces": 0, "bytes": 2520, "encoding": "derived", "stored_bytes": 0,
+        "source": "model.p",
+    }
+    assert "source" not in tensors["model.p"]

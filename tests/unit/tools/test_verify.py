@@ -140,3 +140,18 @@ def test_verify_checks_quantized_pieces_at_their_stored_sizes(compressed, tmp_pa
                 f.write(bytes([byte[0] ^ 1]))
             code, out, _ = run(capsys, "verify", path)
             assert code == 1 and "checksum" in out and key in out, out
+
+
+def test_verify_checks_the_source_of_a_derived_tensor_and_counts_no_pieces_of_its_own(derived, tmp_path, capsys):
+    code, out, _ = run(capsys, "verify", derived[0])
+    assert code == 0 and "3 tensors, 3 pieces" in out, out  # model.p in 2 pieces, model.q in 1
+    meta = local.read_metadata(derived[0], 0)
+    entry = meta.tensors["model.p"]
+    path = shutil.copytree(derived[0], str(tmp_path / "bad"))
+    with open(os.path.join(path, meta.files[int(entry.pieces.files[0])].name), "r+b") as f:
+        f.seek(int(entry.pieces.byte_offsets[0]))
+        byte = f.read(1)
+        f.seek(int(entry.pieces.byte_offsets[0]))
+        f.write(bytes([byte[0] ^ 1]))
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1 and "checksum" in out and "model.p" in out, out
