@@ -39,7 +39,6 @@ the targets (PASS/MISS), then one JSON line on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -450,7 +449,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    from bench_machine import machine_info
+    from bench_machine import emit, machine_info
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench_compress_")
     os.makedirs(work, exist_ok=True)
@@ -489,12 +488,7 @@ def main(argv=None) -> int:
              "training": _sizes(training["bytes"])}
     result.update(times=times, sizes=sizes, training=training, load_average_end=os.getloadavg(),
                   seconds=time.perf_counter() - t_start, targets=check_targets(sizes["synthetic"], times.get("s3"), training))
-    print(report(result))
-    line = json.dumps(result, default=str)
-    print(line)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
+    emit(result, report(result), args.json_out)
     return 0
 
 

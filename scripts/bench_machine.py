@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -206,3 +207,14 @@ def checksum_speed(nbytes: int = CHECKSUM_BUFFER, rounds: int = 5) -> dict:
         blocks.append(time.perf_counter() - t0)
     return {"bytes": nbytes, "block_bytes": block, "xxhash": importlib.metadata.version("xxhash"),
             "whole_gbps": nbytes / min(whole) / GB, "blocks_gbps": nbytes / min(blocks) / GB}
+
+
+def emit(result: dict, text: str, json_out: str | None) -> None:
+    """Print a benchmark's report ``text``, then its ``result`` as one JSON line, also written
+    to ``json_out`` when given."""
+    print(text)
+    line = json.dumps(result, default=str)
+    print(line)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(line + "\n")

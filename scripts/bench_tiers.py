@@ -545,7 +545,7 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
-    from bench_machine import machine_info
+    from bench_machine import emit, machine_info
 
     base = args.workdir or tempfile.mkdtemp(prefix="bench_tiers_")
     os.makedirs(base, exist_ok=True)
@@ -580,12 +580,7 @@ def main(argv=None) -> int:
                   raw={k: {kind: [[{x: r.get(x) for x in ("rank", "cwd", "seconds", "load_seconds", "saves", "report",
                                                            "extra_saves")} for r in rep] for rep in reps]
                            for kind, reps in v.items()} for k, v in runs.items()})
-    print(report(result))
-    line = json.dumps(result, default=str)
-    print(line)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(line + "\n")
+    emit(result, report(result), args.json_out)
     return 0
 
 
