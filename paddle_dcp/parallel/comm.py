@@ -320,12 +320,12 @@ class PaddleComm(Comm):
 
     def begin_pairwise(self) -> None:
         """The group's ranks learn where the others listen: one all-gather, the first time
-        this group pairs up in this process (a store lookup per peer would cost ~90 ms)."""
+        this comm (its purpose, its ranks) pairs up in this process (a store lookup per peer would cost ~90 ms)."""
         transport = STATE.groups.transport(self.rank)
-        group = tuple(self.ranks)
-        if not transport.knows(group):
+        key = (self.purpose, tuple(self.ranks))  # this comm's: each comm pairs up in its own order
+        if not transport.knows(key):
             every = self.call("point to point addresses", lambda: self.all_gather(transport.address().encode()))
-            transport.learn(group, [b.decode() for b in every])
+            transport.learn(key, self.ranks, [b.decode() for b in every])
 
     def end_pairwise(self) -> None:
         STATE.groups.transport(self.rank).end_step(self.purpose)

@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class Transport:
         self._conns: dict[tuple[int, str], socket.socket] = {}
         self._waiting: dict[tuple[int, str], socket.socket] = {}  # accepted, not yet asked for
         self._addresses: dict[int, tuple[str, int]] = {}
-        self._groups: set[tuple[int, ...]] = set()  # groups whose addresses were all-gathered
+        self._groups: set[Hashable] = set()  # keys of the groups whose addresses were all-gathered
         self._lock = threading.Lock()
         self._accepting = threading.Lock()
 
@@ -86,19 +87,22 @@ class Transport:
         host, port = self._listen().getsockname()[:2]
         return f"{host}:{port}"
 
-    def knows(self, group: tuple[int, ...]) -> bool:
-        """Whether ``group``'s addresses were learned together (:meth:`learn`): the same answer
-        on every rank of it, as all of them took part."""
+    def knows(self, key: Hashable) -> bool:
+        """Whether the group ``key`` names learned its addresses (:meth:`learn`): the same
+        answer on every rank of it, as all of them took part. The key names a comm, not only
+        its ranks: a process's comms over the same ranks (the caller's, an async save's) pair
+        up in their own orders, so each learns once, by itself."""
         with self._lock:
-            return group in self._groups
+            return key in self._groups
 
-    def learn(self, group: tuple[int, ...], addresses: list[str]) -> None:
-        """The addresses of ``group``'s ranks (``address()`` of each, in order), all-gathered."""
+    def learn(self, key: Hashable, ranks: Sequence[int], addresses: Sequence[str]) -> None:
+        """The addresses of the ranks of group ``key`` (``address()`` of each, in order),
+        all-gathered."""
         with self._lock:
-            for rank, text in zip(group, addresses):
+            for rank, text in zip(ranks, addresses):
                 host, port = text.rsplit(":", 1)
                 self._addresses[rank] = (host, int(port))
-            self._groups.add(group)
+            self._groups.add(key)
 
     def connection(self, peer: int, channel: str) -> socket.socket:
         """The connection to ``peer`` on ``channel``, made (or accepted) on first use."""

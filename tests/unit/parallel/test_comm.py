@@ -41,27 +41,39 @@ def test_a_read_only_message_can_be_sent():
 
 
 def test_a_group_pairs_up_after_one_all_gather_of_addresses(monkeypatch):
-    """PaddleComm.begin_pairwise: the first pairwise step of a group all-gathers where its
-    ranks listen; later ones (and the same group's other comms) do not gather again."""
+    """PaddleComm.begin_pairwise: the first pairwise step of a comm all-gathers where its
+    ranks listen; its later ones do not gather again. Another comm over the same ranks (an
+    async save's, pairing up on its own thread, in its own order on each rank) gathers for
+    itself: had it reused the first comm's addresses on one rank and not on another, the other
+    would wait in an all-gather nobody joins."""
     from paddle_dcp.parallel import comm as comm_mod
 
     learned, gathers = {}, []
 
     class FakeTransport:
-        def knows(self, group):
-            return group in learned
+        def knows(self, key):
+            return key in learned
 
         def address(self):
             return "127.0.0.1:4000"
 
-        def learn(self, group, addresses):
-            learned[group] = addresses
+        def learn(self, key, ranks, addresses):
+            learned[key] = (tuple(ranks), addresses)
 
     monkeypatch.setattr(comm_mod.STATE.groups, "transport", lambda rank: FakeTransport())
-    c = comm_mod.PaddleComm.__new__(comm_mod.PaddleComm)
-    c.rank, c.ranks = 1, (0, 1, 2)
-    monkeypatch.setattr(c, "all_gather", lambda data: gathers.append(data) or [b"h0:1", data, b"h2:3"], raising=False)
-    c.begin_pairwise()
-    c.begin_pairwise()
-    assert gathers == [b"127.0.0.1:4000"]
-    assert learned == {(0, 1, 2): ["h0:1", "127.0.0.1:4000", "h2:3"]}
+
+    def comm(purpose):
+        c = comm_mod.PaddleComm.__new__(comm_mod.PaddleComm)
+        c.rank, c.ranks, c.purpose = 1, (0, 1, 2), purpose
+        monkeypatch.setattr(c, "all_gather", lambda data: gathers.append((purpose, data)) or [b"h0:1", data, b"h2:3"], raising=False)
+        return c
+
+    control, background = comm("control"), comm("background")
+    control.begin_pairwise()
+    control.begin_pairwise()
+    assert gathers == [("control", b"127.0.0.1:4000")]
+    background.begin_pairwise()
+    background.begin_pairwise()
+    assert gathers == [("control", b"127.0.0.1:4000"), ("background", b"127.0.0.1:4000")]
+    want = ((0, 1, 2), ["h0:1", "127.0.0.1:4000", "h2:3"])
+    assert learned == {("control", (0, 1, 2)): want, ("background", (0, 1, 2)): want}

@@ -148,12 +148,12 @@ def test_a_group_that_learned_its_addresses_connects_without_the_store(monkeypat
     monkeypatch.setenv("PADDLE_DCP_GROUP_TIMEOUT", "5")
     ends = [Transport(r, NoGetStore()) for r in range(2)]
     try:
-        group = (0, 1)
+        group = ("control", (0, 1))
         assert not any(end.knows(group) for end in ends)
         addresses = [end.address() for end in ends]
         for end in ends:
-            end.learn(group, addresses)
-        assert all(end.knows(group) for end in ends) and not ends[0].knows((0, 1, 2))
+            end.learn(group, (0, 1), addresses)
+        assert all(end.knows(group) for end in ends) and not ends[0].knows(("background", (0, 1)))
         data = np.arange(4096, dtype=np.uint8)
         out = np.empty_like(data)
         run_ranks([lambda: ends[0].send(1, "control", data), lambda: ends[1].recv_into(0, "control", out)])
