@@ -31,6 +31,7 @@ import xxhash
 
 from .api import run_load, run_save
 from .core.compress import Policy
+from .core import metafile
 from .core.copies import copy_holders, nodes_of
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
@@ -231,7 +232,7 @@ class LocalTier:
     def _replicate(self, comm: Comm, result: protocol.SaveResult) -> protocol.Protocol:
         """Copies of every data file on ranks of other nodes, then the metadata on every
         node, last."""
-        data = result.metadata.to_json() if comm.is_coordinator else b""
+        data = metafile.encode(result.metadata) if comm.is_coordinator else b""
         data = yield protocol.Broadcast(data, comm.coordinator)
         sends, receives = yield from protocol.local("local tier: plan copies", lambda: self._copies(comm.rank, data))
         writers = yield protocol.Pairwise("local tier: copy", lambda c: copy_files(c, self.store, sends, receives))
@@ -251,9 +252,10 @@ class LocalTier:
 
     def _copies(self, me: int, data: bytes) -> tuple[dict[int, str], dict[int, str]]:
         """(holder -> this rank's file to send it, writer -> the file to receive from it)."""
-        meta = parse_metadata(data, source="the local step's metadata", lazy=True)
+        view = memoryview(data)  # the files alone: the head and one section of it
+        start = metafile.read_start(lambda ranges: [view[a:b] for a, b in ranges], len(data), "the local step's metadata")
         files = {}
-        for f in meta.files:
+        for f in start.files:
             parsed = parse_data_name(f.name)
             if parsed is not None:
                 files[parsed[0]] = (f.name, f.nbytes)

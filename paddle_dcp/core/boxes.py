@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import PlanError
+from ..errors import FormatError, PlanError
 
 
 @dataclass(frozen=True)
@@ -336,3 +336,33 @@ def _grid_cells(offsets: np.ndarray, ends: np.ndarray, global_shape: Sequence[in
             return None
         cell_index = cell_index * (len(cuts) - 1) + lo
     return cells, len(np.unique(cell_index))
+
+
+def check_entry_tiling(
+    key: str,
+    shape: tuple[int, ...],
+    offsets: np.ndarray,
+    shapes: np.ndarray,
+    files: np.ndarray,
+    replicas: bool,
+    require_cover: bool = True,
+) -> None:
+    """The pieces of a tensor tile it; with ``replicas``, its distinct boxes do (the copies of
+    one box lying in different files). Raises PlanError or FormatError naming the key."""
+    if replicas:
+        first = distinct_boxes(key, offsets, shapes, files)
+        offsets, shapes = offsets[first], shapes[first]
+    check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
+
+
+def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
+    """Rows of the first copy of every distinct box (ascending); raises FormatError when two
+    copies of one box lie in the same file (a replica is a holder's own copy)."""
+    if not len(files):
+        return np.zeros(0, np.int64)
+    boxes = np.concatenate([offsets, shapes], axis=1)
+    _, first, group = np.unique(boxes, axis=0, return_index=True, return_inverse=True)
+    pairs = np.unique(np.stack([group.reshape(-1), files], axis=1), axis=0)
+    if len(pairs) != len(files):
+        raise FormatError(f"tensor {key!r}: two copies of one piece in the same file")
+    return np.sort(first)

@@ -85,18 +85,23 @@ def reconcile(
     saved_structure: dict,
     mw_name_compatibility: bool = True,
     where: str = "checkpoint",
+    holders: frozenset = frozenset(),
 ) -> Reconciled:
     """How a state dict (its tensors' flat keys and its skeleton) meets a checkpoint's tensors
     and structure. Tensors pair by key (master-weight spelling too). Each largest subtree of
     the checkpoint that holds no tensor is restored whole where the state dict has that path and
     holds no tensor there, whatever it holds (a list of another length, None, a dict); a plain
-    value of the state dict inside no such subtree is missing.
+    value of the state dict inside no such subtree is missing. ``holders``: paths of the
+    structure's containers that hold tensors it does not show (a part of the metadata).
 
     Raises:
         MismatchError: a key that is a tensor on one side and a plain value on the other.
     """
     match = match_keys(list(tensor_keys), list(saved_tensors), mw_name_compatibility)
     saved_nodes = nested.node_paths(saved_structure)
+    for path in holders:
+        if path in saved_nodes:
+            saved_nodes[path] = True
     holds_tensor = {nested.flat_key(path): holds for path, holds in saved_nodes.items() if path}
     for key in match.missing:
         if not holds_tensor.get(key, True):

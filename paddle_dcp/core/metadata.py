@@ -30,7 +30,8 @@ from ..errors import FormatError
 FORMAT_NAME = "paddle_dcp"
 FORMAT_VERSION = 1
 ENCODED_VERSION = 2  # written only by a save that stores some tensor quantized (``encoding``)
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (1, 2, 3)  # 1 and 2: one JSON document; 3: a head line, then packed sections
+JSON_VERSIONS = (1, 2)
 CHECKSUM_ALGORITHMS = ("xxh3_64",)
 DEFAULT_BLOCK_BYTES = 4 << 20
 ALIGNMENT = 64  # bytes; every piece starts at a multiple of it in its data file
@@ -173,6 +174,91 @@ class TensorEntry:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class TensorColumns:
+    """Every tensor of a checkpoint and its saved pieces as columns: what a save builds and
+    the packed format stores, without an object per tensor or per piece.
+
+    Attributes:
+        keys: every tensor key, sorted (tensor ``t`` is ``keys[t]``).
+        dtypes / shapes / encodings / sources: per tensor (see :class:`TensorEntry`).
+        piece_start: (T + 1,) int64, the pieces of tensor ``t`` are rows
+            ``piece_start[t]:piece_start[t + 1]`` of the piece columns.
+        offsets / extents: (P, D) int64, each piece's global offset and local shape, in
+            elements, padded with zeros past its tensor's ndim (D: the largest ndim).
+        files: (P,) int64, index into ``Metadata.files``.
+        byte_offsets: (P,) int64, where each piece starts in its file, in bytes.
+        block_start: (P + 1,) int64, the checksums of piece ``p`` are
+            ``checksums[block_start[p]:block_start[p + 1]]``.
+        checksums: (B,) uint64.
+        grid: which tensors' pieces are the cells of their grids, and the cuts, when known
+            (:class:`paddle_dcp.core.grids.GridCheck`; a save plan finds them).
+    """
+
+    keys: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    encodings: tuple[str | None, ...]
+    sources: tuple[str | None, ...]
+    piece_start: np.ndarray
+    offsets: np.ndarray
+    extents: np.ndarray
+    files: np.ndarray
+    byte_offsets: np.ndarray
+    block_start: np.ndarray
+    checksums: np.ndarray
+    grid: Any = None
+
+    def entry(self, t: int, block_bytes: int) -> TensorEntry:
+        """Tensor ``t``'s entry: views of the columns, its checksum starts known."""
+        p0, p1 = int(self.piece_start[t]), int(self.piece_start[t + 1])
+        nd = len(self.shapes[t])
+        b0, b1 = int(self.block_start[p0]), int(self.block_start[p1])
+        pieces = PieceTable(
+            offsets=_frozen(self.offsets[p0:p1, :nd]),
+            shapes=_frozen(self.extents[p0:p1, :nd]),
+            files=_frozen(self.files[p0:p1]),
+            byte_offsets=_frozen(self.byte_offsets[p0:p1]),
+            checksums=_frozen(self.checksums[b0:b1]),
+        )
+        entry = TensorEntry(
+            self.keys[t], self.dtypes[t], self.shapes[t], pieces, block_bytes, self.encodings[t], self.sources[t]
+        )
+        object.__setattr__(entry, "_starts", _frozen(self.block_start[p0 : p1 + 1] - b0))
+        return entry
+
+
+class ColumnTensors(Mapping):
+    """The tensor entries of :class:`TensorColumns`, key -> :class:`TensorEntry`, each made
+    when first asked for (a load uses a few hundred of a checkpoint's hundred thousand)."""
+
+    def __init__(self, columns: TensorColumns, block_bytes: int):
+        self.columns, self._block_bytes = columns, block_bytes
+        self._index: dict[str, int] | None = None
+        self._done: dict[str, TensorEntry] = {}
+
+    def index(self) -> dict[str, int]:
+        """Key -> its tensor's position in the columns."""
+        if self._index is None:
+            self._index = {k: t for t, k in enumerate(self.columns.keys)}
+        return self._index
+
+    def __getitem__(self, key: str) -> TensorEntry:
+        entry = self._done.get(key)
+        if entry is None:
+            entry = self._done[key] = self.columns.entry(self.index()[key], self._block_bytes)
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.index()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.columns.keys)
+
+    def __len__(self) -> int:
+        return len(self.columns.keys)
+
+
 def stored_nbytes(elements: Any, dtype: str, encoding: str | None) -> Any:
     """Stored bytes of pieces of ``elements`` elements (an int or an int64 array) of ``dtype``:
     their raw bytes, or with ``encoding`` the whole blocks of :mod:`~paddle_dcp.core.quant`
@@ -232,6 +318,9 @@ class Metadata:
             exactly equal boxes, each in another file); any one of them may be read.
         digest: what parsing found of the file's digest (never written: ``to_json`` computes
             a new one).
+        holders: paths of containers of ``structure`` that hold tensors this metadata does
+            not list (a part of a version 3 file, whose ``structure`` is the checkpoint's plain
+            values alone: :func:`paddle_dcp.core.metafile.read_part`).
     """
 
     unique_id: int
@@ -246,6 +335,7 @@ class Metadata:
     subset: bool = False
     replicas: bool = False
     digest: DigestVerdict = DigestVerdict()
+    holders: frozenset = frozenset()
 
     def values(self) -> dict[str, Any]:
         """Flat key -> plain (non-tensor) value saved in the checkpoint."""

@@ -16,8 +16,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import nested, quant
-from .boxes import check_inside, check_tiling
+from . import metafile, nested, quant
+from .boxes import check_entry_tiling, check_inside, check_tiling
 from .derive import DERIVED, DERIVED_DTYPES, SOURCE_DTYPES
 from .dtypes import DTYPE_NAMES, itemsize
 from ..errors import FormatError, PlanError
@@ -28,6 +28,7 @@ from .metadata import (
     CHECKSUM_ALGORITHMS,
     ENCODED_VERSION,
     FORMAT_NAME,
+    JSON_VERSIONS,
     MAX_METADATA_BYTES,
     SUPPORTED_VERSIONS,
     FileEntry,
@@ -70,6 +71,13 @@ def parse_metadata(
         raise FormatError(f"{source}: {len(data)} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata")
     if isinstance(data, str):
         data = data.encode()
+    if metafile.has_head_line(data):  # version 3 and later: a head line, then packed sections
+        if not metafile.is_packed(data):  # a later version: its head says which
+            _check_format(_head_doc(data, source), source)
+        try:
+            return metafile.decode(data, source)
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError, IndexError) as exc:
+            raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
@@ -195,8 +203,16 @@ def _parse(
     )
 
 
+def _head_doc(data: bytes, source: str) -> Any:
+    """The JSON of a head line (what a version after 3 is known by)."""
+    try:
+        return json.loads(data[: data.index(b"\n")])
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{source}: the head line is not valid JSON ({exc})") from None
+
+
 def _check_format(doc: Any, source: str) -> int:
-    """The document's format version, checked to be one this code reads."""
+    """The document's format version, checked to be one this code reads as one JSON document."""
     if not isinstance(doc, dict):
         raise FormatError(f"{source}: metadata must be a JSON object")
     if doc.get("format") != FORMAT_NAME:
@@ -206,6 +222,11 @@ def _check_format(doc: Any, source: str) -> int:
         raise FormatError(
             f"{source}: format_version {str(version)[:20]!r} is not supported; this paddle_dcp "
             f"reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
+    if version not in JSON_VERSIONS:
+        raise FormatError(
+            f"{source}: format_version {version} is written as a head line followed by packed sections, "
+            f"not as one JSON document; this file is damaged or was not written by paddle_dcp"
         )
     return version
 
@@ -452,23 +473,6 @@ def _piece_nbytes(rows: Sequence[_Row], counts: np.ndarray, shp: np.ndarray) -> 
     return nbytes
 
 
-def check_entry_tiling(
-    key: str,
-    shape: tuple[int, ...],
-    offsets: np.ndarray,
-    shapes: np.ndarray,
-    files: np.ndarray,
-    replicas: bool,
-    require_cover: bool = True,
-) -> None:
-    """The pieces of a tensor tile it; with ``replicas``, its distinct boxes do (the copies of
-    one box lying in different files). Raises PlanError or FormatError naming the key."""
-    if replicas:
-        first = distinct_boxes(key, offsets, shapes, files)
-        offsets, shapes = offsets[first], shapes[first]
-    check_tiling(key, shape, offsets, shapes, require_cover=require_cover)
-
-
 def check_entry(entry: TensorEntry, replicas: bool) -> None:
     """The pieces of a parsed entry tile its tensor (:func:`check_entry_tiling`); pieces that
     do not are a FormatError, as everywhere the metadata is read. A derived entry has none
@@ -480,19 +484,6 @@ def check_entry(entry: TensorEntry, replicas: bool) -> None:
         check_entry_tiling(entry.key, entry.shape, p.offsets, p.shapes, p.files, replicas)
     except PlanError as exc:
         raise FormatError(str(exc)) from None
-
-
-def distinct_boxes(key: str, offsets: np.ndarray, shapes: np.ndarray, files: np.ndarray) -> np.ndarray:
-    """Rows of the first copy of every distinct box (ascending); raises FormatError when two
-    copies of one box lie in the same file (a replica is a holder's own copy)."""
-    if not len(files):
-        return np.zeros(0, np.int64)
-    boxes = np.concatenate([offsets, shapes], axis=1)
-    _, first, group = np.unique(boxes, axis=0, return_index=True, return_inverse=True)
-    pairs = np.unique(np.stack([group.reshape(-1), files], axis=1), axis=0)
-    if len(pairs) != len(files):
-        raise FormatError(f"tensor {key!r}: two copies of one piece in the same file")
-    return np.sort(first)
 
 
 def _parse_tensor(

@@ -142,12 +142,24 @@ def kind(node: Any, key: str = "") -> str:
     return tag
 
 
+_TAGS = _CONTAINERS | _LEAVES
+
+
+def _tag(node: Any, path: Path) -> str:
+    """``kind(node)``, the key (for the error) worked out only when the node is malformed."""
+    if type(node) is dict and len(node) == 1:
+        for tag in node:
+            if tag in _TAGS:
+                return tag
+    return kind(node, flat_key(path))
+
+
 def walk(skeleton: dict) -> Iterator[tuple[Path, str, dict]]:
     """Every leaf of a skeleton as (path, tag, node), depth first, validating as it goes."""
     stack: list[tuple[Path, Any]] = [((), skeleton)]
     while stack:
         path, node = stack.pop()
-        tag = kind(node, flat_key(path))
+        tag = _tag(node, path)
         body = node[tag]
         if tag == "d":
             if not isinstance(body, list):
@@ -165,36 +177,128 @@ def walk(skeleton: dict) -> Iterator[tuple[Path, str, dict]]:
             yield path, tag, node
 
 
-def merge(base: dict, other: dict, path: Path = ()) -> dict:
-    """Union of two skeletons (``base`` wins where both hold a plain value).
+def merge(base: dict, other: dict) -> dict:
+    """Union of two skeletons (``base`` wins where both hold a plain value); see
+    :class:`SkeletonUnion`, which folds any number of them.
 
     Raises:
         FormatError: the same path is a tensor on one side and something else on the other.
     """
-    tb, to = kind(base, flat_key(path)), kind(other, flat_key(path))
-    values = ("v", "f", "x")
-    if tb in values and to in values:
-        return other if tb == "x" else base
-    if tb != to:
-        raise FormatError(
-            f"{flat_key(path) or '<root>'}: ranks disagree on this entry's kind ({tb} vs {to})"
-        )
-    if tb == "t":
-        return base
-    if tb == "d":
-        index = {k: i for i, (k, _) in enumerate(base["d"])}
-        items = [list(item) for item in base["d"]]
-        for k, node in other["d"]:
-            if k in index:
-                items[index[k]][1] = merge(items[index[k]][1], node, path + (k,))
+    union = SkeletonUnion()
+    union.add(base)
+    union.add(other)
+    return union.result()
+
+
+class SkeletonUnion:
+    """The union of many skeletons, built in place: each :meth:`add` costs the size of the
+    skeleton added, not of the union so far (a save of thousands of ranks whose layouts all
+    differ adds thousands). The fold is the pairwise merge: dict items keep the order they were
+    first seen in, lists and tuples keep their longer tail, a plain value beats a placeholder
+    (``{"x": 0}``) and the first plain value wins.
+
+    Inside, a dict is a ``[tag, index, items]`` list (``index``: key -> item position), a list or
+    tuple ``[tag, None, items]``, a leaf its JSON node."""
+
+    def __init__(self) -> None:
+        self._root: Any = None
+
+    def add(self, skeleton: dict) -> list[str]:
+        """Merge ``skeleton`` in; returns the flat keys of its tensor leaves, depth first (as
+        :func:`tensor_keys`).
+
+        Raises:
+            FormatError: a malformed node, or a path that is a tensor here and something else
+                in a skeleton added before.
+        """
+        keys: list[str] = []
+        self._root = self._merge(self._root, skeleton, None, keys)
+        return keys
+
+    def _merge(self, mine: Any, node: Any, key: str | None, keys: list[str]) -> Any:
+        tag = kind(node, key or "")
+        if mine is None:  # first seen: take it over (containers become mutable)
+            return self._adopt(node, tag, key, keys)
+        have = mine[0] if isinstance(mine, list) else kind(mine, key or "")
+        if tag in ("v", "f", "x") and have in ("v", "f", "x"):
+            return node if have == "x" else mine
+        if tag != have:
+            raise FormatError(f"{key or '<root>'}: ranks disagree on this entry's kind ({have} vs {tag})")
+        if tag == "t":
+            keys.append(key or "")
+            return mine
+        body = _body(node, tag, key)
+        items = mine[2]
+        if tag == "d":
+            index = mine[1]
+            for k, child in body:
+                at = index.get(k)
+                child_key = _join(key, k)
+                if at is None:
+                    index[k] = len(items)
+                    items.append([k, self._adopt(child, kind(child, child_key), child_key, keys)])
+                else:
+                    items[at][1] = self._merge(items[at][1], child, child_key, keys)
+            return mine
+        for i, child in enumerate(body):
+            child_key = _join(key, str(i))
+            if i < len(items):
+                items[i] = self._merge(items[i], child, child_key, keys)
             else:
+                items.append(self._adopt(child, kind(child, child_key), child_key, keys))
+        return mine
+
+    def _adopt(self, node: dict, tag: str, key: str | None, keys: list[str]) -> Any:
+        if tag == "t":
+            keys.append(key or "")
+            return node
+        if tag not in _CONTAINERS:
+            return node
+        body = _body(node, tag, key)
+        if tag == "d":
+            index: dict = {}
+            items: list = []
+            for k, child in body:
+                child_key = _join(key, k)
+                if k in index:  # a rank's own skeleton never repeats a key: merge as the fold would
+                    items[index[k]][1] = self._merge(items[index[k]][1], child, child_key, keys)
+                    continue
                 index[k] = len(items)
-                items.append([k, node])
-        return {"d": items}
-    a, b = base[tb], other[tb]
-    merged = [merge(x, y, path + (i,)) for i, (x, y) in enumerate(zip(a, b))]
-    longer = a if len(a) >= len(b) else b
-    return {tb: merged + list(longer[len(merged):])}
+                items.append([k, self._adopt(child, kind(child, child_key), child_key, keys)])
+            return ["d", index, items]
+        return [tag, None, [self._adopt(c, kind(c, _join(key, str(i))), _join(key, str(i)), keys) for i, c in enumerate(body)]]
+
+    def result(self) -> dict:
+        """The union as a skeleton (``{"d": []}`` when nothing was added)."""
+        if self._root is None:
+            return {"d": []}
+        return _export(self._root)
+
+
+def _join(prefix: str | None, name: str) -> str:
+    """The flat key of item ``name`` of the node at ``prefix`` (None: the root)."""
+    return name if prefix is None else f"{prefix}.{name}"
+
+
+def _body(node: dict, tag: str, key: str | None) -> list:
+    """A container node's items, checked to be well formed."""
+    body = node[tag]
+    if not isinstance(body, list):
+        raise FormatError(f"{key or '<root>'}: {'dict' if tag == 'd' else 'list'} node must hold a list")
+    if tag == "d":
+        for item in body:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise FormatError(f"{key or '<root>'}: malformed dict item {str(item)[:80]}")
+    return body
+
+
+def _export(mine: Any) -> Any:
+    if not isinstance(mine, list):
+        return mine
+    tag, _, items = mine
+    if tag == "d":
+        return {"d": [[k, _export(child)] for k, child in items]}
+    return {tag: [_export(child) for child in items]}
 
 
 def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]]:
@@ -203,7 +307,7 @@ def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]
     dropped: list[str] = []
 
     def visit(node: dict, path: Path) -> Any:
-        tag = kind(node, flat_key(path))
+        tag = _tag(node, path)
         if tag == "d":
             items = []
             for k, child in node["d"]:
@@ -283,7 +387,7 @@ def restrict(skeleton: dict, keys: set[str], whole: frozenset = frozenset()) -> 
     def visit(node: dict, path: Path) -> Any:
         if path in whole:
             return node
-        tag = kind(node, flat_key(path))
+        tag = _tag(node, path)
         if tag == "d":
             items = [[k, c] for k, c in ((k, visit(c, path + (k,))) for k, c in node["d"]) if c is not None]
             return {"d": items} if items or not path else None
@@ -309,7 +413,7 @@ def node_paths(skeleton: dict) -> dict[Path, bool]:
     out: dict[Path, bool] = {}
 
     def visit(node: dict, path: Path) -> bool:
-        tag = kind(node, flat_key(path))
+        tag = _tag(node, path)
         if tag in _LEAVES:
             out[path] = tag == "t"
             return out[path]
@@ -332,7 +436,7 @@ def plain_subtrees(skeleton: dict, holds: dict[Path, bool] | None = None) -> lis
     stack: list[tuple[Path, dict]] = [((), skeleton)]
     while stack:
         path, node = stack.pop()
-        tag = kind(node, flat_key(path))
+        tag = _tag(node, path)
         if path and not holds[path]:
             out.append((path, node))
         elif tag in _CONTAINERS:

@@ -14,13 +14,17 @@ from typing import Dict, Mapping, Sequence, Tuple
 import numpy as np
 
 from . import nested
+from . import grids
 from .boxes import Box, check_tiling
 from .compress import Policy
+from .grids import GridCheck
 from .derive import DERIVED, check_sources
 from .dtypes import itemsize
 from ..errors import MismatchError, PlanError
 from .naming import data_file_name
-from .metadata import ENCODED_VERSION, FORMAT_VERSION, FileEntry, Metadata, PieceTable, TensorEntry, aligned, blocks_of, stored_nbytes
+from .metadata import (
+    ENCODED_VERSION, FORMAT_VERSION, ColumnTensors, FileEntry, Metadata, TensorColumns, aligned, blocks_of, stored_nbytes,
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class SavePlan:
         skeleton: the merged structure (placeholders where the coordinator has no value).
         replicas: every holder of a piece writes its copy (``save_replicas``): the pieces of
             a key may repeat a box, on several writers.
+        grids: which keys' pieces are exactly the cells of their cuts, and the cuts
+            (:mod:`~paddle_dcp.core.grids`; None with ``replicas``).
     """
 
     keys: tuple[str, ...]
@@ -155,6 +161,7 @@ class SavePlan:
     replicas: bool = False
     encodings: tuple[str | None, ...] = ()
     sources: tuple[str | None, ...] = ()
+    grids: GridCheck | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -187,11 +194,9 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
         PlanError: the distinct pieces of a key do not tile it exactly.
     """
     summaries = sorted(summaries, key=lambda s: s.rank)
-    key_info, layouts, skeleton = _distinct_layouts(summaries)
-    keys_sorted = tuple(sorted(key_info))
+    keys_sorted, key_info, layout_ids, layouts, skeleton = _distinct_layouts(summaries)
     key_id = {k: i for i, k in enumerate(keys_sorted)}
     max_nd = max((len(info[1]) for info in key_info.values()), default=0)
-    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
     table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
     encodings = tuple(compress.encoding_of(k, key_info[k][0]) if compress else None for k in keys_sorted)
     derived = [k for k, e in zip(keys_sorted, encodings) if e == DERIVED]
@@ -204,7 +209,7 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
     p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
     nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
     p_nbytes = _piece_nbytes(p_key, p_shape, nds, [(key_info[k][0], e) for k, e in zip(keys_sorted, encodings)])
-    _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas, set(derived))
+    grid = _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas, set(derived))
     p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
     p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
     return SavePlan(
@@ -220,10 +225,11 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
         piece_byte_offset=p_byte_offset,
         writes=writes,
         file_bytes=file_bytes,
-        skeleton=skeleton if skeleton is not None else {"d": []},
+        skeleton=skeleton,
         replicas=replicas,
         encodings=encodings,
         sources=tuple(sources.get(k) for k in keys_sorted),
+        grids=grid,
     )
 
 
@@ -247,23 +253,25 @@ _KeyInfo = Dict[str, Tuple[str, Tuple[int, ...], int]]  # key -> (dtype, shape, 
 
 def _distinct_layouts(
     summaries: Sequence[SaveSummary],
-) -> tuple[_KeyInfo, dict[object, tuple[list[str], SaveSummary]], dict | None]:
-    """Keys, dtypes and shapes checked once per distinct header: (key -> (dtype, shape, first
-    rank), header -> (its keys, a summary), the merged skeleton)."""
+) -> tuple[tuple[str, ...], _KeyInfo, dict[object, np.ndarray], dict[object, tuple[list[str], SaveSummary]], dict]:
+    """Keys, dtypes and shapes checked once per distinct header, and the skeletons' union:
+    (every key, sorted; key -> (dtype, shape, first rank); header -> the sorted position of
+    each of its keys; header -> (its keys, a summary); the merged skeleton). Each distinct
+    header costs its own size (:class:`~paddle_dcp.core.nested.SkeletonUnion`)."""
     key_info: _KeyInfo = {}
     layouts: dict[object, tuple[list[str], SaveSummary]] = {}
-    skeleton = None
+    union = nested.SkeletonUnion()
     for s in summaries:
         hid = s.header_id if s.header_id is not None else id(s)
         if hid in layouts:
             continue
-        keys = nested.tensor_keys(s.skeleton)
+        keys = union.add(s.skeleton)
         if len(keys) != len(s.dtypes) or len(keys) != len(s.global_shapes):
             raise PlanError(f"rank {s.rank}: summary lists {len(s.dtypes)} tensors for {len(keys)} leaves")
         layouts[hid] = (keys, s)
-        skeleton = s.skeleton if skeleton is None else nested.merge(skeleton, s.skeleton)
+        get = key_info.get
         for key, dtype, shape in zip(keys, s.dtypes, s.global_shapes):
-            seen = key_info.get(key)
+            seen = get(key)
             if seen is None:
                 key_info[key] = (dtype, shape, s.rank)
             elif seen[0] != dtype or seen[1] != shape:
@@ -271,7 +279,10 @@ def _distinct_layouts(
                     f"{key}: rank {seen[2]} holds dtype {seen[0]} shape {seen[1]}, "
                     f"rank {s.rank} holds dtype {dtype} shape {shape}"
                 )
-    return key_info, layouts, skeleton
+    keys_sorted = tuple(sorted(key_info))
+    key_id = {k: i for i, k in enumerate(keys_sorted)}
+    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
+    return keys_sorted, key_info, layout_ids, layouts, union.result()
 
 
 def _held_rows(
@@ -342,19 +353,41 @@ def _distinct_pieces(
 def _check_tilings(
     keys_sorted: Sequence[str], key_info: _KeyInfo, nds: np.ndarray, pieces: _Pieces, max_nd: int, replicas: bool,
     skip: set[str] = frozenset(),  # type: ignore[assignment]
-) -> None:
+) -> GridCheck | None:
     """Raise PlanError unless the distinct pieces of every key (but those of ``skip``, which
-    are not written) tile it exactly."""
+    are not written) tile it exactly. The grids of all keys are checked together
+    (:func:`~paddle_dcp.core.grids.find_grids`); a key whose pieces are not its grid is checked
+    alone (:func:`~paddle_dcp.core.boxes.check_tiling`, which also words every error). Returns
+    the grids found (None with ``replicas``: the pieces then repeat boxes)."""
     p_key = pieces.uniq[:, 0]
-    p_off, p_shape = pieces.uniq[:, 1 : 1 + max_nd], pieces.uniq[:, 1 + max_nd :]
-    bounds = np.searchsorted(p_key, np.arange(len(keys_sorted) + 1))
+    distinct = np.flatnonzero(pieces.new_group) if replicas else np.arange(len(p_key))  # copies: one box
+    d_key = p_key[distinct]
+    d_off = pieces.uniq[distinct, 1 : 1 + max_nd]
+    d_shape = pieces.uniq[distinct, 1 + max_nd :]
+    shapes = np.zeros((len(keys_sorted), max_nd), dtype=np.int64)
     for k, key in enumerate(keys_sorted):
+        shapes[k, : nds[k]] = key_info[key][1]
+    bounds = np.searchsorted(d_key, np.arange(len(keys_sorted) + 1))
+    inside = _inside(d_key, d_off, d_shape, shapes, nds)
+    found = grids.find_grids(bounds, d_off, d_shape, nds, shapes)
+    suspect = ~found.grid
+    suspect[np.unique(d_key[~inside])] = True
+    for k in np.flatnonzero(suspect).tolist():
+        key = keys_sorted[k]
         if key in skip:
             continue
-        nd = int(nds[k])
-        lo, hi = bounds[k], bounds[k + 1]
-        distinct = np.flatnonzero(pieces.new_group[lo:hi]) + lo if replicas else slice(lo, hi)  # copies: one box
-        check_tiling(key, key_info[key][1], p_off[distinct, :nd], p_shape[distinct, :nd])
+        lo, hi, nd = bounds[k], bounds[k + 1], int(nds[k])
+        check_tiling(key, key_info[key][1], d_off[lo:hi, :nd], d_shape[lo:hi, :nd])
+    return None if replicas else found
+
+
+def _inside(p_key: np.ndarray, offsets: np.ndarray, shapes: np.ndarray, extents: np.ndarray, nds: np.ndarray) -> np.ndarray:
+    """(P,) bool: the piece is non-empty and inside its tensor (dims past its ndim ignored)."""
+    limit = extents[p_key]
+    used = np.arange(offsets.shape[1])[None, :] < nds[p_key][:, None]
+    # compared without forming offsets + shapes, which could wrap around
+    bad = used & ((offsets < 0) | (shapes <= 0) | (shapes > limit) | (offsets > limit - shapes))
+    return ~bad.any(axis=1)
 
 
 def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -443,8 +476,7 @@ def build_metadata(
     order = np.lexsort((plan.piece_leaf, plan.piece_writer))
     start_in_report = np.zeros(n, dtype=np.int64)
     start_in_report[order] = np.cumsum(nblocks[order]) - nblocks[order]
-    expected = np.zeros(len(writers), dtype=np.int64)
-    np.add.at(expected, np.searchsorted(writers, plan.piece_writer), nblocks)
+    expected = np.bincount(np.searchsorted(writers, plan.piece_writer), weights=nblocks, minlength=len(writers)).astype(np.int64)
     for r, want in zip(writers, expected.tolist()):
         got = len(checksums.get(r, ()))
         if got != want:
@@ -452,38 +484,34 @@ def build_metadata(
     all_sums = (
         np.concatenate([np.asarray(checksums[r], dtype=np.uint64) for r in writers]) if writers else np.zeros(0, np.uint64)
     )
-    piece_file = np.searchsorted(writers, plan.piece_writer).astype(np.int64)
-    bounds = np.searchsorted(plan.piece_key, np.arange(len(plan.keys) + 1))
-    tensors = {}
-    for k, key in enumerate(plan.keys):
-        lo, hi = int(bounds[k]), int(bounds[k + 1])
-        nd = len(plan.shapes[k])
-        nb = nblocks[lo:hi]
-        total = int(nb.sum())
-        idx = np.repeat(start_in_report[lo:hi] - np.concatenate([[0], np.cumsum(nb)[:-1]]), nb) + np.arange(total)
-        table = PieceTable(
-            offsets=np.ascontiguousarray(plan.piece_offsets[lo:hi, :nd]),
-            shapes=np.ascontiguousarray(plan.piece_shapes[lo:hi, :nd]),
-            files=piece_file[lo:hi],
-            byte_offsets=plan.piece_byte_offset[lo:hi].copy(),
-            checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
-        )
-        tensors[key] = TensorEntry(
-            key, plan.dtypes[k], plan.shapes[k], table, block_bytes, _encoding(plan, k),
-            plan.sources[k] if plan.sources else None,
-        )
+    block_start = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
+    total = int(block_start[-1])
+    # the checksums in piece order: each piece's run, taken from where its writer reported it
+    idx = np.repeat(start_in_report - block_start[:-1], nblocks) + np.arange(total, dtype=np.int64)
+    k = len(plan.keys)
+    columns = TensorColumns(
+        keys=plan.keys,
+        dtypes=plan.dtypes,
+        shapes=plan.shapes,
+        encodings=plan.encodings or (None,) * k,
+        sources=plan.sources or (None,) * k,
+        piece_start=np.searchsorted(plan.piece_key, np.arange(k + 1)).astype(np.int64),
+        offsets=plan.piece_offsets,
+        extents=plan.piece_shapes,
+        files=np.searchsorted(writers, plan.piece_writer).astype(np.int64),
+        byte_offsets=plan.piece_byte_offset,
+        block_start=block_start,
+        checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
+        grid=plan.grids,
+    )
     return Metadata(
         unique_id=unique_id,
         world_size=world_size,
         files=files,
-        tensors=tensors,
+        tensors=ColumnTensors(columns, block_bytes),
         structure=structure,
         block_bytes=block_bytes,
         created_by=created_by,
         replicas=plan.replicas,
         format_version=ENCODED_VERSION if any(plan.encodings) else FORMAT_VERSION,
     )
-
-
-def _encoding(plan: SavePlan, k: int) -> str | None:
-    return plan.encodings[k] if plan.encodings else None

@@ -222,7 +222,7 @@ def match_load(flat: nested.Flat, meta: Metadata, path: str, mw: bool, missing: 
     # keys the aoa_config fills are not missing; checkpoint keys it reads are not unexpected
     mapped, used = remap.filled(list(flat.tensors), meta.tensors) if remap is not None else (set(), set())
     tensor_keys = [k for k in flat.tensors if k not in mapped]
-    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw, kind)
+    keys = reconcile(tensor_keys, flat.skeleton, list(meta.tensors), meta.structure, mw, kind, meta.holders)
     unexpected = [k for k in keys.unexpected if k not in used]
     where = f"checkpoint {meta.unique_id} in {path}" if kind == "checkpoint" else path
     # a part of the metadata lists only what this rank asked for: nothing there is unexpected

@@ -20,7 +20,7 @@ from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
 from .placements import Held, describe, held_of, is_tensor, reduce_partials, tensor_name
-from ..core import aoa, load_plan, nested, save_plan
+from ..core import aoa, load_plan, metafile, nested, save_plan
 from ..core.keys import MissingKeys, match_keys, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
 from ..core.metadata_parse import parse_metadata
@@ -178,7 +178,7 @@ class LocalSaveRank:
             return
         if self.safetensors:
             meta = hf_dir.rename_files(meta)
-        self.store.write_atomic(storage.metadata_name(meta.unique_id), meta.to_json(), self.durable)
+        self.store.write_atomic(storage.metadata_name(meta.unique_id), metafile.encode(meta), self.durable)
 
     def tidy(self, uid: int, generation: int, listing: storage.Listing | None) -> None:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..core import checksums
+from ..core import checksums, metafile
 from ..core.dtypes import as_bytes
 from ..core.boxes import Box, flat_range_boxes
 from ..core.dtypes import DTYPE_NAMES, storage_dtype
@@ -106,7 +106,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
     try:
         pieces, files = _write_files(paddle, src, store, uid, info, by_file, ranks, written, progress)
         meta = _build_metadata(uid, info, pieces, files, ranks, getattr(pmeta, "flat_mapping", None))
-        blob = meta.to_json()
+        blob = metafile.encode(meta)
         # validated as any reader will: pieces inside their tensors, tiling them exactly
         parse_metadata(blob, source=f"the metadata imported from {meta_file}")
         store.write_atomic(metadata_name(uid), blob)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core.compress import Policy
-from ..core import load_plan, save_plan
+from ..core import load_plan, metafile, save_plan
 from ..parallel import protocol
 from ..io import storage
 from ..core.boxes import Box
@@ -145,7 +145,7 @@ def simulate_save(
     before = _peak_rss_mib()
     results = world.run({r: protocol.save(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
     t0 = time.perf_counter()
-    meta_json = published[0].to_json()  # the coordinator's publish serializes it
+    meta_json = metafile.encode(published[0])  # the coordinator's publish serializes it
     world.seconds[coordinator] += time.perf_counter() - t0
     return SaveSim(
         metadata=published[0],

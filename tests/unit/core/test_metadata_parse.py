@@ -83,11 +83,13 @@ def small():
 
 
 def test_refuses_other_format_versions_naming_found_and_supported(small):
-    small["format_version"] = 3
-    message = refused(small, "format_version", "reads versions 1, 2")
-    assert re.search(r"format_version\W+3\b", message), message
+    small["format_version"] = 4
+    message = refused(small, "format_version", "reads versions 1, 2, 3")
+    assert re.search(r"format_version\W+4\b", message), message
     small["format_version"] = 0
-    refused(small, "format_version", "0", "reads versions 1, 2")
+    refused(small, "format_version", "0", "reads versions 1, 2, 3")
+    small["format_version"] = 3  # version 3 is never one JSON document
+    refused(small, "format_version 3", "head line")
     del small["format_version"]
     refused(small, "format_version")
 
