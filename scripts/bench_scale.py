@@ -25,6 +25,10 @@ Figures per rank count (seconds, bytes, MiB):
                              and broadcasts it)
   rank_load_s3_recv_bytes_max  what any other rank receives then (the metadata, and the rest)
   cached_save_plan_s         the coordinator's work in a second save of the same layout
+  rank_metadata_read_bytes_max  the most bytes of the metadata file any rank reads on a shared
+                             file system (the coordinator and two other ranks, measured)
+  rank_metadata_read_s3_bytes_max  the most any rank but the coordinator receives in a load
+                             on object storage (its part of the metadata, and the rest)
   gc_in_timed_s              of the coordinator's timed steps above (simulated saves and loads),
                              the time Python's garbage collector took (see settle())
 """
@@ -46,7 +50,8 @@ for candidate in (HERE.parent.parent / "shared" / "scale", HERE.parent / "shared
         break
 
 from paddle_dcp.core.metadata_parse import parse_metadata  # noqa: E402
-from paddle_dcp.tools.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of  # noqa: E402
+from paddle_dcp.core import metafile  # noqa: E402
+from paddle_dcp.tools.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of, wanted_of  # noqa: E402
 
 try:
     from workload import Job  # noqa: E402
@@ -60,6 +65,15 @@ def log(msg: str) -> None:
 
 def layouts_of(job: Job) -> dict[int, RankLayout]:
     return {r: RankLayout.flat(job.pieces(r)) for r in range(job.ranks)}
+
+
+def read_as_rank(meta_json: bytes, layout: RankLayout):
+    """The metadata as a load rank of ``layout`` reads it on a shared file system: a large
+    version 3 file in parts, any other whole."""
+    if metafile.is_packed(meta_json) and metafile.worth_parts(len(meta_json)):
+        view = memoryview(meta_json)
+        return metafile.read_part(lambda ranges: [view[a:b] for a, b in ranges], len(meta_json), wanted_of(layout))
+    return parse_metadata(meta_json, lazy=True)
 
 
 def settle() -> None:
@@ -94,22 +108,20 @@ def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
     parse_metadata(meta_json)
     validate_s = time.perf_counter() - t0
 
-    # one rank of the middle pipeline stage plans its reads, from a fresh parse
+    # one rank of the middle pipeline stage reads its part of the metadata and plans its reads
     rank = ranks // 2
-    meta = parse_metadata(meta_json, lazy=True)
     t0 = time.perf_counter()
-    ops = plan_rank(meta, targets_of(layouts[rank]))
+    ops = plan_rank(read_as_rank(meta_json, layouts[rank]), targets_of(layouts[rank]))
     plan_s = time.perf_counter() - t0
     reshard_job = Job(model, ranks, max(1, tp // 2), pp)
     target = RankLayout.flat(reshard_job.pieces(rank))
-    meta = parse_metadata(meta_json, lazy=True)
     t0 = time.perf_counter()
-    reshard_ops = plan_rank(meta, targets_of(target))
+    reshard_ops = plan_rank(read_as_rank(meta_json, target), targets_of(target))
     reshard_s = time.perf_counter() - t0
     log(f"[{ranks}] rank {rank} plans {len(ops)} reads in {plan_s:.3f} s, {len(reshard_ops)} resharded in {reshard_s:.3f} s")
 
     settle()
-    load = simulate_load(layouts, meta_json)
+    load = simulate_load(layouts, meta_json, plan_ranks=(rank, ranks - 1))
     log(f"[{ranks}] load simulated: coordinator {load.coordinator_seconds:.2f} s")
     settle()
     s3 = simulate_load(layouts, meta_json, object_storage=True)
@@ -138,6 +150,8 @@ def measure(model: str, ranks: int, tp: int, pp: int) -> dict:
         "coord_load_s3_s": round(s3.coordinator_seconds, 3),
         "rank_load_s3_recv_bytes_max": max(t.received for t in s3_others),
         "cached_save_plan_s": round(cached.coordinator_seconds, 3),
+        "rank_metadata_read_bytes_max": max(load.metadata_read.values()),
+        "rank_metadata_read_s3_bytes_max": max(t.received for t in s3_others),
         "gc_in_timed_s": round(gc_timed, 3),
     }
 
@@ -150,7 +164,8 @@ COLUMNS = [
     ("load_plan_reshard_rank_s", "reshard plan s"), ("coord_load_s", "coord load s"),
     ("rank_load_recv_bytes_max", "load recv B"), ("coord_load_s3_s", "s3 coord load s"),
     ("rank_load_s3_recv_bytes_max", "s3 load recv B"), ("cached_save_plan_s", "cached save s"),
-    ("gc_in_timed_s", "gc in timed s"),
+    ("gc_in_timed_s", "gc in timed s"), ("rank_metadata_read_bytes_max", "metadata_read B"),
+    ("rank_metadata_read_s3_bytes_max", "s3 metadata_read B"),
 ]
 
 

@@ -193,6 +193,7 @@ class TensorColumns:
         checksums: (B,) uint64.
         grid: which tensors' pieces are the cells of their grids, and the cuts, when known
             (:class:`paddle_dcp.core.grids.GridCheck`; a save plan finds them).
+        static: where a writer keeps what the saves of one plan share (its plan's), or None.
     """
 
     keys: tuple[str, ...]
@@ -208,6 +209,7 @@ class TensorColumns:
     block_start: np.ndarray
     checksums: np.ndarray
     grid: Any = None
+    static: dict | None = None
 
     def entry(self, t: int, block_bytes: int) -> TensorEntry:
         """Tensor ``t``'s entry: views of the columns, its checksum starts known."""
@@ -405,6 +407,8 @@ class Metadata:
             doc["replicas"] = True
         if self.subset:
             doc["subset"] = True
+            if self.holders:
+                doc["holders"] = [list(path) for path in sorted(self.holders, key=lambda p: [str(c) for c in p])]
         return with_digest(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
 

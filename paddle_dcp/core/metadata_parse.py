@@ -165,6 +165,11 @@ def _parse(
     if subset and not allow_subset:
         raise FormatError(f"{source}: a metadata file on disk must describe whole tensors (subset is set)")
     replicas = _flag(doc, "replicas", source)
+    holders = doc.get("holders", [])
+    if holders and not subset or not isinstance(holders, list) or not all(
+        isinstance(p, list) and len(p) <= 64 and all(type(c) in (str, int) for c in p) for p in holders
+    ):
+        raise FormatError(f"{source}: holders must be a list of paths, in a part of the metadata only")
 
     def parse_tensor(key: str, t: Any) -> TensorEntry:
         try:
@@ -186,7 +191,7 @@ def _parse(
 
     tensors = LazyTensors(tensors_doc, parse_tensor, parse_many)
     structure = doc["structure"]
-    _check_structure(structure, tensors, source)
+    _check_structure(structure, tensors, source, subset)
     return Metadata(
         unique_id=unique_id,
         world_size=world_size,
@@ -200,6 +205,7 @@ def _parse(
         subset=subset,
         replicas=replicas,
         digest=digest,
+        holders=frozenset(tuple(p) for p in holders),
     )
 
 
@@ -254,8 +260,9 @@ def _flag(doc: dict, name: str, source: str) -> bool:
     return value
 
 
-def _check_structure(structure: Any, tensors: Mapping[str, TensorEntry], source: str) -> None:
-    """The structure's plain values decode, and its tensor leaves are the tensors' keys."""
+def _check_structure(structure: Any, tensors: Mapping[str, TensorEntry], source: str, subset: bool = False) -> None:
+    """The structure's plain values decode, and its tensor leaves are the tensors' keys (of a
+    part of the metadata, whose structure may be the checkpoint's outline, are any of them)."""
     leaves = set()
     for path, tag, node in nested.walk(structure):
         if tag == "t":
@@ -264,7 +271,7 @@ def _check_structure(structure: Any, tensors: Mapping[str, TensorEntry], source:
             nested.decode_value(node, nested.flat_key(path))
         elif tag == "x":
             raise FormatError(f"{source}: value {nested.flat_key(path)!r} has no value")
-    if leaves != set(tensors):
+    if not subset and leaves != set(tensors):
         extra = sorted(leaves ^ set(tensors))[:5]
         raise FormatError(f"{source}: structure and tensors disagree on keys {extra}")
 

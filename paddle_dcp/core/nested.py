@@ -328,6 +328,50 @@ def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]
     return visit(skeleton, ()) or {"d": []}, dropped
 
 
+def filled_with_keys(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]]:
+    """``fill_values`` of a skeleton whose every plain value is a placeholder, and the flat keys
+    of its tensor leaves, in one pass that costs little per leaf (a structure of a hundred
+    thousand tensors).
+
+    Raises:
+        FormatError: a malformed node, or a plain value where only placeholders may be.
+    """
+    keys: list[str] = []
+
+    def visit(node: Any, key: str | None) -> Any:
+        if type(node) is not dict or len(node) != 1:
+            kind(node, key or "")
+        ((tag, body),) = node.items()
+        if tag == "t":
+            keys.append(key or "")
+            return node
+        if tag == "x":
+            k = key or ""
+            return encode_value(values[k]) if k in values else None
+        if tag == "d":
+            if type(body) is not list:
+                _body(node, tag, key)
+            items = []
+            prefix = "" if key is None else key + "."
+            for item in body:
+                if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+                    _body(node, tag, key)
+                name, child = item
+                if type(child) is dict and len(child) == 1 and "t" in child:  # most leaves: a tensor
+                    keys.append(prefix + name)
+                    items.append(item)
+                    continue
+                child = visit(child, prefix + name)
+                if child is not None:
+                    items.append([name, child])
+            return {"d": items}
+        if tag in ("l", "u"):
+            return {tag: [visit(c, _join(key, str(i))) or {"v": None} for i, c in enumerate(_body(node, tag, key))]}
+        raise FormatError(f"{key or '<root>'}: a {tag!r} node where only placeholders may be")
+
+    return visit(skeleton, None) or {"d": []}, keys
+
+
 def tensor_keys(skeleton: dict) -> list[str]:
     """Flat keys of the skeleton's tensor leaves, depth first."""
     return [flat_key(path) for path, tag, _ in walk(skeleton) if tag == "t"]

@@ -143,6 +143,8 @@ class SavePlan:
             a key may repeat a box, on several writers.
         grids: which keys' pieces are exactly the cells of their cuts, and the cuts
             (:mod:`~paddle_dcp.core.grids`; None with ``replicas``).
+        static: what the metadata files of this plan's saves share, kept by their writer
+            (:mod:`~paddle_dcp.core.metafile_write`).
     """
 
     keys: tuple[str, ...]
@@ -162,6 +164,7 @@ class SavePlan:
     encodings: tuple[str | None, ...] = ()
     sources: tuple[str | None, ...] = ()
     grids: GridCheck | None = None
+    static: dict = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -503,6 +506,7 @@ def build_metadata(
         block_start=block_start,
         checksums=all_sums[idx] if total else np.zeros(0, np.uint64),
         grid=plan.grids,
+        static=plan.static,
     )
     return Metadata(
         unique_id=unique_id,

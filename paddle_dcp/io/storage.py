@@ -11,7 +11,7 @@ any storage lives beside it: reading byte ranges (``io/reads.py``), cleaning up
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ContextManager, Iterable, Protocol
+from typing import ContextManager, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -83,6 +83,46 @@ def listing_of(names: Iterable[str]) -> Listing:
             temporary.append(name)
     data_sets = {k: frozenset(v) for k, v in data.items()}
     return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found), frozenset(every))
+
+
+class FileRanges:
+    """Byte ranges of one file of a storage, read as they are asked for (what
+    :func:`paddle_dcp.core.metafile.read_part` reads the metadata through). Ranges less than
+    ``gap`` bytes apart are read in one request; ``bytes_read`` counts what was read."""
+
+    def __init__(self, store: "Storage", name: str, gap: int = 4096):
+        self.name, self.gap = name, gap
+        self.reader = store.range_reader()
+        self.bytes_read = 0
+
+    def __call__(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        out: list[bytes] = [b""] * len(ranges)
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+        run: list[int] = []
+
+        def flush() -> None:
+            if not run:
+                return
+            lo, hi = ranges[run[0]][0], max(ranges[i][1] for i in run)
+            buf = bytearray(hi - lo)
+            self.reader.read_into(self.name, lo, memoryview(buf))
+            self.bytes_read += hi - lo
+            for i in run:
+                out[i] = bytes(buf[ranges[i][0] - lo : ranges[i][1] - lo])
+            run.clear()
+
+        end = 0
+        for i in order:
+            a, b = ranges[i]
+            if run and a > end + self.gap:
+                flush()
+            end = max(end, b) if run else b
+            run.append(i)
+        flush()
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 # ---------------------------------------------------------------------- the interface

@@ -27,7 +27,8 @@ import xxhash
 
 from . import wire
 from .requests import Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, Scatter  # noqa: F401 - protocol.Gather...
-from ..core import load_plan, nested, save_plan
+from ..core import load_plan, metafile, nested, save_plan
+from ..core.boxes import Box
 from ..core.compress import Policy
 from ..errors import FormatError, StorageError
 from ..core.metadata import Metadata
@@ -366,6 +367,16 @@ class LoadRankProtocol(_Protocol):
     def metadata_bytes(self, view: Any, uid: int) -> bytes:
         """The content of ``uid``'s metadata file (the coordinator, when ``lists_for_all``)."""
 
+    def in_parts(self, data: bytes) -> memoryview | None:
+        """The metadata file in the coordinator's ``metadata_bytes`` when it is large enough
+        to be read in parts (a version 3 file, :func:`paddle_dcp.core.metafile.worth_parts`),
+        else None."""
+
+    def wanted(self, view: Any) -> Mapping[str, Sequence[Box]] | None:
+        """The checkpoint keys this rank may read, with the boxes it fills of each (what it
+        reads of a large metadata file: :func:`paddle_dcp.core.metafile.read_part`); None when
+        it needs every key."""
+
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         """``uid``'s metadata parsed from ``data``, the content another rank read."""
 
@@ -431,15 +442,83 @@ def _check_found(uid: int, path: str) -> None:
 
 def _metadata_from_coordinator(ctx: LoadRankProtocol, view: Any, uid: int) -> Protocol:
     """Every rank sees the same objects: the coordinator alone reads the metadata (a missing or
-    unreadable object fails this step on every rank) and broadcasts its bytes, which every rank
-    parses: one GET of it per load, not one per rank."""
+    unreadable object fails this step on every rank): one GET of it per load, not one per rank.
+    A small file, or one some rank needs whole, is broadcast and every rank parses it; of a
+    large one each rank receives only what it reads (:func:`_metadata_parts`)."""
     def read():
         _check_found(uid, ctx.path)
         return ctx.metadata_bytes(view, uid) if ctx.rank == ctx.coordinator else b""
 
-    data = yield from local("read metadata", read)
+    data, (parts, whole) = yield from local_max(
+        "read metadata", read,
+        lambda d: (1 if ctx.rank == ctx.coordinator and ctx.in_parts(d) is not None else 0,
+                   1 if ctx.wanted(view) is None else 0), 2,
+    )
+    if parts and not whole:
+        return (yield from _metadata_parts(ctx, view, uid, data))
     data = yield Broadcast(data, ctx.coordinator)
     return (yield from local("parse metadata", lambda: ctx.parse_metadata(uid, data)))
+
+
+def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> Protocol:
+    """Each rank's part of a large version 3 file that only the coordinator read: the start
+    (head, files, index) broadcast, then the rounds of :func:`paddle_dcp.core.metafile.part_rounds`,
+    each rank's ranges gathered and their bytes scattered back. Every part is checked against
+    its digest by the rank that uses it."""
+    coord = ctx.rank == ctx.coordinator
+    body = ctx.in_parts(data) if coord else None
+    body = body if body is not None else memoryview(b"")
+    source = f"{ctx.path}: {uid}.metadata"
+
+    def start_blob() -> bytes:
+        asked: list[tuple[int, int]] = []
+        metafile.read_start(lambda r: asked.extend(r) or [body[a:b] for a, b in r], len(body), source)
+        return wire.encode_chunks([len(body)] + [x for r in asked for x in r], [body[a:b] for a, b in asked])
+
+    blob = yield from local("metadata: start", start_blob if coord else (lambda: b""))
+    blob = yield Broadcast(blob, ctx.coordinator)
+
+    def begin():
+        numbers, chunks = wire.decode_chunks(blob)
+        known = {(numbers[i], numbers[i + 1]): c for i, c in zip(range(1, len(numbers), 2), chunks)}
+        start = metafile.read_start(lambda r: [known[(a, b)] for a, b in r], numbers[0], source)
+        rounds = metafile.part_rounds(start, ctx.wanted(view) or {}, source)
+        return rounds, next(rounds)
+
+    rounds, request = yield from local("metadata: begin", begin)
+    for step in range(3):
+        asked = yield Gather(wire.encode_chunks([x for r in request for x in r], []), ctx.coordinator)
+
+        def serve():
+            out = []
+            for blob in asked:
+                numbers, _ = wire.decode_chunks(blob)
+                out.append(wire.encode_chunks([], [_slice(body, numbers[i], numbers[i + 1]) for i in range(0, len(numbers), 2)]))
+            return out
+
+        answers = yield from local("metadata: serve", serve if coord else (lambda: None))
+        got = wire.decode_chunks((yield Scatter(answers, ctx.coordinator)))[1]
+        request = yield from local("metadata: parts", lambda: _advance(rounds, got, step == 2))
+    return request
+
+
+def _slice(body: memoryview, start: int, stop: int) -> memoryview:
+    if not 0 <= start <= stop <= len(body):
+        raise FormatError(f"a rank asked for bytes {start}..{stop} of a {len(body)}-byte metadata file")
+    return body[start:stop]
+
+
+def _advance(rounds: Any, got: list, last: bool) -> Any:
+    """The next round's ranges, or after the last the metadata."""
+    try:
+        request = rounds.send(got)
+    except StopIteration as stop:
+        if not last:
+            raise FormatError("the metadata's reader ended a round early") from None
+        return stop.value
+    if last:
+        raise FormatError("the metadata's reader asked for a fourth round")
+    return request
 
 
 def _metadata_of_each(ctx: LoadRankProtocol, view: Any, uid: int, listing) -> Protocol:

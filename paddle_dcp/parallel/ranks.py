@@ -21,7 +21,8 @@ from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
 from .placements import Held, describe, held_of, is_tensor, reduce_partials, tensor_name
 from ..core import aoa, load_plan, metafile, nested, save_plan
-from ..core.keys import MissingKeys, match_keys, reconcile
+from ..core.boxes import Box
+from ..core.keys import MissingKeys, match_keys, mw_compatible_name, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
 from ..core.metadata_parse import parse_metadata
 from ..errors import ArgumentError, UnsupportedError
@@ -299,9 +300,33 @@ class LocalLoadRank:
     def all_targets(self, blobs: Sequence[bytes]) -> Any:
         return aoa.merge_targets(wire.decode_json(b) for b in blobs)
 
+    def wanted(self, view: LoadView) -> dict[str, list[Box]] | None:
+        """The checkpoint keys this rank may read (its tensors' keys, and their master-weight
+        spellings) with the boxes it fills of each; None when it must see every key (an
+        aoa_config matches patterns against them)."""
+        if self.aoa_config is not None or view.shards is not None:
+            return None
+        out: dict[str, list[Box]] = {}
+        for h in view.held:
+            boxes = [piece.box for piece, _ in h.pieces() if piece.box is not None] if h.local is not None else []
+            for key in (h.piece.key, mw_compatible_name(h.piece.key) if self.mw else None):
+                if key is not None:
+                    out.setdefault(key, []).extend(boxes)
+        return out
+
     def read_metadata(self, view: LoadView, uid: int) -> Metadata:
         if view.shards is not None:
             return safetensors_files.metadata_from_blob(self._directory_blob(view), self.store.path, uid)
+        wanted = self.wanted(view)
+        name = storage.metadata_name(uid)
+        size = self.store.size(name) if wanted is not None else None
+        if size is not None and metafile.worth_parts(size):
+            ranges = storage.FileRanges(self.store, name)
+            try:
+                if metafile.is_packed(ranges([(0, min(size, 64))])[0]):
+                    return metafile.read_part(ranges, size, wanted, self.store.resolve(name))
+            finally:
+                ranges.close()
         return self.store.read_metadata(uid, lazy=True)
 
     def _directory_blob(self, view: LoadView) -> bytes:
@@ -315,6 +340,10 @@ class LocalLoadRank:
             return b"D" + self._directory_blob(view)
         return b"M" + self.store.metadata_bytes(uid)
 
+    def in_parts(self, data: bytes) -> memoryview | None:
+        body = memoryview(data)[1:]
+        return body if data[:1] == b"M" and metafile.is_packed(body) and metafile.worth_parts(len(body)) else None
+
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         if data[:1] == b"D":
             return safetensors_files.metadata_from_blob(memoryview(data)[1:], self.store.path, uid)
@@ -327,8 +356,17 @@ class LocalLoadRank:
                 f"aoa_config needs every rank to read the metadata of the checkpoint in {self.path}; "
                 f"ranks {others} cannot (node-local disks): copy it to them"
             )
+        def part_for(uid: int, wanted: dict) -> Metadata:  # a helper that read only its own part reads the client's
+            name = storage.metadata_name(uid)
+            ranges = storage.FileRanges(self.store, name)
+            try:
+                return metafile.read_part(ranges, self.store.size(name) or 0, wanted, self.store.resolve(name))
+            finally:
+                ranges.close()
+
         return protocol.Pairwise(
-            "metadata from helpers", lambda c: metadata_from_helpers(c, readers, meta, view.flat, view.held, self.mw)
+            "metadata from helpers",
+            lambda c: metadata_from_helpers(c, readers, meta, view.flat, view.held, self.mw, part_for),
         )
 
     def plan(
@@ -357,8 +395,11 @@ def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:
     return storage.Listing(frozenset({uid}), {}, names=frozenset(names))
 
 
-def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Metadata:
-    """Ranks without the metadata file get the part they need from a rank that has it."""
+def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool, part_for=None) -> Metadata:
+    """Ranks without the metadata file get the part they need from a rank that has it: cut
+    from its metadata, or, when it read only its own part of a large file
+    (:func:`paddle_dcp.core.metafile.read_part`), read for the client (``part_for(uid,
+    wanted)``)."""
     non_readers = [r for r in comm.ranks if r not in readers]
     helper_of = {r: readers[i % len(readers)] for i, r in enumerate(non_readers)}
     my_helper = helper_of.get(comm.rank)
@@ -371,6 +412,8 @@ def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Me
     def answer(client: int, question: bytes) -> bytes:
         summary = wire.decode_summary(question, client)
         keys = nested.tensor_keys(summary.skeleton)
+        if meta.subset:
+            return part_for(meta.unique_id, _wanted_of(summary, keys, mw)).to_json()
         match = match_keys(keys, list(meta.tensors), mw)
         targets = []
         for row, i in enumerate(summary.leaves_of_rows().tolist()):
@@ -384,3 +427,15 @@ def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool) -> Me
     if reply is not None:
         meta = parse_metadata(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
     return meta
+
+
+def _wanted_of(summary: save_plan.SaveSummary, keys: list[str], mw: bool) -> dict[str, list[Box]]:
+    """A client's keys (and their master-weight spellings) with the boxes it fills, from the
+    summary it sent."""
+    out: dict[str, list[Box]] = {}
+    for row, i in enumerate(summary.leaves_of_rows().tolist()):
+        box = summary.piece_box(row)
+        for key in (keys[i], mw_compatible_name(keys[i]) if mw else None):
+            if key is not None:
+                out.setdefault(key, []).extend([box] if box is not None else [])
+    return out

@@ -30,6 +30,7 @@ _SUMMARY = b"DCS1"
 _SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf column leads the boxes
 _REPORT = b"DCR1"
 _ASSIGN = b"DCA1"
+_CHUNKS = b"DCK1"
 
 
 def encode_summary(summary: SaveSummary) -> bytes:
@@ -96,6 +97,33 @@ def decode_report(data: bytes, rank: int) -> tuple[int, np.ndarray]:
     file_bytes, n = struct.unpack_from("<QQ", data, 4)
     sums = np.frombuffer(data, dtype="<u8", offset=20, count=n)
     return file_bytes, sums
+
+
+def encode_chunks(numbers: Sequence[int], chunks: Sequence[bytes | memoryview]) -> bytes:
+    """Integers and byte strings in one message (byte ranges asked for, and their bytes)."""
+    lengths = np.array([len(c) for c in chunks], dtype="<u8")
+    return b"".join([_CHUNKS, struct.pack("<QQ", len(numbers), len(chunks)),
+                     np.asarray(numbers, dtype="<i8").tobytes(), lengths.tobytes(), *[bytes(c) for c in chunks]])
+
+
+def decode_chunks(data: bytes) -> tuple[list[int], list[bytes]]:
+    """:func:`encode_chunks`' integers and byte strings, every length checked."""
+    data = bytes(data)
+    if data[:4] != _CHUNKS or len(data) < 20:
+        raise FormatError("not a message of byte ranges")
+    n, k = struct.unpack_from("<QQ", data, 4)
+    at = 20 + 8 * (n + k)
+    if n > len(data) or k > len(data) or at > len(data):
+        raise FormatError("a message of byte ranges is truncated")
+    numbers = np.frombuffer(data, dtype="<i8", count=n, offset=20).tolist()
+    lengths = np.frombuffer(data, dtype="<u8", count=k, offset=20 + 8 * n).tolist()
+    if at + sum(lengths) != len(data):
+        raise FormatError("a message of byte ranges does not add up")
+    chunks = []
+    for length in lengths:
+        chunks.append(data[at : at + length])
+        at += length
+    return numbers, chunks
 
 
 def encode_json(obj) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -170,6 +170,7 @@ class LoadSim:
     coordinator_gc_seconds: float = 0.0
     coordinator_entries_parsed: int = 0
     coordinator_calls: int = 0  # function calls in the coordinator's steps (count_calls=True)
+    metadata_read: dict[int, int] = field(default_factory=dict)  # bytes of the metadata file each planning rank read
 
 
 class _NoWork:
@@ -218,10 +219,11 @@ class _SimLoadRank:
     path = "<simulated>"
     shares_targets = False
 
-    def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed, lists_for_all):
+    def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed, lists_for_all,
+                 wanted, read_bytes):
         self.rank, self.ranks, self.coordinator = rank, ranks, coordinator
         self.listing, self.metadata_json, self.shared, self.layout, self.parsed = listing, metadata_json, shared, layout, parsed
-        self.lists_for_all = lists_for_all
+        self.lists_for_all, self._wanted, self.read_bytes = lists_for_all, wanted, read_bytes
 
     def inspect(self):
         if self.lists_for_all and self.rank != self.coordinator:
@@ -229,15 +231,37 @@ class _SimLoadRank:
         return None, self.listing
 
     def read_metadata(self, view, uid: int) -> Metadata:
-        return self.parse_metadata(uid, self.metadata_json)
+        """As a rank on a shared file system reads it: a large version 3 file in parts (the
+        bytes read counted), any other whole."""
+        data = self.metadata_json
+        if self.layout is None:
+            return self.shared
+        if metafile.is_packed(data) and metafile.worth_parts(len(data)):
+            view_ = memoryview(data)
+
+            def fetch(ranges):
+                self.read_bytes[self.rank] = self.read_bytes.get(self.rank, 0) + sum(b - a for a, b in ranges)
+                return [view_[a:b] for a, b in ranges]
+
+            self.parsed[self.rank] = metafile.read_part(fetch, len(data), self.wanted(view))
+            return self.parsed[self.rank]
+        self.read_bytes[self.rank] = len(data)
+        return self.parse_metadata(uid, b"M" + data)
 
     def metadata_bytes(self, view, uid: int) -> bytes:
-        return self.metadata_json
+        return b"M" + self.metadata_json
+
+    def wanted(self, view):
+        return self._wanted
+
+    def in_parts(self, data: bytes) -> memoryview | None:
+        body = memoryview(data)[1:]
+        return body if metafile.is_packed(body) and metafile.worth_parts(len(body)) else None
 
     def parse_metadata(self, uid: int, data: bytes) -> Metadata:
         if self.layout is None:
             return self.shared
-        self.parsed[self.rank] = parse_metadata(data, lazy=True)
+        self.parsed[self.rank] = parse_metadata(data[1:], lazy=True)
         return self.parsed[self.rank]
 
     def metadata_from_helpers(self, view, readers, meta):
@@ -246,6 +270,7 @@ class _SimLoadRank:
     def plan(self, view, meta, uid, listing, statuses, every_target):
         if self.layout is None:
             return _NoWork()
+        self.parsed[self.rank] = meta
         return _PlannedWork(plan_rank(meta, targets_of(self.layout)))
 
     def targets(self, view) -> bytes:
@@ -279,13 +304,26 @@ def simulate_load(
     writers = [w for w in (storage.parse_data_name(f.name) for f in shared.files) if w is not None]
     listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset((r, g) for r, _, g in writers)})
 
+    read_bytes: dict[int, int] = {}
+
     def rank_ctx(r: int) -> protocol.LoadRankProtocol:  # mypy checks that the simulated rank is one
         real = r == coordinator or r in plan_ranks
+        # on object storage every rank asks the coordinator for its part of a large file
+        wanted = wanted_of(layouts[r]) if real or object_storage else None
         return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
-                            object_storage)
+                            object_storage, wanted, read_bytes)
 
     world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,), count_calls=count_calls)
     tensors = parsed[coordinator].tensors
     entries = tensors.parsed_count if isinstance(tensors, LazyTensors) else len(tensors)
     return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds, world.gc_seconds[coordinator], entries,
-                   world.calls[coordinator])
+                   world.calls[coordinator], read_bytes)
+
+
+def wanted_of(layout: RankLayout) -> dict[str, list[Box]]:
+    """The keys a rank of this layout reads and the boxes it fills (what it reads of a large
+    metadata file)."""
+    out: dict[str, list[Box]] = {}
+    for p in layout.pieces:
+        out.setdefault(p.key, []).extend([p.box] if p.box is not None else [])
+    return out

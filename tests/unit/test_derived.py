@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import metadoc
 import numpy as np
 import pytest
 
@@ -177,7 +178,7 @@ def test_the_manager_saves_master_weights_derived_and_restores_them(tmp_path):
         manager.wait()
         got = zeros(state)
         assert manager.restore(got) == 4
-    doc = json.loads((tmp_path / "4.metadata").read_bytes())
+    doc = metadoc.read((tmp_path / "4.metadata").read_bytes())
     assert doc["tensors"]["opt.master_weights.linear_0.b_0"]["source"] == "model.fc.bias"
     want = state["model"]["fc.bias"].astype("float32").numpy()
     assert got["opt"]["master_weights"]["linear_0.b_0"].numpy().tobytes() == want.tobytes()
@@ -192,15 +193,13 @@ def test_read_state_dict_metadata_lays_a_derived_tensor_out_as_its_source(tmp_pa
 
 
 def test_a_load_whose_checkpoint_lacks_the_parameter_fails_naming_both_before_any_tensor_changes(tmp_path):
-    from paddle_dcp.core.metadata import with_digest
     from paddle_dcp.errors import FormatError
 
     state = paddle_state(np.random.default_rng(5))
     paddle_dcp.save_state_dict(state, str(tmp_path), compress=paddle_dcp.MASTER_WEIGHTS_DERIVED)
-    doc = json.loads((tmp_path / "0.metadata").read_bytes())
+    doc = metadoc.read((tmp_path / "0.metadata").read_bytes())
     doc["tensors"]["opt.master_weights.linear_0.w_0"]["source"] = "model.fc.gone"  # a hand-edited file
-    body = json.dumps({k: v for k, v in doc.items() if k != "digest"}, separators=(",", ":")).encode()
-    (tmp_path / "0.metadata").write_bytes(with_digest(body))
+    (tmp_path / "0.metadata").write_bytes(metadoc.write(doc))
     got = zeros(state)
     with pytest.raises(FormatError, match=r"opt\.master_weights\.linear_0\.w_0.*'model\.fc\.gone'.*not a tensor"):
         paddle_dcp.load_state_dict(got, str(tmp_path))

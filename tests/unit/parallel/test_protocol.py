@@ -211,6 +211,12 @@ class FakeLoadRank:
         assert meta is self.meta and len(statuses) == SIZE and view == f"view of {self.rank}"
         return FakeWork(self.log, self.remote)
 
+    def wanted(self, view):
+        return {}
+
+    def in_parts(self, data):
+        return None  # these tests' metadata is small: read whole
+
     def targets(self, view):
         return b""
 
