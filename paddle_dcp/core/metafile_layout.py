@@ -517,8 +517,6 @@ def _check_rows(keys: Sequence[str], sources: Sequence[str | None], c: dict, sha
     if n and (volume * 16 > _MAX_INT).any():
         t = int(np.flatnonzero(volume * 16 > _MAX_INT)[0])
         raise FormatError(f"{what}: tensor {keys[t]!r}: shape has too many elements")
-    if ((ndim == 0) & (count > 1)).any():
-        raise FormatError(f"{what}: tensor {keys[int(np.flatnonzero((ndim == 0) & (count > 1))[0])]!r}: a scalar is one piece")
     for t in np.flatnonzero(enc != 0).tolist():
         name, dt, key = ENCODINGS[int(enc[t])], DTYPES[int(dtype[t])], keys[t]
         holds = DERIVED_DTYPES if name == DERIVED else quant.ENCODABLE

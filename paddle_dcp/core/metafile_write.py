@@ -65,7 +65,7 @@ def encode(meta: Metadata, grid: grids.GridCheck | None = None) -> bytes:
         "counts": {"tensors": len(cols.keys), "pieces": len(cols.files), "blocks": len(cols.checksums),
                    "files": len(meta.files), "parts": len(parts)},
         "widths": {"file": s.wf, "offset": s.wo},
-        "outline": _filled(s.outline, meta.structure) if s.has_values else s.outline,
+        "outline": _outline_values(s, meta.structure),
         "holders": s.holders,
         "sections": sections,
         "areas": areas,
@@ -94,9 +94,8 @@ class _Static:
     outline: dict  # the outline, plain values as placeholders
     holders: list
     has_values: bool
-    group_records: np.ndarray  # (groups, 2) byte ranges of each group's records, boxes, checksums
-    group_boxes: np.ndarray
-    group_sums: np.ndarray
+    groups: list  # every group's byte ranges: (records from, to, boxes from, to, checksums from, to)
+    values_at: list  # (flat key, index path in the structure) of every plain value of the outline
 
 
 def _static(meta: Metadata, cols: TensorColumns, grid: grids.GridCheck | None) -> dict:
@@ -120,9 +119,8 @@ def _static(meta: Metadata, cols: TensorColumns, grid: grids.GridCheck | None) -
     boxes = _boxes(cols, box_len, ndims, tensor_of, int(box_at[-1]))
     g_first, g_end = _groups(cols.piece_start)
     w = wf + wo
-    group_records = np.stack([g_first * w, g_end * w], axis=1)
-    group_boxes = np.stack([box_at[g_first], box_at[g_end]], axis=1)
-    group_sums = np.stack([8 * cols.block_start[g_first], 8 * cols.block_start[g_end]], axis=1)
+    groups = np.stack([g_first * w, g_end * w, box_at[g_first], box_at[g_end], 8 * cols.block_start[g_first],
+                       8 * cols.block_start[g_end]], axis=1).tolist()
     first_box = box_at[cols.piece_start[:-1]]
     rows = np.stack([
         np.zeros(n_t, np.int64), np.zeros(n_t, np.int64),  # key and source lengths: filled per part
@@ -138,16 +136,16 @@ def _static(meta: Metadata, cols: TensorColumns, grid: grids.GridCheck | None) -
     return {"parts": _Static(
         wf=wf, wo=wo, records=records, boxes=boxes, packed=packed, raw=raw, counts=per_part, part_groups=part_groups,
         first_keys=first_keys, first_key_len=first_key_len, structure=(deflate(structure_raw), len(structure_raw)),
-        outline=outline, holders=holders, has_values=_has_values(outline), group_records=group_records,
-        group_boxes=group_boxes, group_sums=group_sums,
+        outline=outline, holders=holders, has_values=_has_values(outline), groups=groups,
+        values_at=_value_paths(outline, meta.structure),
     )}
 
 
 def _group_digests(s: _Static, sums: bytes) -> np.ndarray:
     """The digest of every group: its records, boxes and checksums, in that order."""
     rec, box, sm = memoryview(s.records), memoryview(s.boxes), memoryview(sums)
-    out = np.zeros(len(s.group_records), dtype=np.uint64)
-    for g, (ra, rb, ba, bb, sa, sb) in enumerate(np.concatenate([s.group_records, s.group_boxes, s.group_sums], axis=1).tolist()):
+    out = np.zeros(len(s.groups), dtype=np.uint64)
+    for g, (ra, rb, ba, bb, sa, sb) in enumerate(s.groups):
         h = xxhash.xxh3_64(rec[ra:rb])
         if bb > ba:
             h.update(box[ba:bb])
@@ -269,6 +267,49 @@ _TENSOR = {"t": 0}
 
 def _has_values(outline: dict) -> bool:
     return any(tag == "x" for _, tag, _ in nested.walk(outline))
+
+
+def _value_paths(outline: dict, structure: dict) -> list[tuple[str, tuple]]:
+    """Where the outline's plain values lie in the structure: (flat key, the (index, dict key
+    or None) of every container's item on the way), found once for the saves of a plan."""
+    out: list[tuple[str, tuple]] = []
+
+    def visit(node: dict, full: Any, key: str | None, at: tuple) -> None:
+        (tag, body), = node.items()
+        if tag == "x":
+            out.append((key or "", at))
+        elif tag == "d" and isinstance(full, dict) and "d" in full:
+            where = {k: i for i, (k, _) in enumerate(full["d"])}
+            for k, c in body:
+                if k in where:
+                    visit(c, full["d"][where[k]][1], k if key is None else f"{key}.{k}", at + ((where[k], k),))
+        elif tag in ("l", "u") and isinstance(full, dict) and tag in full:
+            for i, c in enumerate(body):
+                if i < len(full[tag]):
+                    visit(c, full[tag][i], str(i) if key is None else f"{key}.{i}", at + ((i, None),))
+
+    visit(outline, structure, None, ())
+    return out
+
+
+def _outline_values(s: _Static, structure: dict) -> dict:
+    """The outline with this save's plain values, taken from the structure at the places found
+    for the plan (the whole outline walked again when the structure is not laid out as then)."""
+    if not s.has_values:
+        return s.outline
+    values: dict[str, dict] = {}
+    for key, at in s.values_at:
+        node: Any = structure
+        for i, name in at:
+            (tag, body), = node.items()
+            if i >= len(body) or (tag == "d") != (name is not None) or (name is not None and body[i][0] != name):
+                return _filled(s.outline, structure)
+            node = body[i][1] if tag == "d" else body[i]
+        if type(node) is not dict or len(node) != 1 or ("v" not in node and "f" not in node):
+            return _filled(s.outline, structure)
+        values[key] = node
+    filled = nested.fill_values(s.outline, {k: nested.decode_value(v, k) for k, v in values.items()})[0]
+    return filled
 
 
 def _filled(outline: dict, structure: dict) -> dict:

@@ -17,8 +17,9 @@ The skeleton is the tree in JSON, one node per container or leaf::
 from __future__ import annotations
 
 import math
+from itertools import repeat
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -185,88 +186,200 @@ def merge(base: dict, other: dict) -> dict:
         FormatError: the same path is a tensor on one side and something else on the other.
     """
     union = SkeletonUnion()
-    union.add(base)
-    union.add(other)
+    union.add(*runs_of(base))
+    union.add(*runs_of(other))
     return union.result()
 
 
-class SkeletonUnion:
-    """The union of many skeletons, built in place: each :meth:`add` costs the size of the
-    skeleton added, not of the union so far (a save of thousands of ranks whose layouts all
-    differ adds thousands). The fold is the pairwise merge: dict items keep the order they were
-    first seen in, lists and tuples keep their longer tail, a plain value beats a placeholder
-    (``{"x": 0}``) and the first plain value wins.
+def runs_of(skeleton: dict) -> tuple[dict, list[str]]:
+    """A skeleton as an outline and its tensor keys (depth first): in the outline, every run of
+    consecutive tensor leaves of a dict is one integer, its length (lists and tuples keep their
+    ``{"t": 0}``). A state dict of a hundred thousand tensors is then a few nodes and a list of
+    keys, which a rank sends and the coordinator merges at little cost per key."""
+    keys: list[str] = []
 
-    Inside, a dict is a ``[tag, index, items]`` list (``index``: key -> item position), a list or
-    tuple ``[tag, None, items]``, a leaf its JSON node."""
-
-    def __init__(self) -> None:
-        self._root: Any = None
-
-    def add(self, skeleton: dict) -> list[str]:
-        """Merge ``skeleton`` in; returns the flat keys of its tensor leaves, depth first (as
-        :func:`tensor_keys`).
-
-        Raises:
-            FormatError: a malformed node, or a path that is a tensor here and something else
-                in a skeleton added before.
-        """
-        keys: list[str] = []
-        self._root = self._merge(self._root, skeleton, None, keys)
-        return keys
-
-    def _merge(self, mine: Any, node: Any, key: str | None, keys: list[str]) -> Any:
+    def visit(node: dict, key: str | None) -> dict:
         tag = kind(node, key or "")
-        if mine is None:  # first seen: take it over (containers become mutable)
-            return self._adopt(node, tag, key, keys)
-        have = mine[0] if isinstance(mine, list) else kind(mine, key or "")
-        if tag in ("v", "f", "x") and have in ("v", "f", "x"):
-            return node if have == "x" else mine
-        if tag != have:
-            raise FormatError(f"{key or '<root>'}: ranks disagree on this entry's kind ({have} vs {tag})")
-        if tag == "t":
-            keys.append(key or "")
-            return mine
-        body = _body(node, tag, key)
-        items = mine[2]
-        if tag == "d":
-            index = mine[1]
-            for k, child in body:
-                at = index.get(k)
-                child_key = _join(key, k)
-                if at is None:
-                    index[k] = len(items)
-                    items.append([k, self._adopt(child, kind(child, child_key), child_key, keys)])
-                else:
-                    items[at][1] = self._merge(items[at][1], child, child_key, keys)
-            return mine
-        for i, child in enumerate(body):
-            child_key = _join(key, str(i))
-            if i < len(items):
-                items[i] = self._merge(items[i], child, child_key, keys)
-            else:
-                items.append(self._adopt(child, kind(child, child_key), child_key, keys))
-        return mine
-
-    def _adopt(self, node: dict, tag: str, key: str | None, keys: list[str]) -> Any:
         if tag == "t":
             keys.append(key or "")
             return node
         if tag not in _CONTAINERS:
             return node
         body = _body(node, tag, key)
+        if tag != "d":
+            return {tag: [visit(c, _join(key, str(i))) for i, c in enumerate(body)]}
+        items: list = []
+        prefix = "" if key is None else key + "."
+        for name, child in body:
+            if type(child) is dict and len(child) == 1 and "t" in child:
+                keys.append(prefix + name)
+                if items and type(items[-1]) is int:
+                    items[-1] += 1
+                else:
+                    items.append(1)
+            else:
+                items.append([name, visit(child, prefix + name)])
+        return {"d": items}
+
+    return visit(skeleton, None), keys
+
+
+def from_runs(outline: dict, keys: Sequence[str]) -> dict:
+    """The skeleton :func:`runs_of` took apart.
+
+    Raises:
+        FormatError: a run whose keys do not lie in its dict, or keys left over or missing.
+    """
+    at = 0
+
+    def visit(node: Any, key: str | None) -> dict:
+        nonlocal at
+        tag = kind(node, key or "")
+        if tag == "t":
+            if at >= len(keys):
+                raise FormatError(f"{key or '<root>'}: more tensor leaves than keys")
+            at += 1
+            return node
+        if tag not in _CONTAINERS:
+            return node
+        body = node[tag]
+        if not isinstance(body, list):
+            raise FormatError(f"{key or '<root>'}: malformed container")
+        if tag != "d":
+            return {tag: [visit(c, _join(key, str(i))) for i, c in enumerate(body)]}
+        items: list = []
+        for item in body:
+            if type(item) is int:
+                items.extend([name, {"t": 0}] for name in _run_names(keys, at, item, key))
+                at += item
+            elif isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
+                items.append([item[0], visit(item[1], _join(key, item[0]))])
+            else:
+                raise FormatError(f"{key or '<root>'}: malformed dict item {str(item)[:80]}")
+        return {"d": items}
+
+    skeleton = visit(outline, None)
+    if at != len(keys):
+        raise FormatError(f"{len(keys)} tensor keys for {at} tensor leaves")
+    return skeleton
+
+
+def _run_names(keys: Sequence[str], at: int, n: int, key: str | None) -> list[str]:
+    """The names, in their dict at ``key``, of the ``n`` tensor keys from ``at``."""
+    if n < 1 or at + n > len(keys):
+        raise FormatError(f"{key or '<root>'}: a run of {n} tensor leaves past the {len(keys)} keys")
+    run = keys[at : at + n]
+    if key is None:
+        return list(run)
+    prefix = key + "."
+    if not all(map(str.startswith, run, repeat(prefix))):
+        raise FormatError(f"{key}: a tensor key of its run does not lie in it")
+    cut = len(prefix)
+    return [k[cut:] for k in run]
+
+
+_TENSOR_LEAF = {"t": 0}
+
+
+class SkeletonUnion:
+    """The union of many skeletons, each given as :func:`runs_of` takes it apart, built in
+    place: each :meth:`add` costs its outline's nodes and, per tensor key, a few set and dict
+    operations (a save of thousands of ranks whose layouts all differ adds thousands, of a
+    hundred thousand tensors). The fold is the pairwise merge: dict items keep the order they
+    were first seen in, lists and tuples keep their longer tail, a plain value beats a
+    placeholder (``{"x": 0}``) and the first plain value wins.
+
+    Inside, a dict is a ``[tag, index, items, tensors]`` list (``index``: name -> item
+    position; ``tensors``: the names of its tensor leaves), a list or tuple ``[tag, None,
+    items, None]``, a leaf its JSON node."""
+
+    def __init__(self) -> None:
+        self._root: Any = None
+        self._keys: Sequence[str] = ()
+        self._at = 0
+
+    def add(self, outline: dict, keys: Sequence[str]) -> None:
+        """Merge in a skeleton given as (outline, tensor keys), :func:`runs_of`'s.
+
+        Raises:
+            FormatError: a malformed node, a run of keys that does not lie in its dict, or a
+                path that is a tensor here and something else in a skeleton added before.
+        """
+        self._keys, self._at = keys, 0
+        self._root = self._merge(self._root, outline, None)
+        if self._at != len(keys):
+            raise FormatError(f"{len(keys)} tensor keys for {self._at} tensor leaves")
+
+    def _merge(self, mine: Any, node: Any, key: str | None) -> Any:
+        tag = kind(node, key or "")
+        if mine is None:  # first seen: take it over (containers become mutable)
+            mine = self._empty(tag, node)
+        have = mine[0] if isinstance(mine, list) else kind(mine, key or "")
+        if tag in ("v", "f", "x") and have in ("v", "f", "x"):
+            return node if have == "x" else mine
+        if tag != have:
+            raise FormatError(f"{key or '<root>'}: ranks disagree on this entry's kind ({have} vs {tag})")
+        if tag == "t":
+            self._take(1, key)
+            return mine
         if tag == "d":
-            index: dict = {}
-            items: list = []
-            for k, child in body:
-                child_key = _join(key, k)
-                if k in index:  # a rank's own skeleton never repeats a key: merge as the fold would
-                    items[index[k]][1] = self._merge(items[index[k]][1], child, child_key, keys)
-                    continue
-                index[k] = len(items)
-                items.append([k, self._adopt(child, kind(child, child_key), child_key, keys)])
-            return ["d", index, items]
-        return [tag, None, [self._adopt(c, kind(c, _join(key, str(i))), _join(key, str(i)), keys) for i, c in enumerate(body)]]
+            self._merge_dict(mine, node, key)
+            return mine
+        items = mine[2]
+        for i, child in enumerate(_body(node, tag, key)):
+            if i < len(items):
+                items[i] = self._merge(items[i], child, _join(key, str(i)))
+            else:
+                items.append(self._merge(None, child, _join(key, str(i))))
+        return mine
+
+    def _empty(self, tag: str, node: Any) -> Any:
+        if tag == "d":
+            return ["d", {}, [], set()]
+        if tag in ("l", "u"):
+            return [tag, None, [], None]
+        return node if tag != "t" else _TENSOR_LEAF
+
+    def _take(self, n: int, key: str | None) -> None:
+        """Account for ``n`` tensor leaves outside dict runs (in lists and tuples)."""
+        if self._at + n > len(self._keys):
+            raise FormatError(f"{key or '<root>'}: more tensor leaves than keys")
+        self._at += n
+
+    def _merge_dict(self, mine: list, node: dict, key: str | None) -> None:
+        body = node["d"]
+        if not isinstance(body, list):
+            raise FormatError(f"{key or '<root>'}: dict node must hold a list")
+        _, index, items, tensors = mine
+        for item in body:
+            if type(item) is int:  # a run of tensor leaves
+                names = _run_names(self._keys, self._at, item, key)
+                self._at += item
+                fresh = [n for n in dict.fromkeys(names) if n not in index]
+                if len(fresh) < len(names):
+                    clash = [n for n in names if n in index and n not in tensors]
+                    if clash:
+                        raise FormatError(f"{_join(key, clash[0])}: ranks disagree on this entry's kind (a value or "
+                                          f"container vs t)")
+                for n in fresh:
+                    index[n] = len(items)
+                    items.append([n, _TENSOR_LEAF])
+                tensors.update(fresh)
+                continue
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                raise FormatError(f"{key or '<root>'}: malformed dict item {str(item)[:80]}")
+            name, child = item
+            at = index.get(name)
+            if at is None:
+                index[name] = len(items)
+                items.append([name, self._merge(None, child, _join(key, name))])
+                if items[-1][1] is _TENSOR_LEAF:
+                    tensors.add(name)
+            else:
+                if name in tensors and kind(child, _join(key, name)) != "t":
+                    raise FormatError(f"{_join(key, name)}: ranks disagree on this entry's kind (t vs "
+                                      f"{kind(child, _join(key, name))})")
+                items[at][1] = self._merge(items[at][1], child, _join(key, name))
 
     def result(self) -> dict:
         """The union as a skeleton (``{"d": []}`` when nothing was added)."""
@@ -295,10 +408,10 @@ def _body(node: dict, tag: str, key: str | None) -> list:
 def _export(mine: Any) -> Any:
     if not isinstance(mine, list):
         return mine
-    tag, _, items = mine
+    tag, _, items, _ = mine
     if tag == "d":
-        return {"d": [[k, _export(child)] for k, child in items]}
-    return {tag: [_export(child) for child in items]}
+        return {"d": [[k, {"t": 0} if child is _TENSOR_LEAF else _export(child)] for k, child in items]}
+    return {tag: [{"t": 0} if child is _TENSOR_LEAF else _export(child) for child in items]}
 
 
 def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]]:
@@ -310,7 +423,11 @@ def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]
         tag = _tag(node, path)
         if tag == "d":
             items = []
-            for k, child in node["d"]:
+            for item in node["d"]:
+                k, child = item
+                if type(child) is dict and len(child) == 1 and "t" in child:  # most leaves: a tensor, kept
+                    items.append(item)
+                    continue
                 new = visit(child, path + (k,))
                 if new is not None:
                     items.append([k, new])

@@ -9,7 +9,7 @@ with numpy and grows as O(pieces log pieces).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from .boxes import Box, check_tiling
 from .compress import Policy
 from .grids import GridCheck
 from .derive import DERIVED, check_sources
-from .dtypes import itemsize
+from .dtypes import DTYPE_NAMES, itemsize
 from ..errors import MismatchError, PlanError
 from .naming import data_file_name
 from .metadata import (
@@ -50,8 +50,11 @@ class SaveSummary:
 
     Attributes:
         rank: the global rank that sent it.
-        skeleton: the nested structure; plain values only in the coordinator's own.
-        dtypes / global_shapes: per tensor leaf, in the skeleton's depth-first order.
+        outline / keys: its skeleton as :func:`~paddle_dcp.core.nested.runs_of` takes it
+            apart (runs of tensor leaves, and the tensor keys depth first); plain values only in
+            the coordinator's own.
+        dtype_codes: (leaves,) int64, each tensor leaf's dtype, an index into ``DTYPE_NAMES``.
+        shapes / ndims: (leaves, width) int64 global shapes, zero-padded, and their ranks.
         boxes: (rows, 1 + 2 * max_ndim) int64 rows ``[present, offsets, shape]``, offsets
             and shape each padded with zeros to the summary's largest rank; one row per leaf,
             or several for a leaf held as several boxes (a flattened ShardedWeight).
@@ -63,13 +66,30 @@ class SaveSummary:
     """
 
     rank: int
-    skeleton: dict
-    dtypes: tuple[str, ...]
-    global_shapes: tuple[tuple[int, ...], ...]
+    outline: dict
+    keys: tuple[str, ...]
+    dtype_codes: np.ndarray
+    shapes: np.ndarray
+    ndims: np.ndarray
     boxes: np.ndarray
     header_id: object = None
     row_leaf: np.ndarray | None = None
     derived: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(
+        cls, rank: int, skeleton: dict, dtypes: Sequence[str], global_shapes: Sequence[Sequence[int]], boxes: np.ndarray,
+        header_id: object = None, row_leaf: np.ndarray | None = None, derived: tuple[tuple[str, str], ...] = (),
+    ) -> "SaveSummary":
+        """From a skeleton and its leaves' dtypes and global shapes."""
+        outline, keys = nested.runs_of(skeleton)
+        width = max((len(g) for g in global_shapes), default=0)
+        shapes = np.zeros((len(global_shapes), width), dtype=np.int64)
+        for i, g in enumerate(global_shapes):
+            shapes[i, : len(g)] = g
+        codes = np.array([DTYPE_NAMES.index(d) for d in dtypes], dtype=np.int64)
+        ndims = np.array([len(g) for g in global_shapes], dtype=np.int64)
+        return cls(rank, outline, tuple(keys), codes, shapes, ndims, boxes, header_id, row_leaf, derived)
 
     @classmethod
     def from_pieces(
@@ -95,15 +115,21 @@ class SaveSummary:
             flags = np.zeros(len(pieces), dtype=np.int64)
             flags[starts] = 1
             row_leaf = np.cumsum(flags) - 1
-        return cls(
-            rank=rank,
-            skeleton=skeleton,
-            dtypes=tuple(p.dtype for p in firsts),
-            global_shapes=tuple(tuple(p.global_shape) for p in firsts),
-            boxes=boxes,
-            row_leaf=row_leaf,
-            derived=tuple(sorted((derived or {}).items())),
-        )
+        return cls.of(rank, skeleton, [p.dtype for p in firsts], [tuple(p.global_shape) for p in firsts], boxes,
+                      row_leaf=row_leaf, derived=tuple(sorted((derived or {}).items())))
+
+    @property
+    def skeleton(self) -> dict:
+        """The skeleton, put back together (what a rank that asks a helper for its part sent)."""
+        return nested.from_runs(self.outline, self.keys)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(DTYPE_NAMES[c] for c in self.dtype_codes.tolist())
+
+    @property
+    def global_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(row[:n]) for row, n in zip(self.shapes.tolist(), self.ndims.tolist()))
 
     def leaves_of_rows(self) -> np.ndarray:
         """(rows,) the leaf of every row."""
@@ -114,7 +140,7 @@ class SaveSummary:
         row = self.boxes[i]
         if not row[0]:
             return None
-        nd = len(self.global_shapes[int(self.leaves_of_rows()[i])])
+        nd = int(self.ndims[int(self.leaves_of_rows()[i])])
         max_nd = (self.boxes.shape[1] - 1) // 2
         return Box(tuple(int(x) for x in row[1 : 1 + nd]), tuple(int(x) for x in row[1 + max_nd : 1 + max_nd + nd]))
 
@@ -197,28 +223,29 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
         PlanError: the distinct pieces of a key do not tile it exactly.
     """
     summaries = sorted(summaries, key=lambda s: s.rank)
-    keys_sorted, key_info, layout_ids, layouts, skeleton = _distinct_layouts(summaries)
+    known, layout_ids, layouts, skeleton = _distinct_layouts(summaries)
+    keys_sorted = known.keys
+    dtypes = tuple(DTYPE_NAMES[c] for c in known.dtype_codes.tolist())
     key_id = {k: i for i, k in enumerate(keys_sorted)}
-    max_nd = max((len(info[1]) for info in key_info.values()), default=0)
+    max_nd = int(known.ndims.max()) if len(keys_sorted) else 0
     table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
-    encodings = tuple(compress.encoding_of(k, key_info[k][0]) if compress else None for k in keys_sorted)
+    encodings = tuple(compress.encoding_of(k, d) if compress else None for k, d in zip(keys_sorted, dtypes))
     derived = [k for k, e in zip(keys_sorted, encodings) if e == DERIVED]
     # ranks with one header found the same (layouts: one summary of each distinct header)
-    sources = check_sources(((s.rank, dict(s.derived)) for _, s in layouts.values()), key_info, derived) if derived else {}
+    sources = check_sources(((s.rank, dict(s.derived)) for s in layouts.values()), known.info(), derived) if derived else {}
     if derived:  # their pieces are not written: the plan has none
         keep = ~np.isin(table[:, 0], [key_id[k] for k in derived])
         table, row_rank, row_leaf = table[keep], row_rank[keep], row_leaf[keep]
     pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
     p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
-    nds = np.array([len(key_info[k][1]) for k in keys_sorted], dtype=np.int64)
-    p_nbytes = _piece_nbytes(p_key, p_shape, nds, [(key_info[k][0], e) for k, e in zip(keys_sorted, encodings)])
-    grid = _check_tilings(keys_sorted, key_info, nds, pieces, max_nd, replicas, set(derived))
+    p_nbytes = _piece_nbytes(p_key, p_shape, known.ndims, list(zip(dtypes, encodings)))
+    grid = _check_tilings(known, pieces, max_nd, replicas, set(derived))
     p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
     p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
     return SavePlan(
         keys=keys_sorted,
-        dtypes=tuple(key_info[k][0] for k in keys_sorted),
-        shapes=tuple(key_info[k][1] for k in keys_sorted),
+        dtypes=dtypes,
+        shapes=tuple(map(tuple, (row[:n] for row, n in zip(known.shapes.tolist(), known.ndims.tolist())))),
         piece_key=p_key,
         piece_offsets=pieces.uniq[:, 1 : 1 + max_nd],
         piece_shapes=p_shape,
@@ -251,41 +278,90 @@ def _piece_nbytes(p_key: np.ndarray, p_shape: np.ndarray, nds: np.ndarray, store
     return nbytes
 
 
-_KeyInfo = Dict[str, Tuple[str, Tuple[int, ...], int]]  # key -> (dtype, shape, first rank)
+_KeyInfo = Mapping[str, Tuple[str, Tuple[int, ...], int]]  # key -> (dtype, shape, first rank)
+
+
+@dataclass(frozen=True, eq=False)
+class _Keys:
+    """Every key of a save, sorted, and what the ranks agree it is.
+
+    Attributes:
+        keys: sorted.
+        dtype_codes / ndims / shapes: per key (shapes zero-padded to the largest rank).
+        first_rank: per key, the lowest rank that holds it.
+    """
+
+    keys: tuple[str, ...]
+    dtype_codes: np.ndarray
+    ndims: np.ndarray
+    shapes: np.ndarray
+    first_rank: np.ndarray
+
+    def dtype(self, k: int) -> str:
+        return DTYPE_NAMES[int(self.dtype_codes[k])]
+
+    def shape(self, k: int) -> tuple[int, ...]:
+        return tuple(self.shapes[k, : self.ndims[k]].tolist())
+
+    def info(self) -> _KeyInfo:
+        """key -> (dtype, shape, first rank), made when asked (a save that derives tensors)."""
+        return {key: (self.dtype(k), self.shape(k), int(self.first_rank[k])) for k, key in enumerate(self.keys)}
 
 
 def _distinct_layouts(
     summaries: Sequence[SaveSummary],
-) -> tuple[tuple[str, ...], _KeyInfo, dict[object, np.ndarray], dict[object, tuple[list[str], SaveSummary]], dict]:
-    """Keys, dtypes and shapes checked once per distinct header, and the skeletons' union:
-    (every key, sorted; key -> (dtype, shape, first rank); header -> the sorted position of
-    each of its keys; header -> (its keys, a summary); the merged skeleton). Each distinct
-    header costs its own size (:class:`~paddle_dcp.core.nested.SkeletonUnion`)."""
-    key_info: _KeyInfo = {}
-    layouts: dict[object, tuple[list[str], SaveSummary]] = {}
+) -> tuple[_Keys, dict[object, np.ndarray], dict[object, SaveSummary], dict]:
+    """Keys, dtypes and shapes checked together, each distinct header's once, and the
+    skeletons' union: (the keys, header -> the sorted position of each of its keys, header ->
+    a summary of it, the merged skeleton). A header costs its outline's nodes and, per key, a
+    dict lookup; the ranks' agreement on every key's dtype and shape is one numpy pass."""
+    index: dict[str, int] = {}
+    layouts: dict[object, SaveSummary] = {}
+    first_ids: dict[object, np.ndarray] = {}
     union = nested.SkeletonUnion()
     for s in summaries:
         hid = s.header_id if s.header_id is not None else id(s)
         if hid in layouts:
             continue
-        keys = union.add(s.skeleton)
-        if len(keys) != len(s.dtypes) or len(keys) != len(s.global_shapes):
-            raise PlanError(f"rank {s.rank}: summary lists {len(s.dtypes)} tensors for {len(keys)} leaves")
-        layouts[hid] = (keys, s)
-        get = key_info.get
-        for key, dtype, shape in zip(keys, s.dtypes, s.global_shapes):
-            seen = get(key)
-            if seen is None:
-                key_info[key] = (dtype, shape, s.rank)
-            elif seen[0] != dtype or seen[1] != shape:
-                raise MismatchError(
-                    f"{key}: rank {seen[2]} holds dtype {seen[0]} shape {seen[1]}, "
-                    f"rank {s.rank} holds dtype {dtype} shape {shape}"
-                )
-    keys_sorted = tuple(sorted(key_info))
-    key_id = {k: i for i, k in enumerate(keys_sorted)}
-    layout_ids = {hid: np.array([key_id[k] for k in keys], dtype=np.int64) for hid, (keys, _) in layouts.items()}
-    return keys_sorted, key_info, layout_ids, layouts, union.result()
+        if len(s.keys) != len(s.dtype_codes) or len(s.keys) != len(s.shapes):
+            raise PlanError(f"rank {s.rank}: summary lists {len(s.dtype_codes)} tensors for {len(s.keys)} leaves")
+        union.add(s.outline, s.keys)
+        setdefault = index.setdefault
+        first_ids[hid] = np.array([setdefault(k, len(index)) for k in s.keys], dtype=np.int64)
+        layouts[hid] = s
+    keys = _agreed_keys(index, layouts, first_ids)
+    order = np.array([index[k] for k in keys.keys], dtype=np.int64)
+    remap = np.empty(len(index), dtype=np.int64)
+    remap[order] = np.arange(len(order))
+    return keys, {hid: remap[ids] for hid, ids in first_ids.items()}, layouts, union.result()
+
+
+def _agreed_keys(index: dict[str, int], layouts: dict[object, SaveSummary], ids: dict[object, np.ndarray]) -> _Keys:
+    """Every key, sorted, with its dtype and shape, which every rank must agree on (else a
+    MismatchError naming the key, both ranks and both sides)."""
+    summaries = list(layouts.values())
+    width = max((s.shapes.shape[1] for s in summaries), default=0)
+    all_ids = np.concatenate([ids[h] for h in layouts]) if layouts else np.zeros(0, np.int64)
+    codes = np.concatenate([s.dtype_codes for s in summaries]) if summaries else np.zeros(0, np.int64)
+    ndims = np.concatenate([s.ndims for s in summaries]) if summaries else np.zeros(0, np.int64)
+    shapes = np.concatenate([np.pad(s.shapes, ((0, 0), (0, width - s.shapes.shape[1]))) for s in summaries]) \
+        if summaries else np.zeros((0, width), np.int64)
+    ranks = np.concatenate([np.full(len(s.keys), s.rank, np.int64) for s in summaries]) if summaries else np.zeros(0, np.int64)
+    first = np.full(len(index), -1, dtype=np.int64)
+    first[all_ids[::-1]] = np.arange(len(all_ids))[::-1]  # (layouts in rank order) each key's first holder
+    f = first[all_ids]
+    bad = np.flatnonzero((codes != codes[f]) | (ndims != ndims[f]) | (shapes != shapes[f]).any(axis=1))
+    if len(bad):
+        i, j = int(f[bad[0]]), int(bad[0])
+        key = next(k for k, v in index.items() if v == int(all_ids[j]))
+        shape = lambda r: tuple(shapes[r, : ndims[r]].tolist())  # noqa: E731
+        raise MismatchError(
+            f"{key}: rank {int(ranks[i])} holds dtype {DTYPE_NAMES[codes[i]]} shape {shape(i)}, "
+            f"rank {int(ranks[j])} holds dtype {DTYPE_NAMES[codes[j]]} shape {shape(j)}"
+        )
+    keys_sorted = tuple(sorted(index))
+    at = first[np.array([index[k] for k in keys_sorted], dtype=np.int64)] if keys_sorted else np.zeros(0, np.int64)
+    return _Keys(keys_sorted, codes[at], ndims[at], shapes[at], ranks[at])
 
 
 def _held_rows(
@@ -354,7 +430,7 @@ def _distinct_pieces(
 
 
 def _check_tilings(
-    keys_sorted: Sequence[str], key_info: _KeyInfo, nds: np.ndarray, pieces: _Pieces, max_nd: int, replicas: bool,
+    known: _Keys, pieces: _Pieces, max_nd: int, replicas: bool,
     skip: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> GridCheck | None:
     """Raise PlanError unless the distinct pieces of every key (but those of ``skip``, which
@@ -367,20 +443,20 @@ def _check_tilings(
     d_key = p_key[distinct]
     d_off = pieces.uniq[distinct, 1 : 1 + max_nd]
     d_shape = pieces.uniq[distinct, 1 + max_nd :]
-    shapes = np.zeros((len(keys_sorted), max_nd), dtype=np.int64)
-    for k, key in enumerate(keys_sorted):
-        shapes[k, : nds[k]] = key_info[key][1]
-    bounds = np.searchsorted(d_key, np.arange(len(keys_sorted) + 1))
+    nds = known.ndims
+    shapes = known.shapes[:, :max_nd] if known.shapes.shape[1] >= max_nd else np.pad(
+        known.shapes, ((0, 0), (0, max_nd - known.shapes.shape[1])))
+    bounds = np.searchsorted(d_key, np.arange(len(known.keys) + 1))
     inside = _inside(d_key, d_off, d_shape, shapes, nds)
     found = grids.find_grids(bounds, d_off, d_shape, nds, shapes)
     suspect = ~found.grid
     suspect[np.unique(d_key[~inside])] = True
     for k in np.flatnonzero(suspect).tolist():
-        key = keys_sorted[k]
+        key = known.keys[k]
         if key in skip:
             continue
         lo, hi, nd = bounds[k], bounds[k + 1], int(nds[k])
-        check_tiling(key, key_info[key][1], d_off[lo:hi, :nd], d_shape[lo:hi, :nd])
+        check_tiling(key, known.shape(k), d_off[lo:hi, :nd], d_shape[lo:hi, :nd])
     return None if replicas else found
 
 
@@ -395,21 +471,24 @@ def _inside(p_key: np.ndarray, offsets: np.ndarray, shapes: np.ndarray, extents:
 
 def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The writer of every piece and its row in the writer's summary: single holders first,
-    then the rest largest first to the least loaded holder."""
+    then the rest largest first to the least loaded holder (ties to the lowest rank)."""
     group_start, counts = pieces.group_start, pieces.counts
     writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
     all_ranks = np.unique(pieces.holders_rank)
     dense_holders = np.searchsorted(all_ranks, pieces.holders_rank)
-    dense = np.zeros(len(all_ranks), dtype=np.int64)  # bytes each holder writes so far
     single = counts == 1
+    dense = np.zeros(len(all_ranks), dtype=np.int64)  # bytes each holder writes so far
     np.add.at(dense, dense_holders[group_start[single]], p_nbytes[single])
+    loads = dense.tolist()
     multi = np.flatnonzero(~single)
+    holders, starts, sizes = dense_holders.tolist(), group_start.tolist(), p_nbytes.tolist()
     # largest first; ties broken by (key, offsets), which the sort of uniq already orders
     for u in multi[np.argsort(-p_nbytes[multi], kind="stable")].tolist():
-        lo = group_start[u]
-        hs = dense_holders[lo : lo + counts[u]]
-        j = int(np.argmin(dense[hs]))  # holders are sorted by rank: ties go to the lowest
-        dense[hs[j]] += p_nbytes[u]
+        lo = starts[u]
+        hs = holders[lo : lo + int(counts[u])]
+        held = [loads[h] for h in hs]
+        j = held.index(min(held))  # holders are sorted by rank: ties go to the lowest
+        loads[hs[j]] += sizes[u]
         writer_pos[u] = lo + j
     return pieces.holders_rank[writer_pos], pieces.holders_leaf[writer_pos]
 

@@ -34,11 +34,15 @@ _CHUNKS = b"DCK1"
 
 
 def encode_summary(summary: SaveSummary) -> bytes:
-    doc = {"s": summary.skeleton, "d": list(summary.dtypes), "g": [list(g) for g in summary.global_shapes]}
+    """A rank's summary: its header (outline, tensor keys, derived pairs as JSON; dtypes and
+    global shapes as integers), compressed, then its boxes."""
+    doc = {"o": summary.outline, "k": list(summary.keys)}
     if summary.derived:  # absent otherwise: a save without derived tensors sends what it did
         doc["v"] = [list(pair) for pair in summary.derived]
-    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    hz = zlib.compress(header, 6)
+    text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    n, width = summary.shapes.shape
+    ints = np.concatenate([summary.dtype_codes, summary.ndims, summary.shapes.reshape(-1)]).astype("<i8")
+    hz = zlib.compress(struct.pack("<QQQ", len(text), n, width) + text + ints.tobytes(), 6)
     boxes = np.ascontiguousarray(summary.boxes, dtype="<i8")
     tag = _SUMMARY
     if summary.row_leaf is not None:
@@ -49,7 +53,8 @@ def encode_summary(summary: SaveSummary) -> bytes:
 
 
 def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSummary:
-    """Parse a rank's summary; ``cache`` (shared across calls) keeps parsed headers."""
+    """Parse a rank's summary; ``cache`` (shared across calls) keeps parsed headers: the ranks
+    of a job hold few distinct layouts, each parsed once."""
     if data[:4] not in (_SUMMARY, _SUMMARY_ROWS):
         raise FormatError(f"rank {rank}: not a save summary")
     hlen, rows, width = struct.unpack_from("<QQQ", data, 4)
@@ -58,9 +63,7 @@ def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSum
     hid = xxhash.xxh3_128_digest(hz)
     parsed = cache.get(hid) if cache is not None else None
     if parsed is None:
-        header = json.loads(zlib.decompress(hz))
-        derived = tuple((str(m), str(p)) for m, p in header.get("v", ()))
-        parsed = (header["s"], tuple(header["d"]), tuple(tuple(g) for g in header["g"]), derived)
+        parsed = _header(zlib.decompress(hz), rank)
         if cache is not None:
             cache[hid] = parsed
     raw = zlib.decompress(data[body + hlen :])
@@ -68,7 +71,19 @@ def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSum
     row_leaf = None
     if data[:4] == _SUMMARY_ROWS:
         row_leaf, boxes = boxes[:, 0], boxes[:, 1:]
-    return SaveSummary(rank, parsed[0], parsed[1], parsed[2], boxes, header_id=hid, row_leaf=row_leaf, derived=parsed[3])
+    outline, keys, codes, shapes, ndims, derived = parsed
+    return SaveSummary(rank, outline, keys, codes, shapes, ndims, boxes, header_id=hid, row_leaf=row_leaf, derived=derived)
+
+
+def _header(raw: bytes, rank: int) -> tuple:
+    """(outline, keys, dtype codes, shapes, ndims, derived pairs) of a summary's header."""
+    text_len, n, width = struct.unpack_from("<QQQ", raw, 0)
+    if 24 + text_len + 8 * (2 * n + n * width) != len(raw):
+        raise FormatError(f"rank {rank}: a save summary's header does not add up")
+    doc = json.loads(raw[24 : 24 + text_len])
+    ints = np.frombuffer(raw, dtype="<i8", offset=24 + text_len).astype(np.int64)
+    derived = tuple((str(m), str(p)) for m, p in doc.get("v", ()))
+    return doc["o"], tuple(doc["k"]), ints[:n], ints[2 * n :].reshape(n, width), ints[n : 2 * n], derived
 
 
 def encode_assignment(writes: np.ndarray, leaves: int) -> bytes:

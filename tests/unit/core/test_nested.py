@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paddle_dcp.core import nested
@@ -341,3 +341,90 @@ def test_json_plain_names_non_finite_floats_and_keeps_every_other_value():
     for v in (1.5, 0, None, "nan", True):
         assert nested.json_plain(v) is v
     assert nested.encode_value(-math.inf) == {"f": "-inf"} and nested.encode_value("inf") == {"v": "inf"}
+
+
+# ------------------------------------------------------------------ union of many skeletons
+def _reference_merge(base, other, path=()):
+    """The pairwise merge as docs/architecture.md states it, written here plainly."""
+    tb, to = nested.kind(base), nested.kind(other)
+    if tb in ("v", "f", "x") and to in ("v", "f", "x"):
+        return other if tb == "x" else base
+    if tb != to:
+        raise FormatError("kinds differ")
+    if tb == "t":
+        return base
+    if tb == "d":
+        items = [list(i) for i in base["d"]]
+        at = {k: i for i, (k, _) in enumerate(items)}
+        for k, node in other["d"]:
+            if k in at:
+                items[at[k]][1] = _reference_merge(items[at[k]][1], node, path + (k,))
+            else:
+                at[k] = len(items)
+                items.append([k, node])
+        return {"d": items}
+    a, b = base[tb], other[tb]
+    merged = [_reference_merge(x, y) for x, y in zip(a, b)]
+    return {tb: merged + list((a if len(a) >= len(b) else b)[len(merged):])}
+
+
+@st.composite
+def _skeletons(draw, depth=0):
+    leaf = st.sampled_from([T, X, {"v": 1}, {"v": 2}])
+    if depth > 2:
+        return draw(leaf)
+    choice = draw(st.integers(0, 9))
+    if choice < 3:
+        return draw(leaf)
+    if choice < 8:
+        names = draw(st.lists(st.sampled_from("abcd"), max_size=4, unique=True))
+        return {"d": [[n, draw(_skeletons(depth + 1))] for n in names]}
+    return {draw(st.sampled_from("lu")): [draw(_skeletons(depth + 1)) for _ in range(draw(st.integers(0, 3)))]}
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_skeletons(), min_size=1, max_size=4))
+def test_the_union_of_many_skeletons_is_the_pairwise_merge_folded(skeletons):
+    try:
+        want = skeletons[0]
+        for other in skeletons[1:]:
+            want = _reference_merge(want, other)
+    except FormatError:
+        want = None
+    union = nested.SkeletonUnion()
+    try:
+        for sk in skeletons:
+            outline, keys = nested.runs_of(sk)
+            assert keys == nested.tensor_keys(sk)
+            assert nested.from_runs(outline, keys) == sk
+            union.add(outline, keys)
+        got = union.result()
+    except FormatError:
+        got = None
+    assert got == want
+
+
+def test_a_union_costs_set_operations_per_key_not_a_call_per_key():
+    """Two thousand ranks' skeletons of 500 tensors each: the calls the union makes do not
+    grow with the keys (runs are taken whole)."""
+    import sys
+
+    def calls(n_keys):
+        sks = [nested.runs_of({"d": [["m", {"d": [[f"k{i}", T] for i in range(n_keys)]}], ["step", X]]}) for _ in range(20)]
+        union = nested.SkeletonUnion()
+        count = 0
+
+        def prof(frame, event, arg):
+            nonlocal count
+            if event == "call":
+                count += 1
+
+        sys.setprofile(prof)
+        try:
+            for outline, keys in sks:
+                union.add(outline, keys)
+        finally:
+            sys.setprofile(None)
+        return count
+
+    assert calls(5_000) < 1.5 * calls(500)

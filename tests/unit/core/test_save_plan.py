@@ -220,7 +220,7 @@ def test_overlapping_flat_ranges_are_refused():
 
 def test_a_summary_whose_rows_do_not_map_onto_its_leaves_is_refused():
     s = summary_of(0, {"w": flat_pieces("w", 0, 20)})
-    bad = save_plan.SaveSummary(0, s.skeleton, s.dtypes, s.global_shapes, np.zeros((2, 5), np.int64), row_leaf=np.array([1, 1]))
+    bad = save_plan.SaveSummary.of(0, s.skeleton, s.dtypes, s.global_shapes, np.zeros((2, 5), np.int64), row_leaf=np.array([1, 1]))
     with pytest.raises(PlanError, match="rows"):
         save_plan.plan_save([bad])
 
