@@ -404,27 +404,21 @@ def test_the_union_of_many_skeletons_is_the_pairwise_merge_folded(skeletons):
     assert got == want
 
 
-def test_a_union_costs_set_operations_per_key_not_a_call_per_key():
-    """Two thousand ranks' skeletons of 500 tensors each: the calls the union makes do not
-    grow with the keys (runs are taken whole)."""
-    import sys
+def test_a_union_of_many_layouts_costs_what_they_hold_not_layouts_times_the_union():
+    """Layouts that share 50 dense tensors and hold 50 experts of their own each: ten times
+    the layouts, ten times the work (adding a layout costs what it holds, not the union so
+    far, which grows with the layouts: a merge that walks it would cost a hundred times)."""
+    from .metadata_cases import calls_of
 
-    def calls(n_keys):
-        sks = [nested.runs_of({"d": [["m", {"d": [[f"k{i}", T] for i in range(n_keys)]}], ["step", X]]}) for _ in range(20)]
+    def work(n_layouts):
+        sks = [nested.runs_of({"d": [["m", {"d": [[f"d{i}", T] for i in range(50)] + [[f"e{r}.{j}", T] for j in range(50)]}],
+                                     ["step", X]]}) for r in range(n_layouts)]
         union = nested.SkeletonUnion()
-        count = 0
 
-        def prof(frame, event, arg):
-            nonlocal count
-            if event == "call":
-                count += 1
-
-        sys.setprofile(prof)
-        try:
+        def add_all():
             for outline, keys in sks:
                 union.add(outline, keys)
-        finally:
-            sys.setprofile(None)
-        return count
 
-    assert calls(5_000) < 1.5 * calls(500)
+        return calls_of(add_all)
+
+    assert work(300) <= 10.5 * work(30)

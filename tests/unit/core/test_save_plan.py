@@ -288,3 +288,42 @@ def test_keys_a_policy_derives_get_no_pieces_and_their_parameter_as_the_ranks_fo
     assert (entry.encoding, entry.source, entry.pieces.count, meta.format_version) == ("derived", "p", 0, 2)
     with pytest.raises(MismatchError, match="no rank found its parameter"):  # a rank must say
         save_plan.plan_save([summary(r, pieces(r)) for r in (0, 1)], compress=policy)
+
+
+def _moe_summaries(n_ranks: int, dense: int, experts: int) -> list[save_plan.SaveSummary]:
+    """A mixture-of-experts layout: every rank holds ``dense`` tensors (each split by rank along
+    dim 0) and its own ``experts`` expert tensors, whole; every rank's layout differs."""
+    out = []
+    for r in range(n_ranks):
+        keys = [f"model.d{i}" for i in range(dense)] + [f"model.e{r}.{j}" for j in range(experts)]
+        pieces = [save_plan.LocalPiece(k, "float32", (n_ranks, 4), Box((r, 0), (1, 4))) for k in keys[:dense]]
+        pieces += [save_plan.LocalPiece(k, "bfloat16", (8, 4), Box((0, 0), (8, 4))) for k in keys[dense:]]
+        skeleton = {"d": [["model", {"d": [[k[6:], {"t": 0}] for k in keys]}], ["step", {"x": 0}]]}
+        out.append(save_plan.SaveSummary.from_pieces(r, skeleton, pieces))
+    return [wire.decode_summary(wire.encode_summary(s), s.rank, {}) for s in out]
+
+
+def _plan_calls(summaries) -> int:
+    from .metadata_cases import calls_of
+
+    return calls_of(lambda: save_plan.plan_save(summaries))
+
+
+def test_planning_work_grows_with_the_pieces_held_not_with_tensors_times_ranks():
+    """The coordinator's work at ten times the tensors (expert tensors, every rank's layout
+    its own) and at ten times the ranks: calls grow at most ten-fold, as the pieces do (a step
+    costing tensors x ranks would grow a hundred-fold)."""
+    base = _plan_calls(_moe_summaries(8, dense=20, experts=125))  # 1,020 tensors
+    more_tensors = _plan_calls(_moe_summaries(8, dense=20, experts=1250))  # 10,020 tensors
+    more_ranks = _plan_calls(_moe_summaries(80, dense=20, experts=125))  # ten times the ranks and pieces
+    assert more_tensors <= 10.5 * base
+    assert more_ranks <= 10.5 * base
+
+
+def test_ranks_that_disagree_on_a_keys_shape_are_named_with_both_sides_among_many():
+    summaries = _moe_summaries(4, dense=3, experts=2)
+    bad = save_plan.SaveSummary.of(3, summaries[3].skeleton, summaries[3].dtypes,
+                                   [(4, 5)] + list(summaries[3].global_shapes[1:]), summaries[3].boxes)
+    with pytest.raises(MismatchError, match=r"model\.d0: rank 0 holds dtype float32 shape \(4, 4\), rank 3 holds dtype "
+                                            r"float32 shape \(4, 5\)"):
+        save_plan.plan_save(summaries[:3] + [bad])
