@@ -431,10 +431,13 @@ def rows_of(raws: Sequence[RawPart], head: Head, what: str) -> Rows:
     and encoded entries, places inside the areas, keys strictly ascending."""
     cols = np.concatenate([p.cols for p in raws], axis=1) if raws else np.zeros((len(ROW), 0), np.int64)
     c = dict(zip(ROW, cols))
-    check_ints(c["dtype"], 0, len(DTYPES) - 1, f"{what}: a dtype code")
-    check_ints(c["encoding"], 0, len(ENCODINGS) - 1, f"{what}: an encoding code")
-    check_ints(c["layout"], GRID, EXPLICIT, f"{what}: a layout code")
-    check_ints(c["count"], 0, head.count("pieces"), f"{what}: a piece count")
+    keys = names(b"".join(p.keys for p in raws), c["key_len"], what)
+    n = len(keys)
+    each = np.arange(n)
+    _in_range(c["dtype"], each, keys, 0, len(DTYPES) - 1, what, "dtype code")
+    _in_range(c["encoding"], each, keys, 0, len(ENCODINGS) - 1, what, "encoding code")
+    _in_range(c["layout"], each, keys, GRID, EXPLICIT, what, "layout code")
+    _in_range(c["count"], each, keys, 0, head.count("pieces"), what, "piece count")
     _check_span(c["first_piece"], c["count"], head.count("pieces"), f"{what}: a tensor's pieces")
     _check_span(c["first_block"], c["blocks"], head.count("blocks"), f"{what}: a tensor's checksums")
     boxes = np.where(c["layout"] == EXPLICIT, 16 * c["ndim"] * c["count"], 0)
@@ -442,9 +445,8 @@ def rows_of(raws: Sequence[RawPart], head: Head, what: str) -> Rows:
     if len(cols[0]) and (c["blocks"] < c["count"]).any():
         raise FormatError(f"{what}: a tensor has fewer checksums than pieces")
     shapes = np.concatenate([p.shapes for p in raws]) if raws else np.zeros(0, np.int64)
-    check_ints(shapes, 0, _MAX_INT, f"{what}: a shape entry")
+    _in_range(shapes, np.repeat(each, c["ndim"]), keys, 0, _MAX_INT, what, "shape entry")
     shape_start = np.concatenate([[0], np.cumsum(c["ndim"])]).astype(np.int64)
-    keys = names(b"".join(p.keys for p in raws), c["key_len"], what)
     sources = [s or None for s in names(b"".join(p.sources for p in raws), c["src_len"], what)]
     if any(a >= b for a, b in zip(keys, keys[1:])):
         raise FormatError(f"{what}: tensor keys are not in order")
@@ -455,6 +457,15 @@ def rows_of(raws: Sequence[RawPart], head: Head, what: str) -> Rows:
     digests = np.concatenate([p.digests for p in raws]).astype(np.uint64) if raws else np.zeros(0, np.uint64)
     return Rows(keys, sources, cols, shape_start, shapes, cuts,
                 np.concatenate([[0], np.cumsum(-(-c["count"] // GROUP))]).astype(np.int64), digests)
+
+
+def _in_range(values: np.ndarray, owner: np.ndarray, keys: Sequence[str], lo: int, hi: int, what: str, name: str) -> None:
+    """Raise FormatError naming the tensor (``keys[owner[i]]``) of the first value out of
+    [lo, hi]."""
+    bad = np.flatnonzero((values < lo) | (values > hi)) if len(values) else values
+    if len(bad):
+        i = int(bad[0])
+        raise FormatError(f"{what}: tensor {keys[int(owner[i])]!r}: {name} {int(values[i])} out of range [{lo}, {hi}]")
 
 
 def _check_span(first: np.ndarray, n: np.ndarray, total: int, what: str) -> None:

@@ -27,6 +27,10 @@ import os
 import sys
 import traceback
 
+_TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _TESTS not in sys.path:  # the tests' own helpers (metadoc: an independent reader of the metadata)
+    sys.path.insert(1, _TESTS)
+
 import numpy as np
 import paddle
 import paddle.distributed as dist

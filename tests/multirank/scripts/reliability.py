@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 import common as c
+import metadoc
 import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.io import local
@@ -70,14 +71,13 @@ def every_rank_fails(p, *needles, any_of=(), **kwargs):
 def edit_metadata(p, fn):
     def edit():
         full = os.path.join(p, "0.metadata")
-        with open(full) as f:
-            doc = json.load(f)
+        with open(full, "rb") as f:
+            doc = metadoc.read(f.read())
         fn(doc)
-        # written with a matching digest, as by a writer that meant it, so the load reaches the
-        # check under test (an edit without the digest is refused by it: tests/unit)
-        body = json.dumps({k: v for k, v in doc.items() if k != "digest"}, separators=(",", ":"))
+        # written with matching digests, as by a writer that meant it, so the load reaches the
+        # check under test (an edit without them is refused by them: tests/unit)
         with open(full, "wb") as f:
-            f.write(with_digest(body.encode()))
+            f.write(metadoc.write(doc))
 
     on_rank0(edit)
 

@@ -18,6 +18,7 @@ import paddle_dcp
 from paddle_dcp.parallel import loadwork
 
 import common as c
+import metadoc
 
 ROOT = c.init()
 R = c.rank()
@@ -208,9 +209,9 @@ def replicas_written():
     assert len(sizes) == 2 and sizes[0] == sizes[1], sizes
     logical = sum(t.nbytes for t in meta_rep.tensors.values())
     assert sizes[0] >= logical and sum(f.nbytes for f in meta_once.files) < 2 * logical, (sizes, logical)
-    doc = json.loads(open(os.path.join(path("whole_rep"), "0.metadata"), "rb").read())
+    doc = metadoc.read(open(os.path.join(path("whole_rep"), "0.metadata"), "rb").read())
     assert doc["replicas"] is True
-    assert "replicas" not in json.loads(open(os.path.join(path("whole_once"), "0.metadata"), "rb").read())
+    assert "replicas" not in metadoc.read(open(os.path.join(path("whole_once"), "0.metadata"), "rb").read())
     for layout in (WHOLE, TP, STAGE2, DIST):  # any copy loads into any layout
         load(layout, "whole_rep")
 
