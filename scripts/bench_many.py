@@ -29,6 +29,7 @@ Prints the table and the ratios, then one JSON line on stdout (bench_machine.emi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pstats
 import shutil
@@ -69,17 +70,20 @@ def per_tensor_us(seconds: float, n: int) -> float:
 
 
 def summarize(runs: list[dict], counts: list[int]) -> dict:
-    """Best (least) seconds of each (lib, phase, tensors) over its repeats, the time per tensor,
-    and per (lib, phase) the ratio of the time per tensor at the largest count measured to that
-    at the smallest (None with fewer than two counts)."""
+    """The best (least seconds) run of each (lib, phase, tensors) over its repeats, its time per
+    tensor and its garbage collector's seconds (the most of any rank), and per (lib, phase) the
+    ratio of the time per tensor at the largest count measured to that at the smallest (None
+    with fewer than two counts)."""
     best: dict = {}
     for r in runs:
-        if r["ok"]:
-            key = (r["lib"], r["phase"], r["tensors"])
-            best[key] = min(best.get(key, float("inf")), r["seconds"])
+        key = (r["lib"], r["phase"], r["tensors"])
+        if r["ok"] and (key not in best or r["seconds"] < best[key]["seconds"]):
+            best[key] = r
     table = [
-        {"lib": lib, "phase": phase, "tensors": n, "seconds": s, "us_per_tensor": per_tensor_us(s, n)}
-        for (lib, phase, n), s in sorted(best.items(), key=lambda kv: (kv[0][0], PHASES.index(kv[0][1]), kv[0][2]))
+        {"lib": lib, "phase": phase, "tensors": n, "seconds": r["seconds"],
+         "us_per_tensor": per_tensor_us(r["seconds"], n),
+         "gc_seconds": max((x or 0.0) for x in r.get("gc_seconds") or [0.0])}
+        for (lib, phase, n), r in sorted(best.items(), key=lambda kv: (kv[0][0], PHASES.index(kv[0][1]), kv[0][2]))
     ]
     ratios = {}
     for lib, phase in sorted({(e["lib"], e["phase"]) for e in table}):
@@ -94,10 +98,11 @@ def summarize(runs: list[dict], counts: list[int]) -> dict:
 
 def format_report(res: dict) -> str:
     lines = [f"Many small tensors, {RANKS} ranks ({res['machine']['cores']} cores): time of the slowest rank's call",
-             "", "| library | phase | tensors | seconds | µs per tensor |", "|---|---|---|---|---|"]
+             "", "| library | phase | tensors | seconds | µs per tensor | of it, garbage collector (s) |",
+             "|---|---|---|---|---|---|"]
     for e in res["summary"]["table"]:
         lines.append(f"| {bench.LIB_TITLE[e['lib']]} | {e['phase']} | {e['tensors']:,} | {e['seconds']:.2f} | "
-                     f"{e['us_per_tensor']:.0f} |")
+                     f"{e['us_per_tensor']:.0f} | {e['gc_seconds']:.2f} |")
     lines.append("")
     for name, r in res["summary"]["ratios"].items():
         if r is not None:
@@ -105,8 +110,36 @@ def format_report(res: dict) -> str:
     for run in res["runs"]:
         if not run["ok"]:
             lines.append(f"FAILED {run['lib']} {run['phase']} {run['tensors']:,}: {run['error']}")
+    lines.extend(format_steps(res["runs"]))
     lines.extend(res["notes"])
     return "\n".join(lines)
+
+
+def format_steps(runs: list[dict]) -> list[str]:
+    """With --steps: per phase, each step's seconds (the most of any rank) and share of the
+    call at every tensor count (the best repeat's run)."""
+    best: dict = {}
+    for r in runs:
+        key = (r["lib"], r["phase"], r["tensors"])
+        if r["ok"] and any(r.get("steps") or []) and (key not in best or r["seconds"] < best[key]["seconds"]):
+            best[key] = r
+    lines = []
+    for lib, phase in sorted({k[:2] for k in best}, key=lambda lp: (lp[0], PHASES.index(lp[1]))):
+        counts = sorted(k[2] for k in best if k[:2] == (lib, phase))
+        names = []
+        for n in counts:
+            for per_rank in best[(lib, phase, n)]["steps"]:
+                names += [x for x in (per_rank or {}) if x not in names]
+        lines += ["", f"Steps of {phase} ({lib}): seconds (share of the call), the most of any rank", "",
+                  "| step | " + " | ".join(f"{n:,}" for n in counts) + " |", "|---|" + "---|" * len(counts)]
+        for name in names:
+            cells = []
+            for n in counts:
+                run = best[(lib, phase, n)]
+                sec = max(((x or {}).get(name) or {}).get("seconds", 0.0) for x in run["steps"])
+                cells.append(f"{sec:.2f} ({100 * sec / run['seconds']:.0f}%)")
+            lines.append(f"| {name.split(':')[1]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def top_of_profile(paths: list[str], limit: int = 25) -> str:
@@ -136,6 +169,9 @@ def run_benchmark(args) -> dict:
     notes = []
     if "paddle" in libs and any(n > paddle_max for n in counts):
         notes.append(f"paddle built-in measured up to {paddle_max:,} tensors only (--paddle-max)")
+    if args.steps:
+        os.environ["PADDLE_DCP_BENCH_STEPS"] = "1"
+        notes.append("steps timed by wrappers (bench_many_worker.STEPS): a microsecond a call on top")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ["PADDLE_DCP_BENCH_PROFILE"] = "1"
@@ -153,29 +189,13 @@ def run_benchmark(args) -> dict:
                     saved = False
                     for phase in ("save",) + tuple(p for p in phases if p != "save"):
                         if phase != "save" and not saved:
-                            runs.append({"lib": lib, "phase": phase, "tensors": n, "ok": False,
+                            runs.append({"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": False,
                                          "error": "no checkpoint: the save failed", "seconds": None})
                             continue
-                        run_dir = os.path.join(root, "runs", f"r{rep}_{n}_{phase}_{lib}")
-                        timeout = args.timeout or 120 + n / 100
-                        run = bench.launch(lib, phase, RANKS, n, ckpt, run_dir, timeout, rep, args.settle, worker=WORKER)
-                        if phase == "save":
-                            saved = run.ok
-                            os.sync()
-                        timed = phase in phases
-                        if timed:
-                            runs.append({"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": run.ok,
-                                         "error": run.error, "seconds": run.slowest if run.ok else None,
-                                         "per_rank": run.seconds, "launch_seconds": run.wall})
-                        what = f"{run.slowest:.2f} s, {per_tensor_us(run.slowest, n):.0f} us/tensor" if run.ok else \
-                            f"FAILED: {run.error}"
-                        log(f"[{rep + 1}/{args.repeat}] {n:>7,} tensors {phase:8s} {lib:6s}: {what}"
-                            f"{'' if timed else ' (untimed, for the loads)'} (launch {run.wall:.1f} s)")
-                        if not run.ok:
-                            log(bench._logs_tail(run_dir))
-                        _keep_profiles(args.profile, run_dir, f"{lib}_{n}_{phase}_r{rep}")
-                        if run.ok and not args.keep:
-                            shutil.rmtree(run_dir, ignore_errors=True)
+                        run = _launch(args, root, rep, n, lib, phase, ckpt)
+                        saved = saved or (phase == "save" and run["ok"])
+                        if phase in phases:
+                            runs.append(run)
                     if not args.keep:
                         shutil.rmtree(ckpt, ignore_errors=True)
     finally:
@@ -184,6 +204,45 @@ def run_benchmark(args) -> dict:
         else:
             shutil.rmtree(root, ignore_errors=True)
     return {"machine": info, "args": vars(args), "runs": runs, "summary": summarize(runs, counts), "notes": notes}
+
+
+def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str) -> dict:
+    """One launch of one phase at ``n`` tensors; its record (the slowest rank's seconds, every
+    rank's, the garbage collector's seconds and collections per rank)."""
+    run_dir = os.path.join(root, "runs", f"r{rep}_{n}_{phase}_{lib}")
+    run = bench.launch(lib, phase, RANKS, n, ckpt, run_dir, args.timeout or 120 + n / 100, rep, args.settle,
+                       worker=WORKER)
+    if phase == "save":
+        os.sync()  # its dirty pages are not written back during the loads
+    out = {"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": run.ok, "error": run.error,
+           "seconds": run.slowest if run.ok else None, "per_rank": run.seconds, "launch_seconds": run.wall,
+           "gc_seconds": _per_rank(run_dir, "gc_seconds"), "gc_collections": _per_rank(run_dir, "gc_collections"),
+           "steps": _per_rank(run_dir, "steps")}
+    if run.ok:
+        gc_s = max((x or 0.0) for x in out["gc_seconds"])
+        what = f"{run.slowest:.2f} s, {per_tensor_us(run.slowest, n):.0f} us/tensor, garbage collector {gc_s:.2f} s"
+    else:
+        what = f"FAILED: {run.error}"
+    untimed = "" if phase in args.phases.split(",") else " (untimed, for the loads)"
+    log(f"[{rep + 1}/{args.repeat}] {n:>7,} tensors {phase:8s} {lib:6s}: {what}{untimed} (launch {run.wall:.1f} s)")
+    if not run.ok:
+        log(bench._logs_tail(run_dir))
+    _keep_profiles(args.profile, run_dir, f"{lib}_{n}_{phase}_r{rep}")
+    if run.ok and not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def _per_rank(run_dir: str, field: str) -> list:
+    """One figure of every rank's result file (None for a rank without one)."""
+    out = []
+    for r in range(RANKS):
+        try:
+            with open(os.path.join(run_dir, "result", f"rank{r}.json")) as f:
+                out.append(json.load(f).get(field))
+        except (OSError, ValueError):
+            out.append(None)
+    return out
 
 
 def _keep_profiles(profile_dir: str | None, run_dir: str, name: str) -> None:
@@ -213,6 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--settle", type=float, default=0.5, help="seconds each rank waits before its call (default 0.5)")
     p.add_argument("--timeout", type=float, default=0, help="seconds per launch (default 120 + tensors / 100)")
     p.add_argument("--profile", default=None, help="run every call under cProfile, statistics into this directory")
+    p.add_argument("--steps", action="store_true",
+                   help="time paddle_dcp's steps inside each call (bench_many_worker.STEPS) and show them per rank")
     p.add_argument("--workdir", default=None, help="where the temporary directory goes (default: /tmp)")
     p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (checkpoints, logs)")

@@ -10,14 +10,16 @@ LIB is "ours" (paddle_dcp) or "paddle" (paddle.distributed's built-in); PHASE is
 workload in its save layout), "load" (into the same layout) or "reshard" (into the reshard
 layout); TENSORS the number of tensors (:func:`build_specs`). The rank builds its state dict,
 waits ``PADDLE_DCP_BENCH_SETTLE`` seconds and a barrier, then times its own call
-(bench_worker's timed call); after the timed region every loaded value is compared with the
+(bench_worker's timed call, the garbage collector's share of it measured); after the timed region every loaded value is compared with the
 numpy oracle of scripts/bench_workload.py. With ``PADDLE_DCP_BENCH_PROFILE=1`` the call runs
 under cProfile and its statistics go to ``RESULT_DIR/rank{r}.prof`` (the time is then the
-profiled one). The rank writes ``RESULT_DIR/rank{r}.json``; on failure also its error, and it
+profiled one); with ``PADDLE_DCP_BENCH_STEPS=1`` the steps of STEPS are timed (wrappers, a
+microsecond a call) and their seconds and calls reported. The rank writes ``RESULT_DIR/rank{r}.json``; on failure also its error, and it
 exits 1.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -60,6 +62,106 @@ def build_specs(n: int) -> list[TensorSpec]:
     return specs
 
 
+class GcTime:
+    """Python's garbage collections during a ``with`` block: their seconds, and their count
+    per generation (a collection lands in whatever code allocates when it is due)."""
+
+    def __enter__(self):
+        self.seconds, self.collections, self._start = 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+        return False
+
+
+# What --steps times inside paddle_dcp's calls (inclusive: a step's time holds the steps it
+# calls): the rank's own steps, and the coordinator's planning, metadata and nesting work.
+STEPS = (
+    "paddle_dcp.parallel.ranks:LocalSaveRank.prepare",
+    "paddle_dcp.core.nested:flatten",
+    "paddle_dcp.parallel.ranks:LocalSaveRank.describe",
+    "paddle_dcp.parallel.placements:held_of",
+    "paddle_dcp.parallel.wire:encode_summary",
+    "paddle_dcp.parallel.protocol:plan_from_summaries",
+    "paddle_dcp.parallel.wire:decode_summary",
+    "paddle_dcp.core.save_plan:plan_save",
+    "paddle_dcp.parallel.ranks:LocalSaveRank.prepare_id",
+    "paddle_dcp.parallel.ranks:LocalSaveRank.write",
+    "paddle_dcp.parallel.protocol:metadata_from_reports",
+    "paddle_dcp.core.nested:fill_values",
+    "paddle_dcp.core.save_plan:build_metadata",
+    "paddle_dcp.parallel.ranks:LocalSaveRank.publish",
+    "paddle_dcp.core.metadata:Metadata.to_json",
+    "paddle_dcp.parallel.ranks:LocalSaveRank.tidy",
+    "paddle_dcp.parallel.ranks:LocalLoadRank.inspect",
+    "paddle_dcp.parallel.ranks:LocalLoadRank.read_metadata",
+    "paddle_dcp.core.metadata_parse:parse_metadata",
+    "paddle_dcp.parallel.ranks:LocalLoadRank.plan",
+    "paddle_dcp.parallel.loadwork:match_load",
+    "paddle_dcp.core.keys:reconcile",
+    "paddle_dcp.core.metadata:Metadata.prefetch",
+    "paddle_dcp.parallel.loadwork:plan_work",
+    "paddle_dcp.core.load_plan:plan_reads",
+    "paddle_dcp.parallel.loadwork:LocalLoadWork.share_checks",
+    "paddle_dcp.parallel.loadwork:LocalLoadWork.verify_local",
+    "paddle_dcp.parallel.loadwork:LocalLoadWork.read_local",
+    "paddle_dcp.parallel.loadwork:LocalLoadWork.finish",
+)
+
+
+class StepTimes:
+    """Seconds and calls of the functions ``STEPS`` names, timed by wrappers put in their place
+    (in their class, or in every paddle_dcp module that holds the function)."""
+
+    def __init__(self, names=STEPS):
+        import importlib
+
+        self.times = {name: [0.0, 0] for name in names}
+        for name in names:
+            module_name, _, attr = name.partition(":")
+            owner = importlib.import_module(module_name)
+            *outer, last = attr.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            original = getattr(owner, last)
+            timed = self._wrap(original, self.times[name])
+            if outer:  # a method: its class
+                setattr(owner, last, timed)
+                continue
+            for module in list(sys.modules.values()):
+                if getattr(module, "__name__", "").startswith("paddle_dcp"):
+                    for key, value in list(vars(module).items()):
+                        if value is original:
+                            setattr(module, key, timed)
+
+    @staticmethod
+    def _wrap(fn, cell):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cell[0] += time.perf_counter() - t0
+                cell[1] += 1
+
+        return timed
+
+    def report(self) -> dict:
+        return {name: {"seconds": s, "calls": c} for name, (s, c) in self.times.items() if c}
+
+
 def run(lib_name: str, phase: str, n: int, ckpt: str, result_dir: str) -> int:
     started = time.perf_counter()
     lib = bench_worker.PaddleLib(lib_name)
@@ -81,7 +183,12 @@ def run(lib_name: str, phase: str, n: int, ckpt: str, result_dir: str) -> int:
 
             prof = cProfile.Profile()
             prof.enable()
-        bench_worker._timed_call(lib, phase, sd, ckpt, result)
+        steps = StepTimes() if os.environ.get("PADDLE_DCP_BENCH_STEPS") == "1" and lib_name == "ours" else None
+        with GcTime() as collector:
+            bench_worker._timed_call(lib, phase, sd, ckpt, result)
+        result.update(gc_seconds=collector.seconds, gc_collections=collector.collections)
+        if steps is not None:
+            result["steps"] = steps.report()
         if profile:
             prof.disable()
             prof.dump_stats(os.path.join(result_dir, f"rank{lib.rank}.prof"))
