@@ -13,9 +13,11 @@ paddle.distributed.launch`` (gloo, CPU; scripts/bench.py's ``launch``):
 
 Each rank times its own call after a settle wait and a barrier (building the state dict and
 checking it are outside); a phase's time is its slowest rank's, and per tensor it is that time
-divided by the number of tensors (in microseconds). The summary gives, per phase and library,
-the ratio of the time per tensor at the largest count to that at the smallest: about 1 when the
-cost is linear in the number of tensors. After every load each rank compares every value it
+divided by the number of tensors (in microseconds); beside it, the CPU time (user + system, all
+threads) of the rank that used most, which other work on a shared machine disturbs less, and
+the seconds Python's garbage collector took inside the call. The summary gives, per phase and
+library, the ratio of the time per tensor at the largest count to that at the smallest (and of
+the CPU time): about 1 when the cost is linear in the number of tensors. After every load each rank compares every value it
 loaded with the numpy oracle of scripts/bench_workload.py; a wrong value fails the run.
 ``--libs ours,paddle`` also runs paddle.distributed's built-in save_state_dict/load_state_dict,
 up to ``--paddle-max`` tensors (it is slower by far). ``--profile DIR`` runs every call under
@@ -82,6 +84,7 @@ def summarize(runs: list[dict], counts: list[int]) -> dict:
     table = [
         {"lib": lib, "phase": phase, "tensors": n, "seconds": r["seconds"],
          "us_per_tensor": per_tensor_us(r["seconds"], n),
+         "cpu_us_per_tensor": per_tensor_us(max((x or 0.0) for x in r.get("cpu_seconds") or [0.0]), n),
          "gc_seconds": max((x or 0.0) for x in r.get("gc_seconds") or [0.0])}
         for (lib, phase, n), r in sorted(best.items(), key=lambda kv: (kv[0][0], PHASES.index(kv[0][1]), kv[0][2]))
     ]
@@ -90,7 +93,8 @@ def summarize(runs: list[dict], counts: list[int]) -> dict:
         rows = [e for e in table if (e["lib"], e["phase"]) == (lib, phase)]
         lo, hi = rows[0], rows[-1]
         ratios[f"{lib}.{phase}"] = (
-            {"from": lo["tensors"], "to": hi["tensors"], "ratio": hi["us_per_tensor"] / lo["us_per_tensor"]}
+            {"from": lo["tensors"], "to": hi["tensors"], "ratio": hi["us_per_tensor"] / lo["us_per_tensor"],
+             "cpu_ratio": hi["cpu_us_per_tensor"] / max(lo["cpu_us_per_tensor"], 1e-9)}
             if len(rows) > 1 else None
         )
     return {"table": table, "ratios": ratios, "counts": counts}
@@ -98,15 +102,16 @@ def summarize(runs: list[dict], counts: list[int]) -> dict:
 
 def format_report(res: dict) -> str:
     lines = [f"Many small tensors, {RANKS} ranks ({res['machine']['cores']} cores): time of the slowest rank's call",
-             "", "| library | phase | tensors | seconds | µs per tensor | of it, garbage collector (s) |",
-             "|---|---|---|---|---|---|"]
+             "", "| library | phase | tensors | seconds | µs per tensor | CPU µs per tensor | of it, garbage collector (s) |",
+             "|---|---|---|---|---|---|---|"]
     for e in res["summary"]["table"]:
         lines.append(f"| {bench.LIB_TITLE[e['lib']]} | {e['phase']} | {e['tensors']:,} | {e['seconds']:.2f} | "
-                     f"{e['us_per_tensor']:.0f} | {e['gc_seconds']:.2f} |")
+                     f"{e['us_per_tensor']:.0f} | {e['cpu_us_per_tensor']:.0f} | {e['gc_seconds']:.2f} |")
     lines.append("")
     for name, r in res["summary"]["ratios"].items():
         if r is not None:
-            lines.append(f"{name}: time per tensor at {r['to']:,} / at {r['from']:,} = {r['ratio']:.2f}")
+            lines.append(f"{name}: time per tensor at {r['to']:,} / at {r['from']:,} = {r['ratio']:.2f} "
+                         f"(CPU time: {r['cpu_ratio']:.2f})")
     for run in res["runs"]:
         if not run["ok"]:
             lines.append(f"FAILED {run['lib']} {run['phase']} {run['tensors']:,}: {run['error']}")
@@ -217,7 +222,7 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str) 
     out = {"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": run.ok, "error": run.error,
            "seconds": run.slowest if run.ok else None, "per_rank": run.seconds, "launch_seconds": run.wall,
            "gc_seconds": _per_rank(run_dir, "gc_seconds"), "gc_collections": _per_rank(run_dir, "gc_collections"),
-           "steps": _per_rank(run_dir, "steps")}
+           "steps": _per_rank(run_dir, "steps"), "cpu_seconds": run.cpu}
     if run.ok:
         gc_s = max((x or 0.0) for x in out["gc_seconds"])
         what = f"{run.slowest:.2f} s, {per_tensor_us(run.slowest, n):.0f} us/tensor, garbage collector {gc_s:.2f} s"
