@@ -84,7 +84,8 @@ class GcTime:
 
 
 # What --steps times inside paddle_dcp's calls (inclusive: a step's time holds the steps it
-# calls): the rank's own steps, and the coordinator's planning, metadata and nesting work.
+# calls): the rank's own steps, and the coordinator's planning, metadata and nesting work;
+# json's loads and dumps wherever they are called (the metadata's parse and serialization).
 STEPS = (
     "paddle_dcp.parallel.ranks:LocalSaveRank.prepare",
     "paddle_dcp.core.nested:flatten",
@@ -99,15 +100,20 @@ STEPS = (
     "paddle_dcp.parallel.protocol:metadata_from_reports",
     "paddle_dcp.core.nested:fill_values",
     "paddle_dcp.core.save_plan:build_metadata",
+    "paddle_dcp.core.nested:merge",
     "paddle_dcp.parallel.ranks:LocalSaveRank.publish",
     "paddle_dcp.core.metadata:Metadata.to_json",
+    "json:dumps",
     "paddle_dcp.parallel.ranks:LocalSaveRank.tidy",
     "paddle_dcp.parallel.ranks:LocalLoadRank.inspect",
     "paddle_dcp.parallel.ranks:LocalLoadRank.read_metadata",
     "paddle_dcp.core.metadata_parse:parse_metadata",
+    "json:loads",
     "paddle_dcp.parallel.ranks:LocalLoadRank.plan",
     "paddle_dcp.parallel.loadwork:match_load",
     "paddle_dcp.core.keys:reconcile",
+    "paddle_dcp.core.nested:node_paths",
+    "paddle_dcp.core.nested:plain_subtrees",
     "paddle_dcp.core.metadata:Metadata.prefetch",
     "paddle_dcp.parallel.loadwork:plan_work",
     "paddle_dcp.core.load_plan:plan_reads",
@@ -134,8 +140,8 @@ class StepTimes:
                 owner = getattr(owner, part)
             original = getattr(owner, last)
             timed = self._wrap(original, self.times[name])
-            if outer:  # a method: its class
-                setattr(owner, last, timed)
+            setattr(owner, last, timed)  # a method in its class, a function in its module
+            if outer:
                 continue
             for module in list(sys.modules.values()):
                 if getattr(module, "__name__", "").startswith("paddle_dcp"):
