@@ -20,7 +20,6 @@ exits 1.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
@@ -207,15 +206,7 @@ def run(lib_name: str, phase: str, n: int, ckpt: str, result_dir: str) -> int:
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         traceback.print_exc()
         status = 1
-    with open(os.path.join(result_dir, f"rank{lib.rank}.json"), "w") as f:
-        json.dump(result, f)
-    print(f"bench_many_worker rank {lib.rank}: {json.dumps(result)}", flush=True)
-    if status:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)  # the launcher then stops the other ranks
-    lib.barrier()  # nobody leaves (and takes the store down) while others still check
-    return 0
+    return bench_worker.finish(lib, result, result_dir, status, "bench_many_worker")
 
 
 def main(argv=None) -> int:
