@@ -2,7 +2,7 @@
 and loading 10k to 100k tensors, the time per tensor at each size.
 
 For every count of ``--tensors`` (the workload of bench_many_worker.build_specs: tensors of 1
-to 4 KiB as an expert's optimizer states are, 6 in 10 Shard(0) or Shard(1) over a 1-D mesh of
+to 4 KiB as an expert's optimizer states are, 8 in 10 Shard(0) or Shard(1) over a 1-D mesh of
 the ranks, the rest replicated), each phase runs in its own launch of ``python -m
 paddle.distributed.launch`` (gloo, CPU; scripts/bench.py's ``launch``):
 

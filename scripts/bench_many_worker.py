@@ -49,7 +49,7 @@ EXPERTS = 64  # tensors of one "layer" are named layers.{i // (10 * EXPERTS)}.ex
 
 
 def build_specs(n: int) -> list[TensorSpec]:
-    """``n`` tensors, the cycle of CYCLE repeated: 6 in 10 sharded over the 1-D mesh (Shard(0)
+    """``n`` tensors, the cycle of CYCLE repeated: 8 in 10 sharded over the 1-D mesh (Shard(0)
     or Shard(1), the other dim on reshard), 1 in 10 replicated everywhere, 1 in 10 replicated on
     save and Shard(0) on reshard; 1 to 4 KiB each (about 3.3 KiB on average)."""
     specs = []
