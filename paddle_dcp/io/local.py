@@ -313,7 +313,7 @@ class DataWriter:
         if self._batch is not None and start + len(view) - self._batch_start > len(self._batch):
             self._flush()
         if self._batch is None:
-            self._batch = bytearray(max(self.BATCH_BYTES, len(view)))  # zeros: the gaps
+            self._batch = bytearray(self.BATCH_BYTES)  # zeros: the gaps between pieces
             self._batch_start = start
         at = start - self._batch_start
         self._batch[at : at + len(view)] = view
