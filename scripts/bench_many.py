@@ -197,7 +197,7 @@ def run_benchmark(args) -> dict:
                             runs.append({"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": False,
                                          "error": "no checkpoint: the save failed", "seconds": None})
                             continue
-                        run = _launch(args, root, rep, n, lib, phase, ckpt)
+                        run = _launch(args, root, rep, n, lib, phase, ckpt, timed=phase in phases)
                         saved = saved or (phase == "save" and run["ok"])
                         if phase in phases:
                             runs.append(run)
@@ -211,9 +211,10 @@ def run_benchmark(args) -> dict:
     return {"machine": info, "args": vars(args), "runs": runs, "summary": summarize(runs, counts), "notes": notes}
 
 
-def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str) -> dict:
-    """One launch of one phase at ``n`` tensors; its record (the slowest rank's seconds, every
-    rank's, the garbage collector's seconds and collections per rank)."""
+def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str, timed: bool = True) -> dict:
+    """One launch of one phase at ``n`` tensors (``timed``: a phase asked for, else a save the
+    loads need); its record (the slowest rank's seconds, and per rank the seconds, CPU seconds,
+    the garbage collector's seconds and collections, and with --steps the steps' seconds)."""
     run_dir = os.path.join(root, "runs", f"r{rep}_{n}_{phase}_{lib}")
     run = bench.launch(lib, phase, RANKS, n, ckpt, run_dir, args.timeout or 120 + n / 100, rep, args.settle,
                        worker=WORKER)
@@ -221,14 +222,16 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str) 
         os.sync()  # its dirty pages are not written back during the loads
     out = {"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": run.ok, "error": run.error,
            "seconds": run.slowest if run.ok else None, "per_rank": run.seconds, "launch_seconds": run.wall,
-           "gc_seconds": _per_rank(run_dir, "gc_seconds"), "gc_collections": _per_rank(run_dir, "gc_collections"),
-           "steps": _per_rank(run_dir, "steps"), "cpu_seconds": run.cpu}
+           "cpu_seconds": run.cpu}
+    results = _results(run_dir)
+    for field in ("gc_seconds", "gc_collections", "steps"):
+        out[field] = [(r or {}).get(field) for r in results]
     if run.ok:
         gc_s = max((x or 0.0) for x in out["gc_seconds"])
         what = f"{run.slowest:.2f} s, {per_tensor_us(run.slowest, n):.0f} us/tensor, garbage collector {gc_s:.2f} s"
     else:
         what = f"FAILED: {run.error}"
-    untimed = "" if phase in args.phases.split(",") else " (untimed, for the loads)"
+    untimed = "" if timed else " (untimed, for the loads)"
     log(f"[{rep + 1}/{args.repeat}] {n:>7,} tensors {phase:8s} {lib:6s}: {what}{untimed} (launch {run.wall:.1f} s)")
     if not run.ok:
         log(bench._logs_tail(run_dir))
@@ -238,20 +241,21 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str) 
     return out
 
 
-def _per_rank(run_dir: str, field: str) -> list:
-    """One figure of every rank's result file (None for a rank without one)."""
+def _results(run_dir: str) -> list:
+    """Every rank's result file of a launch (None for a rank without one)."""
     out = []
     for r in range(RANKS):
         try:
             with open(os.path.join(run_dir, "result", f"rank{r}.json")) as f:
-                out.append(json.load(f).get(field))
+                out.append(json.load(f))
         except (OSError, ValueError):
             out.append(None)
     return out
 
 
 def _keep_profiles(profile_dir: str | None, run_dir: str, name: str) -> None:
-    """Copy a launch's cProfile statistics into ``profile_dir`` and log their top functions."""
+    """Copy a launch's cProfile statistics into ``profile_dir``, with rank 0's top functions
+    as text beside them."""
     if not profile_dir:
         return
     result = os.path.join(run_dir, "result")
