@@ -143,10 +143,12 @@ def _first_error(run_dir: str) -> str:
 
 
 def launch(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str, timeout: float,
-           repeat: int, settle: float) -> Run:
+           repeat: int, settle: float, worker: str = WORKER) -> Run:
+    """One launch of ``worker`` (bench_worker.py, or another worker taking the same arguments:
+    LIB PHASE SIZE CHECKPOINT RESULT_DIR) on ``ranks`` ranks; its ranks' results."""
     result_dir = os.path.join(run_dir, "result")
     os.makedirs(result_dir, exist_ok=True)
-    args = [WORKER, lib, phase, str(size), ckpt, result_dir]
+    args = [worker, lib, phase, str(size), ckpt, result_dir]
     if lib == "torch":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *args]
     else:

@@ -449,9 +449,15 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         traceback.print_exc()
         status = 1
+    return finish(lib, result, result_dir, status)
+
+
+def finish(lib, result: dict, result_dir: str, status: int, who: str = "bench_worker") -> int:
+    """The end of a rank: its ``result`` written to ``RESULT_DIR/rank{r}.json`` and printed;
+    on failure (``status`` 1) the process exits at once, else it waits for the other ranks."""
     with open(os.path.join(result_dir, f"rank{lib.rank}.json"), "w") as f:
         json.dump(result, f)
-    print(f"bench_worker rank {lib.rank}: {json.dumps(result)}", flush=True)
+    print(f"{who} rank {lib.rank}: {json.dumps(result)}", flush=True)
     if status:
         sys.stdout.flush()
         sys.stderr.flush()

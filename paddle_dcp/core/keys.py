@@ -185,7 +185,8 @@ def report(
     ``buffers``: keys of the state dict that look like buffers (the error says so)."""
     refused = [k for k in missing if policy.strict and not policy.allows(k)]
     if refused:
-        raise MismatchError(missing_message(refused, where, [k for k in refused if k in set(buffers)]))
+        buffered = set(buffers)  # once: a key is looked up in it, not the list rebuilt per key
+        raise MismatchError(missing_message(refused, where, [k for k in refused if k in buffered]))
     if missing:
         log.warning("keys of the state_dict not found in %s (left unchanged): %s", where, list(missing))
     if unexpected:

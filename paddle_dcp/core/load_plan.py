@@ -305,29 +305,26 @@ def _coalesce(segments: list[_Found], coalesce_gap: int, max_read_bytes: int) ->
     segments.sort(key=lambda s: (s[0], s[1]))
     ops: list[ReadOp] = []
     group: list[_Found] = []
+    stop = 0  # the group's end: the largest stop of its segments, kept as they join
 
     def flush() -> None:
         if not group:
             return
-        f, start = group[0][0], group[0][1]
-        stop = max(g[2] for g in group)
         direct = len(group) == 1 and group[0][4]
-        ops.append(ReadOp(f, start, stop, tuple(g[3] for g in group), direct))
+        ops.append(ReadOp(group[0][0], group[0][1], stop, tuple(g[3] for g in group), direct))
         group.clear()
 
     for item in segments:
-        if group:
-            f0, start0 = group[0][0], group[0][1]
-            stop0 = max(g[2] for g in group)
-            if (
-                item[0] != f0
-                or item[1] > stop0 + coalesce_gap
-                or item[1] < stop0  # two targets reading the same blocks: keep them apart
-                or max(stop0, item[2]) - start0 > max_read_bytes
-                or group[0][5]
-                or item[5]
-            ):
-                flush()
+        if group and (
+            item[0] != group[0][0]
+            or item[1] > stop + coalesce_gap
+            or item[1] < stop  # two targets reading the same blocks: keep them apart
+            or max(stop, item[2]) - group[0][1] > max_read_bytes
+            or group[0][5]
+            or item[5]
+        ):
+            flush()
+        stop = max(stop, item[2]) if group else item[2]
         group.append(item)
     flush()
     return ops

@@ -261,10 +261,17 @@ class DataWriter:
     temporary name until :meth:`commit`.
 
     The bytes go to the file from a thread of their own while the caller prepares the next
-    piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` pieces wait to
-    be written, and their host memory is kept alive until they are. ``header`` (a safetensors
-    header) is written first, and the pieces follow it at multiples of ``alignment`` bytes.
+    piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` writes wait to
+    be done, and their host memory is kept alive until they are. Pieces smaller than
+    ``SMALL_PIECE`` are copied into a batch of up to ``BATCH_BYTES`` written as one (the
+    alignment gaps between them zeros, as the file's holes are): a state dict of many small
+    tensors costs one hand-off to the thread and one system call per batch, not per piece.
+    ``header`` (a safetensors header) is written first, and the pieces follow it at multiples
+    of ``alignment`` bytes.
     """
+
+    SMALL_PIECE = 64 << 10  # bytes
+    BATCH_BYTES = 4 << 20  # bytes
 
     def __init__(
         self, path: str, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
@@ -277,6 +284,8 @@ class DataWriter:
         self.alignment = alignment
         self._pending: deque[Future] = deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
+        self._batch: bytearray | None = None  # small pieces gathered, from file offset _batch_start on
+        self._batch_start = self._batch_used = 0
         if header:
             try:
                 self._write_at(memoryview(header), 0, None)
@@ -291,11 +300,35 @@ class DataWriter:
         view = data.cast("B") if data.format != "B" else data
         start = aligned(self.offset, self.alignment)  # the gap stays zeros (sparse)
         sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
-        self._pending.append(self._pool.submit(self._write_at, view, start, keep))
+        if len(view) < self.SMALL_PIECE:
+            self._gather(view, start)
+        else:
+            self._flush()
+            self._submit(view, start, keep)
         self.offset = start + len(view)
+        return sums
+
+    def _gather(self, view: memoryview, start: int) -> None:
+        """Copy a small piece into the batch (a new one when it does not fit)."""
+        if self._batch is not None and start + len(view) - self._batch_start > len(self._batch):
+            self._flush()
+        if self._batch is None:
+            self._batch = bytearray(self.BATCH_BYTES)  # zeros: the gaps between pieces
+            self._batch_start = start
+        at = start - self._batch_start
+        self._batch[at : at + len(view)] = view
+        self._batch_used = at + len(view)
+
+    def _flush(self) -> None:
+        """Hand the batch to the writing thread."""
+        if self._batch is not None:
+            batch, self._batch = self._batch, None
+            self._submit(memoryview(batch)[: self._batch_used], self._batch_start, batch)
+
+    def _submit(self, view: memoryview, offset: int, keep) -> None:
+        self._pending.append(self._pool.submit(self._write_at, view, offset, keep))
         while len(self._pending) > self.depth:
             self._pending.popleft().result()
-        return sums
 
     def _write_at(self, view: memoryview, offset: int, keep) -> None:
         self.file.pwrite(view, offset)
@@ -310,11 +343,13 @@ class DataWriter:
     def commit(self, durable: bool = False) -> int:
         """Close and rename into place (with ``durable``: after an fsync of the file, and with
         one of the directory after); returns the file's size."""
+        self._flush()
         self._drain()
         self.file.commit(durable, size=self.offset)
         return self.offset
 
     def abort(self) -> None:
+        self._batch = None  # never written
         try:
             self._drain()
         except Exception:  # noqa: BLE001 - the save already failed; remove what is left

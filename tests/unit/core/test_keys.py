@@ -77,6 +77,29 @@ def test_mw_compatible_name_of_other_keys_is_none(key):
     assert keys.mw_compatible_name(key) is None
 
 
+class _CountedKeys(list):
+    """A list of keys that counts the times it is iterated over."""
+
+    iterations = 0
+
+    def __iter__(self):
+        _CountedKeys.iterations += 1
+        return super().__iter__()
+
+
+def test_a_strict_refusal_of_many_missing_keys_looks_at_the_buffers_a_constant_number_of_times():
+    per_key = []
+    for n in (1_000, 10_000):
+        missing = [f"model.layers.{i}.w" for i in range(n)]
+        buffers = _CountedKeys(f"model.layers.{i}.w" for i in range(0, n, 2))  # every other key
+        _CountedKeys.iterations = 0
+        with pytest.raises(MismatchError) as info:
+            report(missing, [], "ck", MissingKeys(), LOG, buffers=buffers)
+        assert f"{n} key(s)" in str(info.value) and f"{n // 2} of them look like buffers" in str(info.value)
+        per_key.append(_CountedKeys.iterations / n)
+    assert per_key[1] <= per_key[0] <= 0.01, per_key  # not once per missing key
+
+
 def test_match_keys_reports_missing_and_unexpected():
     m = keys.match_keys(["a", "b", "c"], ["b", "c", "d", "e"])
     assert m.source == {"b": "b", "c": "c"}

@@ -360,3 +360,35 @@ def test_the_part_of_the_metadata_for_a_derived_target_lists_it_and_its_source_s
     assert again.tensors["o.p.w_0"].source == "m.p" and again.tensors["m.p"].pieces.offsets.tolist() == [[10, 0]]
     nothing = load_plan.restrict(meta, [], tensor_keys=["o.p.w_0"])  # holds none of it: still listed, with its source
     assert sorted(parse_metadata(nothing.to_json(), allow_subset=True).tensors) == ["m.p", "o.p.w_0"]
+
+
+# ------------------------------------------------------------------ work per segment (issue 36)
+class _CountedFound(tuple):
+    """A found segment (load_plan._Found) that counts every read of its fields."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        _CountedFound.reads += 1
+        return tuple.__getitem__(self, i)
+
+
+def _coalesced(n: int, size: int = 2048):
+    """``n`` segments of ``size`` bytes back to back in one file (shuffled), merged into reads
+    larger than all of them: (the reads, field reads per segment)."""
+    order = np.random.default_rng(n).permutation(n).tolist()
+    found = [_CountedFound((0, i * size, (i + 1) * size, ("seg", i), True, False)) for i in order]
+    _CountedFound.reads = 0
+    ops = load_plan._coalesce(found, coalesce_gap=0, max_read_bytes=1 << 40)
+    return ops, _CountedFound.reads / n
+
+
+def test_coalescing_reads_each_segment_a_constant_number_of_times_however_long_the_read():
+    small_ops, small = _coalesced(1_000)
+    large_ops, large = _coalesced(10_000)
+    # by hand: one read of the whole run, its segments in file order, not direct (several)
+    for ops, n in ((small_ops, 1_000), (large_ops, 10_000)):
+        assert [(op.file, op.start, op.stop, op.direct) for op in ops] == [(0, 0, n * 2048, False)]
+        assert list(ops[0].segments) == [("seg", i) for i in range(n)]
+    # a read's end is kept as its segments join, not found again from all of them for each one
+    assert large <= small + 0.01, (small, large)

@@ -121,6 +121,57 @@ def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
     assert listdir(str(tmp_path)) == ["0_0.distcp"]
 
 
+def _pieces_written(tmp_path, sizes, monkeypatch):
+    """Write pieces of ``sizes`` bytes (piece i: bytes i, i+1, ... mod 251) through a
+    DataWriter, counting its writes to the file and its hand-offs to the writing thread; (the
+    file's bytes, the bytes expected, computed by hand: every piece at the next multiple of 64,
+    zeros between, writes, hand-offs)."""
+    count = {"pwrite": 0, "submit": 0}
+    real_pwrite, real_submit = local.AtomicFile.pwrite, local.DataWriter._submit
+
+    def pwrite(self, view, offset):
+        count["pwrite"] += 1
+        return real_pwrite(self, view, offset)
+
+    def submit(self, view, offset, keep):
+        count["submit"] += 1
+        return real_submit(self, view, offset, keep)
+
+    monkeypatch.setattr(local.AtomicFile, "pwrite", pwrite)
+    monkeypatch.setattr(local.DataWriter, "_submit", submit)
+    w = local.DataWriter(str(tmp_path), "0_0.distcp", 4096)
+    want = bytearray()
+    for i, n in enumerate(sizes):
+        piece = ((np.arange(n) + i) % 251).astype(np.uint8)
+        want += bytes(-len(want) % 64) + piece.tobytes()
+        w.write(as_bytes(piece), keep=piece)
+    assert w.commit() == len(want)
+    monkeypatch.undo()
+    return (tmp_path / "0_0.distcp").read_bytes(), bytes(want), count["pwrite"], count["submit"]
+
+
+def test_data_writer_writes_small_pieces_in_batches_whatever_their_number(tmp_path, monkeypatch):
+    per_piece = []
+    for n in (1_000, 10_000):
+        d = tmp_path / str(n)
+        d.mkdir()
+        got, want, writes, handoffs = _pieces_written(d, [2000 + i % 97 for i in range(n)], monkeypatch)
+        assert got == want
+        assert writes == handoffs <= -(-len(want) // local.DataWriter.BATCH_BYTES) + 1
+        per_piece.append(handoffs / n)
+    # one hand-off and one system call per batch of about 2,000 pieces, at 1k as at 10k
+    assert per_piece[1] <= per_piece[0] and per_piece[0] <= 1 / 500, per_piece
+
+
+def test_data_writer_writes_large_pieces_alone_between_batches_of_small_ones(tmp_path, monkeypatch):
+    big = local.DataWriter.SMALL_PIECE
+    sizes = [10, 3000, big, 7, big + 5, 64, 1, 3 * local.DataWriter.BATCH_BYTES // 2, 5]
+    got, want, writes, handoffs = _pieces_written(tmp_path, sizes, monkeypatch)
+    assert got == want
+    # batches [10, 3000], [7], [64, 1], [5] and the three large pieces alone
+    assert writes == handoffs == 7
+
+
 def test_data_writer_abort_removes_its_temporary_file(tmp_path):
     w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
     w.write(as_bytes(np.zeros(3, np.uint8)))
