@@ -392,3 +392,28 @@ def test_coalescing_reads_each_segment_a_constant_number_of_times_however_long_t
         assert list(ops[0].segments) == [("seg", i) for i in range(n)]
     # a read's end is kept as its segments join, not found again from all of them for each one
     assert large <= small + 0.01, (small, large)
+
+
+def test_a_target_over_many_saved_pieces_checks_them_as_a_grid_not_pair_by_pair(monkeypatch):
+    """One target over 10,000 saved pieces (a checkpoint of many ranks loaded onto one): they
+    are checked to be disjoint as a grid, in O(p log p), never pair by pair (O(p**2)); pieces
+    that do overlap are still named."""
+    from paddle_dcp.core.metadata import FileEntry, Metadata, PieceTable, TensorEntry
+
+    def meta_of(offsets):
+        n = len(offsets)
+        table = PieceTable(np.array(offsets, np.int64).reshape(n, 1), np.full((n, 1), 4, np.int64), np.zeros(n, np.int64),
+                           np.arange(n, dtype=np.int64) * 64, np.zeros(n, np.uint64))
+        entry = TensorEntry("w", "float32", (4 * n,), table, 1 << 20)
+        return Metadata(0, 1, (FileEntry("0_0.distcp", 64 * n),), {"w": entry}, {"d": [["w", {"t": 0}]]}, block_bytes=1 << 20)
+
+    def pairwise(lo, hi):
+        raise AssertionError("checked pair by pair")
+
+    n = 10_000
+    target = load_plan.TargetPiece("w", "float32", (4 * n,), Box((0,), (4 * n,)))
+    monkeypatch.setattr(load_plan, "_overlapping_pair", pairwise)
+    assert len(load_plan.plan_reads(meta_of([4 * i for i in range(n)]), [target])) > 0
+    monkeypatch.undo()
+    with pytest.raises(PlanError, match=r"w: saved pieces at offsets \(20,\) and \(22,\) overlap"):
+        load_plan.plan_reads(meta_of([4 * i for i in range(n - 1)] + [22]), [target])
