@@ -383,6 +383,27 @@ class Rows:
                 out[i] = shape
         return out
 
+    def take(self, rows: Sequence[int]) -> "Rows":
+        """Only the rows ``rows`` (ascending), renumbered 0..len(rows)-1: what a reader keeps
+        of the parts it read."""
+        sel = np.asarray(rows, dtype=np.int64)
+        ndim = self.col("ndim")[sel]
+        shape_idx = np.repeat(self.shape_start[sel], ndim) + (np.arange(int(ndim.sum())) - np.repeat(np.cumsum(ndim) - ndim, ndim))
+        slots = self.cuts.slot_of[sel + 1] - self.cuts.slot_of[sel]
+        slot_idx = np.repeat(self.cuts.slot_of[sel], slots) + (np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots))
+        per_slot = self.cuts.start[slot_idx + 1] - self.cuts.start[slot_idx]
+        value_idx = np.repeat(self.cuts.start[slot_idx], per_slot) + (
+            np.arange(int(per_slot.sum())) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot))
+        groups = self.group_start[sel + 1] - self.group_start[sel]
+        group_idx = np.repeat(self.group_start[sel], groups) + (np.arange(int(groups.sum())) - np.repeat(np.cumsum(groups) - groups, groups))
+        starts = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int64)  # noqa: E731
+        return Rows(
+            keys=[self.keys[i] for i in sel.tolist()], sources=[self.sources[i] for i in sel.tolist()],
+            cols=self.cols[:, sel], shape_start=starts(ndim), shapes=self.shapes[shape_idx],
+            cuts=grids.Cuts(starts(slots), starts(per_slot), self.cuts.values[value_idx]),
+            group_start=starts(groups), digests=self.digests[group_idx],
+        )
+
     def described(self, i: int) -> tuple[int, int, tuple]:
         """(encoding code, dtype code, shape): what a derived tensor's source is checked by."""
         return int(self.col("encoding")[i]), int(self.col("dtype")[i]), self.shape(i)

@@ -253,9 +253,10 @@ def _found_in(start: Start, parts: Sequence[int], blobs: Sequence[bytes | memory
         return
     rows = rows_read(start, parts, blobs, source)
     at = {k: t for t, k in enumerate(rows.keys)}
-    for key in keys:
-        if key in at and key not in found:
-            found[key] = (rows, at[key])
+    hits = sorted({at[k] for k in keys if k in at and k not in found})
+    kept = rows.take(hits)  # the parts' other rows are not kept
+    for i, t in enumerate(hits):
+        found[rows.keys[t]] = (kept, i)
 
 
 class _PiecePlan:

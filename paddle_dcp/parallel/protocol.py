@@ -390,6 +390,10 @@ class LoadRankProtocol(_Protocol):
         to be read in parts (a version 3 file, :func:`paddle_dcp.core.metafile.worth_parts`),
         else None."""
 
+    def metadata_start(self, blob: bytes, source: str) -> metafile.Start:
+        """The start of a metadata file read in parts from what the coordinator broadcast
+        (:func:`start_of`)."""
+
     def wanted(self, view: Any) -> Mapping[str, Sequence[Box]] | None:
         """The checkpoint keys this rank may read, with the boxes it fills of each (what it
         reads of a large metadata file: :func:`paddle_dcp.core.metafile.read_part`); None when
@@ -497,10 +501,7 @@ def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> 
     blob = yield Broadcast(blob, ctx.coordinator)
 
     def begin():
-        numbers, chunks = wire.decode_chunks(blob)
-        known = {(numbers[i], numbers[i + 1]): c for i, c in zip(range(1, len(numbers), 2), chunks)}
-        start = metafile.read_start(lambda r: [known[(a, b)] for a, b in r], numbers[0], source)
-        rounds = metafile.part_rounds(start, ctx.wanted(view) or {}, source)
+        rounds = metafile.part_rounds(ctx.metadata_start(blob, source), ctx.wanted(view) or {}, source)
         return rounds, next(rounds)
 
     rounds, request = yield from local("metadata: begin", begin)
@@ -518,6 +519,21 @@ def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> 
         got = wire.decode_chunks((yield Scatter(answers, ctx.coordinator)))[1]
         request = yield from local("metadata: parts", lambda: _advance(rounds, got, step == 2))
     return request
+
+
+def start_of(blob: bytes, source: str) -> metafile.Start:
+    """The head, files and index of a metadata file, from the ranges the coordinator read of it
+    and broadcast (the file's size first, then each range and its bytes)."""
+    numbers, chunks = wire.decode_chunks(blob)
+    known = {(numbers[i], numbers[i + 1]): c for i, c in zip(range(1, len(numbers), 2), chunks)}
+
+    def fetch(ranges):
+        try:
+            return [known[(a, b)] for a, b in ranges]
+        except KeyError:
+            raise FormatError(f"{source}: the coordinator did not send the start of the metadata") from None
+
+    return metafile.read_start(fetch, numbers[0] if numbers else 0, source)
 
 
 def _slice(body: memoryview, start: int, stop: int) -> memoryview:

@@ -340,6 +340,9 @@ class LocalLoadRank:
             return b"D" + self._directory_blob(view)
         return b"M" + self.store.metadata_bytes(uid)
 
+    def metadata_start(self, blob: bytes, source: str) -> metafile.Start:
+        return protocol.start_of(blob, source)
+
     def in_parts(self, data: bytes) -> memoryview | None:
         body = memoryview(data)[1:]
         return body if data[:1] == b"M" and metafile.is_packed(body) and metafile.worth_parts(len(body)) else None

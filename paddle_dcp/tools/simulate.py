@@ -220,10 +220,10 @@ class _SimLoadRank:
     shares_targets = False
 
     def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed, lists_for_all,
-                 wanted, read_bytes):
+                 wanted, read_bytes, starts):
         self.rank, self.ranks, self.coordinator = rank, ranks, coordinator
         self.listing, self.metadata_json, self.shared, self.layout, self.parsed = listing, metadata_json, shared, layout, parsed
-        self.lists_for_all, self._wanted, self.read_bytes = lists_for_all, wanted, read_bytes
+        self.lists_for_all, self._wanted, self.read_bytes, self.starts = lists_for_all, wanted, read_bytes, starts
 
     def inspect(self):
         if self.lists_for_all and self.rank != self.coordinator:
@@ -253,6 +253,14 @@ class _SimLoadRank:
 
     def wanted(self, view):
         return self._wanted
+
+    def metadata_start(self, blob: bytes, source: str) -> metafile.Start:
+        """Every simulated rank receives the same bytes: parsed once for all of them (each of
+        thousands of real ranks parses its own)."""
+        found = self.starts.get(blob)
+        if found is None:
+            found = self.starts[blob] = protocol.start_of(blob, source)
+        return found
 
     def in_parts(self, data: bytes) -> memoryview | None:
         body = memoryview(data)[1:]
@@ -305,13 +313,14 @@ def simulate_load(
     listing = storage.Listing(frozenset({unique_id}), {unique_id: frozenset((r, g) for r, _, g in writers)})
 
     read_bytes: dict[int, int] = {}
+    starts: dict[bytes, metafile.Start] = {}
 
     def rank_ctx(r: int) -> protocol.LoadRankProtocol:  # mypy checks that the simulated rank is one
         real = r == coordinator or r in plan_ranks
         # on object storage every rank asks the coordinator for its part of a large file
         wanted = wanted_of(layouts[r]) if real or object_storage else None
         return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
-                            object_storage, wanted, read_bytes)
+                            object_storage, wanted, read_bytes, starts)
 
     world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,), count_calls=count_calls)
     tensors = parsed[coordinator].tensors

@@ -217,6 +217,9 @@ class FakeLoadRank:
     def in_parts(self, data):
         return None  # these tests' metadata is small: read whole
 
+    def metadata_start(self, blob, source):
+        return protocol.start_of(blob, source)
+
     def targets(self, view):
         return b""
 
