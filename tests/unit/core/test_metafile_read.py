@@ -194,3 +194,28 @@ def test_a_part_read_of_a_few_tensors_costs_the_same_whatever_the_checkpoints_si
 
     small, large = calls(2_000), calls(20_000)
     assert large <= 1.2 * small
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_any_byte_changed_is_refused_by_a_whole_read_and_by_every_part_read_that_reads_it(data):
+    meta = hand_meta(rows=70)
+    raw = bytearray(metafile.encode(meta))
+    at = data.draw(st.integers(0, len(raw) - 1))
+    raw[at] ^= data.draw(st.integers(1, 255))
+    bad = bytes(raw)
+    if bad[at : at + 1] == b"\n" or b"\n" not in bad:  # the head line ends elsewhere: a file of another shape
+        return
+    with pytest.raises(FormatError):
+        parse_metadata(bad)
+    log: list = []
+    wanted = {"m.w": [Box((data.draw(st.integers(0, 69)), 0), (1, 3))], "m.b": [Box((0,), (5,))]}
+    try:
+        part = metafile.read_part(_fetch(bad, log), len(bad), wanted)
+    except FormatError:
+        return
+    read = [r for rounds in log[1:] for r in rounds]  # the first read takes the head and what follows it
+    assert not any(a <= at < b for a, b in read)  # it read around the damage, never through it
+    whole = metafile.decode(metafile.encode(meta))
+    for key in part.tensors:
+        assert set(entry_of(part, key)[4]) <= set(entry_of(whole, key)[4])
