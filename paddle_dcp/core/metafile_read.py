@@ -218,19 +218,19 @@ def part_rounds(start: Start, wanted: Mapping[str, Sequence[Box]], source: str =
     found: dict[str, tuple[Rows, int]] = {}
     boxes: dict[str, list[Box]] = {k: list(v) for k, v in wanted.items()}
     parts = _parts_of(start.index, boxes, found)
-    _found_in(start, parts, (yield start.index.ranges(parts)), list(boxes), found, source)
+    _found_in(start, parts, (yield from _read(start.index.ranges(parts))), list(boxes), found, source)
     derived = [(k, src) for k in sorted(found) if (src := found[k][0].sources[found[k][1]]) is not None]
     for key, src in derived:  # a derived tensor reads its source's pieces for its boxes
         boxes.setdefault(src, []).extend(boxes.get(key, []))
     later = [s for _, s in derived if s not in found]
     parts = _parts_of(start.index, later, found)
-    _found_in(start, parts, (yield start.index.ranges(parts)), later, found, source)
+    _found_in(start, parts, (yield from _read(start.index.ranges(parts))), later, found, source)
     for key in list(found):
         rows, t = found[key]
         check_sources(rows, lambda k: found[k][0].described(found[k][1]) if k in found else None, source, only=[t])
     keys = sorted(found)
     plan = _PiecePlan(head, found, keys, boxes)
-    got = yield plan.ranges()
+    got = yield from _read(plan.ranges())
     return Metadata(
         unique_id=head.doc["unique_id"], world_size=head.doc["world_size"], files=start.files,
         tensors=ColumnTensors(plan.columns(got, source), head.block_bytes), structure=head.doc["outline"],
@@ -239,6 +239,25 @@ def part_rounds(start: Start, wanted: Mapping[str, Sequence[Box]], source: str =
         replicas=head.doc.get("replicas", False), digest=head.digest,
         holders=frozenset(tuple(p) for p in head.doc["holders"]),
     )
+
+
+def _read(ranges: Sequence[tuple[int, int]]) -> Generator[List[Tuple[int, int]], List[Union[bytes, memoryview]], list]:
+    """One round: ``ranges`` asked for with the ones that touch merged (the records and the
+    checksums of neighbouring groups lie back to back), their bytes cut apart again."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+    merged: list[list[int]] = []
+    where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(ranges)
+    for i in order:
+        a, b = ranges[i]
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+        where[i] = (len(merged) - 1, a - merged[-1][0], b - merged[-1][0])
+    blobs = yield [(a, b) for a, b in merged]
+    if len(blobs) != len(merged):
+        raise FormatError(f"{len(blobs)} byte ranges received for {len(merged)} asked")
+    return [memoryview(blobs[m])[a:b] for m, a, b in where]
 
 
 def _parts_of(index: Index, keys: Any, found: Mapping) -> list[int]:

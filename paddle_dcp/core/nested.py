@@ -414,6 +414,66 @@ def _export(mine: Any) -> Any:
     return {tag: [{"t": 0} if child is _TENSOR_LEAF else _export(child) for child in items]}
 
 
+def placeholders(skeleton: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every ``{"x": 0}`` placeholder of a skeleton: (its flat key, the index of the item on the
+    way in every container from the root), depth first: what :func:`fill_at` fills."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+
+    def visit(node: dict, key: str | None, at: tuple[int, ...]) -> None:
+        (tag, body), = node.items()
+        if tag == "x":
+            out.append((key or "", at))
+        elif tag == "d":
+            for i, (k, child) in enumerate(body):
+                if not (type(child) is dict and "t" in child):
+                    visit(child, _join(key, k), at + (i,))
+        elif tag in ("l", "u"):
+            for i, child in enumerate(body):
+                visit(child, _join(key, str(i)), at + (i,))
+
+    visit(skeleton, None, ())
+    return out
+
+
+def fill_at(skeleton: dict, places: Sequence[tuple[str, tuple[int, ...]]], values: dict[str, Any]) -> tuple[dict, list[str]]:
+    """:func:`fill_values`, given its placeholders' places (:func:`placeholders` of the same
+    skeleton): only the containers on their paths are copied, so a skeleton of a hundred
+    thousand tensors costs its few plain values, not its size. The skeleton is not changed."""
+    copies: dict[int, list] = {}  # id of an original container -> its body, copied
+    dropped: list[str] = []
+    for key, at in places:
+        node = skeleton
+        for depth, i in enumerate(at):
+            (tag, body), = node.items()
+            copy = copies.get(id(node))
+            if copy is None:
+                copy = copies[id(node)] = list(body)
+            if depth < len(at) - 1:
+                node = body[i][1] if tag == "d" else body[i]
+                continue
+            if key in values:
+                value = encode_value(values[key])
+            else:
+                dropped.append(key)
+                value = _GONE if tag == "d" else {"v": None}
+            copy[i] = [body[i][0], value] if tag == "d" else value
+    return _rebuild(skeleton, copies) if copies else skeleton, dropped
+
+
+_GONE = {"gone": 0}  # a dict item whose placeholder had no value: left out
+
+
+def _rebuild(node: dict, copies: dict[int, list]) -> dict:
+    """``node`` with the bodies :func:`fill_at` copied, its dropped dict items left out."""
+    copy = copies.get(id(node))
+    if copy is None:
+        return node
+    (tag, _), = node.items()
+    if tag == "d":
+        return {"d": [[k, _rebuild(c, copies)] for k, c in copy if c is not _GONE]}
+    return {tag: [_rebuild(c, copies) for c in copy]}
+
+
 def fill_values(skeleton: dict, values: dict[str, Any]) -> tuple[dict, list[str]]:
     """Replace ``{"x": 0}`` placeholders whose flat key is in ``values``; returns the new
     skeleton and the keys of placeholders that had no value (they are dropped)."""

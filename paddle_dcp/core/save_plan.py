@@ -169,8 +169,8 @@ class SavePlan:
             a key may repeat a box, on several writers.
         grids: which keys' pieces are exactly the cells of their cuts, and the cuts
             (:mod:`~paddle_dcp.core.grids`; None with ``replicas``).
-        static: what the metadata files of this plan's saves share, kept by their writer
-            (:mod:`~paddle_dcp.core.metafile_write`).
+        static: what this plan's saves share, kept by what builds their metadata (the places
+            of the skeleton's plain values) and by its writer (:mod:`~paddle_dcp.core.metafile_write`).
     """
 
     keys: tuple[str, ...]

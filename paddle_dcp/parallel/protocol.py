@@ -312,7 +312,10 @@ def metadata_from_reports(
             if nbytes != plan.file_bytes[r]:
                 raise StorageError(f"rank {r} wrote {nbytes} bytes, the plan says {plan.file_bytes[r]}")
             checks[r] = sums
-    structure, dropped = nested.fill_values(plan.skeleton, values)
+    places = plan.static.get("placeholders")
+    if places is None:  # found once for the saves of a plan
+        places = plan.static["placeholders"] = nested.placeholders(plan.skeleton)
+    structure, dropped = nested.fill_at(plan.skeleton, places, values)
     if dropped:
         logger.warning("not saved: plain values held only by ranks other than the coordinator: %s", dropped)
     return save_plan.build_metadata(plan, checks, structure, uid, len(ranks), block_bytes, created_by, generation)

@@ -422,3 +422,15 @@ def test_a_union_of_many_layouts_costs_what_they_hold_not_layouts_times_the_unio
         return calls_of(add_all)
 
     assert work(300) <= 10.5 * work(30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_skeletons(), st.dictionaries(st.sampled_from(["a", "b", "a.b", "c.0", "0", "a.c", "b.a"]), st.integers(0, 9)))
+def test_filling_the_placeholders_at_their_places_is_filling_them(skeleton, values):
+    if nested.kind(skeleton) != "d":
+        skeleton = {"d": [["a", skeleton]]}
+    before = json.dumps(skeleton)
+    want = nested.fill_values(skeleton, values)
+    got = nested.fill_at(skeleton, nested.placeholders(skeleton), values)
+    assert got == want
+    assert json.dumps(skeleton) == before  # the skeleton itself is not changed
