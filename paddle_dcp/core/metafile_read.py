@@ -15,10 +15,10 @@ import xxhash
 
 from . import nested
 from .boxes import Box, check_entry_tiling
-from .metadata import MAX_METADATA_BYTES, ColumnTensors, FileEntry, Metadata, TensorColumns
+from .metadata import MAX_METADATA_BYTES, ColumnTensors, FileEntry, Metadata, TensorColumns, blocks_of
 from .metafile_layout import (
-    DTYPES, ENCODINGS, EXPLICIT, GRID, GROUP, VERSION, Fetch, Head, Index, Layout, Rows, check_sources, layout_of,
-    parse_files, parse_index, read_head, records, rows_of, section, split_part, stored_bytes,
+    DTYPES, ENCODINGS, EXPLICIT, GROUP, VERSION, Fetch, Head, Index, Layout, Rows, check_sources, layout_of, parse_files,
+    parse_index, read_head, records, rows_of, section, split_part, stored_bytes,
 )
 from ..errors import FormatError, PlanError
 
@@ -278,25 +278,87 @@ def _found_in(start: Start, parts: Sequence[int], blobs: Sequence[bytes | memory
         found[rows.keys[t]] = (kept, i)
 
 
+class _Grid:
+    """The pieces of one grid tensor, found from its cuts as they are asked for: a piece's box
+    from its cell's index; its checksums from the count every piece has when the smallest and
+    the largest cell have as many blocks (the cells of a split are a few sizes), else from every
+    piece's, counted once."""
+
+    def __init__(self, rows: Rows, t: int, block_bytes: int):
+        self.cuts = rows.cuts.of(t)
+        self.dims = [len(c) - 1 for c in self.cuts]
+        nd = len(self.cuts)
+        gaps = [np.diff(c) for c in self.cuts]
+        ext = np.array([[int(g.min()) for g in gaps], [int(g.max()) for g in gaps]], dtype=np.int64).reshape(2, nd)
+        code = np.full(2, rows.col("dtype")[t])
+        k = blocks_of(stored_bytes(code, np.full(2, rows.col("encoding")[t]), ext, np.full(2, nd)), block_bytes)
+        self.k: int | None = int(k[0]) if k[0] == k[1] else None
+        self.cum: np.ndarray | None = None
+        if self.k is None:
+            lay = layout_of(rows, np.array([t]), None, block_bytes)
+            self.cum = np.concatenate([[0], np.cumsum(lay.nblocks)]).astype(np.int64)
+
+    def boxes(self, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, shapes) of pieces [p0, p1), row-major cells."""
+        idx = np.arange(p0, p1, dtype=np.int64)
+        offsets = np.zeros((len(idx), len(self.cuts)), np.int64)
+        extents = np.zeros_like(offsets)
+        for d in reversed(range(len(self.cuts))):
+            i = idx % self.dims[d]
+            idx //= self.dims[d]
+            offsets[:, d] = self.cuts[d][i]
+            extents[:, d] = self.cuts[d][i + 1] - self.cuts[d][i]
+        return offsets, extents
+
+    def blocks(self, p0: int, p1: int) -> tuple[int, int]:
+        """Checksums [lo, hi) of pieces [p0, p1), counted from the tensor's first."""
+        if self.cum is None:
+            return p0 * int(self.k or 0), p1 * int(self.k or 0)
+        return int(self.cum[p0]), int(self.cum[p1])
+
+    def nblocks(self, p0: int, p1: int) -> np.ndarray:
+        if self.cum is None:
+            return np.full(p1 - p0, int(self.k or 0), dtype=np.int64)
+        return np.diff(self.cum[p0 : p1 + 1])
+
+    def groups(self, boxes: Sequence[Box]) -> np.ndarray:
+        """The groups whose pieces overlap ``boxes``."""
+        cells: list[np.ndarray] = []
+        for box in boxes:
+            if box.ndim != len(self.cuts):
+                continue  # a target of another shape: check_targets names the mismatch
+            ranges = []
+            for c, lo, n in zip(self.cuts, box.offsets, box.shape):
+                i0 = max(0, int(np.searchsorted(c, lo, side="right")) - 1)
+                i1 = min(len(c) - 1, int(np.searchsorted(c, lo + n, side="left")))
+                ranges.append(np.arange(i0, i1, dtype=np.int64))
+            if any(not len(r) for r in ranges):
+                continue
+            if not ranges:
+                cells.append(np.zeros(1, np.int64))
+                continue
+            mesh = np.meshgrid(*ranges, indexing="ij")
+            cells.append(np.ravel_multi_index([m.reshape(-1) for m in mesh], self.dims))
+        return np.unique(np.concatenate(cells) // GROUP) if cells else np.zeros(0, np.int64)
+
+
 class _PiecePlan:
     """The groups of pieces a part read takes, and the columns it makes of them."""
 
     def __init__(self, head: Head, found: Mapping[str, tuple[Rows, int]], keys: Sequence[str], boxes: Mapping):
         self.head, self.found, self.keys = head, found, list(keys)
-        by_rows: dict[int, tuple[Rows, list[int]]] = {}
-        for k in keys:
-            rows, t = found[k]
-            by_rows.setdefault(id(rows), (rows, []))[1].append(t)
-        self.sets = []  # (rows, sel, layout of the grid rows, groups per row)
-        for rows, ts in by_rows.values():
-            sel = np.array(ts, dtype=np.int64)
-            grid_sel = sel[rows.col("layout")[sel] == GRID]
-            lay = layout_of(rows, grid_sel, None, head.block_bytes)
-            groups = {t: _groups_for(rows, t, boxes.get(rows.keys[t], []), lay, i)
-                      for i, t in enumerate(grid_sel.tolist())}
-            for t in sel[rows.col("layout")[sel] == EXPLICIT].tolist():
-                groups[t] = np.arange(-(-int(rows.col("count")[t]) // GROUP), dtype=np.int64)
-            self.sets.append((rows, sel, grid_sel, lay, groups))
+        self.grids: dict[str, _Grid] = {}
+        self.groups: dict[str, np.ndarray] = {}
+        for key in keys:
+            rows, t = found[key]
+            count = int(rows.col("count")[t])
+            if not count:
+                self.groups[key] = np.zeros(0, np.int64)
+            elif rows.col("layout")[t] == EXPLICIT:
+                self.groups[key] = np.arange(-(-count // GROUP), dtype=np.int64)
+            else:
+                grid = self.grids[key] = _Grid(rows, t, head.block_bytes)
+                self.groups[key] = grid.groups(boxes.get(key, []))
 
     def ranges(self) -> list[tuple[int, int]]:
         """Every range read: of each wanted group of a grid, its records and checksums; of an
@@ -304,86 +366,60 @@ class _PiecePlan:
         out = []
         r0, b0, s0 = (self.head.area(n)[0] for n in ("records", "boxes", "sums"))
         w = self.head.record_width
-        for rows, sel, grid_sel, lay, groups in self.sets:
-            for t in sel.tolist():
-                gs = groups[t]
-                if not len(gs):
-                    continue
-                fp, fb, fx = (int(rows.col(c)[t]) for c in ("first_piece", "first_block", "first_box"))
-                count, nd = int(rows.col("count")[t]), int(rows.col("ndim")[t])
-                if rows.col("layout")[t] == EXPLICIT:
-                    out += [(r0 + fp * w, r0 + (fp + count) * w), (b0 + fx, b0 + fx + 16 * nd * count),
-                            (s0 + 8 * fb, s0 + 8 * (fb + int(rows.col("blocks")[t])))]
-                    continue
-                i = int(np.searchsorted(grid_sel, t))
-                for g in gs.tolist():
-                    p0, p1 = g * GROUP, min((g + 1) * GROUP, count)
-                    lo, hi = lay.group_blocks(i, g)
-                    out += [(r0 + (fp + p0) * w, r0 + (fp + p1) * w), (s0 + 8 * (fb + lo), s0 + 8 * (fb + hi))]
+        for key in self.keys:
+            rows, t = self.found[key]
+            gs = self.groups[key]
+            if not len(gs):
+                continue
+            fp, fb, fx = (int(rows.col(c)[t]) for c in ("first_piece", "first_block", "first_box"))
+            count, nd = int(rows.col("count")[t]), int(rows.col("ndim")[t])
+            if key not in self.grids:
+                out += [(r0 + fp * w, r0 + (fp + count) * w), (b0 + fx, b0 + fx + 16 * nd * count),
+                        (s0 + 8 * fb, s0 + 8 * (fb + int(rows.col("blocks")[t])))]
+                continue
+            grid = self.grids[key]
+            for g in gs.tolist():
+                p0, p1 = g * GROUP, min((g + 1) * GROUP, count)
+                lo, hi = grid.blocks(p0, p1)
+                out += [(r0 + (fp + p0) * w, r0 + (fp + p1) * w), (s0 + 8 * (fb + lo), s0 + 8 * (fb + hi))]
         return out
 
     def columns(self, got: Sequence[bytes | memoryview], source: str) -> TensorColumns:
         """The columns of the pieces read (``got``: the bytes of :meth:`ranges`, in order)."""
         it = iter(got)
         per_key: dict[str, tuple] = {}
-        w = self.head.record_width
-        for rows, sel, grid_sel, lay, groups in self.sets:
-            for t in sel.tolist():
-                gs, count, nd = groups[t], int(rows.col("count")[t]), int(rows.col("ndim")[t])
-                if not len(gs):
-                    per_key[rows.keys[t]] = (rows, t, None)
-                    continue
-                if rows.col("layout")[t] == EXPLICIT:
-                    rec, box, sums = next(it), next(it), next(it)
-                    one = np.array([t])
-                    ex = layout_of(rows, one, lambda _: np.frombuffer(box, dtype="<i8").reshape(count, 2 * nd).astype(np.int64),
-                                   self.head.block_bytes)
-                    area = {"records": memoryview(rec), "boxes": memoryview(box), "sums": memoryview(sums)}
-                    _check_groups(rows, one, ex, self.head, area, source, whole=False)
-                    files, offs = records(rec, count, self.head)
-                    per_key[rows.keys[t]] = (rows, t, (ex.offsets[:, :nd], ex.extents[:, :nd], files, offs, ex.nblocks,
-                                                       np.frombuffer(sums, dtype="<u8").astype(np.uint64)))
-                    continue
-                i = int(np.searchsorted(grid_sel, t))
-                chunks = []
-                for g in gs.tolist():
-                    rec, sums = next(it), next(it)
-                    h = xxhash.xxh3_64(rec)
-                    h.update(sums)
-                    if h.intdigest() != int(rows.digests[rows.group_start[t] + g]):
-                        raise FormatError(f"{source}: tensor {rows.keys[t]!r}: group {g} of its pieces does not match "
-                                          f"its digest: the file was edited or damaged")
-                    p0 = int(lay.piece_start[i]) + g * GROUP
-                    p1 = min(p0 + GROUP, int(lay.piece_start[i + 1]))
-                    files, offs = records(rec, p1 - p0, self.head)
-                    chunks.append((lay.offsets[p0:p1, :nd], lay.extents[p0:p1, :nd], files, offs, lay.nblocks[p0:p1],
-                                   np.frombuffer(sums, dtype="<u8").astype(np.uint64)))
-                per_key[rows.keys[t]] = (rows, t, tuple(np.concatenate(c) for c in zip(*chunks)))
+        for key in self.keys:
+            rows, t = self.found[key]
+            gs, count, nd = self.groups[key], int(rows.col("count")[t]), int(rows.col("ndim")[t])
+            if not len(gs):
+                per_key[key] = (rows, t, None)
+            elif key not in self.grids:
+                per_key[key] = (rows, t, self._explicit(rows, t, next(it), next(it), next(it), count, nd, source))
+            else:
+                chunks = [self._group(rows, t, g, next(it), next(it), count, source) for g in gs.tolist()]
+                per_key[key] = (rows, t, tuple(np.concatenate(c) for c in zip(*chunks)))
         return _subset_columns(self.keys, per_key)
 
+    def _explicit(self, rows: Rows, t: int, rec: Any, box: Any, sums: Any, count: int, nd: int, source: str) -> tuple:
+        one = np.array([t])
+        ex = layout_of(rows, one, lambda _: np.frombuffer(box, dtype="<i8").reshape(count, 2 * nd).astype(np.int64),
+                       self.head.block_bytes)
+        area = {"records": memoryview(rec), "boxes": memoryview(box), "sums": memoryview(sums)}
+        _check_groups(rows, one, ex, self.head, area, source, whole=False)
+        files, offs = records(rec, count, self.head)
+        return ex.offsets[:, :nd], ex.extents[:, :nd], files, offs, ex.nblocks, np.frombuffer(sums, dtype="<u8").astype(np.uint64)
 
-def _groups_for(rows: Rows, t: int, boxes: Sequence[Box], lay: Layout, i: int) -> np.ndarray:
-    """The groups of grid row ``t`` (the ``i``-th of ``lay``) whose pieces overlap ``boxes``."""
-    if not int(rows.col("count")[t]):
-        return np.zeros(0, np.int64)
-    cuts = rows.cuts.of(t)
-    cells: list[np.ndarray] = []
-    for box in boxes:
-        if box.ndim != len(cuts):
-            continue  # a target of another shape: check_targets names the mismatch
-        ranges = []
-        for c, lo, n in zip(cuts, box.offsets, box.shape):
-            i0 = max(0, int(np.searchsorted(c, lo, side="right")) - 1)
-            i1 = min(len(c) - 1, int(np.searchsorted(c, lo + n, side="left")))
-            ranges.append(np.arange(i0, i1, dtype=np.int64))
-        if any(not len(r) for r in ranges):
-            continue
-        if not ranges:
-            cells.append(np.zeros(1, np.int64))
-            continue
-        mesh = np.meshgrid(*ranges, indexing="ij")
-        cells.append(np.ravel_multi_index([m.reshape(-1) for m in mesh], [len(c) - 1 for c in cuts]))
-    return np.unique(np.concatenate(cells) // GROUP) if cells else np.zeros(0, np.int64)
+    def _group(self, rows: Rows, t: int, g: int, rec: Any, sums: Any, count: int, source: str) -> tuple:
+        h = xxhash.xxh3_64(rec)
+        h.update(sums)
+        if h.intdigest() != int(rows.digests[rows.group_start[t] + g]):
+            raise FormatError(f"{source}: tensor {rows.keys[t]!r}: group {g} of its pieces does not match its digest: "
+                              f"the file was edited or damaged")
+        grid = self.grids[rows.keys[t]]
+        p0, p1 = g * GROUP, min((g + 1) * GROUP, count)
+        files, offs = records(rec, p1 - p0, self.head)
+        offsets, extents = grid.boxes(p0, p1)
+        return offsets, extents, files, offs, grid.nblocks(p0, p1), np.frombuffer(sums, dtype="<u8").astype(np.uint64)
 
 
 def _subset_columns(keys: Sequence[str], per_key: Mapping[str, tuple]) -> TensorColumns:

@@ -1,6 +1,6 @@
 """The checkpoint format does not drift: one fixed state dict, saved in one process, gives
-files whose SHA-256 were recorded from the code before the architecture change (commit
-9139390). A change that alters a single byte of a data file or of the metadata fails here; a
+files whose SHA-256 were recorded when the metadata became version 3 (issue 36: columns,
+grids and digested groups; the data files kept their bytes). A change that alters a single byte of a data file or of the metadata fails here; a
 deliberate format change updates the digests together with docs/format.md and the version."""
 import hashlib
 
@@ -12,9 +12,9 @@ paddle = pytest.importorskip("paddle")
 import paddle_dcp as dcp  # noqa: E402
 
 PINNED = {
-    "0.metadata": "5f891f0b7243411f3f935f73cf041e7eccd0812c0e953bcadacc49ab152bd7a1",
+    "0.metadata": "b9d8fffd6120132e78841d7b66abbd902734eaf34ba95eec7c36ef024a8b5ffd",
     "0_0.distcp": "710e23588a8dc5172c3bf9db620ec28b984c432b35e1cc2361af1589d22ce273",
-    "1.metadata": "8f3944830f493d41eb31732f603b22af4325c989d565772a062f3dc70748fd99",
+    "1.metadata": "d17b8f6a9169bb4f3ed649f20fb5f0c0aec4dadcea6ecac3f3edbfc12256e830",
     "0_1.distcp": "710e23588a8dc5172c3bf9db620ec28b984c432b35e1cc2361af1589d22ce273",
 }
 

@@ -118,6 +118,7 @@ def save_scenario(scenario: str) -> None:
             return real_write(self, data, *args, **kwargs)
 
         local.DataWriter.write = write_then_block
+        local.DataWriter.SMALL_PIECE = 0  # each piece written as it comes, not batched until the close
     if scenario.startswith("coordinator") and r == 0:
         real_replace = os.replace
 
