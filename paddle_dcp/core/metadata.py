@@ -38,7 +38,7 @@ ALIGNMENT = 64  # bytes; every piece starts at a multiple of it in its data file
 MAX_METADATA_BYTES = 1 << 30
 _MAX_INT = 1 << 62
 _PLAIN_COLUMN_MAX = 64
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,255}$")
+_FILE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,255}")  # fullmatch: "$" would take a final newline
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
 _HEX_DIGITS = re.compile(r"[0-9a-f]*")
 
@@ -449,7 +449,7 @@ def _encode_column(a: np.ndarray, hex_digits: bool = False) -> list | str:
 # -------------------------------------------------------------------- parsing
 def check_file_name(name: Any, what: str = "file name") -> str:
     """A data file's name: a plain name that stays inside the checkpoint directory."""
-    if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", "..") or name.startswith(".."):
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name in (".", "..") or name.startswith(".."):
         raise FormatError(
             f"{what} {str(name)[:80]!r} is not a plain file name inside the checkpoint directory"
         )

@@ -6,6 +6,7 @@ reading whole or in parts :mod:`.metafile_read`.
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Tuple, Union
@@ -298,14 +299,19 @@ def parse_files(raw: bytes, head: Head, source: str) -> tuple[FileEntry, ...]:
     check_ints(lengths, 1, 255, f"{source}: a file name's length")
     found = names(bytes(r.take(int(lengths.sum()))), lengths, f"{source}: files")
     r.done()
-    files, seen = [], set()
-    for name, nbytes in zip(found, sizes.tolist()):
-        check_file_name(name, f"{source}: file")
-        if name in seen:
-            raise FormatError(f"{source}: file {name!r} is listed twice")
-        seen.add(name)
-        files.append(FileEntry(name, nbytes))
-    return tuple(files)
+    joined = "".join(n + "\n" for n in found)
+    if not _PLAIN_NAMES.fullmatch(joined) or joined.count("\n") != len(found) or len(set(found)) != len(found):
+        seen: set[str] = set()
+        for name in found:  # name the first bad one
+            check_file_name(name, f"{source}: file")
+            if name in seen:
+                raise FormatError(f"{source}: file {name!r} is listed twice")
+            seen.add(name)
+    return tuple(FileEntry(name, nbytes) for name, nbytes in zip(found, sizes.tolist()))
+
+
+# every name as check_file_name takes one, each followed by a newline: one match for thousands
+_PLAIN_NAMES = re.compile(r"(?:(?!\.\.|\.\n)[A-Za-z0-9_.\-]{1,255}\n)*")
 
 
 @dataclass(frozen=True, eq=False)

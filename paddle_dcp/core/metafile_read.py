@@ -6,6 +6,7 @@ pieces is checked against its digest before anything is taken from it.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any, Generator, List, Mapping, Sequence, Tuple, Union
@@ -17,7 +18,7 @@ from . import nested
 from .boxes import Box, check_entry_tiling
 from .metadata import MAX_METADATA_BYTES, ColumnTensors, FileEntry, Metadata, TensorColumns, blocks_of
 from .metafile_layout import (
-    DTYPES, ENCODINGS, EXPLICIT, GROUP, VERSION, Fetch, Head, Index, Layout, Rows, check_sources, layout_of, parse_files,
+    DTYPES, ENCODINGS, EXPLICIT, GROUP, ITEMSIZE, VERSION, Fetch, Head, Index, Layout, Rows, check_sources, layout_of, parse_files,
     parse_index, read_head, records, rows_of, section, split_part, stored_bytes,
 )
 from ..errors import FormatError, PlanError
@@ -287,20 +288,26 @@ class _Grid:
     def __init__(self, rows: Rows, t: int, block_bytes: int):
         self.cuts = rows.cuts.of(t)
         self.dims = [len(c) - 1 for c in self.cuts]
-        nd = len(self.cuts)
-        gaps = [np.diff(c) for c in self.cuts]
-        ext = np.array([[int(g.min()) for g in gaps], [int(g.max()) for g in gaps]], dtype=np.int64).reshape(2, nd)
-        code = np.full(2, rows.col("dtype")[t])
-        k = blocks_of(stored_bytes(code, np.full(2, rows.col("encoding")[t]), ext, np.full(2, nd)), block_bytes)
-        self.k: int | None = int(k[0]) if k[0] == k[1] else None
+        self.k: int | None = None
         self.cum: np.ndarray | None = None
+        ext = _extreme_cells(self.cuts)
+        if ext is not None:
+            code, enc = int(rows.col("dtype")[t]), int(rows.col("encoding")[t])
+            nd = len(self.cuts)
+            if enc:
+                cells = np.array(ext, dtype=np.int64).reshape(2, nd)
+                k = blocks_of(stored_bytes(np.full(2, code), np.full(2, enc), cells, np.full(2, nd)), block_bytes).tolist()
+            else:
+                item = int(ITEMSIZE[code])
+                k = [max(1, -(-_product(cell) * item // block_bytes)) for cell in ext]
+            self.k = k[0] if k[0] == k[1] else None
         if self.k is None:
             lay = layout_of(rows, np.array([t]), None, block_bytes)
             self.cum = np.concatenate([[0], np.cumsum(lay.nblocks)]).astype(np.int64)
 
-    def boxes(self, p0: int, p1: int) -> tuple[np.ndarray, np.ndarray]:
-        """(offsets, shapes) of pieces [p0, p1), row-major cells."""
-        idx = np.arange(p0, p1, dtype=np.int64)
+    def boxes(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets, shapes) of pieces ``idx`` (row-major cells)."""
+        idx = idx.copy()
         offsets = np.zeros((len(idx), len(self.cuts)), np.int64)
         extents = np.zeros_like(offsets)
         for d in reversed(range(len(self.cuts))):
@@ -316,30 +323,57 @@ class _Grid:
             return p0 * int(self.k or 0), p1 * int(self.k or 0)
         return int(self.cum[p0]), int(self.cum[p1])
 
-    def nblocks(self, p0: int, p1: int) -> np.ndarray:
+    def nblocks(self, idx: np.ndarray) -> np.ndarray:
+        """Checksums of each of pieces ``idx``."""
         if self.cum is None:
-            return np.full(p1 - p0, int(self.k or 0), dtype=np.int64)
-        return np.diff(self.cum[p0 : p1 + 1])
+            return np.full(len(idx), int(self.k or 0), dtype=np.int64)
+        return self.cum[idx + 1] - self.cum[idx]
 
     def groups(self, boxes: Sequence[Box]) -> np.ndarray:
         """The groups whose pieces overlap ``boxes``."""
-        cells: list[np.ndarray] = []
+        found: set[int] = set()
         for box in boxes:
             if box.ndim != len(self.cuts):
                 continue  # a target of another shape: check_targets names the mismatch
-            ranges = []
+            spans = []
             for c, lo, n in zip(self.cuts, box.offsets, box.shape):
-                i0 = max(0, int(np.searchsorted(c, lo, side="right")) - 1)
-                i1 = min(len(c) - 1, int(np.searchsorted(c, lo + n, side="left")))
-                ranges.append(np.arange(i0, i1, dtype=np.int64))
-            if any(not len(r) for r in ranges):
-                continue
-            if not ranges:
-                cells.append(np.zeros(1, np.int64))
-                continue
-            mesh = np.meshgrid(*ranges, indexing="ij")
-            cells.append(np.ravel_multi_index([m.reshape(-1) for m in mesh], self.dims))
-        return np.unique(np.concatenate(cells) // GROUP) if cells else np.zeros(0, np.int64)
+                i0 = max(0, bisect.bisect_right(c, lo) - 1)
+                spans.append(range(i0, min(len(c) - 1, bisect.bisect_left(c, lo + n))))
+            if _product([len(r) for r in spans]) <= 4096:
+                for cell in itertools.product(*spans):
+                    at = 0
+                    for i, n in zip(cell, self.dims):
+                        at = at * n + i
+                    found.add(at // GROUP)
+            else:
+                mesh = np.meshgrid(*[np.arange(r.start, r.stop, dtype=np.int64) for r in spans], indexing="ij")
+                found.update((np.ravel_multi_index([m.reshape(-1) for m in mesh], self.dims) // GROUP).tolist())
+        return np.array(sorted(found), dtype=np.int64)
+
+
+def _product(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _extreme_cells(cuts: Sequence[np.ndarray]) -> tuple[list[int], list[int]] | None:
+    """The extents of a grid's smallest and largest cell (None when a dimension has no cell)."""
+    small, large = [], []
+    for c in cuts:
+        if len(c) < 2:
+            return None
+        if len(c) <= 64:
+            v = c.tolist()
+            gaps = [b - a for a, b in zip(v, v[1:])]
+            small.append(min(gaps))
+            large.append(max(gaps))
+        else:
+            g = np.diff(c)
+            small.append(int(g.min()))
+            large.append(int(g.max()))
+    return small, large
 
 
 class _PiecePlan:
@@ -385,20 +419,35 @@ class _PiecePlan:
         return out
 
     def columns(self, got: Sequence[bytes | memoryview], source: str) -> TensorColumns:
-        """The columns of the pieces read (``got``: the bytes of :meth:`ranges`, in order)."""
+        """The columns of the pieces read (``got``: the bytes of :meth:`ranges`, in order):
+        every group's digest checked, the records and checksums of all decoded at once."""
         it = iter(got)
-        per_key: dict[str, tuple] = {}
+        recs: list[Any] = []
+        sums: list[Any] = []
+        boxes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # offsets, extents, nblocks per key
         for key in self.keys:
             rows, t = self.found[key]
             gs, count, nd = self.groups[key], int(rows.col("count")[t]), int(rows.col("ndim")[t])
             if not len(gs):
-                per_key[key] = (rows, t, None)
+                boxes.append((np.zeros((0, nd), np.int64), np.zeros((0, nd), np.int64), np.zeros(0, np.int64)))
             elif key not in self.grids:
-                per_key[key] = (rows, t, self._explicit(rows, t, next(it), next(it), next(it), count, nd, source))
+                rec, box, sm = next(it), next(it), next(it)
+                boxes.append(self._explicit(rows, t, rec, box, sm, count, nd, source))
+                recs.append(rec)
+                sums.append(sm)
             else:
-                chunks = [self._group(rows, t, g, next(it), next(it), count, source) for g in gs.tolist()]
-                per_key[key] = (rows, t, tuple(np.concatenate(c) for c in zip(*chunks)))
-        return _subset_columns(self.keys, per_key)
+                grid, pieces = self.grids[key], []
+                for g in gs.tolist():
+                    rec, sm = next(it), next(it)
+                    _check_digest(rows, t, g, rec, sm, source)
+                    recs.append(rec)
+                    sums.append(sm)
+                    pieces.append(np.arange(g * GROUP, min((g + 1) * GROUP, count), dtype=np.int64))
+                idx = np.concatenate(pieces)
+                boxes.append((*grid.boxes(idx), grid.nblocks(idx)))
+        counts = [len(b[2]) for b in boxes]
+        files, offs = records(b"".join(recs), sum(counts), self.head)
+        return self._assemble(boxes, counts, files, offs, np.frombuffer(b"".join(sums), dtype="<u8").astype(np.uint64))
 
     def _explicit(self, rows: Rows, t: int, rec: Any, box: Any, sums: Any, count: int, nd: int, source: str) -> tuple:
         one = np.array([t])
@@ -406,44 +455,34 @@ class _PiecePlan:
                        self.head.block_bytes)
         area = {"records": memoryview(rec), "boxes": memoryview(box), "sums": memoryview(sums)}
         _check_groups(rows, one, ex, self.head, area, source, whole=False)
-        files, offs = records(rec, count, self.head)
-        return ex.offsets[:, :nd], ex.extents[:, :nd], files, offs, ex.nblocks, np.frombuffer(sums, dtype="<u8").astype(np.uint64)
+        return ex.offsets[:, :nd], ex.extents[:, :nd], ex.nblocks
 
-    def _group(self, rows: Rows, t: int, g: int, rec: Any, sums: Any, count: int, source: str) -> tuple:
-        h = xxhash.xxh3_64(rec)
-        h.update(sums)
-        if h.intdigest() != int(rows.digests[rows.group_start[t] + g]):
-            raise FormatError(f"{source}: tensor {rows.keys[t]!r}: group {g} of its pieces does not match its digest: "
-                              f"the file was edited or damaged")
-        grid = self.grids[rows.keys[t]]
-        p0, p1 = g * GROUP, min((g + 1) * GROUP, count)
-        files, offs = records(rec, p1 - p0, self.head)
-        offsets, extents = grid.boxes(p0, p1)
-        return offsets, extents, files, offs, grid.nblocks(p0, p1), np.frombuffer(sums, dtype="<u8").astype(np.uint64)
+    def _assemble(self, boxes: Sequence[tuple], counts: Sequence[int], files: np.ndarray, offs: np.ndarray,
+                  checksums: np.ndarray) -> TensorColumns:
+        info = [self.found[k] for k in self.keys]
+        width = max((len(r.shape(t)) for r, t in info), default=0)
+        piece_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        offsets = np.zeros((int(piece_start[-1]), width), np.int64)
+        extents = np.zeros_like(offsets)
+        for (o, x, _), p0 in zip(boxes, piece_start.tolist()):
+            offsets[p0 : p0 + len(o), : o.shape[1]] = o
+            extents[p0 : p0 + len(o), : o.shape[1]] = x
+        nblocks = np.concatenate([b[2] for b in boxes]) if boxes else np.zeros(0, np.int64)
+        return TensorColumns(
+            keys=tuple(self.keys),
+            dtypes=tuple(DTYPES[int(r.col("dtype")[t])] for r, t in info),
+            shapes=tuple(r.shape(t) for r, t in info),
+            encodings=tuple(ENCODINGS[int(r.col("encoding")[t])] for r, t in info),
+            sources=tuple(r.sources[t] for r, t in info),
+            piece_start=piece_start, offsets=offsets, extents=extents, files=files, byte_offsets=offs,
+            block_start=np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64), checksums=checksums,
+        )
 
 
-def _subset_columns(keys: Sequence[str], per_key: Mapping[str, tuple]) -> TensorColumns:
-    width = max((len(per_key[k][0].shape(per_key[k][1])) for k in keys), default=0)
-
-    def pad(a: np.ndarray) -> np.ndarray:
-        return a if a.shape[1] == width else np.pad(a, ((0, 0), (0, width - a.shape[1])))
-
-    cols = [per_key[k][2] for k in keys if per_key[k][2] is not None]
-    counts = [len(per_key[k][2][2]) if per_key[k][2] is not None else 0 for k in keys]
-
-    def cat(i: int, shape: tuple, dtype: Any = np.int64, f: Any = None) -> np.ndarray:
-        parts = [f(c[i]) if f else c[i] for c in cols]
-        return np.concatenate(parts).astype(dtype) if parts else np.zeros(shape, dtype)
-
-    nblocks = cat(4, (0,))
-    info = [(per_key[k][0], per_key[k][1]) for k in keys]
-    return TensorColumns(
-        keys=tuple(keys),
-        dtypes=tuple(DTYPES[int(r.col("dtype")[t])] for r, t in info),
-        shapes=tuple(r.shape(t) for r, t in info),
-        encodings=tuple(ENCODINGS[int(r.col("encoding")[t])] for r, t in info),
-        sources=tuple(r.sources[t] for r, t in info),
-        piece_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        offsets=cat(0, (0, width), f=pad), extents=cat(1, (0, width), f=pad), files=cat(2, (0,)), byte_offsets=cat(3, (0,)),
-        block_start=np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64), checksums=cat(5, (0,), np.uint64),
-    )
+def _check_digest(rows: Rows, t: int, g: int, rec: Any, sums: Any, source: str) -> None:
+    """Group ``g`` of row ``t``'s pieces (its records and checksums) matches its digest."""
+    h = xxhash.xxh3_64(rec)
+    h.update(sums)
+    if h.intdigest() != int(rows.digests[rows.group_start[t] + g]):
+        raise FormatError(f"{source}: tensor {rows.keys[t]!r}: group {g} of its pieces does not match its digest: "
+                          f"the file was edited or damaged")

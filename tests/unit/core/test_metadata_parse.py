@@ -137,7 +137,7 @@ def test_refuses_a_shape_whose_product_overflows(small):
     refused(small, "m.b", "at most 64")
 
 
-@pytest.mark.parametrize("name", ["../0_7.distcp", "/abs/0_7.distcp", "", "a/b", "..", ".", "x\x00y", "a\\b", "é"])
+@pytest.mark.parametrize("name", ["../0_7.distcp", "/abs/0_7.distcp", "", "a/b", "..", ".", "x\x00y", "a\\b", "é", "a\nb", "0_0.distcp\n"])
 def test_refuses_file_names_that_leave_the_directory_or_are_not_plain(small, name):
     small["files"][0]["name"] = name
     refused(small, "not a plain file name")
