@@ -515,7 +515,7 @@ def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> 
             out = []
             for blob in asked:
                 numbers, _ = wire.decode_chunks(blob)
-                out.append(wire.encode_chunks([], [_slice(body, numbers[i], numbers[i + 1]) for i in range(0, len(numbers), 2)]))
+                out.append(wire.encode_chunks([], [body[a:b] for a, b in _spans(numbers, len(body))]))
             return out
 
         answers = yield from local("metadata: serve", serve if coord else (lambda: None))
@@ -539,10 +539,17 @@ def start_of(blob: bytes, source: str) -> metafile.Start:
     return metafile.read_start(fetch, numbers[0] if numbers else 0, source)
 
 
-def _slice(body: memoryview, start: int, stop: int) -> memoryview:
-    if not 0 <= start <= stop <= len(body):
-        raise FormatError(f"a rank asked for bytes {start}..{stop} of a {len(body)}-byte metadata file")
-    return body[start:stop]
+def _spans(numbers: Sequence[int], size: int) -> list[list[int]]:
+    """The (start, stop) pairs a rank asked for, each inside the ``size``-byte metadata file."""
+    pairs = np.asarray(numbers, dtype=np.int64)
+    if len(pairs) % 2:
+        raise FormatError("a rank asked for a byte range without its end")
+    pairs = pairs.reshape(-1, 2)
+    bad = np.flatnonzero((pairs[:, 0] < 0) | (pairs[:, 0] > pairs[:, 1]) | (pairs[:, 1] > size))
+    if len(bad):
+        start, stop = pairs[bad[0]].tolist()
+        raise FormatError(f"a rank asked for bytes {start}..{stop} of a {size}-byte metadata file")
+    return pairs.tolist()
 
 
 def _advance(rounds: Any, got: list, last: bool) -> Any:

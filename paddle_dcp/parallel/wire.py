@@ -118,7 +118,7 @@ def encode_chunks(numbers: Sequence[int], chunks: Sequence[bytes | memoryview]) 
     """Integers and byte strings in one message (byte ranges asked for, and their bytes)."""
     lengths = np.array([len(c) for c in chunks], dtype="<u8")
     return b"".join([_CHUNKS, struct.pack("<QQ", len(numbers), len(chunks)),
-                     np.asarray(numbers, dtype="<i8").tobytes(), lengths.tobytes(), *[bytes(c) for c in chunks]])
+                     np.asarray(numbers, dtype="<i8").tobytes(), lengths.tobytes(), *chunks])
 
 
 def decode_chunks(data: bytes) -> tuple[list[int], list[bytes]]:

@@ -12,7 +12,7 @@ from paddle_dcp.core.dtypes import itemsize
 from paddle_dcp.core.metadata import Metadata
 from paddle_dcp.parallel import protocol
 from paddle_dcp.parallel.simworld import SimWorld
-from paddle_dcp.errors import CollectiveError, StorageError
+from paddle_dcp.errors import CollectiveError, FormatError, StorageError
 from paddle_dcp.io import storage
 
 from .fakes import ThreadWorld
@@ -375,3 +375,15 @@ def test_a_failed_staging_is_agreed_on_after_the_detach_and_nothing_is_written()
         assert before[-1] == "stage"  # every caller returned; the failure comes with wait()
         assert isinstance(result, CollectiveError) and sorted(result.failures) == [2], result
     assert not any(r.written or r.published for r in ranks.values())
+
+
+def test_the_coordinator_serves_only_ranges_inside_the_metadata_file():
+    """A rank's request for its part of the metadata: pairs of (start, stop), each inside the
+    file; anything else is a FormatError naming the range, before any byte is sliced."""
+    assert protocol._spans([0, 4, 4, 4, 7, 10], 10) == [[0, 4], [4, 4], [7, 10]]
+    assert protocol._spans([], 10) == []
+    for numbers, named in (([3, 11], "3..11"), ([-1, 2], "-1..2"), ([0, 1, 5, 4], "5..4")):
+        with pytest.raises(FormatError, match=named):
+            protocol._spans(numbers, 10)
+    with pytest.raises(FormatError, match="without its end"):
+        protocol._spans([0, 1, 2], 10)
