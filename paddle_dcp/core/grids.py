@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import sorting
+
 _LIMIT = 1 << 62
 
 
@@ -112,7 +114,7 @@ def find_grids(
         # every value a cut may take: each piece's edges, and 0 and the extent of the tensor
         owner = np.concatenate([t_p, t_p, has_t, has_t])
         value = np.concatenate([lo_v, hi_v, np.zeros(len(has_t), np.int64), extents[has_t, d]])
-        order = np.lexsort((value, owner))
+        order = sorting.lexsort((value, owner))
         o_sorted, v_sorted = owner[order], value[order]
         new = np.ones(len(order), dtype=bool)
         new[1:] = (o_sorted[1:] != o_sorted[:-1]) | (v_sorted[1:] != v_sorted[:-1])

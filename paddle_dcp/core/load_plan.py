@@ -14,7 +14,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from . import nested, quant
+from . import nested, quant, sorting
 from .boxes import FEW_BOXES, Box, c_strides, check_tiling, first_overlap, meet, split_region, strided_span
 from ..errors import MismatchError, PlanError
 from .metadata import Metadata, PieceTable, SavedPiece, TensorEntry, blocks_of
@@ -122,7 +122,7 @@ def pick_replicas(entry: TensorEntry, rows: np.ndarray, readable: np.ndarray | N
     p = entry.pieces
     boxes = np.concatenate([p.offsets[rows], p.shapes[rows]], axis=1)
     far = np.zeros(len(rows), dtype=bool) if readable is None else ~np.asarray(readable, dtype=bool)[p.files[rows]]
-    order = np.lexsort((rows, far) + tuple(boxes[:, c] for c in reversed(range(boxes.shape[1]))))
+    order = sorting.lexsort((rows, far) + tuple(boxes[:, c] for c in reversed(range(boxes.shape[1]))))
     b = boxes[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = (b[1:] != b[:-1]).any(axis=1)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from . import grids, nested
+from . import grids, nested, sorting
 from .metadata import ColumnTensors, FileEntry, Metadata, TensorColumns, with_digest
 from .metafile_layout import (
     DTYPE_CODE, ENCODING_CODE, EXPLICIT, FORMAT_NAME, GRID, GROUP, PART_BYTES, ROW, VERSION, deflate, shuffled, width,
@@ -380,7 +380,7 @@ def columns_of(meta: Metadata) -> TensorColumns:
     for e in entries:
         p = e.pieces
         nd = len(e.shape)
-        order = np.lexsort((p.files,) + tuple(p.shapes.T[::-1]) + tuple(p.offsets.T[::-1])) if p.count else np.zeros(0, np.int64)
+        order = sorting.lexsort((p.files,) + tuple(p.shapes.T[::-1]) + tuple(p.offsets.T[::-1])) if p.count else np.zeros(0, np.int64)
         starts = e.block_starts()
         offsets.append(np.pad(p.offsets[order].reshape(p.count, nd), ((0, 0), (0, wide - nd))))
         extents.append(np.pad(p.shapes[order].reshape(p.count, nd), ((0, 0), (0, wide - nd))))

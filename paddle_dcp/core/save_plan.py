@@ -13,7 +13,7 @@ from typing import Mapping, Sequence, Tuple
 
 import numpy as np
 
-from . import nested
+from . import nested, sorting
 from . import grids
 from .boxes import Box, check_tiling
 from .compress import Policy
@@ -368,27 +368,42 @@ def _held_rows(
     summaries: Sequence[SaveSummary], layout_ids: dict[object, np.ndarray], max_nd: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One row per held piece, ``[key_id, offsets(max_nd), shape(max_nd)]``, with the rank
-    holding it and its row in that rank's summary."""
+    holding it and its row in that rank's summary (every summary's rows at once)."""
     width = 1 + 2 * max_nd
-    rows, ranks, leaves = [], [], []
-    for s in summaries:
-        hid = s.header_id if s.header_id is not None else id(s)
-        b = s.boxes
-        leaf_of_row = _checked_rows(s, len(layout_ids[hid]))
-        present = np.flatnonzero(b[:, 0]) if len(b) else np.zeros(0, np.int64)
-        if not len(present):
-            continue
-        block = np.zeros((len(present), width), dtype=np.int64)
-        block[:, 0] = layout_ids[hid][leaf_of_row[present]]
-        nd = (b.shape[1] - 1) // 2  # the summary's own padding
-        block[:, 1 : 1 + nd] = b[present, 1 : 1 + nd]
-        block[:, 1 + max_nd : 1 + max_nd + nd] = b[present, 1 + nd : 1 + 2 * nd]
-        rows.append(block)
-        ranks.append(np.full(len(present), s.rank, dtype=np.int64))
-        leaves.append(present.astype(np.int64))
-    if not rows:
+    if not summaries:
         return np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(rows), np.concatenate(ranks), np.concatenate(leaves)
+    hids = [s.header_id if s.header_id is not None else id(s) for s in summaries]
+    base: dict[object, int] = {}
+    ids = []
+    for h in hids:  # the key ids of each distinct layout's leaves, end to end
+        if h not in base:
+            base[h] = sum(len(x) for x in ids)
+            ids.append(layout_ids[h])
+    counts = np.array([len(s.boxes) for s in summaries], dtype=np.int64)
+    row_leaf = _checked_rows(summaries, counts, np.array([len(layout_ids[h]) for h in hids], dtype=np.int64))
+    first = np.repeat(np.array([base[h] for h in hids], dtype=np.int64), counts)
+    table = _padded_boxes(summaries, int(counts.sum()), max_nd)
+    present = np.flatnonzero(table[:, 0])
+    table[:, 0] = np.concatenate(ids)[first + row_leaf] if len(first) else 0
+    ranks = np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), counts)
+    rows = np.arange(len(table), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return table[present], ranks[present], rows[present]
+
+
+def _padded_boxes(summaries: Sequence[SaveSummary], total: int, max_nd: int) -> np.ndarray:
+    """Every summary's box rows ``[present, offsets, shape]`` end to end, padded to ``max_nd``."""
+    width = 1 + 2 * max_nd
+    held = [s.boxes for s in summaries if len(s.boxes)]
+    if all(b.shape[1] == width for b in held):
+        return np.concatenate(held).astype(np.int64) if held else np.zeros((0, width), np.int64)
+    table = np.zeros((total, width), dtype=np.int64)
+    p0 = 0
+    for b in held:
+        nd = (b.shape[1] - 1) // 2
+        table[p0 : p0 + len(b), : 1 + nd] = b[:, : 1 + nd]
+        table[p0 : p0 + len(b), 1 + max_nd : 1 + max_nd + nd] = b[:, 1 + nd :]
+        p0 += len(b)
+    return table
 
 
 @dataclass(frozen=True, eq=False)
@@ -416,7 +431,7 @@ def _distinct_pieces(
     """Group the held rows by piece, each group by rank; with ``replicas`` every held row is
     a piece of its own, written by its holder."""
     width = 1 + 2 * max_nd
-    order = np.lexsort((row_rank,) + tuple(table[:, c] for c in reversed(range(width))))
+    order = sorting.lexsort((row_rank,) + tuple(table[:, c] for c in reversed(range(width))))
     t_sorted = table[order]
     new_group = np.ones(len(order), dtype=bool)
     if len(order) > 1:
@@ -519,17 +534,26 @@ def _file_layouts(
     return p_byte_offset, writes, file_bytes
 
 
-def _checked_rows(s: SaveSummary, leaves: int) -> np.ndarray:
-    """The leaf of every row of ``s``, checked: each leaf has a run of rows, in order."""
-    row_leaf = s.leaves_of_rows()
-    steps = np.diff(row_leaf)
-    if len(row_leaf) != len(s.boxes) or (
-        len(row_leaf) and (row_leaf[0] != 0 or row_leaf[-1] != leaves - 1 or ((steps != 0) & (steps != 1)).any())
-    ) or (not len(row_leaf) and leaves):
-        raise PlanError(f"rank {s.rank}: summary rows do not map onto its {leaves} leaves")
+def _checked_rows(summaries: Sequence[SaveSummary], counts: np.ndarray, leaves: np.ndarray) -> np.ndarray:
+    """The leaf of every row of every summary, end to end, checked: each summary maps each of
+    its ``leaves`` to a run of its rows, in order."""
+    per = [s.leaves_of_rows() for s in summaries]
+    bad = [i for i, (r, n) in enumerate(zip(per, counts.tolist())) if len(r) != n]
+    row_leaf = np.concatenate(per).astype(np.int64) if per else np.zeros(0, np.int64)
+    start = np.cumsum(counts) - counts
+    full = np.flatnonzero(counts > 0)
+    wrong = np.zeros(len(counts), dtype=bool)
+    if not bad:
+        wrong[counts == 0] = leaves[counts == 0] > 0
+        wrong[full] = (row_leaf[start[full]] != 0) | (row_leaf[start[full] + counts[full] - 1] != leaves[full] - 1)
+        steps = np.diff(row_leaf)
+        jumps = np.flatnonzero((steps != 0) & (steps != 1)) + 1  # rows where a leaf does not follow on
+        owner = np.searchsorted(start, jumps, side="right") - 1
+        wrong[owner[start[owner] != jumps]] = True  # not a summary's first row
+        bad = np.flatnonzero(wrong).tolist()
+    if bad:
+        raise PlanError(f"rank {summaries[bad[0]].rank}: summary rows do not map onto its {int(leaves[bad[0]])} leaves")
     return row_leaf
-
-
 
 
 def build_metadata(

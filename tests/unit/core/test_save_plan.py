@@ -327,3 +327,40 @@ def test_ranks_that_disagree_on_a_keys_shape_are_named_with_both_sides_among_man
     with pytest.raises(MismatchError, match=r"model\.d0: rank 0 holds dtype float32 shape \(4, 4\), rank 3 holds dtype "
                                             r"float32 shape \(4, 5\)"):
         save_plan.plan_save(summaries[:3] + [bad])
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1, 2])
+@pytest.mark.parametrize("row_leaf,ok", [
+    ([0, 1, 2], True), ([0, 0, 1, 2], True), ([0, 1, 1, 2, 2], True),
+    ([1, 1, 2], False),  # the first row is not the first leaf's
+    ([0, 1, 1], False),  # the last leaf has no row
+    ([0, 2, 2], False),  # leaf 1 skipped
+    ([0, 1, 0, 2], False),  # back to leaf 0
+])
+def test_every_summarys_rows_are_checked_to_map_onto_its_leaves(bad_rank, row_leaf, ok):
+    """Among three ranks (the others well formed, holding nothing), the one whose rows do not
+    run over its leaves in order is named, wherever it stands."""
+    full = summary_of(9, {k: flat_pieces(k, 0, 20) for k in "abc"})
+
+    def empty(rank, leaves):
+        return save_plan.SaveSummary.of(rank, full.skeleton, full.dtypes, full.global_shapes,
+                                        np.zeros((len(leaves), 5), np.int64), row_leaf=np.array(leaves))
+
+    others = [summary_of(r, {k: flat_pieces(k, 0, 20) for k in "abc"}) if r == 0 else empty(r, [0, 1, 2])
+              for r in range(3) if r != bad_rank]
+    summaries = others + [empty(bad_rank, row_leaf)]
+    if bad_rank == 0:  # the pieces held by another rank
+        summaries = [summary_of(1, {k: flat_pieces(k, 0, 20) for k in "abc"}), empty(2, [0, 1, 2]), empty(0, row_leaf)]
+    if ok:
+        save_plan.plan_save(summaries)
+    else:
+        with pytest.raises(PlanError, match=f"rank {bad_rank}: summary rows do not map onto its 3 leaves"):
+            save_plan.plan_save(summaries)
+
+
+def test_a_summary_with_more_leaves_of_rows_than_rows_is_refused():
+    full = summary_of(0, {k: flat_pieces(k, 0, 20) for k in "abc"})
+    bad = save_plan.SaveSummary.of(1, full.skeleton, full.dtypes, full.global_shapes,
+                                   np.zeros((2, 5), np.int64), row_leaf=np.array([0, 1, 2]))
+    with pytest.raises(PlanError, match="rank 1: summary rows"):
+        save_plan.plan_save([full, bad])
