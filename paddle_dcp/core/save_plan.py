@@ -395,7 +395,7 @@ def _padded_boxes(summaries: Sequence[SaveSummary], total: int, max_nd: int) -> 
     width = 1 + 2 * max_nd
     held = [s.boxes for s in summaries if len(s.boxes)]
     if all(b.shape[1] == width for b in held):
-        return np.concatenate(held).astype(np.int64) if held else np.zeros((0, width), np.int64)
+        return np.concatenate(held).astype(np.int64, copy=False) if held else np.zeros((0, width), np.int64)
     table = np.zeros((total, width), dtype=np.int64)
     p0 = 0
     for b in held:

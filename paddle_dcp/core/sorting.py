@@ -22,9 +22,8 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
         bits = (hi - lo).bit_length()
         if bits > 64 or hi >= 1 << 63:  # not int64 values
             return np.lexsort(keys)
-        shifted = (key.astype(np.int64) - lo).astype(np.uint64) if lo >= -(1 << 63) and hi - lo < (1 << 63) else None
-        if shifted is None:
-            return np.lexsort(keys)
+        # wraps past 2**63 as uint64 does: the difference is exact modulo 2**64
+        shifted = np.subtract(key.astype(np.int64, copy=False), np.int64(lo)).view(np.uint64)
         if word is None or used + bits > 64:
             if word is not None:
                 words.append(word)
