@@ -374,11 +374,13 @@ def _held_rows(
         return np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     hids = [s.header_id if s.header_id is not None else id(s) for s in summaries]
     base: dict[object, int] = {}
-    ids = []
+    ids: list[np.ndarray] = []
+    at = 0
     for h in hids:  # the key ids of each distinct layout's leaves, end to end
         if h not in base:
-            base[h] = sum(len(x) for x in ids)
+            base[h] = at
             ids.append(layout_ids[h])
+            at += len(layout_ids[h])
     counts = np.array([len(s.boxes) for s in summaries], dtype=np.int64)
     row_leaf = _checked_rows(summaries, counts, np.array([len(layout_ids[h]) for h in hids], dtype=np.int64))
     first = np.repeat(np.array([base[h] for h in hids], dtype=np.int64), counts)
