@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Generator, List, Mapping, Sequence, Tuple, Union
 
@@ -299,7 +300,7 @@ class _Grid:
                 k = blocks_of(stored_bytes(np.full(2, code), np.full(2, enc), cells, np.full(2, nd)), block_bytes).tolist()
             else:
                 item = int(ITEMSIZE[code])
-                k = [max(1, -(-_product(cell) * item // block_bytes)) for cell in ext]
+                k = [max(1, -(-math.prod(cell) * item // block_bytes)) for cell in ext]
             self.k = k[0] if k[0] == k[1] else None
         if self.k is None:
             lay = layout_of(rows, np.array([t]), None, block_bytes)
@@ -339,7 +340,7 @@ class _Grid:
             for c, lo, n in zip(self.cuts, box.offsets, box.shape):
                 i0 = max(0, bisect.bisect_right(c, lo) - 1)
                 spans.append(range(i0, min(len(c) - 1, bisect.bisect_left(c, lo + n))))
-            if _product([len(r) for r in spans]) <= 4096:
+            if math.prod([len(r) for r in spans]) <= 4096:
                 for cell in itertools.product(*spans):
                     at = 0
                     for i, n in zip(cell, self.dims):
@@ -349,13 +350,6 @@ class _Grid:
                 mesh = np.meshgrid(*[np.arange(r.start, r.stop, dtype=np.int64) for r in spans], indexing="ij")
                 found.update((np.ravel_multi_index([m.reshape(-1) for m in mesh], self.dims) // GROUP).tolist())
         return np.array(sorted(found), dtype=np.int64)
-
-
-def _product(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def _extreme_cells(cuts: Sequence[np.ndarray]) -> tuple[list[int], list[int]] | None:

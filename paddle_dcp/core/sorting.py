@@ -20,7 +20,7 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
     for key in reversed(keys):  # primary first
         lo, hi = int(key.min()), int(key.max())
         bits = (hi - lo).bit_length()
-        if bits > 64 or hi >= 1 << 63:  # not int64 values
+        if hi >= 1 << 63:  # not int64 values (an int64 range always fits 64 bits)
             return np.lexsort(keys)
         # wraps past 2**63 as uint64 does: the difference is exact modulo 2**64
         shifted = np.subtract(key.astype(np.int64, copy=False), np.int64(lo)).view(np.uint64)
