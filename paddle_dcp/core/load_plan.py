@@ -14,7 +14,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from . import nested, quant, sorting
+from . import nested, quant, ragged, sorting
 from .boxes import FEW_BOXES, Box, c_strides, check_tiling, first_overlap, meet, split_region, strided_span
 from ..errors import MismatchError, PlanError
 from .metadata import Metadata, PieceTable, SavedPiece, TensorEntry, blocks_of
@@ -369,7 +369,7 @@ def plan_shared_checks(
     nblocks = blocks_of(nbytes, block)
     # every block: its piece (position in ``order``), its index in the piece, its length
     piece_of = np.repeat(np.arange(len(order)), nblocks)
-    k = np.arange(len(piece_of)) - np.repeat(np.cumsum(nblocks) - nblocks, nblocks)
+    k = ragged.positions(nblocks)
     length = np.minimum(block, nbytes[piece_of] - k * block)
     total = int(length.sum())
     before = np.cumsum(length) - length

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence, Tuple, Union
 import numpy as np
 import xxhash
 
-from . import grids, nested, quant
+from . import grids, nested, quant, ragged
 from .derive import DERIVED, DERIVED_DTYPES, SOURCE_DTYPES
 from .dtypes import itemsize
 from ..errors import FormatError
@@ -394,14 +394,13 @@ class Rows:
         of the parts it read."""
         sel = np.asarray(rows, dtype=np.int64)
         ndim = self.col("ndim")[sel]
-        shape_idx = np.repeat(self.shape_start[sel], ndim) + (np.arange(int(ndim.sum())) - np.repeat(np.cumsum(ndim) - ndim, ndim))
+        shape_idx = ragged.indices(self.shape_start[sel], ndim)
         slots = self.cuts.slot_of[sel + 1] - self.cuts.slot_of[sel]
-        slot_idx = np.repeat(self.cuts.slot_of[sel], slots) + (np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots))
+        slot_idx = ragged.indices(self.cuts.slot_of[sel], slots)
         per_slot = self.cuts.start[slot_idx + 1] - self.cuts.start[slot_idx]
-        value_idx = np.repeat(self.cuts.start[slot_idx], per_slot) + (
-            np.arange(int(per_slot.sum())) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot))
+        value_idx = ragged.indices(self.cuts.start[slot_idx], per_slot)
         groups = self.group_start[sel + 1] - self.group_start[sel]
-        group_idx = np.repeat(self.group_start[sel], groups) + (np.arange(int(groups.sum())) - np.repeat(np.cumsum(groups) - groups, groups))
+        group_idx = ragged.indices(self.group_start[sel], groups)
         starts = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int64)  # noqa: E731
         return Rows(
             keys=[self.keys[i] for i in sel.tolist()], sources=[self.sources[i] for i in sel.tolist()],
@@ -621,7 +620,7 @@ class Layout:
         counts = np.diff(self.piece_start)
         ngroups = -(-counts // GROUP)
         owner = np.repeat(np.arange(len(counts), dtype=np.int64), ngroups)
-        g_in = np.arange(int(ngroups.sum()), dtype=np.int64) - np.repeat(np.cumsum(ngroups) - ngroups, ngroups)
+        g_in = ragged.positions(ngroups)
         p0 = g_in * GROUP
         p1 = np.minimum(p0 + GROUP, counts[owner])
         cum = np.concatenate([[0], np.cumsum(self.nblocks)]).astype(np.int64)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from . import grids, nested, sorting
+from . import grids, nested, ragged, sorting
 from .metadata import ColumnTensors, FileEntry, Metadata, TensorColumns, with_digest
 from .metafile_layout import (
     DTYPE_CODE, ENCODING_CODE, EXPLICIT, FORMAT_NAME, GRID, GROUP, PART_BYTES, ROW, VERSION, deflate, shuffled, width,
@@ -159,7 +159,7 @@ def _groups(piece_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     counts = np.diff(piece_start)
     ngroups = -(-counts // GROUP)
     owner = np.repeat(np.arange(len(counts), dtype=np.int64), ngroups)
-    g_in = np.arange(int(ngroups.sum()), dtype=np.int64) - np.repeat(np.cumsum(ngroups) - ngroups, ngroups)
+    g_in = ragged.positions(ngroups)
     first = piece_start[:-1][owner] + g_in * GROUP
     return first, np.minimum(first + GROUP, piece_start[1:][owner])
 
@@ -225,7 +225,7 @@ def _cut_columns(cuts: grids.Cuts | None, grid_t: np.ndarray, ndims: np.ndarray)
     slots = cuts.slot_of[t_of_slot] + (np.arange(len(t_of_slot)) - ncuts_start[t_of_slot])
     ncuts = (cuts.start[slots + 1] - cuts.start[slots]).astype(np.int64)
     n_gaps = ncuts - 1
-    take = np.repeat(cuts.start[slots], n_gaps) + (np.arange(int(n_gaps.sum())) - np.repeat(np.cumsum(n_gaps) - n_gaps, n_gaps))
+    take = ragged.indices(cuts.start[slots], n_gaps)
     gaps = (cuts.values[take + 1] - cuts.values[take]).astype(np.int64)
     per_t = np.bincount(np.repeat(t_of_slot, n_gaps), minlength=n_t)
     return ncuts, ncuts_start, gaps, np.concatenate([[0], np.cumsum(per_t)]).astype(np.int64)

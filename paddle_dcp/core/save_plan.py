@@ -8,12 +8,13 @@ with numpy and grows as O(pieces log pieces).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Tuple
 
 import numpy as np
 
-from . import nested, sorting
+from . import nested, ragged, sorting
 from . import grids
 from .boxes import Box, check_tiling
 from .compress import Policy
@@ -388,7 +389,7 @@ def _held_rows(
     present = np.flatnonzero(table[:, 0])
     table[:, 0] = np.concatenate(ids)[first + row_leaf] if len(first) else 0
     ranks = np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), counts)
-    rows = np.arange(len(table), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = ragged.positions(counts)
     return table[present], ranks[present], rows[present]
 
 
@@ -433,7 +434,8 @@ def _distinct_pieces(
     """Group the held rows by piece, each group by rank; with ``replicas`` every held row is
     a piece of its own, written by its holder."""
     width = 1 + 2 * max_nd
-    order = sorting.lexsort((row_rank,) + tuple(table[:, c] for c in reversed(range(width))))
+    # the rows come in rank order (_held_rows): a stable sort keeps each piece's holders so
+    order = sorting.lexsort(tuple(table[:, c] for c in reversed(range(width))))
     t_sorted = table[order]
     new_group = np.ones(len(order), dtype=bool)
     if len(order) > 1:
@@ -490,24 +492,96 @@ def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np
     """The writer of every piece and its row in the writer's summary: single holders first,
     then the rest largest first to the least loaded holder (ties to the lowest rank)."""
     group_start, counts = pieces.group_start, pieces.counts
-    writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
-    all_ranks = np.unique(pieces.holders_rank)
-    dense_holders = np.searchsorted(all_ranks, pieces.holders_rank)
+    ranks, dense = _dense(pieces.holders_rank)
     single = counts == 1
-    dense = np.zeros(len(all_ranks), dtype=np.int64)  # bytes each holder writes so far
-    np.add.at(dense, dense_holders[group_start[single]], p_nbytes[single])
-    loads = dense.tolist()
+    loads = np.zeros(len(ranks), dtype=np.int64)  # bytes each holder writes so far
+    np.add.at(loads, dense[group_start[single]], p_nbytes[single])
     multi = np.flatnonzero(~single)
-    holders, starts, sizes = dense_holders.tolist(), group_start.tolist(), p_nbytes.tolist()
     # largest first; ties broken by (key, offsets), which the sort of uniq already orders
-    for u in multi[np.argsort(-p_nbytes[multi], kind="stable")].tolist():
-        lo = starts[u]
-        hs = holders[lo : lo + int(counts[u])]
-        held = [loads[h] for h in hs]
-        j = held.index(min(held))  # holders are sorted by rank: ties go to the lowest
-        loads[hs[j]] += sizes[u]
-        writer_pos[u] = lo + j
+    multi = multi[np.argsort(-p_nbytes[multi], kind="stable")]
+    holders = dense[ragged.indices(group_start[multi], counts[multi])]  # sorted by rank in each
+    sizes = p_nbytes[multi]
+    sets = _holder_sets(holders, counts[multi])
+    pick = _greedy_by_set(holders, counts[multi], sizes, loads, sets) if sets is not None \
+        else _greedy(holders, counts[multi], sizes, loads)
+    writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
+    writer_pos[multi] += pick
     return pieces.holders_rank[writer_pos], pieces.holders_leaf[writer_pos]
+
+
+def _dense(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values ascending, each value's index among them), for non-negative ranks
+    by a lookup table when they are few enough, else by a sort."""
+    if len(values) and values.min() >= 0 and values.max() < 4 * len(values) + 1024:
+        present = np.zeros(int(values.max()) + 1, dtype=bool)
+        present[values] = True
+        index = np.cumsum(present) - 1
+        return np.flatnonzero(present), index[values]
+    distinct, inverse = np.unique(values, return_inverse=True)
+    return distinct, inverse.astype(np.int64, copy=False)
+
+
+def _greedy(holders: np.ndarray, counts: np.ndarray, sizes: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """Give each piece in turn (``counts`` of the ``holders`` each, end to end, ascending) to
+    its least loaded holder, the lowest on a tie; ``loads`` (per holder) grows. Returns the
+    position of each piece's writer among its holders."""
+    load = loads.tolist()
+    hs, pick = holders.tolist(), []
+    lo = 0
+    for n, size in zip(counts.tolist(), sizes.tolist()):
+        held = [load[h] for h in hs[lo : lo + n]]
+        j = held.index(min(held))
+        load[hs[lo + j]] += size
+        pick.append(j)
+        lo += n
+    loads[:] = load
+    return np.array(pick, dtype=np.int64)
+
+
+def _holder_sets(holders: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
+    """Each piece's holder set (``counts`` of the ascending ``holders`` each, end to end) as
+    the first piece with the same holders; None when some piece lists a holder twice (or,
+    never seen, two different sets hash alike)."""
+    if not len(counts):
+        return np.zeros(0, dtype=np.int64)
+    piece = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    if (np.diff(holders)[np.diff(piece) == 0] <= 0).any():
+        return None
+    mixed = holders.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    mixed ^= mixed >> np.uint64(29)
+    start = np.cumsum(counts) - counts
+    sig = np.add.reduceat(mixed * np.uint64(0xBF58476D1CE4E5B9), start) ^ counts.astype(np.uint64)
+    _, first, inverse = np.unique(sig, return_index=True, return_inverse=True)
+    rep = first[inverse.reshape(-1)].astype(np.int64)  # lowest piece with the same signature
+    same = (counts == counts[rep]).all() and (holders == holders[np.repeat(start[rep], counts) + ragged.positions(counts)]).all()
+    return rep if same else None
+
+
+def _greedy_by_set(
+    holders: np.ndarray, counts: np.ndarray, sizes: np.ndarray, loads: np.ndarray, sets: np.ndarray
+) -> np.ndarray:
+    """What :func:`_greedy` returns, with each holder set's holders on a heap (least loaded,
+    then lowest, on top) instead of a scan: a holder that another set's piece loaded since
+    is found stale when it comes up and pushed back with its load."""
+    start = (np.cumsum(counts) - counts).tolist()
+    load = loads.tolist()
+    heaps: dict[int, tuple[list, list]] = {}
+    pick = []
+    for s, size in zip(sets.tolist(), sizes.tolist()):
+        if s not in heaps:
+            members = holders[start[s] : start[s] + int(counts[s])].tolist()
+            heap = [(load[h], j) for j, h in enumerate(members)]
+            heapq.heapify(heap)
+            heaps[s] = (heap, members)
+        heap, members = heaps[s]
+        while heap[0][0] != load[members[heap[0][1]]]:  # stale: loads only grow
+            heapq.heapreplace(heap, (load[members[heap[0][1]]], heap[0][1]))
+        was, j = heap[0]
+        load[members[j]] = was + size
+        heapq.heapreplace(heap, (was + size, j))
+        pick.append(j)
+    loads[:] = load
+    return np.array(pick, dtype=np.int64)
 
 
 def _file_layouts(

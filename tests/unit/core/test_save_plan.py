@@ -364,3 +364,40 @@ def test_a_summary_with_more_leaves_of_rows_than_rows_is_refused():
                                    np.zeros((2, 5), np.int64), row_leaf=np.array([0, 1, 2]))
     with pytest.raises(PlanError, match="rank 1: summary rows"):
         save_plan.plan_save([full, bad])
+
+
+def greedy_oracle(groups, sizes, loads):
+    """Each piece in turn to its least loaded holder, the first (lowest) on a tie."""
+    loads, picks = list(loads), []
+    for holders, size in zip(groups, sizes):
+        j = min(range(len(holders)), key=lambda i: (loads[holders[i]], i))
+        loads[holders[j]] += size
+        picks.append(j)
+    return picks, loads
+
+
+@fast(300)
+@given(st.data())
+def test_writers_picked_by_holder_set_equal_one_scan_per_piece(data):
+    """Holder sets drawn from a few (equal, nested, overlapping, disjoint), so pieces of one
+    set load holders of another between its turns."""
+    world = data.draw(st.integers(1, 12))
+    family = data.draw(st.lists(st.sets(st.integers(0, world - 1), min_size=1), min_size=1, max_size=5))
+    groups = [sorted(family[i]) for i in data.draw(st.lists(st.integers(0, len(family) - 1), max_size=40))]
+    sizes = data.draw(st.lists(st.integers(0, 50), min_size=len(groups), max_size=len(groups)))
+    start = data.draw(st.lists(st.integers(0, 60), min_size=world, max_size=world))
+    holders = np.array([h for g in groups for h in g], dtype=np.int64)
+    counts = np.array([len(g) for g in groups], dtype=np.int64)
+    sets = save_plan._holder_sets(holders, counts)
+    assert sets is not None
+    assert [groups[s] for s in sets.tolist()] == groups  # each piece's set: a piece with its holders
+    loads = np.array(start, dtype=np.int64)
+    picks = save_plan._greedy_by_set(holders, counts, np.array(sizes, dtype=np.int64), loads, sets)
+    want, want_loads = greedy_oracle(groups, sizes, start)
+    assert picks.tolist() == want and loads.tolist() == want_loads
+    scanned = np.array(start, dtype=np.int64)
+    assert save_plan._greedy(holders, counts, np.array(sizes, dtype=np.int64), scanned).tolist() == want
+
+
+def test_holder_sets_refuse_a_holder_listed_twice():
+    assert save_plan._holder_sets(np.array([0, 1, 1, 2]), np.array([3, 1])) is None
