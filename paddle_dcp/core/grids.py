@@ -108,6 +108,8 @@ def find_grids(
     for d in range(int(ndims.max()) if n_t else 0):
         has_t = np.flatnonzero(ndims > d)
         has_p = ndims[tensor_of] > d
+        if has_p.all():  # views, not copies, when every piece has this dim
+            has_p = slice(None)  # type: ignore[assignment]
         t_p = tensor_of[has_p]
         lo_v = offsets[has_p, d]
         hi_v = lo_v + shapes[has_p, d]

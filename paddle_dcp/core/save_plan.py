@@ -386,11 +386,13 @@ def _held_rows(
     row_leaf = _checked_rows(summaries, counts, np.array([len(layout_ids[h]) for h in hids], dtype=np.int64))
     first = np.repeat(np.array([base[h] for h in hids], dtype=np.int64), counts)
     table = _padded_boxes(summaries, int(counts.sum()), max_nd)
-    present = np.flatnonzero(table[:, 0])
+    held = table[:, 0] != 0
     table[:, 0] = np.concatenate(ids)[first + row_leaf] if len(first) else 0
     ranks = np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), counts)
     rows = ragged.positions(counts)
-    return table[present], ranks[present], rows[present]
+    if held.all():  # no copies when every row holds a piece
+        return table, ranks, rows
+    return table[held], ranks[held], rows[held]
 
 
 def _padded_boxes(summaries: Sequence[SaveSummary], total: int, max_nd: int) -> np.ndarray:
@@ -435,16 +437,12 @@ def _distinct_pieces(
     a piece of its own, written by its holder."""
     width = 1 + 2 * max_nd
     # the rows come in rank order (_held_rows): a stable sort keeps each piece's holders so
-    order = sorting.lexsort(tuple(table[:, c] for c in reversed(range(width))))
-    t_sorted = table[order]
-    new_group = np.ones(len(order), dtype=bool)
-    if len(order) > 1:
-        new_group[1:] = (t_sorted[1:] != t_sorted[:-1]).any(axis=1)
+    order, new_group = sorting.groups(tuple(table[:, c] for c in reversed(range(width))))
     group_start = np.flatnonzero(new_group)
-    uniq = t_sorted[group_start]
+    uniq = table[order[group_start]]
     counts = np.diff(np.concatenate([group_start, [len(order)]]))
     if replicas:
-        uniq, group_start, counts = t_sorted, np.arange(len(order)), np.ones(len(order), dtype=np.int64)
+        uniq, group_start, counts = table[order], np.arange(len(order)), np.ones(len(order), dtype=np.int64)
     return _Pieces(uniq, group_start, counts, new_group, row_rank[order], row_leaf[order])
 
 

@@ -14,6 +14,40 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
     keys = [np.asarray(k) for k in keys]
     if not keys or len(keys[0]) < 2:
         return np.lexsort(keys) if keys else np.zeros(0, np.int64)
+    words = _packed(keys)
+    if words is None:
+        return np.lexsort(keys)
+    return _order(words)
+
+
+def groups(keys: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`lexsort`'s permutation, and per sorted row whether it starts a group of rows
+    equal in every key (the first row always does)."""
+    keys = [np.asarray(k) for k in keys]
+    n = len(keys[0]) if keys else 0
+    words = _packed(keys) if n > 1 else None
+    if words is None:  # too few rows, or values past int64's: compared column by column
+        words = keys
+        order = np.lexsort(keys) if keys else np.zeros(0, np.int64)
+    else:
+        order = _order(words)
+    new = np.ones(n, dtype=bool)
+    if n > 1:
+        new[1:] = False
+        for w in words:
+            s = w[order]
+            new[1:] |= s[1:] != s[:-1]
+    return order, new
+
+
+def _order(words: list[np.ndarray]) -> np.ndarray:
+    return np.argsort(words[0], kind="stable") if len(words) == 1 else np.lexsort(words[::-1])
+
+
+def _packed(keys: list[np.ndarray]) -> list[np.ndarray] | None:
+    """The keys packed primary first into 64-bit words (each key shifted to start at 0, as
+    many keys to a word as their ranges allow), which sort and compare as the keys do; None
+    for keys with values past int64's."""
     words: list[np.ndarray] = []
     word: np.ndarray | None = None
     used = 0
@@ -21,7 +55,7 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
         lo, hi = int(key.min()), int(key.max())
         bits = (hi - lo).bit_length()
         if hi >= 1 << 63:  # not int64 values (an int64 range always fits 64 bits)
-            return np.lexsort(keys)
+            return None
         # wraps past 2**63 as uint64 does: the difference is exact modulo 2**64
         shifted = np.subtract(key.astype(np.int64, copy=False), np.int64(lo)).view(np.uint64)
         if word is None or used + bits > 64:
@@ -33,6 +67,4 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
             used += bits
     assert word is not None
     words.append(word)
-    if len(words) == 1:
-        return np.argsort(words[0], kind="stable")
-    return np.lexsort(words[::-1])
+    return words

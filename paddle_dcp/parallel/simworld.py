@@ -5,6 +5,7 @@ rank's traffic is counted with the cost functions a real comm counts with
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from typing import Sequence
@@ -31,6 +32,10 @@ class SimWorld:
         # ranks the process holds millions of objects, and a full collection (seconds) lands
         # in whichever step happens to allocate when it is due
         self.gc_seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
+        # of ``seconds``, the time the kernel worked for the process (page faults, mostly: on a
+        # virtual machine whose host backs guest memory lazily, memory touched for the first
+        # time costs seconds per GiB, a cost of the machine rather than of the steps)
+        self.kernel_seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
         # Python and C function calls made in each timed rank's steps (run(count_calls=True))
         self.calls: dict[int, int] = {r: 0 for r in self.ranks}
 
@@ -83,6 +88,7 @@ class SimWorld:
             if r in done:
                 continue
             t0 = time.perf_counter() if r in timed else 0.0
+            k0 = os.times().system if r in timed else 0.0
             timing[0] = r if r in timed else None
             try:
                 requests[r] = protocols[r].send(results[r])
@@ -92,6 +98,7 @@ class SimWorld:
                 timing[0] = None
             if r in timed:
                 self.seconds[r] += time.perf_counter() - t0
+                self.kernel_seconds[r] += os.times().system - k0
         return requests
 
     def _add(self, rank: int, cost: tuple[int, int]) -> None:

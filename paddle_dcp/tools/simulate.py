@@ -56,6 +56,7 @@ class SaveSim:
     peak_rss_growth_mib: float
     plan_reused: bool
     coordinator_gc_seconds: float = 0.0  # of coordinator_seconds, in the garbage collector
+    coordinator_kernel_seconds: float = 0.0  # of coordinator_seconds, in the kernel (page faults)
 
 
 def _peak_rss_mib() -> float:
@@ -155,6 +156,7 @@ def simulate_save(
         peak_rss_growth_mib=max(0.0, _peak_rss_mib() - before),
         plan_reused=results[coordinator].plan_reused,
         coordinator_gc_seconds=world.gc_seconds[coordinator],
+        coordinator_kernel_seconds=world.kernel_seconds[coordinator],
     )
 
 
