@@ -78,6 +78,9 @@ class GridCheck:
     cuts: Cuts
 
 
+CHUNK_PIECES = 1 << 18  # pieces looked at together: bounds the temporary arrays (~50 MiB)
+
+
 def find_grids(
     piece_start: np.ndarray,
     offsets: np.ndarray,
@@ -94,8 +97,37 @@ def find_grids(
             tensor's ndim; every box non-empty and inside its tensor (checked by the caller).
         ndims: (T,) each tensor's number of dims (at most D).
         extents: (T, D) each tensor's shape, padded with zeros.
+
+    Tensors are looked at in runs of about ``CHUNK_PIECES`` pieces (a tensor is never split).
     """
     piece_start = np.asarray(piece_start, dtype=np.int64)
+    n_t = len(piece_start) - 1
+    # the first tensor of each run: where the pieces so far pass a multiple of CHUNK_PIECES
+    cuts = np.unique(np.searchsorted(piece_start[1:], np.arange(0, int(piece_start[-1]), CHUNK_PIECES), side="right"))
+    bounds = np.concatenate([[0], cuts[(cuts > 0) & (cuts < n_t)], [n_t]]).tolist() if n_t else [0, 0]
+    if len(bounds) <= 2:
+        return _find_grids(piece_start, offsets, shapes, ndims, extents)
+    found = []
+    for t0, t1 in zip(bounds[:-1], bounds[1:]):
+        p0, p1 = int(piece_start[t0]), int(piece_start[t1])
+        found.append(_find_grids(piece_start[t0 : t1 + 1] - p0, offsets[p0:p1], shapes[p0:p1], ndims[t0:t1], extents[t0:t1]))
+    return _joined(found)
+
+
+def _joined(found: list[GridCheck]) -> GridCheck:
+    """The checks of consecutive runs of tensors as one."""
+    slot_base = np.cumsum([0] + [int(f.cuts.slot_of[-1]) for f in found])
+    value_base = np.cumsum([0] + [len(f.cuts.values) for f in found])
+    slot_of = np.concatenate([f.cuts.slot_of[:-1] + b for f, b in zip(found, slot_base)] + [slot_base[-1:]])
+    start = np.concatenate([f.cuts.start[:-1] + b for f, b in zip(found, value_base)] + [value_base[-1:]])
+    values = np.concatenate([f.cuts.values for f in found])
+    return GridCheck(np.concatenate([f.grid for f in found]), Cuts(slot_of.astype(np.int64), start.astype(np.int64), values))
+
+
+def _find_grids(
+    piece_start: np.ndarray, offsets: np.ndarray, shapes: np.ndarray, ndims: np.ndarray, extents: np.ndarray
+) -> GridCheck:
+    """:func:`find_grids` of all tensors at once."""
     n_t = len(piece_start) - 1
     counts = np.diff(piece_start)
     tensor_of = np.repeat(np.arange(n_t, dtype=np.int64), counts)

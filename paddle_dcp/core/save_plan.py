@@ -238,6 +238,7 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
         keep = ~np.isin(table[:, 0], [key_id[k] for k in derived])
         table, row_rank, row_leaf = table[keep], row_rank[keep], row_leaf[keep]
     pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
+    del table, row_rank, row_leaf  # every held row: the largest arrays of the plan
     p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
     p_nbytes = _piece_nbytes(p_key, p_shape, known.ndims, list(zip(dtypes, encodings)))
     grid = _check_tilings(known, pieces, max_nd, replicas, set(derived))
@@ -456,7 +457,7 @@ def _check_tilings(
     alone (:func:`~paddle_dcp.core.boxes.check_tiling`, which also words every error). Returns
     the grids found (None with ``replicas``: the pieces then repeat boxes)."""
     p_key = pieces.uniq[:, 0]
-    distinct = np.flatnonzero(pieces.new_group) if replicas else np.arange(len(p_key))  # copies: one box
+    distinct = np.flatnonzero(pieces.new_group) if replicas else slice(None)  # copies: one box
     d_key = p_key[distinct]
     d_off = pieces.uniq[distinct, 1 : 1 + max_nd]
     d_shape = pieces.uniq[distinct, 1 + max_nd :]

@@ -116,3 +116,19 @@ def test_the_work_grows_with_the_pieces_not_with_the_tensors_times_the_pieces():
         return count
 
     assert calls(10_000) == calls(1_000)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(tensor(), min_size=1, max_size=8), st.integers(1, 6))
+def test_tensors_looked_at_in_runs_give_what_all_at_once_gives(tensors, chunk):
+    starts, offs, shps, ndims, ext, _ = _columns(tensors)
+    whole = grids.find_grids(starts, offs, shps, ndims, ext)
+    saved = grids.CHUNK_PIECES
+    grids.CHUNK_PIECES = chunk
+    try:
+        runs = grids.find_grids(starts, offs, shps, ndims, ext)
+    finally:
+        grids.CHUNK_PIECES = saved
+    assert runs.grid.tolist() == whole.grid.tolist()
+    for name in ("slot_of", "start", "values"):
+        assert getattr(runs.cuts, name).tolist() == getattr(whole.cuts, name).tolist(), name
