@@ -498,11 +498,11 @@ def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np
     multi = np.flatnonzero(~single)
     # largest first; ties broken by (key, offsets), which the sort of uniq already orders
     multi = multi[np.argsort(-p_nbytes[multi], kind="stable")]
-    holders = dense[ragged.indices(group_start[multi], counts[multi])]  # sorted by rank in each
-    sizes = p_nbytes[multi]
-    sets = _holder_sets(holders, counts[multi])
-    pick = _greedy_by_set(holders, counts[multi], sizes, loads, sets) if sets is not None \
-        else _greedy(holders, counts[multi], sizes, loads)
+    m_counts, sizes = counts[multi], p_nbytes[multi]
+    holders = dense[ragged.indices(group_start[multi], m_counts)]  # sorted by rank in each
+    sets = _holder_sets(holders, m_counts)
+    pick = _greedy_by_set(holders, m_counts, sizes, loads, sets) if sets is not None \
+        else _greedy(holders, m_counts, sizes, loads)
     writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
     writer_pos[multi] += pick
     return pieces.holders_rank[writer_pos], pieces.holders_leaf[writer_pos]
@@ -552,7 +552,7 @@ def _holder_sets(holders: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
     sig = np.add.reduceat(mixed * np.uint64(0xBF58476D1CE4E5B9), start) ^ counts.astype(np.uint64)
     _, first, inverse = np.unique(sig, return_index=True, return_inverse=True)
     rep = first[inverse.reshape(-1)].astype(np.int64)  # lowest piece with the same signature
-    same = (counts == counts[rep]).all() and (holders == holders[np.repeat(start[rep], counts) + ragged.positions(counts)]).all()
+    same = (counts == counts[rep]).all() and (holders == holders[ragged.indices(start[rep], counts)]).all()
     return rep if same else None
 
 

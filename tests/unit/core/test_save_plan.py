@@ -401,3 +401,11 @@ def test_writers_picked_by_holder_set_equal_one_scan_per_piece(data):
 
 def test_holder_sets_refuse_a_holder_listed_twice():
     assert save_plan._holder_sets(np.array([0, 1, 1, 2]), np.array([3, 1])) is None
+
+
+@pytest.mark.parametrize("values", [[3, 0, 3, 7], [5], [10**9, 2, 10**9], [-4, 1, -4, 0]])
+def test_dense_ids_of_ranks_by_table_or_by_sort(values):
+    """Few small ranks take the lookup table, sparse or negative ones the sort."""
+    distinct, index = save_plan._dense(np.array(values, dtype=np.int64))
+    want = sorted(set(values))
+    assert distinct.tolist() == want and index.tolist() == [want.index(v) for v in values]

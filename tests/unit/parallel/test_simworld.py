@@ -67,3 +67,17 @@ def test_timed_ranks_count_their_own_calls():
     world = SimWorld((0, 1), 0)
     world.run({r: rank(r) for r in (0, 1)}, timed=(0,), count_calls=True)
     assert world.calls[0] > 1000 and world.calls[1] == 0 and world.seconds[1] == 0.0
+
+
+def test_timed_ranks_count_the_kernels_time_in_their_own_steps():
+    import os
+
+    def rank(r):  # reading random bytes is kernel work (getrandom)
+        yield from protocol.local("work", lambda: os.urandom(64 << 20))
+
+    world = SimWorld((0, 1), 0)
+    before = os.times().system
+    world.run({r: rank(r) for r in (0, 1)}, timed=(0,))
+    spent = os.times().system - before
+    assert 0.0 < world.kernel_seconds[0] <= spent  # its own step's share of the process's
+    assert world.kernel_seconds[1] == 0.0 and world.kernel_seconds[0] <= world.seconds[0] + 0.02
