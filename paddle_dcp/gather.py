@@ -194,8 +194,7 @@ class GatherRank:
         """The gathering rank's plan and every rank's assignment ((None, None) elsewhere)."""
         if not self.is_root:
             return None, None
-        cache: dict = {}  # each distinct header parsed once
-        decoded = [wire.decode_summary(blob, r, cache) for r, blob in zip(self.comm.ranks, summaries)]
+        decoded = wire.decode_summaries(self.comm.ranks, summaries)  # each distinct header parsed once
         plan = plan_gather(decoded, self.comm.ranks, self.root, self.state_type, self.limit)
         if len(plan.header) - 8 > MAX_HEADER_BYTES:
             raise FormatError(

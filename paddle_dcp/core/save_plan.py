@@ -229,16 +229,16 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
     dtypes = tuple(DTYPE_NAMES[c] for c in known.dtype_codes.tolist())
     key_id = {k: i for i, k in enumerate(keys_sorted)}
     max_nd = int(known.ndims.max()) if len(keys_sorted) else 0
-    table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
+    key, table, row_rank, row_leaf = _held_rows(summaries, layout_ids, max_nd)
     encodings = tuple(compress.encoding_of(k, d) if compress else None for k, d in zip(keys_sorted, dtypes))
     derived = [k for k, e in zip(keys_sorted, encodings) if e == DERIVED]
     # ranks with one header found the same (layouts: one summary of each distinct header)
     sources = check_sources(((s.rank, dict(s.derived)) for s in layouts.values()), known.info(), derived) if derived else {}
     if derived:  # their pieces are not written: the plan has none
-        keep = ~np.isin(table[:, 0], [key_id[k] for k in derived])
-        table, row_rank, row_leaf = table[keep], row_rank[keep], row_leaf[keep]
-    pieces = _distinct_pieces(table, row_rank, row_leaf, max_nd, replicas)
-    del table, row_rank, row_leaf  # every held row: the largest arrays of the plan
+        keep = ~np.isin(key, [key_id[k] for k in derived])
+        key, table, row_rank, row_leaf = key[keep], table[keep], row_rank[keep], row_leaf[keep]
+    pieces = _distinct_pieces(key, table, row_rank, row_leaf, max_nd, replicas)
+    del key, table, row_rank, row_leaf  # every held row: the largest arrays of the plan
     p_key, p_shape = pieces.uniq[:, 0], pieces.uniq[:, 1 + max_nd :]
     p_nbytes = _piece_nbytes(p_key, p_shape, known.ndims, list(zip(dtypes, encodings)))
     grid = _check_tilings(known, pieces, max_nd, replicas, set(derived))
@@ -368,32 +368,24 @@ def _agreed_keys(index: dict[str, int], layouts: dict[object, SaveSummary], ids:
 
 def _held_rows(
     summaries: Sequence[SaveSummary], layout_ids: dict[object, np.ndarray], max_nd: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One row per held piece, ``[key_id, offsets(max_nd), shape(max_nd)]``, with the rank
-    holding it and its row in that rank's summary (every summary's rows at once)."""
-    width = 1 + 2 * max_nd
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One row per held piece: its key id; its box row ``[present, offsets(max_nd),
+    shape(max_nd)]``; the rank holding it and its row in that rank's summary (every summary's
+    rows at once, not copied when every row holds a piece and they lie in one table)."""
     if not summaries:
-        return np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), np.zeros((0, 1 + 2 * max_nd), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     hids = [s.header_id if s.header_id is not None else id(s) for s in summaries]
-    base: dict[object, int] = {}
-    ids: list[np.ndarray] = []
-    at = 0
-    for h in hids:  # the key ids of each distinct layout's leaves, end to end
-        if h not in base:
-            base[h] = at
-            ids.append(layout_ids[h])
-            at += len(layout_ids[h])
     counts = np.array([len(s.boxes) for s in summaries], dtype=np.int64)
-    row_leaf = _checked_rows(summaries, counts, np.array([len(layout_ids[h]) for h in hids], dtype=np.int64))
-    first = np.repeat(np.array([base[h] for h in hids], dtype=np.int64), counts)
+    _check_rows(summaries, counts, np.array([len(layout_ids[h]) for h in hids], dtype=np.int64))
+    rows = ragged.positions(counts)
+    key = np.concatenate([layout_ids[h] if s.row_leaf is None else layout_ids[h][s.row_leaf]
+                          for s, h in zip(summaries, hids)])
     table = _padded_boxes(summaries, int(counts.sum()), max_nd)
     held = table[:, 0] != 0
-    table[:, 0] = np.concatenate(ids)[first + row_leaf] if len(first) else 0
     ranks = np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), counts)
-    rows = ragged.positions(counts)
-    if held.all():  # no copies when every row holds a piece
-        return table, ranks, rows
-    return table[held], ranks[held], rows[held]
+    if held.all():
+        return key, table, ranks, rows
+    return key[held], table[held], ranks[held], rows[held]
 
 
 def _padded_boxes(summaries: Sequence[SaveSummary], total: int, max_nd: int) -> np.ndarray:
@@ -401,7 +393,7 @@ def _padded_boxes(summaries: Sequence[SaveSummary], total: int, max_nd: int) -> 
     width = 1 + 2 * max_nd
     held = [s.boxes for s in summaries if len(s.boxes)]
     if all(b.shape[1] == width for b in held):
-        return np.concatenate(held).astype(np.int64, copy=False) if held else np.zeros((0, width), np.int64)
+        return ragged.joined(held).astype(np.int64, copy=False) if held else np.zeros((0, width), np.int64)
     table = np.zeros((total, width), dtype=np.int64)
     p0 = 0
     for b in held:
@@ -432,18 +424,22 @@ class _Pieces:
 
 
 def _distinct_pieces(
-    table: np.ndarray, row_rank: np.ndarray, row_leaf: np.ndarray, max_nd: int, replicas: bool
+    key: np.ndarray, table: np.ndarray, row_rank: np.ndarray, row_leaf: np.ndarray, max_nd: int, replicas: bool
 ) -> _Pieces:
-    """Group the held rows by piece, each group by rank; with ``replicas`` every held row is
-    a piece of its own, written by its holder."""
+    """Group the held rows (``key`` ids, ``table`` box rows) by piece, each group by rank; with
+    ``replicas`` every held row is a piece of its own, written by its holder."""
     width = 1 + 2 * max_nd
-    # the rows come in rank order (_held_rows): a stable sort keeps each piece's holders so
-    order, new_group = sorting.groups(tuple(table[:, c] for c in reversed(range(width))))
+    # the rows come in rank order (_held_rows): a stable sort keeps each piece's holders so;
+    # the shape columns, first: a key's offsets usually decide them
+    columns = tuple(table[:, c] for c in reversed(range(1, width))) + (key,)
+    order, new_group = sorting.groups(columns, dependent=max_nd)
     group_start = np.flatnonzero(new_group)
-    uniq = table[order[group_start]]
     counts = np.diff(np.concatenate([group_start, [len(order)]]))
     if replicas:
-        uniq, group_start, counts = table[order], np.arange(len(order)), np.ones(len(order), dtype=np.int64)
+        group_start, counts = np.arange(len(order)), np.ones(len(order), dtype=np.int64)
+    first = order[group_start]
+    uniq = table.take(first, axis=0)
+    uniq[:, 0] = key[first]
     return _Pieces(uniq, group_start, counts, new_group, row_rank[order], row_leaf[order])
 
 
@@ -594,12 +590,12 @@ def _file_layouts(
     file_bytes: dict[int, int] = {}
     if not n:
         return p_byte_offset, writes, file_bytes
-    order = np.lexsort((p_leaf, p_writer))
+    order = sorting.lexsort((p_leaf, p_writer))
     w_sorted = p_writer[order]
     first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
     padded = aligned(p_nbytes[order])
     starts = np.cumsum(padded) - padded
-    group = np.cumsum(np.isin(np.arange(n), first)) - 1  # which writer each row belongs to
+    group = np.repeat(np.arange(len(first)), np.diff(np.append(first, n)))  # which writer each row belongs to
     p_byte_offset[order] = starts - starts[first][group]
     last = np.concatenate([first[1:], [n]]) - 1
     ends = p_byte_offset[order][last] + p_nbytes[order][last]
@@ -609,9 +605,19 @@ def _file_layouts(
     return p_byte_offset, writes, file_bytes
 
 
-def _checked_rows(summaries: Sequence[SaveSummary], counts: np.ndarray, leaves: np.ndarray) -> np.ndarray:
-    """The leaf of every row of every summary, end to end, checked: each summary maps each of
-    its ``leaves`` to a run of its rows, in order."""
+def _check_rows(summaries: Sequence[SaveSummary], counts: np.ndarray, leaves: np.ndarray) -> None:
+    """Raise PlanError unless each summary maps each of its ``leaves`` to a run of its rows
+    (``counts``), in order."""
+    if all(s.row_leaf is None for s in summaries):  # a row per leaf
+        bad = np.flatnonzero(counts != leaves).tolist()
+    else:
+        bad = _rows_off_leaves(summaries, counts, leaves)
+    if bad:
+        raise PlanError(f"rank {summaries[bad[0]].rank}: summary rows do not map onto its {int(leaves[bad[0]])} leaves")
+
+
+def _rows_off_leaves(summaries: Sequence[SaveSummary], counts: np.ndarray, leaves: np.ndarray) -> list[int]:
+    """The summaries whose rows do not map onto their leaves, in runs, in order."""
     per = [s.leaves_of_rows() for s in summaries]
     bad = [i for i, (r, n) in enumerate(zip(per, counts.tolist())) if len(r) != n]
     row_leaf = np.concatenate(per).astype(np.int64) if per else np.zeros(0, np.int64)
@@ -626,9 +632,7 @@ def _checked_rows(summaries: Sequence[SaveSummary], counts: np.ndarray, leaves: 
         owner = np.searchsorted(start, jumps, side="right") - 1
         wrong[owner[start[owner] != jumps]] = True  # not a summary's first row
         bad = np.flatnonzero(wrong).tolist()
-    if bad:
-        raise PlanError(f"rank {summaries[bad[0]].rank}: summary rows do not map onto its {int(leaves[bad[0]])} leaves")
-    return row_leaf
+    return bad
 
 
 def build_metadata(
@@ -654,7 +658,7 @@ def build_metadata(
     nblocks = blocks_of(plan.piece_nbytes, block_bytes) if n else np.zeros(0, np.int64)
     # reports arrive writer by writer, each in leaf (= file) order: where each piece's
     # checksums start in their concatenation
-    order = np.lexsort((plan.piece_leaf, plan.piece_writer))
+    order = sorting.lexsort((plan.piece_leaf, plan.piece_writer))
     start_in_report = np.zeros(n, dtype=np.int64)
     start_in_report[order] = np.cumsum(nblocks[order]) - nblocks[order]
     expected = np.bincount(np.searchsorted(writers, plan.piece_writer), weights=nblocks, minlength=len(writers)).astype(np.int64)

@@ -20,10 +20,17 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
     return _order(words)
 
 
-def groups(keys: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def groups(keys: Sequence[np.ndarray], dependent: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """:func:`lexsort`'s permutation, and per sorted row whether it starts a group of rows
-    equal in every key (the first row always does)."""
+    equal in every key (the first row always does). ``dependent``: how many of the first (least
+    significant) keys usually follow from the others (a piece's shape from its key and
+    offsets): the rows are sorted by the others, in fewer words, and by every key only when
+    some group of equal others differs in them."""
     keys = [np.asarray(k) for k in keys]
+    if 0 < dependent < len(keys):
+        order, new = groups(keys[dependent:])
+        if not _differ_within(keys[:dependent], order, new):
+            return order, new
     n = len(keys[0]) if keys else 0
     words = _packed(keys) if n > 1 else None
     if words is None:  # too few rows, or values past int64's: compared column by column
@@ -34,10 +41,24 @@ def groups(keys: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     new = np.ones(n, dtype=bool)
     if n > 1:
         new[1:] = False
+        s = np.empty(n, dtype=np.result_type(*words))  # one buffer for each word, sorted in turn
         for w in words:
-            s = w[order]
+            np.take(w, order, out=s)
             new[1:] |= s[1:] != s[:-1]
     return order, new
+
+
+def _differ_within(keys: list[np.ndarray], order: np.ndarray, new: np.ndarray) -> bool:
+    """Whether some group (rows ``order`` sorted, ``new`` where a group starts) holds rows
+    that differ in one of ``keys``."""
+    if len(order) < 2:
+        return False
+    s = np.empty(len(order), dtype=np.result_type(*keys))
+    for k in keys:
+        np.take(k, order, out=s)
+        if ((s[1:] != s[:-1]) & ~new[1:]).any():
+            return True
+    return False
 
 
 def _order(words: list[np.ndarray]) -> np.ndarray:
@@ -50,6 +71,7 @@ def _packed(keys: list[np.ndarray]) -> list[np.ndarray] | None:
     for keys with values past int64's."""
     words: list[np.ndarray] = []
     word: np.ndarray | None = None
+    spare: np.ndarray | None = None
     used = 0
     for key in reversed(keys):  # primary first
         lo, hi = int(key.min()), int(key.max())
@@ -57,13 +79,14 @@ def _packed(keys: list[np.ndarray]) -> list[np.ndarray] | None:
         if hi >= 1 << 63:  # not int64 values (an int64 range always fits 64 bits)
             return None
         # wraps past 2**63 as uint64 does: the difference is exact modulo 2**64
-        shifted = np.subtract(key.astype(np.int64, copy=False), np.int64(lo)).view(np.uint64)
         if word is None or used + bits > 64:
             if word is not None:
                 words.append(word)
-            word, used = shifted, bits
-        else:
-            word = (word << np.uint64(bits)) | shifted
+            word, used = np.subtract(key, np.int64(lo), dtype=np.int64).view(np.uint64), bits
+        else:  # in place, through one scratch column: a column of many rows costs no new array
+            spare = np.subtract(key, np.int64(lo), dtype=np.int64, out=spare)
+            word <<= np.uint64(bits)
+            word |= spare.view(np.uint64)
             used += bits
     assert word is not None
     words.append(word)

@@ -285,8 +285,7 @@ def plan_from_summaries(
     """The coordinator's half of planning a save: decode every summary (each distinct layout
     once), plan (the keys ``compress`` names at their stored sizes; then ``layout`` places the
     pieces in their files), and encode every rank's assignment."""
-    cache: dict = {}
-    summaries = [wire.decode_summary(b, r, cache) for r, b in zip(ranks, blobs)]
+    summaries = wire.decode_summaries(ranks, blobs)
     plan = save_plan.plan_save(summaries, replicas, compress)
     if layout is not None:
         plan = layout(plan)

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CollectiveError, FormatError
+from ..core.metafile_layout import RATIO, deflate, inflate
 from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
@@ -48,31 +49,58 @@ def encode_summary(summary: SaveSummary) -> bytes:
     if summary.row_leaf is not None:
         tag = _SUMMARY_ROWS
         boxes = np.ascontiguousarray(np.column_stack([summary.row_leaf, boxes]), dtype="<i8")
-    bz = zlib.compress(boxes.tobytes(), 6)
+    bz = deflate(boxes.tobytes())  # bounded: a decode refuses boxes that inflate further
     return tag + struct.pack("<QQQ", len(hz), boxes.shape[0], boxes.shape[1]) + hz + bz
 
 
 def decode_summary(data: bytes, rank: int, cache: dict | None = None) -> SaveSummary:
     """Parse a rank's summary; ``cache`` (shared across calls) keeps parsed headers: the ranks
     of a job hold few distinct layouts, each parsed once."""
-    if data[:4] not in (_SUMMARY, _SUMMARY_ROWS):
+    return decode_summaries([rank], [data], cache)[0]
+
+
+def decode_summaries(ranks: Sequence[int], blobs: Sequence[bytes], cache: dict | None = None) -> list[SaveSummary]:
+    """Parse every rank's summary (as :func:`decode_summary`). When their box rows are all as
+    wide, they are decoded into one table, each summary's boxes a view of its rows: the
+    coordinator of a large save holds one array of every held row, which the plan takes as it
+    is (:func:`paddle_dcp.core.ragged.joined`), instead of one per rank and then their join."""
+    cache = {} if cache is None else cache
+    frames = [_frame(b, r) for r, b in zip(ranks, blobs)]
+    widths = {width - lead for _, _, width, lead in frames}
+    table = np.empty((sum(f[1] for f in frames), widths.pop()), np.int64) if len(widths) == 1 else None
+    out, at = [], 0
+    for r, data, (hlen, rows, width, lead) in zip(ranks, blobs, frames):
+        hz = bytes(data[28 : 28 + hlen])
+        hid = xxhash.xxh3_128_digest(hz)
+        parsed = cache.get(hid)
+        if parsed is None:
+            parsed = cache[hid] = _header(zlib.decompress(hz), r)
+        raw = inflate(data[28 + hlen :], rows * width * 8, f"rank {r}: a save summary's boxes")
+        rows_of = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
+        boxes = rows_of[:, lead:]
+        if table is not None:
+            boxes = table[at : at + rows]
+            boxes[:] = rows_of[:, lead:]
+            boxes.flags.writeable = False  # read only, as a single decode's are
+            at += rows
+        row_leaf = rows_of[:, 0].copy() if lead else None
+        outline, keys, codes, shapes, ndims, derived = parsed
+        out.append(SaveSummary(r, outline, keys, codes, shapes, ndims, boxes, header_id=hid, row_leaf=row_leaf,
+                               derived=derived))
+    return out
+
+
+def _frame(data: bytes, rank: int) -> tuple[int, int, int, int]:
+    """(header bytes, rows, width, leading leaf columns) of a summary, checked against its size
+    before anything is allocated for its rows."""
+    if len(data) < 28 or data[:4] not in (_SUMMARY, _SUMMARY_ROWS):
         raise FormatError(f"rank {rank}: not a save summary")
     hlen, rows, width = struct.unpack_from("<QQQ", data, 4)
-    body = 28
-    hz = bytes(data[body : body + hlen])
-    hid = xxhash.xxh3_128_digest(hz)
-    parsed = cache.get(hid) if cache is not None else None
-    if parsed is None:
-        parsed = _header(zlib.decompress(hz), rank)
-        if cache is not None:
-            cache[hid] = parsed
-    raw = zlib.decompress(data[body + hlen :])
-    boxes = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
-    row_leaf = None
-    if data[:4] == _SUMMARY_ROWS:
-        row_leaf, boxes = boxes[:, 0], boxes[:, 1:]
-    outline, keys, codes, shapes, ndims, derived = parsed
-    return SaveSummary(rank, outline, keys, codes, shapes, ndims, boxes, header_id=hid, row_leaf=row_leaf, derived=derived)
+    lead = 1 if data[:4] == _SUMMARY_ROWS else 0
+    packed = len(data) - 28 - hlen  # the boxes cannot claim more than these bytes inflate to
+    if packed < 0 or (width - lead) % 2 != 1 or rows * width * 8 > RATIO * packed + 64:
+        raise FormatError(f"rank {rank}: a save summary's sizes do not add up")
+    return hlen, rows, width, lead
 
 
 def _header(raw: bytes, rank: int) -> tuple:

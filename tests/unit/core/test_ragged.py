@@ -13,3 +13,18 @@ def test_positions_and_indices_of_runs(runs):
     assert ragged.positions(counts).tolist() == [i for _, n in runs for i in range(n)]
     assert ragged.indices(starts, counts).tolist() == [s + i for s, n in runs for i in range(n)]
     assert ragged.indices(starts, counts).dtype == np.int64
+
+
+def test_joined_takes_consecutive_rows_of_one_array_as_they_are():
+    table = np.arange(30, dtype=np.int64).reshape(10, 3)
+    parts = [table[0:2], table[2:2], table[2:7], table[7:10]]
+    got = ragged.joined(parts)
+    assert np.shares_memory(got, table) and np.array_equal(got, table)
+    assert np.array_equal(ragged.joined(parts[1:]), table[2:])
+
+
+def test_joined_copies_what_is_not_end_to_end():
+    table = np.arange(30, dtype=np.int64).reshape(10, 3)
+    for parts in ([table[0:2], table[3:5]], [table[2:4], table[0:2]], [table[0:2], np.ones((2, 3), np.int64)], [table[::2]]):
+        got = ragged.joined(parts)
+        assert np.array_equal(got, np.concatenate(parts)) and not np.shares_memory(got, table)

@@ -409,3 +409,22 @@ def test_dense_ids_of_ranks_by_table_or_by_sort(values):
     distinct, index = save_plan._dense(np.array(values, dtype=np.int64))
     want = sorted(set(values))
     assert distinct.tolist() == want and index.tolist() == [want.index(v) for v in values]
+
+
+def test_a_summary_of_one_row_per_leaf_with_a_row_missing_is_refused():
+    full = summary_of(0, {k: flat_pieces(k, 0, 20) for k in "abc"})
+    short = save_plan.SaveSummary.of(1, full.skeleton, full.dtypes, full.global_shapes, np.zeros((2, 3), np.int64))
+    with pytest.raises(PlanError, match="rank 1: summary rows do not map onto its 3 leaves"):
+        save_plan.plan_save([full, short])
+
+
+def test_summaries_decoded_together_are_planned_without_copying_their_rows(monkeypatch):
+    """The coordinator's every held row lies in one table, which the plan groups as it is."""
+    per_rank = [summary_of(r, {k: flat_pieces(k, 0, 10) if r % 2 else flat_pieces(k, 10, 20) for k in "abc"}) for r in range(4)]
+    decoded = wire.decode_summaries([s.rank for s in per_rank], [wire.encode_summary(s) for s in per_rank])
+    seen = []
+    real = save_plan._distinct_pieces
+    monkeypatch.setattr(save_plan, "_distinct_pieces", lambda key, table, *a: seen.append(table) or real(key, table, *a))
+    plan = save_plan.plan_save(decoded)
+    assert np.shares_memory(seen[0], decoded[0].boxes) and np.shares_memory(seen[0], decoded[-1].boxes)
+    assert np.array_equal(plan.piece_writer, save_plan.plan_save(per_rank).piece_writer)

@@ -39,3 +39,37 @@ def test_groups_mark_where_the_sorted_rows_change(data):
     assert np.array_equal(order, np.lexsort(keys))
     rows = [tuple(int(k[i]) for k in keys) for i in order.tolist()]
     assert new.tolist() == [i == 0 or rows[i] != rows[i - 1] for i in range(n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_groups_with_dependent_keys_equal_the_full_sort(data):
+    n = data.draw(st.integers(0, 60))
+    others = [np.array(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)), dtype=np.int64)
+              for _ in range(data.draw(st.integers(1, 3)))]
+    follows = data.draw(st.booleans())  # the dependent keys a function of the others, or drawn freely
+    dependent = [(others[0] * 7 + 1) if follows else
+                 np.array(data.draw(st.lists(st.integers(-2, 2), min_size=n, max_size=n)), dtype=np.int64)
+                 for _ in range(data.draw(st.integers(1, 2)))]
+    keys = dependent + others
+    order, new = sorting.groups(keys, dependent=len(dependent))
+    want_order, want_new = sorting.groups(keys)
+    assert np.array_equal(order, np.lexsort(keys))
+    assert np.array_equal(new, want_new)
+
+
+def test_groups_sort_once_when_the_dependent_keys_follow(monkeypatch):
+    rng = np.random.default_rng(0)
+    key, offset = rng.integers(0, 50, 5000), rng.integers(0, 40, 5000)  # many rows alike
+    shape = offset * 3 + key  # decided by the others
+    packed = []
+    real = sorting._packed
+    monkeypatch.setattr(sorting, "_packed", lambda keys: packed.append(len(keys)) or real(keys))
+    order, _ = sorting.groups([shape, offset, key], dependent=1)
+    assert packed == [2] and np.array_equal(order, np.lexsort([shape, offset, key]))
+    packed.clear()
+    shape[order[np.flatnonzero(np.diff(key[order] * 64 + offset[order]) == 0)[0]]] += 1  # one row of a group
+    order, new = sorting.groups([shape, offset, key], dependent=1)
+    assert packed == [2, 3]  # not decided after all: sorted again by every key
+    assert np.array_equal(order, np.lexsort([shape, offset, key]))
+    assert np.array_equal(new, sorting.groups([shape, offset, key])[1])

@@ -82,3 +82,28 @@ def test_summary_with_several_rows_for_one_leaf_round_trips_the_wire():
     assert back.dtypes == ("float32", "int64")
     one = summary_of(0, {"b": [save_plan.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
     assert one.row_leaf is None and wire.encode_summary(one)[:4] == b"DCS1"  # unchanged message
+
+
+def test_summaries_decoded_together_share_one_table_and_equal_single_decodes():
+    summaries = [make_summary(r, [Box((r, 0), (1, 8)), None]) for r in range(3)]
+    blobs = [wire.encode_summary(s) for s in summaries]
+    together = wire.decode_summaries([0, 1, 2], blobs)
+    for s, t in zip(summaries, together):
+        assert np.array_equal(t.boxes, s.boxes) and t.rank == s.rank and t.global_shapes == s.global_shapes
+    assert all(np.shares_memory(together[0].boxes.base, t.boxes) for t in together)
+    assert not together[1].boxes.flags.writeable
+
+
+def test_summaries_of_different_widths_decode_apart():
+    summaries = [make_summary(0, [Box((0, 0), (8, 8))]), make_summary(1, [Box((0,), (8,))])]
+    together = wire.decode_summaries([0, 1], [wire.encode_summary(s) for s in summaries])
+    assert [t.boxes.shape for t in together] == [(1, 5), (1, 3)]
+    assert np.array_equal(together[1].boxes, summaries[1].boxes)
+
+
+@pytest.mark.parametrize("rows", [2, 1 << 40])
+def test_a_summary_claiming_other_rows_than_it_holds_is_refused_before_allocating(rows):
+    blob = bytearray(wire.encode_summary(make_summary(0, [Box((0, 0), (8, 8))] * 3)))
+    blob[12:20] = rows.to_bytes(8, "little")  # the row count, after the tag and header length
+    with pytest.raises(FormatError, match="rank 0: a save summary"):
+        wire.decode_summaries([0], [bytes(blob)])
