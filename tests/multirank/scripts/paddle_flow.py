@@ -1,10 +1,11 @@
 """A user's script written for paddle.distributed alone (it never imports paddle_dcp), run by the
-tests as ``paddle-dcp run paddle_flow.py ROOT PHASE`` (patch_paddle applied from outside), on
+tests as ``paddle-dcp run paddle_flow.py ROOTS PHASE`` (patch_paddle applied from outside), on
 several rank counts, as Paddle's own semi-auto save/load tests exercise paddle's functions.
 
 - ``save``: dist tensors over a 1-D mesh of every rank (Shard(0) rows, Replicate, a plain
   tensor, a value of a uneven split) saved with ``dist.save_state_dict``.
-- ``load``: a fresh state dict in another layout (Shard(1) columns over every rank; plain
+- ``load``: for each of the ROOTS (joined by ``os.pathsep``: the checkpoints of several rank
+  counts, loaded in one launch), a fresh state dict in another layout (Shard(1) columns over every rank; plain
   tensors in one process) filled with ``dist.load_state_dict``, every value against numpy; then
   a target with a key the checkpoint lacks: paddle's contract, no error, that tensor unchanged,
   the others loaded (the patch's default; ``paddle-dcp run --strict`` would raise); the
@@ -20,14 +21,14 @@ import paddle.distributed as dist
 
 import common as c
 
-ROOT, PHASE = sys.argv[1], sys.argv[2]
+ROOTS, PHASE = sys.argv[1].split(os.pathsep), sys.argv[2]
+ROOT = ROOTS[0]
 LAUNCHED = "PADDLE_TRAINER_ID" in os.environ
 if LAUNCHED:
     dist.init_parallel_env()
 R = dist.get_rank() if LAUNCHED else 0
 N = dist.get_world_size() if LAUNCHED else 1
 MESH = c.Mesh(list(range(N))) if LAUNCHED else None
-CK = os.path.join(ROOT, "flow")
 SHAPES = {"w": ((8, 6), "float32"), "b": ((6,), "float32"), "uneven": ((7, 6), "int64"), "emb": ((6, 4), "bfloat16")}
 
 
@@ -49,20 +50,25 @@ def leaves(layout: str):
 
 
 def save():
-    dist.save_state_dict(c.build(leaves("rows"), 0), CK)
+    dist.save_state_dict(c.build(leaves("rows"), 0), os.path.join(ROOT, "flow"))
 
 
 def load():
+    for root in ROOTS:
+        load_one(os.path.join(root, "flow"))
+
+
+def load_one(ck: str):
     lv = leaves("columns")
     sd = c.build(lv, 0, target=True)
-    dist.load_state_dict(sd, CK)  # paddle's name: routed to paddle_dcp from outside this script
+    dist.load_state_dict(sd, ck)  # paddle's name: routed to paddle_dcp from outside this script
     c.check_state(sd, lv, 0, R)
-    meta = paddle.load(os.path.join(CK, "0.metadata"))  # paddle's call: paddle_dcp's JSON read for it
+    meta = paddle.load(os.path.join(ck, "0.metadata"))  # paddle's call: paddle_dcp's JSON read for it
     assert meta.flat_mapping == {".".join(leaf.path): leaf.path for leaf in lv}, meta.flat_mapping
     assert sorted(meta.state_dict_metadata) == sorted(meta.flat_mapping)
     sd = c.build(lv, 0, target=True)
     sd["model"]["learning_rate_0"] = paddle.full([1], 0.5)  # not in the checkpoint
-    dist.load_state_dict(sd, CK)
+    dist.load_state_dict(sd, ck)
     assert sd["model"]["learning_rate_0"].numpy().tolist() == [0.5]
     c.check_state(sd, lv, 0, R)
 
