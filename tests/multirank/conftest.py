@@ -11,6 +11,11 @@ if str(HERE) not in sys.path:  # `import launcher` whatever pytest's import mode
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "dist: starts several ranks under paddle.distributed.launch")
+    config.addinivalue_line(
+        "markers",
+        "device: takes user tensors through paddle_dcp's device paths (run again on the fake GPU by "
+        "scripts/fake_gpu_tests.sh, which checks that together they run every line of parallel/device.py)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

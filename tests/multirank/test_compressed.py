@@ -3,9 +3,12 @@ axis, float32 and bfloat16), loaded with the shards swapped and by 1 rank into w
 the values checked inside the workers against the unit tests' reference quantizer; float32
 master weights derived from their bfloat16 parameters (each sharded on the other axis) load as
 those parameters' values (scripts/compressed.py)."""
+import pytest
+
 from launcher import assert_passed, run_launch, script
 
 
+@pytest.mark.device
 def test_moments_saved_quantized_by_2_ranks_load_into_other_layouts_and_on_1_rank(tmp_path):
     work = tmp_path / "work"
     logs = run_launch(script("compressed.py"), 2, tmp_path, args=[work, "save2"])

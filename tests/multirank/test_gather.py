@@ -5,6 +5,7 @@ shapes and an empty shard, nested plain values, state_type "opt", errors) and 4 
 and with paddle_dcp.load_state_dict in the job and in one process without launch, compared bit
 for bit with the numpy oracle; and the gathering rank's peak memory bounded by the group limit."""
 import re
+import pytest
 
 from launcher import assert_passed, run_launch, run_single, script
 
@@ -22,6 +23,7 @@ def test_gather_2_and_4_ranks_then_one_process(tmp_path):
     assert_passed(run_single(gather, tmp_path, args=[work, "single"], timeout=120), SINGLE, 1)
 
 
+@pytest.mark.device
 def test_gather_group_limit_bounds_peak_memory(tmp_path):
     """256 MiB of float32 tensors on 2 ranks: the gathering rank's peak RSS grows by less than
     3 x 16 MiB + 16 MiB with max_grouped_size="16M", by at least the whole file with "1G"."""

@@ -49,6 +49,7 @@ def lines(out: str) -> list[tuple]:
     return [(m[0], m[1], int(m[2]), m[3], m[4], m[5].strip()) for m in LINE.findall(out)]
 
 
+@pytest.mark.device
 def test_every_case_passes_on_1_and_2_processes(tmp_path):
     code, out = run_check(tmp_path, ["--gpus", "1,2", "--keep", tmp_path / "run", "--timeout", 90])
     got = lines(out)

@@ -9,6 +9,7 @@ from launcher import assert_passed, run_launch, script, spawn
 CASES = ["interval_and_max_to_keep", "keep_every_n_steps", "best_fn_max_and_min", "two_managers", "node_local"]
 
 
+@pytest.mark.device
 def test_manager_on_2_ranks(tmp_path):
     logs = run_launch(script("manager.py"), 2, tmp_path, args=[tmp_path / "work", "cases"], timeout=240)
     assert_passed(logs, CASES, 2)

@@ -1,5 +1,7 @@
 """Node-local disks: ranks that lack the metadata or a data file get what they need from
 ranks that have it; a data file nobody has raises on every rank instead of hanging."""
+import pytest
+
 from launcher import assert_passed, run_launch, script
 
 
@@ -10,6 +12,7 @@ def test_node_local_disks_4ranks_2nodes(tmp_path):
                          "worker_groups_choose_the_sender"], 4)
 
 
+@pytest.mark.device
 def test_node_local_disks_2ranks_each_alone(tmp_path):
     logs = run_launch(script("nodelocal.py"), 2, tmp_path, args=[tmp_path / "work", 1])
     assert_passed(logs, ["save", "same_layout", "into_s1", "into_swapped_s0", "into_plain",

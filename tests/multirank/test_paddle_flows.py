@@ -6,6 +6,7 @@ saved once; a key the checkpoint lacks keeps paddle's contract (scripts/paddle_f
 import json
 import os
 import sys
+import pytest
 from pathlib import Path
 
 import metadoc
@@ -40,6 +41,7 @@ def test_save_on_1_2_and_4_load_on_1_2_4_and_8(tmp_path):
         run(load_on, os.pathsep.join(roots), "load", tmp_path)
 
 
+@pytest.mark.device
 def test_dynamic_static_mutual_load_in_one_process(tmp_path):
     """A DistModel's state dict (learning_rate_0 besides the parameters) loads the dynamic
     model's checkpoint under paddle's contract, and the other way round (one process: the CPU

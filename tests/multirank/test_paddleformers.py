@@ -82,6 +82,7 @@ def test_trainer_resume_same_layout_and_other_tensor_parallel_degree_builtin(tmp
     check_trainer_files(root)
 
 
+@pytest.mark.device
 def test_one_layout_into_shard_layer_tensor_parallel(tmp_path):
     """A model saved whole, loaded into the same model made tensor-parallel with dist.shard_layer:
     paddle's shard_layer adds its rotary buffers to the keys (the error says so and how to allow

@@ -1,5 +1,7 @@
 """Load a checkpoint into another layout than it was saved from, and on another number of
 ranks; every rank's values must equal the numpy oracle's slice."""
+import pytest
+
 from launcher import assert_passed, run_launch, script
 
 CASES_2 = [
@@ -18,6 +20,7 @@ CASES_4 = [
 ]
 
 
+@pytest.mark.device
 def test_reshard_load(tmp_path):
     logs = run_launch(script("reshard.py"), 2, tmp_path, args=[tmp_path / "work", "2"])
     assert_passed(logs, CASES_2, 2)
@@ -28,6 +31,7 @@ def test_reshard_load_4ranks(tmp_path):
     assert_passed(logs, CASES_4, 4)
 
 
+@pytest.mark.device
 def test_save_half_partial_uneven(tmp_path):
     """[Partial, Shard(0)] bfloat16 (7 rows: 4 | 3) and float16 (1 row: 1 | 0) on a [2, 2]
     mesh: each rank reduces its own piece with the ranks along the partial mesh dim."""

@@ -1,4 +1,6 @@
 """Save and load back into the same layout, on 2 ranks (1-D mesh) and 4 ranks (2-D mesh)."""
+import pytest
+
 from launcher import assert_passed, run_launch, script
 
 CASES = [
@@ -17,6 +19,7 @@ def test_roundtrip_2ranks(tmp_path):
     assert_passed(logs, CASES, 2)
 
 
+@pytest.mark.device
 def test_roundtrip_4ranks_2d_mesh(tmp_path):
     logs = run_launch(script("roundtrip.py"), 4, tmp_path, args=[tmp_path / "work", "2d"])
     assert_passed(logs, CASES, 4)

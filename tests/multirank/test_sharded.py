@@ -1,6 +1,8 @@
 """ShardedWeight state dicts (TP, sharding stage 1, stage 2 flattened) mixed with dist tensors,
 plain tensors and numpy arrays: every layout loads into every other bit for bit; save_replicas
 writes each holder's copy, so node-local disks load without exchange; paddle's built-in agrees."""
+import pytest
+
 from launcher import assert_passed, run_launch, script
 
 CASES = [
@@ -11,6 +13,7 @@ CASES = [
 ]
 
 
+@pytest.mark.device
 def test_sharded_weight_layouts_and_replicas(tmp_path):
     logs = run_launch(script("sharded.py"), 2, tmp_path, args=[tmp_path / "work", *CASES])
     assert_passed(logs, CASES, 2)

@@ -155,13 +155,10 @@ def crash_and_resume(tmp_path, nproc: int, point: str, mode: str = "sync") -> tu
     return there, other
 
 
-ONCE = pytest.mark.skipif(os.environ.get("PADDLE_DCP_FAKE_GPU") == "1", reason="run in the normal suite: no device path")
-
-
 @pytest.mark.parametrize(
     "nproc, point, mode",
-    [pytest.param(1, p, "sync", marks=ONCE) for p in KILL_POINTS if p != "publish_stopped"]
-    + [pytest.param(2, "copy_receiving", "sync", marks=ONCE), (1, "copy_sending", "async")],
+    [(1, p, "sync") for p in KILL_POINTS if p != "publish_stopped"]
+    + [(2, "copy_receiving", "sync"), pytest.param(1, "copy_sending", "async", marks=pytest.mark.device)],
 )
 def test_a_rank_killed_while_a_local_step_is_saved(tmp_path, nproc, point, mode):
     """The newest step complete before the kill restores, later saves work (crash_and_resume),
@@ -174,7 +171,6 @@ def test_a_rank_killed_while_a_local_step_is_saved(tmp_path, nproc, point, mode)
         assert checkpoint_files(tmp_path, node) == want, (node, checkpoint_files(tmp_path, node))
 
 
-@ONCE
 def test_a_step_published_on_one_node_before_a_kill_survives_the_loss_of_that_node(tmp_path):
     """The victim dies just after writing 3.metadata on its node, every copy committed; the
     other node's rank is stopped before it writes its own. The restart restores step 3 (from

@@ -3,6 +3,7 @@ parameters (bit for bit), on 4 ranks with a [2, 2] mesh and in one process (to f
 rounding), each compared with the uninterrupted run; the gathered file of the trained state in
 one process; master weights; and the examples of docs/training.md, run as they are."""
 import re
+import pytest
 
 from launcher import assert_passed, run_launch, run_single, script
 
@@ -25,6 +26,7 @@ def test_resume_on_other_layouts_and_rank_counts(tmp_path):
     print("\n".join(lines))
 
 
+@pytest.mark.device
 def test_docs_training_examples(tmp_path):
     docs = script("docs_training.py")
     assert_passed(run_launch(docs, 2, tmp_path, args=[tmp_path / "launch"], timeout=150), ["docs_training"], 2)
