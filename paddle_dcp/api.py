@@ -3,9 +3,12 @@ and run the protocol (:mod:`paddle_dcp.parallel.protocol`) on it.
 
 Save: flatten -> reduce Partial -> describe local pieces -> choose the id -> gather summaries
 at the coordinator -> plan -> scatter assignments -> write data files -> gather checksums ->
-the coordinator writes the metadata last. Load: flatten -> choose the id -> read metadata ->
-match keys -> plan reads -> read, verify, copy -> set plain values. Every local step ends with
-an agreement, so a failure anywhere raises on every rank instead of leaving one waiting.
+the coordinator writes the metadata last. Load: flatten -> list the ids and choose one -> read
+the metadata (or the parts of it this rank needs) -> match keys and plan the reads -> route the
+reads of files a rank cannot see to ranks that can -> verify every block to be read, before any
+target changes -> read and copy into the targets (or exchange with the other ranks) -> set plain
+values. Every local step ends with an agreement, so a failure anywhere raises on every rank
+instead of leaving one waiting.
 """
 from __future__ import annotations
 

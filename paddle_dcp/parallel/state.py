@@ -1,5 +1,8 @@
-"""What paddle_dcp keeps in this process between calls, in one object the caller can see and
-reset: :data:`STATE` (``paddle_dcp.process_state()``).
+"""What paddle_dcp keeps in this process between calls that the caller can see and reset, in
+one object: :data:`STATE` (``paddle_dcp.process_state()``). Kept elsewhere, and not reset by
+it: the async saves still running (:mod:`paddle_dcp.async_save`, which ``paddle_dcp.close``
+waits for), paddle's own functions while they are patched (:mod:`paddle_dcp.patching`), and
+the object-storage clients (:mod:`paddle_dcp.io.objects`).
 
 - ``save_plans``: the plan of the last save of each layout, so the next save of the same layout
   sends no summary (keyed by the group's ranks, coordinator, replicas and file layout);
