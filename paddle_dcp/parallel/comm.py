@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import requests as p
+from .requests import Agree, AllGather, AllMax, Broadcast, Gather, Pairwise, Scatter
 from .state import STATE
 from .agree import agree, communication_failed
 from .wire import pad as _pad, unpad as _unpad
@@ -171,9 +171,9 @@ class Comm:
 
     def execute(self, request):
         """Carry out one request of a protocol (see :mod:`paddle_dcp.parallel.protocol`)."""
-        if isinstance(request, p.Agree):
+        if isinstance(request, Agree):
             return self.agree(request.step, request.error, request.values, request.star)
-        if isinstance(request, p.Pairwise):
+        if isinstance(request, Pairwise):
             try:
                 self.begin_pairwise()
                 value, error = request.fn(self), None
@@ -185,15 +185,15 @@ class Comm:
             self.agree(request.step, error, star=request.star)
             return value
         step = type(request).__name__.lower()
-        if isinstance(request, p.AllMax):
+        if isinstance(request, AllMax):
             return self.call(step, lambda: self.all_max(request.values))
-        if isinstance(request, p.Gather):
+        if isinstance(request, Gather):
             return self.call(step, lambda: self.gather(request.data, request.root))
-        if isinstance(request, p.Scatter):
+        if isinstance(request, Scatter):
             return self.call(step, lambda: self.scatter(request.parts, request.root))
-        if isinstance(request, p.Broadcast):
+        if isinstance(request, Broadcast):
             return self.call(step, lambda: self.broadcast(request.data, request.root))
-        if isinstance(request, p.AllGather):
+        if isinstance(request, AllGather):
             return self.call(step, lambda: self.all_gather(request.data))
         raise TypeError(f"unknown protocol request {request!r}")
 

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Sequence
 
-from . import requests as p
+from .requests import Agree, AllGather, AllMax, Broadcast, Gather, Scatter
 from .comm import Traffic, cost_all_gather, cost_all_max, cost_gather, cost_scatter
 
 
@@ -114,37 +114,37 @@ class SimWorld:
             self.traffic[r].collectives += 1
         size = len(self.ranks)
         first = next(iter(requests.values()))
-        if kind is p.Agree:
+        if kind is Agree:
             for r, q in requests.items():
                 if q.error is not None:
                     raise q.error
                 self._add(r, cost_all_max(1 + len(q.values), size))
             out = [max(v) for v in zip(*(q.values for q in requests.values()))]
             return {r: list(out) for r in requests}
-        if kind is p.AllMax:
+        if kind is AllMax:
             out = [max(v) for v in zip(*(q.values for q in requests.values()))]
             for r, q in requests.items():
                 self._add(r, cost_all_max(len(q.values), size))
             return {r: list(out) for r in requests}
-        if kind is p.Gather:
+        if kind is Gather:
             width = self._width({r: len(q.data) for r, q in requests.items()})
             for r in requests:
                 self._add(r, cost_gather(width, size, r == first.root))
             gathered = [requests[r].data for r in self.ranks]
             return {r: (gathered if r == first.root else None) for r in requests}
-        if kind is p.Scatter:
+        if kind is Scatter:
             parts = requests[first.root].parts
             width = self._width({r: (max(map(len, parts), default=0) if r == first.root else 0) for r in requests})
             for r in requests:
                 self._add(r, cost_scatter(width, size, r == first.root))
             return {r: parts[i] for i, r in enumerate(self.ranks)}
-        if kind is p.Broadcast:
+        if kind is Broadcast:
             data = requests[first.root].data
             width = self._width({r: (len(data) if r == first.root else 0) for r in requests})
             for r in requests:
                 self._add(r, cost_scatter(width, size, r == first.root))
             return {r: data for r in requests}
-        if kind is p.AllGather:
+        if kind is AllGather:
             width = self._width({r: len(q.data) for r, q in requests.items()})
             for r in requests:
                 self._add(r, cost_all_gather(width, size))
