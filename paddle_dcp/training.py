@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .core import keys
 from .errors import MismatchError, StateDictError
 
 logger = logging.getLogger(__name__)
@@ -214,12 +215,11 @@ def _is_tensor(value) -> bool:
 
 
 def _copy_all(part: str, live: dict, given: dict) -> None:
+    """Copy ``given`` into the ``live`` tensors of ``part``; keys on one side only are said as
+    a load says them (:func:`paddle_dcp.core.keys.report`, paddle's contract: warnings)."""
     missing = [k for k in live if k not in given]
     unexpected = [k for k in given if k not in live]
-    if missing:
-        logger.warning("%s: keys not in the given state (left unchanged): %s", part, missing)
-    if unexpected:
-        logger.warning("%s: keys of the given state that the %s lacks (ignored): %s", part, part, unexpected)
+    keys.report(missing, unexpected, f"the given {part} state", keys.MissingKeys(strict=False), logger)
     for key, target in live.items():
         if key in given and _is_tensor(target):
             _copy_into(target, given[key], f"{part}.{key}")

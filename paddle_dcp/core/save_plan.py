@@ -412,15 +412,18 @@ class _Pieces:
         uniq: (pieces, 1 + 2 * max_nd) rows ``[key_id, offsets, shape]``.
         group_start / counts: where each piece's holders start in the sorted rows, how many.
         new_group: per sorted row, true where a distinct box starts.
-        holders_rank / holders_leaf: per sorted row, the holder and its summary row.
+        order: per sorted row, its held row (sorted rows: the held rows grouped by piece,
+            each group by rank).
+        row_rank / row_leaf: per held row, its holder and its row in the holder's summary.
     """
 
     uniq: np.ndarray
     group_start: np.ndarray
     counts: np.ndarray
     new_group: np.ndarray
-    holders_rank: np.ndarray
-    holders_leaf: np.ndarray
+    order: np.ndarray
+    row_rank: np.ndarray
+    row_leaf: np.ndarray
 
 
 def _distinct_pieces(
@@ -440,7 +443,7 @@ def _distinct_pieces(
     first = order[group_start]
     uniq = table.take(first, axis=0)
     uniq[:, 0] = key[first]
-    return _Pieces(uniq, group_start, counts, new_group, row_rank[order], row_leaf[order])
+    return _Pieces(uniq, group_start, counts, new_group, order, row_rank, row_leaf)
 
 
 def _check_tilings(
@@ -487,21 +490,23 @@ def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np
     """The writer of every piece and its row in the writer's summary: single holders first,
     then the rest largest first to the least loaded holder (ties to the lowest rank)."""
     group_start, counts = pieces.group_start, pieces.counts
-    ranks, dense = _dense(pieces.holders_rank)
+    order = pieces.order
+    ranks, dense = _dense(pieces.row_rank)  # per held row
     single = counts == 1
     loads = np.zeros(len(ranks), dtype=np.int64)  # bytes each holder writes so far
-    np.add.at(loads, dense[group_start[single]], p_nbytes[single])
+    np.add.at(loads, dense[order[group_start[single]]], p_nbytes[single])
     multi = np.flatnonzero(~single)
     # largest first; ties broken by (key, offsets), which the sort of uniq already orders
     multi = multi[np.argsort(-p_nbytes[multi], kind="stable")]
     m_counts, sizes = counts[multi], p_nbytes[multi]
-    holders = dense[ragged.indices(group_start[multi], m_counts)]  # sorted by rank in each
+    holders = dense[order[ragged.indices(group_start[multi], m_counts)]]  # sorted by rank in each
     sets = _holder_sets(holders, m_counts)
     pick = _greedy_by_set(holders, m_counts, sizes, loads, sets) if sets is not None \
         else _greedy(holders, m_counts, sizes, loads)
     writer_pos = group_start.copy()  # position in the sorted rows of the chosen holder
     writer_pos[multi] += pick
-    return pieces.holders_rank[writer_pos], pieces.holders_leaf[writer_pos]
+    row = order[writer_pos]
+    return pieces.row_rank[row], pieces.row_leaf[row]
 
 
 def _dense(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

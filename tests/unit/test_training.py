@@ -60,13 +60,14 @@ def test_set_state_dict_copies_given_values_into_the_live_tensors_and_the_schedu
     live = paddle_dcp.get_state_dict(model, opt)
     w = np.arange(6, dtype=np.float32).reshape(3, 2)
     m1 = np.full((3, 2), 0.5, np.float32)
-    given = {"model": {"fc1.weight": w}, "optim": {"fc1.weight.moment1": m1,
+    given = {"model": {"fc1.weight": w, "fc9.weight": w}, "optim": {"fc1.weight.moment1": m1,
              "LR_Scheduler": {"last_epoch": 4, "last_lr": 0.025}}}  # fmt: skip
     with caplog.at_level(logging.WARNING):
         paddle_dcp.set_state_dict(model, opt, given)
     assert np.array_equal(model.fc1.weight.numpy(), w)
     assert np.array_equal(live["optim"]["fc1.weight.moment1"].numpy(), m1)  # the live accumulator, filled
     assert sched.last_epoch == 4 and "fc2.weight" in caplog.text  # keys not given are named
+    assert "keys of the given model state not in the state_dict (not loaded): ['fc9.weight']" in caplog.text
 
 
 def test_a_given_tensor_of_another_shape_or_a_plain_value_is_a_mismatch():
