@@ -29,7 +29,7 @@ def groups(keys: Sequence[np.ndarray], dependent: int = 0) -> tuple[np.ndarray, 
     keys = [np.asarray(k) for k in keys]
     if 0 < dependent < len(keys):
         order, new = groups(keys[dependent:])
-        if not _differ_within(keys[:dependent], order, new):
+        if not (_changes(keys[:dependent], order) & ~new).any():  # equal within every group
             return order, new
     n = len(keys[0]) if keys else 0
     words = _packed(keys) if n > 1 else None
@@ -38,27 +38,23 @@ def groups(keys: Sequence[np.ndarray], dependent: int = 0) -> tuple[np.ndarray, 
         order = np.lexsort(keys) if keys else np.zeros(0, np.int64)
     else:
         order = _order(words)
-    new = np.ones(n, dtype=bool)
-    if n > 1:
+    return order, _changes(words, order)
+
+
+def _changes(columns: list[np.ndarray], order: np.ndarray) -> np.ndarray:
+    """Per row in ``order``, whether it differs from the row before in some column (the first
+    row always does); each column taken in that order through one buffer per dtype."""
+    new = np.ones(len(order), dtype=bool)
+    if len(order) > 1:
         new[1:] = False
-        s = np.empty(n, dtype=np.result_type(*words))  # one buffer for each word, sorted in turn
-        for w in words:
-            np.take(w, order, out=s)
+        buffers: dict = {}
+        for column in columns:
+            if column.dtype not in buffers:
+                buffers[column.dtype] = np.empty(len(order), dtype=column.dtype)
+            s = buffers[column.dtype]
+            np.take(column, order, out=s)
             new[1:] |= s[1:] != s[:-1]
-    return order, new
-
-
-def _differ_within(keys: list[np.ndarray], order: np.ndarray, new: np.ndarray) -> bool:
-    """Whether some group (rows ``order`` sorted, ``new`` where a group starts) holds rows
-    that differ in one of ``keys``."""
-    if len(order) < 2:
-        return False
-    s = np.empty(len(order), dtype=np.result_type(*keys))
-    for k in keys:
-        np.take(k, order, out=s)
-        if ((s[1:] != s[:-1]) & ~new[1:]).any():
-            return True
-    return False
+    return new
 
 
 def _order(words: list[np.ndarray]) -> np.ndarray:

@@ -73,3 +73,12 @@ def test_groups_sort_once_when_the_dependent_keys_follow(monkeypatch):
     assert packed == [2, 3]  # not decided after all: sorted again by every key
     assert np.array_equal(order, np.lexsort([shape, offset, key]))
     assert np.array_equal(new, sorting.groups([shape, offset, key])[1])
+
+
+def test_groups_of_columns_past_int64_beside_int64_ones_keep_every_value_exact():
+    """Such columns are compared one by one, each in its own dtype: 2**63 + 1 and 2**63 + 2
+    are two groups (in float64, one buffer for both dtypes would make them one)."""
+    big = np.array([2**63 + 2, 2**63 + 1, 2**63 + 1, 2**63 + 2], dtype=np.uint64)
+    small = np.array([0, 0, 0, 0], dtype=np.int64)
+    order, new = sorting.groups([small, big])
+    assert order.tolist() == [1, 2, 0, 3] and new.tolist() == [True, False, True, False]
