@@ -24,8 +24,7 @@ export PADDLE_DCP_FAKE_GPU=1 COVERAGE_PROCESS_START="$cov/rc"
 # the device module's own paths, in a process of their own (the fake patches paddle in-process)
 PADDLE_DCP_FAKE_GPU_INPROCESS=1 python -m coverage run --rcfile="$cov/rc" -m pytest -q -p no:cacheprovider tests/fakegpu_unit
 unit=$?
-# shellcheck disable=SC2086  # PARALLEL_ARGS: scripts/test.sh's words for pytest-xdist
-python -m pytest -q -p no:cacheprovider ${PARALLEL_ARGS:-} --durations=10 -m device "$@" tests/multirank
+python -m pytest -q -p no:cacheprovider --durations=10 -m device "$@" tests/multirank  # "$@": two at a time, from test.sh
 status=$?
 [ "$unit" -ne 0 ] && status=$unit
 python -m coverage combine --rcfile="$cov/rc" -q "$cov" >/dev/null 2>&1

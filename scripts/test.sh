@@ -8,13 +8,12 @@ source "$(dirname "$0")/_env.sh"
 # two tests at a time (pytest-xdist; PADDLE_DCP_TEST_WORKERS=0 runs them one by one): a
 # multi-process test waits on its ranks about half of its time
 PARALLEL=(-n "${PADDLE_DCP_TEST_WORKERS:-2}" --dist worksteal)
-export PARALLEL_ARGS="${PARALLEL[*]}"
 if [ "${1:-}" = "--fast" ]; then
     shift
     exec python -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" "$@" tests/unit
 fi
 if [ "${1:-}" = "--fake-gpu" ]; then
     shift
-    exec bash "$ROOT/scripts/fake_gpu_tests.sh" "$@"
+    exec bash "$ROOT/scripts/fake_gpu_tests.sh" "${PARALLEL[@]}" "$@"
 fi
 exec python -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" --durations=15 "$@" tests

@@ -81,10 +81,15 @@ def deflate(raw: bytes) -> bytes:
     return packed
 
 
+def most_inflated(packed_len: int) -> int:
+    """The most bytes the format lets ``packed_len`` compressed bytes stand for."""
+    return RATIO * packed_len + 64
+
+
 def inflate(packed: bytes | memoryview, raw_len: int, what: str) -> bytes:
     """``packed`` decompressed, exactly ``raw_len`` bytes, refused before any allocation when
     ``raw_len`` is more than the format allows for ``len(packed)`` bytes."""
-    if type(raw_len) is not int or raw_len < 0 or raw_len > RATIO * len(packed) + 64:
+    if type(raw_len) is not int or raw_len < 0 or raw_len > most_inflated(len(packed)):
         raise FormatError(f"{what}: {raw_len} bytes cannot come from {len(packed)} compressed bytes")
     try:
         d = zlib.decompressobj()
@@ -252,7 +257,7 @@ def _check_head(head: Head) -> None:
         at, n, raw, digest = doc["sections"][name]
         check_int(at, f"{name}.offset", 0, body)
         check_int(n, f"{name}.length", 0, body - at)
-        check_int(raw, f"{name}.raw", 0, RATIO * n + 64)
+        check_int(raw, f"{name}.raw", 0, most_inflated(n))
         if not (isinstance(digest, str) and len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)):
             raise FormatError(f"{name}: the digest must be 16 lowercase hex digits")
     for name in ("parts", "records", "boxes", "sums"):

@@ -24,7 +24,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CollectiveError, FormatError
-from ..core.metafile_layout import RATIO, deflate, inflate
+from ..core.metafile_layout import deflate, inflate, most_inflated
 from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
@@ -98,7 +98,7 @@ def _frame(data: bytes, rank: int) -> tuple[int, int, int, int]:
     hlen, rows, width = struct.unpack_from("<QQQ", data, 4)
     lead = 1 if data[:4] == _SUMMARY_ROWS else 0
     packed = len(data) - 28 - hlen  # the boxes cannot claim more than these bytes inflate to
-    if packed < 0 or (width - lead) % 2 != 1 or rows * width * 8 > RATIO * packed + 64:
+    if packed < 0 or (width - lead) % 2 != 1 or rows * width * 8 > most_inflated(packed):
         raise FormatError(f"rank {rank}: a save summary's sizes do not add up")
     return hlen, rows, width, lead
 
