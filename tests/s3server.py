@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from ports import free_ports
 
 ACCESS_KEY = "paddledcp"
 SECRET_KEY = "paddledcp-secret"
@@ -34,24 +35,6 @@ def weed_binary() -> str | None:
     """The ``weed`` binary next to this Python (the virtualenv's bin) or on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "weed")
     return here if os.access(here, os.X_OK) else shutil.which("weed")
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1 (below 50000: weed derives nothing from them
-    here, but keeps them well inside the valid range)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < count:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            socks.append(s)
-            if port < 50000 and port not in ports:
-                ports.append(port)
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 @dataclass

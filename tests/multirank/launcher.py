@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from ports import free_port, free_ports
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
@@ -205,13 +205,6 @@ def expect_known_bug(result: Launch, signature, cases, nproc: int) -> None:
 
 
 # ------------------------------------------------------------------------------ two nodes
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (bound to port 0, read, released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 NODES = ("nodeA", "nodeB")
 
 
@@ -379,7 +372,7 @@ def spawn(script: str, nproc: int, log_dir, args=(), env=None) -> Job:
     launcher would give it, its output in ``log_dir/rank{r}.log``. Returns at once."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = [free_port() for _ in range(nproc + 1)]
+    ports = free_ports(nproc + 1)
     endpoints = [f"127.0.0.1:{p}" for p in ports[1:]]
     procs, logs = [], []
     for r in range(nproc):
