@@ -102,6 +102,7 @@ def _env() -> dict:
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that crashes leaves its threads' stacks in its log
     return env
 
 

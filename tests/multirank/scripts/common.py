@@ -279,7 +279,10 @@ def end_without_teardown() -> None:
     """End this rank once every rank got here, skipping the interpreter's teardown. Once in
     five to ten runs a rank of a job with paddle's sharding stages (and a PaddleFormers model)
     was killed by SIGABRT (exit -6, no message) a few seconds after its last PASS, in paddle's
-    builtin mode too: paddle's teardown, not a checkpoint (reproduced at 564b143 and after)."""
+    builtin mode too: paddle's teardown, not a checkpoint (reproduced at 564b143 and after).
+    Once in CI (b83dd73), a rank of safetensors_load.py, which runs paddle's own load with its
+    resharding communication, was killed by SIGSEGV after its last PASS (not reproduced in 28
+    runs since; launches now enable faulthandler, so the next one leaves its stacks)."""
     if dist.is_initialized():
         dist.barrier()
     sys.stdout.flush()
