@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run every test: the pure unit tests and the multi-process tests under paddle's launcher,
-# then list the 15 slowest; two tests at a time. `scripts/test.sh --fast` runs the unit tests only (tests/unit).
+# then list the 15 slowest; two tests at a time. `scripts/test.sh --fast` runs the unit tests only (tests/unit: no paddle,
+# no processes); the rest are tests/integration (paddle in one process, or a server) and tests/multirank.
 # `scripts/test.sh --fake-gpu` runs the device module's tests and the multi-process tests marked
 # `device` with every worker on the fake GPU (tests/fakegpu.py: tensors on Place(gpu), paddle's
 # GPU rules enforced) and prints the line coverage of the device module under them. Other arguments go to pytest.

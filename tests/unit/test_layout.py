@@ -167,6 +167,7 @@ def test_no_test_module_imports_another():
 
 # ---------------------------------------------------------------------- tests mirror the package
 TESTS = Path(__file__).resolve().parent
+INTEGRATION = TESTS.parent / "integration"  # the mirrored tests that run paddle or a process
 EXEMPT = {"__init__.py", "__main__.py", "version.py"}  # unless they define a function
 def has_logic(source: str, name: str) -> bool:
     """Whether a module holds logic: a function or class definition (a package's
@@ -183,17 +184,19 @@ def mirror_of(rel: Path) -> Path:
     return rel.parent / f"test_{stem}.py"
 
 
-def missing_mirrors(package: Path, tests: Path) -> list[str]:
-    """The modules under ``package`` with logic and no test module at their mirrored path."""
+def missing_mirrors(package: Path, *tests: Path) -> list[str]:
+    """The modules under ``package`` with logic and no test module at their mirrored path in
+    any of the ``tests`` directories."""
     return [
         str(rel)
         for rel in (p.relative_to(package) for p in sorted(package.rglob("*.py")))
-        if has_logic((package / rel).read_text(), rel.name) and not (tests / mirror_of(rel)).is_file()
+        if has_logic((package / rel).read_text(), rel.name) and not any((t / mirror_of(rel)).is_file() for t in tests)
     ]
 
 
 def test_every_module_with_logic_has_its_test_module_at_the_mirrored_path():
-    assert missing_mirrors(PACKAGE, TESTS) == [], "modules without tests/unit/<subpackage>/test_<module>.py"
+    assert missing_mirrors(PACKAGE, TESTS, INTEGRATION) == [], \
+        "modules without tests/unit/<subpackage>/test_<module>.py (or tests/integration/...)"
 
 
 def test_the_mirror_checker_reports_a_module_without_its_test_module(tmp_path):
@@ -215,3 +218,7 @@ def test_the_mirror_checker_reports_a_module_without_its_test_module(tmp_path):
     (tests / "io").mkdir()
     (tests / "io" / "test_init.py").write_text("")
     assert missing_mirrors(package, tests) == ["tools/cli.py"]
+    other = tmp_path / "integration"  # a second directory of mirrored tests
+    (other / "tools").mkdir(parents=True)
+    (other / "tools" / "test_cli.py").write_text("")
+    assert missing_mirrors(package, tests, other) == []

@@ -1,6 +1,6 @@
 """An in-memory storage: every file a bytes value in a dict, a second implementation of
 ``paddle_dcp.io.storage.Storage`` written from the Protocol alone (mypy checks that it is one:
-:func:`memory_storage` is typed as returning a Storage; tests/unit/test_types.py)."""
+:func:`memory_storage` is typed as returning a Storage; tests/integration/test_types.py)."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from .helpers import fast
+from unit.helpers import fast
 from paddle_dcp import gather, singlefile
 from paddle_dcp.format import safetensors
 from paddle_dcp.core import save_plan

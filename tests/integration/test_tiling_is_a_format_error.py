@@ -7,7 +7,7 @@ import paddle_dcp
 from paddle_dcp.errors import FormatError, PlanError
 from paddle_dcp.tools import cli
 
-from .checkpoints import assert_untouched, read_doc, target, two_rank_checkpoint, write_doc
+from unit.checkpoints import assert_untouched, read_doc, target, two_rank_checkpoint, write_doc
 
 EDITS = {  # w: 8 x 5 float32 in two pieces of 4 rows at offsets [0, 0] and [4, 0]
     "overlap and gap": ("offsets", [0, 0, 3, 0]),

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from ..helpers import paddle_builtin_save, same_bits
-from .commands import run
+from unit.helpers import paddle_builtin_save, same_bits
+from unit.tools.commands import run
 
 
 def test_import_paddle_refuses_without_trust(tmp_path, capsys):

@@ -20,9 +20,9 @@ from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
 
-from ..checkpoints import fsync_log
-from ..format.hf_dirs import ARRAYS, hf_directory
-from ..helpers import listdir, load_rank, save_checkpoint
+from unit.checkpoints import fsync_log
+from unit.format.hf_dirs import ARRAYS, hf_directory
+from unit.helpers import listdir, load_rank, save_checkpoint
 
 
 W = np.arange(7 * 5, dtype=np.float32).reshape(7, 5)

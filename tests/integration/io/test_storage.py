@@ -15,8 +15,8 @@ from paddle_dcp import io as io_package
 from paddle_dcp.errors import IntegrityError
 from paddle_dcp.tools import verify
 
-from ..helpers import listdir
-from .memory_storage import memory_storage
+from unit.helpers import listdir
+from unit.io.memory_storage import memory_storage
 
 
 def state() -> dict:

@@ -15,7 +15,7 @@ from paddle_dcp import io as io_package
 from paddle_dcp.errors import ArgumentError, UnsupportedError
 from paddle_dcp.io import is_url, local, open_storage
 
-from ..helpers import listdir
+from unit.helpers import listdir
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -19,7 +19,7 @@ from paddle_dcp.parallel.loadwork import match_load, plan_load, plan_work
 from paddle_dcp.parallel.placements import describe, is_tensor
 from paddle_dcp.parallel.ranks import LocalSaveRank
 
-from ..io.memory_storage import MemoryStorage
+from unit.io.memory_storage import MemoryStorage
 
 SAVED = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64), "lr": 0.5}
 

@@ -18,8 +18,8 @@ from paddle_dcp.parallel.ranks import LocalLoadRank, LocalSaveRank
 from paddle_dcp.errors import CollectiveError
 from paddle_dcp.io import safetensors_files
 
-from ..io.memory_storage import MemoryStorage
-from .fakes import ThreadWorld
+from unit.io.memory_storage import MemoryStorage
+from unit.parallel.fakes import ThreadWorld
 
 SIZE = 3
 SHARDS = {"model-00001-of-00002.safetensors": ["embed.weight"], "model-00002-of-00002.safetensors": ["layers.0.w", "layers.0.b"]}

@@ -11,7 +11,7 @@ import pytest
 import paddle_dcp
 from paddle_dcp import patching
 
-from .helpers import save_checkpoint
+from unit.helpers import save_checkpoint
 
 paddle = pytest.importorskip("paddle")
 import paddle.distributed as dist  # noqa: E402

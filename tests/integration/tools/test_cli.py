@@ -14,7 +14,7 @@ import pytest
 from paddle_dcp.tools import cli
 from paddle_dcp.tools.console import UsageError
 
-from .commands import REPO, garbage, run
+from unit.tools.commands import REPO, garbage, run
 
 
 # ====================================================================== help, entry points

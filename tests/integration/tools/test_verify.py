@@ -11,8 +11,8 @@ import pytest
 from paddle_dcp.io import local
 from paddle_dcp.tools import consolidate
 
-from ..helpers import save_checkpoint
-from .commands import (
+from unit.helpers import save_checkpoint
+from unit.tools.commands import (
     edit_value,
     flip_byte,
     garbage,

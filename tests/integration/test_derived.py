@@ -21,7 +21,7 @@ from paddle_dcp.core import load_plan
 from paddle_dcp.errors import MismatchError
 from paddle_dcp.io import local
 
-from .helpers import coords, expected_tensor, load_rank, ref_box, save_checkpoint, saved_boxes, to_float32
+from unit.helpers import coords, expected_tensor, load_rank, ref_box, save_checkpoint, saved_boxes, to_float32
 
 MASTER = {paddle_dcp.MASTER_WEIGHTS: "derived"}
 

@@ -27,7 +27,7 @@ from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.errors import ArgumentError, DcpError, FormatError, IntegrityError, UnsupportedError
 from paddle_dcp.io import local
 
-from .helpers import (
+from unit.helpers import (
     BLOCK,
     BLOCK_BYTES,
     STORAGE,

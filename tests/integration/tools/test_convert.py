@@ -13,8 +13,8 @@ import paddle_dcp
 from paddle_dcp.errors import ArgumentError, UnsupportedError
 from paddle_dcp.tools import cli, consolidate
 
-from ..helpers import same_bits, save_checkpoint
-from .commands import TENSORS, VALUES, bf16_as_f32, check_all, flip_byte, run
+from unit.helpers import same_bits, save_checkpoint
+from unit.tools.commands import TENSORS, VALUES, bf16_as_f32, check_all, flip_byte, run
 
 
 def test_convert_safetensors_read_back_by_safetensors(saved, tmp_path, capsys):

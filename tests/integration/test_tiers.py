@@ -165,7 +165,7 @@ def two_nodes(tmp_path) -> dict[int, str]:
     data file and the metadata (a local step as the tier leaves it)."""
     import shutil
 
-    from .helpers import random_array, save_checkpoint
+    from unit.helpers import random_array, save_checkpoint
 
     rng = np.random.default_rng(7)
     arrays = {"w": random_array(rng, "float32", (8, 16)), "b": random_array(rng, "int64", (6,))}
@@ -183,7 +183,7 @@ def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict, dic
     from paddle_dcp.parallel import protocol
     from paddle_dcp.tiers import LocalTier
 
-    from .parallel.fakes import ThreadWorld
+    from unit.parallel.fakes import ThreadWorld
 
     hashed: dict[str, list] = {}
     calls: dict[str, list] = {}

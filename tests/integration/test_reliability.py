@@ -33,10 +33,10 @@ from paddle_dcp.io import local
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, StorageError
 from paddle_dcp.core.naming import TMP_RE
 
-from .checkpoints import (
+from unit.checkpoints import (
     W, assert_loaded, assert_untouched, assert_variant, flip, load_fails, load_values, piece_of, read_doc, sd_of, target, two_rank_checkpoint, write_doc, fsync_log,
 )
-from .helpers import listdir, save_checkpoint
+from unit.helpers import listdir, save_checkpoint
 
 @pytest.fixture
 def ck(tmp_path) -> str:

@@ -13,7 +13,7 @@ import paddle_dcp
 from paddle_dcp.io import local, open_storage, safetensors_files
 from paddle_dcp.errors import FormatError
 
-from ..format.hf_dirs import ARRAYS, hf_directory
+from unit.format.hf_dirs import ARRAYS, hf_directory
 
 
 @pytest.mark.parametrize("shards", [None, [["embed.w"], ["head.b", "norm"]]])

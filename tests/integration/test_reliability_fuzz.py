@@ -34,7 +34,7 @@ from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.core.metadata_parse import parse_metadata
 from paddle_dcp.errors import DcpError
 
-from .helpers import get, nodes, save_checkpoint
+from unit.helpers import get, nodes, save_checkpoint
 
 W = np.arange(40, dtype=np.float32).reshape(8, 5) * 1.5 - 7
 B = np.arange(600, dtype=np.int64) * 3 - 1000

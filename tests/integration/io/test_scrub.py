@@ -15,8 +15,8 @@ from paddle_dcp import api
 from paddle_dcp.errors import ArgumentError
 from paddle_dcp.io import local, safetensors_files, scrub
 
-from ..helpers import random_array, save_checkpoint
-from .memory_storage import memory_storage
+from unit.helpers import random_array, save_checkpoint
+from unit.io.memory_storage import memory_storage
 
 BLOCK = 64  # the checksum block of the checkpoints saved with save_checkpoint
 

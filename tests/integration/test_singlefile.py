@@ -26,7 +26,7 @@ from paddle_dcp.io import open_storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, MismatchError
 
-from .helpers import fast
+from unit.helpers import fast
 
 REPO = Path(__file__).resolve().parents[2]
 
