@@ -58,7 +58,7 @@ def _sharded_weight_class():
 
 
 @dataclass(frozen=True)
-class Held:
+class HeldTensor:
     """A state-dict tensor as this rank holds it.
 
     Attributes:
@@ -139,11 +139,11 @@ def _coord(index: int, mesh_shape: list[int]) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
-def describe(key: str, value: Any, rank: int, flat_ok: bool = False) -> Held:
+def describe(key: str, value: Any, rank: int, flat_ok: bool = False) -> HeldTensor:
     """What ``rank`` holds of the state-dict tensor ``value``.
 
     Args:
-        flat_ok: the caller handles ``Held.parts`` (a flattened ShardedWeight); otherwise one
+        flat_ok: the caller handles ``HeldTensor.parts`` (a flattened ShardedWeight); otherwise one
             raises UnsupportedError.
 
     Raises:
@@ -156,16 +156,16 @@ def describe(key: str, value: Any, rank: int, flat_ok: bool = False) -> Held:
         return held
     if isinstance(value, np.ndarray):
         shape = tuple(int(s) for s in value.shape)
-        return Held(LocalPiece(key, name_of_numpy(value.dtype), shape, Box.whole(shape)), value)
+        return HeldTensor(LocalPiece(key, name_of_numpy(value.dtype), shape, Box.whole(shape)), value)
     shape = tuple(int(s) for s in value.shape)
     dtype = dtype_name(value)
     if not value.is_dist():
-        return Held(LocalPiece(key, dtype, shape, Box.whole(shape)), value)
+        return HeldTensor(LocalPiece(key, dtype, shape, Box.whole(shape)), value)
     mesh = value.process_mesh
     ids = [int(i) for i in mesh.process_ids]
     mesh_shape = [int(s) for s in mesh.shape]
     if rank not in ids or not value._is_initialized():
-        return Held(LocalPiece(key, dtype, shape, None), None)
+        return HeldTensor(LocalPiece(key, dtype, shape, None), None)
     coord = _coord(ids.index(rank), mesh_shape)
     dims, partial = _mesh_dims_of_tensor_dims(key, value.placements, len(shape))
     box = shard_box(shape, mesh_shape, dims, coord)
@@ -175,10 +175,10 @@ def describe(key: str, value: Any, rank: int, flat_ok: bool = False) -> Held:
             f"{key}: paddle holds a local piece of shape {tuple(local.shape)} on rank {rank}, "
             f"but placements {value.placements} on mesh {mesh_shape} give {box.shape}"
         )
-    return Held(LocalPiece(key, dtype, shape, box), local, tuple(partial), coord)
+    return HeldTensor(LocalPiece(key, dtype, shape, box), local, tuple(partial), coord)
 
 
-def _describe_sharded(key: str, sw) -> Held:
+def _describe_sharded(key: str, sw) -> HeldTensor:
     """A ShardedWeight: the box ``global_offset`` + ``local_shape`` of ``global_shape``; a
     flattened one holds elements [start, stop) of that box's C-order flattening, saved as the
     boxes they make (:func:`flat_range_boxes`)."""
@@ -194,7 +194,7 @@ def _describe_sharded(key: str, sw) -> Held:
             raise PlanError(
                 f"{key}: ShardedWeight local tensor has shape {tuple(local.shape)}, its local_shape is {box.shape}"
             )
-        return Held(LocalPiece(key, dtype, shape, box if box.volume else None), local if box.volume else None)
+        return HeldTensor(LocalPiece(key, dtype, shape, box if box.volume else None), local if box.volume else None)
     r = sw.flattened_range
     start, stop = int(r.start), int(r.stop)
     if count != stop - start or (r.step not in (None, 1)):
@@ -205,7 +205,7 @@ def _describe_sharded(key: str, sw) -> Held:
     for rel in flat_range_boxes(box.shape, start, stop):
         parts.append((Box(tuple(o + q for o, q in zip(box.offsets, rel.offsets)), rel.shape), at))
         at += rel.volume
-    return Held(LocalPiece(key, dtype, shape, box), local, parts=tuple(parts))
+    return HeldTensor(LocalPiece(key, dtype, shape, box), local, parts=tuple(parts))
 
 
 def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
@@ -241,7 +241,7 @@ def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
     return host.astype(local.dtype) if wide else host
 
 
-def partial_fill(held: Held) -> int | None:
+def partial_fill(held: HeldTensor) -> int | None:
     """For a target with Partial placements, off coordinate 0 of one of its partial mesh dims:
     the constant this rank holds instead of the value (0 for SUM, 1 for PROD; the rule of
     docs/loading.md), or None to load the value."""
@@ -288,7 +288,7 @@ def reduce_partials(tensors: dict[str, Any], rank: int, comm) -> dict[str, Any]:
     return {key: reduce_partial(key, value, rank, comm) for key, value in tensors.items() if has_partial(value)}
 
 
-def held_of(tensors: dict[str, Any], reduced: dict[str, Any], rank: int, flat_ok: bool = False) -> list[Held]:
+def held_of(tensors: dict[str, Any], reduced: dict[str, Any], rank: int, flat_ok: bool = False) -> list[HeldTensor]:
     """What ``rank`` holds of every tensor of ``tensors`` (:func:`describe`), a Partial one's
     local piece replaced by its reduced value (``reduced``, :func:`reduce_partials`)."""
     held = [describe(key, value, rank, flat_ok) for key, value in tensors.items()]

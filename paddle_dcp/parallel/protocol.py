@@ -120,7 +120,8 @@ class Described:
     Attributes:
         skeleton: the state dict's nesting without plain values (see core.nested).
         pieces: the rank's pieces in skeleton order, one row each (the rows the plan assigns).
-        data: the rank's own handle on the pieces' bytes, opaque to the protocol, which
+        sources: where the rank finds the pieces' bytes (a real rank's
+            :class:`~paddle_dcp.parallel.ranks.PieceSources`), opaque to the protocol, which
             carries it to ``stage`` and ``write``.
         derived: master weight key -> the parameter key it derives from, for the keys the
             ``compress`` policy derives (:func:`paddle_dcp.core.derive.find_sources`).
@@ -128,7 +129,7 @@ class Described:
 
     skeleton: dict
     pieces: tuple[save_plan.LocalPiece, ...]
-    data: Any = None
+    sources: Any = None
     derived: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -215,35 +216,35 @@ class SaveResult:
     metadata: Metadata | None = None
 
 
-def save(ctx: SaveRankProtocol) -> Protocol:
-    """The save protocol of one rank."""
-    is_coord = ctx.rank == ctx.coordinator
-    prepared = yield from local("prepare", ctx.prepare)
-    reduced = yield from local("reduce partial", lambda: ctx.reduce(prepared))
-    described: Described = yield from local("describe", lambda: ctx.describe(prepared, reduced))
+def save(side: SaveRankProtocol) -> Protocol:
+    """The save protocol of one rank; ``side`` does that rank's local steps."""
+    is_coord = side.rank == side.coordinator
+    prepared = yield from local("prepare", side.prepare)
+    reduced = yield from local("reduce partial", lambda: side.reduce(prepared))
+    described: Described = yield from local("describe", lambda: side.describe(prepared, reduced))
     summary = wire.encode_summary(
-        save_plan.SaveSummary.from_pieces(ctx.rank, described.skeleton, described.pieces, described.derived)
+        save_plan.SaveSummary.from_pieces(side.rank, described.skeleton, described.pieces, described.derived)
     )
     # a plan is reused when no rank's layout changed since the last save of this group
-    key = (tuple(ctx.ranks), ctx.coordinator, ctx.replicas, ctx.layout is not None, ctx.compress)
+    key = (tuple(side.ranks), side.coordinator, side.replicas, side.layout is not None, side.compress)
     digest = xxhash.xxh3_128_digest(summary)
-    cached = ctx.cache.get(key)
+    cached = side.cache.get(key)
     changed = (yield AllMax((0 if cached is not None and cached["digest"] == digest else 1,)))[0]
-    uid, listing = yield from local("choose id", ctx.choose_id if is_coord else (lambda: (-1, None)))
-    uid = int((yield Broadcast(str(uid).encode() if is_coord else b"", ctx.coordinator)))
+    uid, listing = yield from local("choose id", side.choose_id if is_coord else (lambda: (-1, None)))
+    uid = int((yield Broadcast(str(uid).encode() if is_coord else b"", side.coordinator)))
     # a save to an id whose files exist writes the next generation beside them: the old
     # checkpoint stays loadable until the new metadata replaces its metadata
-    (_, listing), (seen,) = yield from local_max("prepare id", lambda: ctx.prepare_id(uid, listing), lambda r: (r[0],), 1)
+    (_, listing), (seen,) = yield from local_max("prepare id", lambda: side.prepare_id(uid, listing), lambda r: (r[0],), 1)
     generation = seen + 1
     if changed:
-        blobs = yield Gather(summary, ctx.coordinator)
+        blobs = yield Gather(summary, side.coordinator)
         plan, parts = yield from local(
             "plan",
-            (lambda: quiet_collector(plan_from_summaries, ctx.ranks, blobs, ctx.replicas, ctx.layout, ctx.compress))
+            (lambda: quiet_collector(plan_from_summaries, side.ranks, blobs, side.replicas, side.layout, side.compress))
             if is_coord else (lambda: (None, None)),
         )
-        leaves = wire.decode_assignment((yield Scatter(parts, ctx.coordinator)))
-        ctx.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
+        leaves = wire.decode_assignment((yield Scatter(parts, side.coordinator)))
+        side.cache[key] = {"digest": digest, "leaves": leaves, "plan": plan}
     else:
         plan, leaves = cached["plan"], cached["leaves"]
     # an async save copies the pieces to host memory, then detaches (finishes in the
@@ -251,27 +252,27 @@ def save(ctx: SaveRankProtocol) -> Protocol:
     # save of a process), every rank writes its file first: a copy into fresh memory costs
     # what writing into the page cache costs, so the copy would only add to the call. Each
     # rank detaches once its own step is done; the agreement on it follows in the background.
-    direct = ctx.staged and (yield AllMax((0 if ctx.can_stage(described, leaves) else 1,)))[0]
-    if ctx.staged and not direct:
-        described = yield from local("stage", lambda: ctx.stage(described, leaves), detach=True)
-    written = yield from local("write", lambda: ctx.write(described, uid, generation, leaves), detach=bool(direct))
+    direct = side.staged and (yield AllMax((0 if side.can_stage(described, leaves) else 1,)))[0]
+    if side.staged and not direct:
+        described = yield from local("stage", lambda: side.stage(described, leaves), detach=True)
+    written = yield from local("write", lambda: side.write(described, uid, generation, leaves), detach=bool(direct))
     size, sums = written or (0, [])
-    reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), ctx.coordinator)
+    reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), side.coordinator)
 
     def commit():
         return quiet_collector(publish)
 
     def publish():
         meta = metadata_from_reports(
-            plan, ctx.ranks, reports, ctx.values(prepared), uid, ctx.block_bytes, ctx.created_by, generation
+            plan, side.ranks, reports, side.values(prepared), uid, side.block_bytes, side.created_by, generation
         )
-        ctx.publish(meta)
+        side.publish(meta)
         return meta
 
     meta = yield from local("commit", commit if is_coord else (lambda: None))
-    yield from local("tidy", lambda: ctx.tidy(uid, generation, listing))
+    yield from local("tidy", lambda: side.tidy(uid, generation, listing))
     if direct:  # this rank's own memory, last: no rank waits on it
-        ctx.reserve(described, leaves)
+        side.reserve(described, leaves)
     return SaveResult(uid, size, not changed, meta)
 
 
@@ -417,23 +418,23 @@ class LoadRankProtocol(_Protocol):
         """Every rank's targets, merged (when ``shares_targets``)."""
 
 
-def load(ctx: LoadRankProtocol) -> Protocol:
-    """The load protocol of one rank."""
+def load(side: LoadRankProtocol) -> Protocol:
+    """The load protocol of one rank; ``side`` does that rank's local steps."""
     # the agreement of each step carries the all-reduce that the next decision needs
     (view, listing), (latest,) = yield from local_max(
-        "inspect", ctx.inspect, lambda found: (found[1].latest if found[1].latest is not None else -1,), 1
+        "inspect", side.inspect, lambda found: (found[1].latest if found[1].latest is not None else -1,), 1
     )
-    uid = ctx.unique_id if ctx.unique_id is not None else latest
+    uid = side.unique_id if side.unique_id is not None else latest
     every_target = None
-    if ctx.shares_targets:
-        mine = yield from local("describe targets", lambda: ctx.targets(view))
-        every_target = ctx.all_targets((yield AllGather(mine)))
+    if side.shares_targets:
+        mine = yield from local("describe targets", lambda: side.targets(view))
+        every_target = side.all_targets((yield AllGather(mine)))
 
-    if ctx.lists_for_all:
-        meta = yield from _metadata_from_coordinator(ctx, view, uid)
-        statuses = [{"m": True, "h": 0}] * len(ctx.ranks)
+    if side.lists_for_all:
+        meta = yield from _metadata_from_coordinator(side, view, uid)
+        statuses = [{"m": True, "h": 0}] * len(side.ranks)
     else:
-        meta, statuses = yield from _metadata_of_each(ctx, view, uid, listing)
+        meta, statuses = yield from _metadata_of_each(side, view, uid, listing)
 
     # with the plan's agreement: does any rank need bytes from another, and do all ranks read
     # the same tensors of a checkpoint they all see (then they share the checksum work)
@@ -442,11 +443,11 @@ def load(ctx: LoadRankProtocol) -> Protocol:
         return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
 
     work, (any_remote, high, neg_low, cannot) = yield from local_max(
-        "plan", lambda: ctx.plan(view, meta, uid, listing, statuses, every_target), plan_key, 4
+        "plan", lambda: side.plan(view, meta, uid, listing, statuses, every_target), plan_key, 4
     )
-    if len(ctx.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
-        work.share_checks(ctx.ranks.index(ctx.rank), len(ctx.ranks))
-    clients = yield from route(ctx, work.remote, any_remote)
+    if len(side.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
+        work.share_checks(side.ranks.index(side.rank), len(side.ranks))
+    clients = yield from route(side, work.remote, any_remote)
     # every block is checked before any target changes: a damaged file leaves the state dict
     # as it was on every rank
     yield from local("verify", work.verify_local)
@@ -464,35 +465,35 @@ def _check_found(uid: int, path: str) -> None:
         raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
 
 
-def _metadata_from_coordinator(ctx: LoadRankProtocol, view: Any, uid: int) -> Protocol:
+def _metadata_from_coordinator(side: LoadRankProtocol, view: Any, uid: int) -> Protocol:
     """Every rank sees the same objects: the coordinator alone reads the metadata (a missing or
     unreadable object fails this step on every rank): one GET of it per load, not one per rank.
     A small file, or one some rank needs whole, is broadcast and every rank parses it; of a
     large one each rank receives only what it reads (:func:`_metadata_parts`)."""
     def read():
-        _check_found(uid, ctx.path)
-        return ctx.metadata_bytes(view, uid) if ctx.rank == ctx.coordinator else b""
+        _check_found(uid, side.path)
+        return side.metadata_bytes(view, uid) if side.rank == side.coordinator else b""
 
     data, (parts, whole) = yield from local_max(
         "read metadata", read,
-        lambda d: (1 if ctx.rank == ctx.coordinator and ctx.in_parts(d) is not None else 0,
-                   1 if ctx.wanted(view) is None else 0), 2,
+        lambda d: (1 if side.rank == side.coordinator and side.in_parts(d) is not None else 0,
+                   1 if side.wanted(view) is None else 0), 2,
     )
     if parts and not whole:
-        return (yield from _metadata_parts(ctx, view, uid, data))
-    data = yield Broadcast(data, ctx.coordinator)
-    return (yield from local("parse metadata", lambda: ctx.parse_metadata(uid, data)))
+        return (yield from _metadata_parts(side, view, uid, data))
+    data = yield Broadcast(data, side.coordinator)
+    return (yield from local("parse metadata", lambda: side.parse_metadata(uid, data)))
 
 
-def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> Protocol:
+def _metadata_parts(side: LoadRankProtocol, view: Any, uid: int, data: bytes) -> Protocol:
     """Each rank's part of a large version 3 file that only the coordinator read: the start
     (head, files, index) broadcast, then the rounds of :func:`paddle_dcp.core.metafile.part_rounds`,
     each rank's ranges gathered and their bytes scattered back. Every part is checked against
     its digest by the rank that uses it."""
-    coord = ctx.rank == ctx.coordinator
-    body = ctx.in_parts(data) if coord else None
+    coord = side.rank == side.coordinator
+    body = side.in_parts(data) if coord else None
     body = body if body is not None else memoryview(b"")
-    source = f"{ctx.path}: {uid}.metadata"
+    source = f"{side.path}: {uid}.metadata"
 
     def start_blob() -> bytes:
         asked: list[tuple[int, int]] = []
@@ -500,15 +501,15 @@ def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> 
         return wire.encode_chunks([len(body)] + [x for r in asked for x in r], [body[a:b] for a, b in asked])
 
     blob = yield from local("metadata: start", start_blob if coord else (lambda: b""))
-    blob = yield Broadcast(blob, ctx.coordinator)
+    blob = yield Broadcast(blob, side.coordinator)
 
     def begin():
-        rounds = metafile.part_rounds(ctx.metadata_start(blob, source), ctx.wanted(view) or {}, source)
+        rounds = metafile.part_rounds(side.metadata_start(blob, source), side.wanted(view) or {}, source)
         return rounds, next(rounds)
 
     rounds, request = yield from local("metadata: begin", begin)
     for step in range(3):
-        asked = yield Gather(wire.encode_chunks([x for r in request for x in r], []), ctx.coordinator)
+        asked = yield Gather(wire.encode_chunks([x for r in request for x in r], []), side.coordinator)
 
         def serve():
             out = []
@@ -518,7 +519,7 @@ def _metadata_parts(ctx: LoadRankProtocol, view: Any, uid: int, data: bytes) -> 
             return out
 
         answers = yield from local("metadata: serve", serve if coord else (lambda: None))
-        got = wire.decode_chunks((yield Scatter(answers, ctx.coordinator)))[1]
+        got = wire.decode_chunks((yield Scatter(answers, side.coordinator)))[1]
         request = yield from local("metadata: parts", lambda: _advance(rounds, got, step == 2))
     return request
 
@@ -564,12 +565,12 @@ def _advance(rounds: Any, got: list, last: bool) -> Any:
     return request
 
 
-def _metadata_of_each(ctx: LoadRankProtocol, view: Any, uid: int, listing) -> Protocol:
+def _metadata_of_each(side: LoadRankProtocol, view: Any, uid: int, listing) -> Protocol:
     """Every rank reads the metadata if it sees it; ranks that do not (node-local disks) get
     their part from one that does. Returns (metadata, every rank's status)."""
     def find_metadata():
-        _check_found(uid, ctx.path)
-        meta = ctx.read_metadata(view, uid) if uid in listing.complete else None
+        _check_found(uid, side.path)
+        meta = side.read_metadata(view, uid) if uid in listing.complete else None
         files = {str(g): wire.rle(ranks) for g, ranks in listing.generations(uid).items()}
         digest = xxhash.xxh3_64_intdigest(wire.encode_json(files)) >> 1  # fits an int64
         return meta, files, digest
@@ -582,26 +583,26 @@ def _metadata_of_each(ctx: LoadRankProtocol, view: Any, uid: int, listing) -> Pr
         "read metadata", find_metadata, lambda found: (0 if found[0] is not None else 1, found[2], -found[2]), 3
     )
     if no_meta == 0 and high == -neg_low:
-        statuses = [{"m": True, "h": digest}] * len(ctx.ranks)
+        statuses = [{"m": True, "h": digest}] * len(side.ranks)
     else:
         statuses = _decode_statuses((yield AllGather(wire.encode_json({"m": meta is not None, "h": digest}))))
         if len({s["h"] for s in statuses}) > 1:
             lists = _decode_statuses((yield AllGather(wire.encode_json(files))))
             statuses = [dict(s, f=f) for s, f in zip(statuses, lists)]
-    readers = [r for r, s in zip(ctx.ranks, statuses) if s["m"]]
+    readers = [r for r, s in zip(side.ranks, statuses) if s["m"]]
 
     def check():
         if not readers:
             raise StorageError(
-                f"checkpoint {uid} is not complete in {ctx.path}: no rank finds {uid}.metadata; "
+                f"checkpoint {uid} is not complete in {side.path}: no rank finds {uid}.metadata; "
                 f"complete checkpoints this rank sees: {sorted(listing.complete) or 'none'}",
-                ctx.path,
+                side.path,
             )
 
     if not readers:  # every rank has the same statuses: all of them fail here
         yield from local("check", check)
-    if len(readers) < len(ctx.ranks):
-        meta = yield ctx.metadata_from_helpers(view, readers, meta)
+    if len(readers) < len(side.ranks):
+        meta = yield side.metadata_from_helpers(view, readers, meta)
     return meta, statuses
 
 
@@ -617,20 +618,20 @@ def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
     return out
 
 
-def route(ctx: LoadRankProtocol, remote: dict, any_remote: int) -> Protocol:
+def route(side: LoadRankProtocol, remote: dict, any_remote: int) -> Protocol:
     """Tell every server which ranks will ask it for bytes; None when no rank needs any
     (``any_remote`` 0, agreed by all ranks). The coordinator alone sees every rank's servers;
     each rank receives its own clients."""
-    if len(ctx.ranks) == 1 or not any_remote:
+    if len(side.ranks) == 1 or not any_remote:
         return None
-    asked = yield Gather(wire.encode_json(sorted(remote)), ctx.coordinator)
+    asked = yield Gather(wire.encode_json(sorted(remote)), side.coordinator)
 
     def invert():
-        clients: dict[int, list[int]] = {r: [] for r in ctx.ranks}
-        for client, blob in zip(ctx.ranks, asked):
+        clients: dict[int, list[int]] = {r: [] for r in side.ranks}
+        for client, blob in zip(side.ranks, asked):
             for server in wire.decode_json(blob):
                 clients[int(server)].append(client)
-        return [wire.encode_json(clients[r]) for r in ctx.ranks]
+        return [wire.encode_json(clients[r]) for r in side.ranks]
 
-    parts = yield from local("route", invert if ctx.rank == ctx.coordinator else (lambda: None))
-    return [int(c) for c in wire.decode_json((yield Scatter(parts, ctx.coordinator)))]
+    parts = yield from local("route", invert if side.rank == side.coordinator else (lambda: None))
+    return [int(c) for c in wire.decode_json((yield Scatter(parts, side.coordinator)))]

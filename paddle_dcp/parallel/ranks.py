@@ -19,7 +19,7 @@ from . import exchange, protocol, wire
 from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
-from .placements import Held, describe, held_of, is_tensor, reduce_partials, tensor_name
+from .placements import HeldTensor, describe, held_of, is_tensor, reduce_partials, tensor_name
 from ..core import aoa, load_plan, metafile, nested, save_plan
 from ..core.boxes import Box
 from ..core.keys import MissingKeys, match_keys, mw_compatible_name, reconcile
@@ -46,13 +46,13 @@ def next_id(store: storage.Storage, listing: storage.Listing | None = None) -> i
 
 # ============================================================================ save
 @dataclass(frozen=True)
-class HeldPieces:
-    """A save rank's handle on the bytes of its pieces (``Described.data``): what it holds of
+class PieceSources:
+    """Where a save rank finds the bytes of its pieces (``Described.sources``): what it holds of
     each tensor (``held``), and one row per piece, (index in ``held``, piece, where its
     elements begin in the flat local tensor or None): a flattened ShardedWeight is several
     pieces of one tensor."""
 
-    held: tuple[Held, ...]
+    held: tuple[HeldTensor, ...]
     rows: tuple[tuple[int, save_plan.LocalPiece, int | None], ...]
 
     def chosen(self, leaves: np.ndarray) -> list[int]:
@@ -104,9 +104,9 @@ class LocalSaveRank:
         held = held_of(flat.tensors, reduced, self.rank, flat_ok=True)
         rows = tuple((i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces())
         pieces = tuple(piece for _, piece, _ in rows)
-        return protocol.Described(flat.skeleton, pieces, HeldPieces(tuple(held), rows), self._derived(flat, held))
+        return protocol.Described(flat.skeleton, pieces, PieceSources(tuple(held), rows), self._derived(flat, held))
 
-    def _derived(self, flat: nested.Flat, held: Sequence[Held]) -> dict[str, str]:
+    def _derived(self, flat: nested.Flat, held: Sequence[HeldTensor]) -> dict[str, str]:
         """Master weight -> parameter key of every tensor the policy derives (by paddle's
         tensor names or the keys, :mod:`paddle_dcp.core.derive`); raises MismatchError for one
         whose parameter this state dict lacks."""
@@ -144,18 +144,18 @@ class LocalSaveRank:
         return (max(gens) if gens else -1), listing
 
     def can_stage(self, described: protocol.Described, leaves: np.ndarray) -> bool:
-        pieces: HeldPieces = described.data
+        pieces: PieceSources = described.sources
         return self.staging is None or self.staging.fits([pieces.held[i].local for i in pieces.chosen(leaves)])
 
     def reserve(self, described: protocol.Described, leaves: np.ndarray) -> None:
         """Make the staging memory the next async save of the same pieces needs (after a save
         that wrote without staging), off the caller's path."""
         if self.staging is not None:
-            pieces: HeldPieces = described.data
+            pieces: PieceSources = described.sources
             self.staging.reserve([pieces.held[i].local for i in pieces.chosen(leaves)])
 
     def stage(self, described: protocol.Described, leaves: np.ndarray) -> protocol.Described:
-        pieces: HeldPieces = described.data
+        pieces: PieceSources = described.sources
         chosen = pieces.chosen(leaves)
         if self.staging is None:
             copies = [staged_copy(pieces.held[i].local) for i in chosen]
@@ -164,11 +164,11 @@ class LocalSaveRank:
         held = list(pieces.held)
         for i, copy in zip(chosen, copies):
             held[i] = replace(held[i], local=copy)
-        return replace(described, data=replace(pieces, held=tuple(held)))
+        return replace(described, sources=replace(pieces, held=tuple(held)))
 
     def write(self, described: protocol.Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
         name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")
-        pieces: HeldPieces = described.data
+        pieces: PieceSources = described.sources
         return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, self.durable, self.safetensors, self.compress)
 
     def values(self, flat: nested.Flat) -> dict:
@@ -232,14 +232,14 @@ def write_pieces(
 
 # ============================================================================ load
 @dataclass(frozen=True)
-class LoadView:
+class Inspected:
     """What a load rank's ``inspect`` found, carried by the protocol to the later steps: its
     state dict flattened, what it holds of each tensor, and, when the checkpoint is a
     directory of safetensors files without metadata of ours, those files and their index
     (``safetensors_files.shard_names``; None otherwise)."""
 
     flat: nested.Flat
-    held: tuple[Held, ...]
+    held: tuple[HeldTensor, ...]
     shards: tuple[list[str], dict | None] | None = None
 
 
@@ -276,23 +276,23 @@ class LocalLoadRank:
         # find the latest id or, with safetensors, whether it is a directory of safetensors files
         self.lists_for_all = bool(store.seen_by_all)
 
-    def inspect(self) -> tuple[LoadView, storage.Listing]:
+    def inspect(self) -> tuple[Inspected, storage.Listing]:
         check_id(self.unique_id)
         flat = nested.flatten(self.state_dict, is_tensor)
         held = tuple(describe(k, v, self.rank, flat_ok=True) for k, v in flat.tensors.items())
         given = self.unique_id is not None and not self.safetensors
         if self.lists_for_all and (self.rank != self.coordinator or given):
-            return LoadView(flat, held), storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
+            return Inspected(flat, held), storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
         listing = self.store.list_checkpoints(temporary=False)
         if self.exclude:
             listing = storage.listing_of(listing.files - self.exclude)
         if self.safetensors and listing.latest is None:  # a directory of safetensors files
             shards = safetensors_files.shard_names(self.store, listing.files)
             uid = self.unique_id if self.unique_id is not None else 0
-            return LoadView(flat, held, shards), _directory_listing(uid, shards[0])
-        return LoadView(flat, held), listing
+            return Inspected(flat, held, shards), _directory_listing(uid, shards[0])
+        return Inspected(flat, held), listing
 
-    def targets(self, view: LoadView) -> bytes:
+    def targets(self, view: Inspected) -> bytes:
         return wire.encode_json(aoa.encode_targets(
             (h.piece.key, h.piece.dtype, h.piece.global_shape, h.piece.box) for h in view.held if h.piece.box is not None
         ))
@@ -300,7 +300,7 @@ class LocalLoadRank:
     def all_targets(self, blobs: Sequence[bytes]) -> Any:
         return aoa.merge_targets(wire.decode_json(b) for b in blobs)
 
-    def wanted(self, view: LoadView) -> dict[str, list[Box]] | None:
+    def wanted(self, view: Inspected) -> dict[str, list[Box]] | None:
         """The checkpoint keys this rank may read (its tensors' keys, and their master-weight
         spellings) with the boxes it fills of each; None when it must see every key (an
         aoa_config matches patterns against them)."""
@@ -314,7 +314,7 @@ class LocalLoadRank:
                     out.setdefault(key, []).extend(boxes)
         return out
 
-    def read_metadata(self, view: LoadView, uid: int) -> Metadata:
+    def read_metadata(self, view: Inspected, uid: int) -> Metadata:
         if view.shards is not None:
             return safetensors_files.metadata_from_blob(self._directory_blob(view), self.store.path, uid)
         wanted = self.wanted(view)
@@ -329,10 +329,10 @@ class LocalLoadRank:
                 ranges.close()
         return self.store.read_metadata(uid, lazy=True)
 
-    def _directory_blob(self, view: LoadView) -> bytes:
+    def _directory_blob(self, view: Inspected) -> bytes:
         return safetensors_files.directory_blob(self.store, *view.shards)
 
-    def metadata_bytes(self, view: LoadView, uid: int) -> bytes:
+    def metadata_bytes(self, view: Inspected, uid: int) -> bytes:
         """Our metadata file's bytes after b"M", or a directory of safetensors files'
         description after b"D" (the mark is ours, not the file's: no file can make a rank take
         a checkpoint of ours for a directory whose files carry no checksums)."""
@@ -352,7 +352,7 @@ class LocalLoadRank:
             return safetensors_files.metadata_from_blob(memoryview(data)[1:], self.store.path, uid)
         return storage.metadata_from_bytes(data[1:], uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
 
-    def metadata_from_helpers(self, view: LoadView, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
+    def metadata_from_helpers(self, view: Inspected, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
         if self.aoa_config is not None:  # every rank knows the readers: all raise the same error
             others = [r for r in self.ranks if r not in readers]
             raise UnsupportedError(
@@ -373,7 +373,7 @@ class LocalLoadRank:
         )
 
     def plan(
-        self, view: LoadView, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict], every_target: Any
+        self, view: Inspected, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict], every_target: Any
     ) -> LocalLoadWork:
         if self.lists_for_all:  # every file the metadata names is there for every rank
             names = [f.name for f in meta.files]

@@ -139,12 +139,12 @@ def simulate_save(
         extra = [[k, {"x": 0}] for k in values]
         layouts = {r: RankLayout({"d": l.skeleton["d"] + extra}, l.pieces) for r, l in layouts.items()}
 
-    def rank_ctx(r: int) -> protocol.SaveRankProtocol:  # mypy checks that the simulated rank is one
+    def side_of(r: int) -> protocol.SaveRankProtocol:  # mypy checks that the simulated rank is one
         return _SimSaveRank(r, ranks, coordinator, layouts[r], values, block_bytes, caches.setdefault(r, {}),
                             unique_id, published)
 
     before = _peak_rss_mib()
-    results = world.run({r: protocol.save(rank_ctx(r)) for r in ranks}, timed=(coordinator,))
+    results = world.run({r: protocol.save(side_of(r)) for r in ranks}, timed=(coordinator,))
     t0 = time.perf_counter()
     meta_json = metafile.encode(published[0])  # the coordinator's publish serializes it
     world.seconds[coordinator] += time.perf_counter() - t0
@@ -317,14 +317,14 @@ def simulate_load(
     read_bytes: dict[int, int] = {}
     starts: dict[bytes, metafile.Start] = {}
 
-    def rank_ctx(r: int) -> protocol.LoadRankProtocol:  # mypy checks that the simulated rank is one
+    def side_of(r: int) -> protocol.LoadRankProtocol:  # mypy checks that the simulated rank is one
         real = r == coordinator or r in plan_ranks
         # on object storage every rank asks the coordinator for its part of a large file
         wanted = wanted_of(layouts[r]) if real or object_storage else None
         return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
                             object_storage, wanted, read_bytes, starts)
 
-    world.run({r: protocol.load(rank_ctx(r)) for r in ranks}, timed=(coordinator,), count_calls=count_calls)
+    world.run({r: protocol.load(side_of(r)) for r in ranks}, timed=(coordinator,), count_calls=count_calls)
     tensors = parsed[coordinator].tensors
     entries = tensors.parsed_count if isinstance(tensors, LazyTensors) else len(tensors)
     return LoadSim(world.traffic, world.seconds[coordinator], parse_seconds, world.gc_seconds[coordinator], entries,

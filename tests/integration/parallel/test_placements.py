@@ -147,7 +147,7 @@ def test_off_the_first_coordinate_of_a_partial_dim_a_sum_holds_zero_and_a_produc
     piece = placements.LocalPiece("w", "float32", (2,), Box.whole((2,)))
 
     def fill(partial, coord):
-        return placements.partial_fill(placements.Held(piece, None, partial, coord))
+        return placements.partial_fill(placements.HeldTensor(piece, None, partial, coord))
 
     assert fill((), None) is None
     assert fill(((1, "sum"),), (0, 1)) == 0

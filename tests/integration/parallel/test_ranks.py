@@ -82,8 +82,8 @@ def load_on_threads(blobs: dict, unique_id=None):
     state = [targets() for _ in range(SIZE)]
 
     def one(comm):
-        ctx = LocalLoadRank(comm, state[comm.rank], "s3://bucket/model", stores[comm.rank], unique_id, safetensors=True)
-        return protocol.run(comm, protocol.load(ctx))[0]
+        side = LocalLoadRank(comm, state[comm.rank], "s3://bucket/model", stores[comm.rank], unique_id, safetensors=True)
+        return protocol.run(comm, protocol.load(side))[0]
 
     return ThreadWorld(SIZE).run(one), stores, state
 
@@ -150,10 +150,10 @@ def test_a_checkpoint_of_ours_claiming_no_checksums_is_refused():
     checks."""
     store = MemoryStorage("d", hf_directory())
     meta = safetensors_files.directory_metadata(store)
-    ctx = LocalLoadRank.__new__(LocalLoadRank)
-    ctx.store = store
+    side = LocalLoadRank.__new__(LocalLoadRank)
+    side.store = store
     with pytest.raises(Exception, match="unknown checksum algorithm 'none'"):
-        ctx.parse_metadata(0, b"M" + meta.to_json())
+        side.parse_metadata(0, b"M" + meta.to_json())
 
 
 def test_a_checkpoint_of_ours_saved_with_safetensors_loads_with_safetensors_from_shared_storage(monkeypatch):
@@ -208,10 +208,10 @@ def test_a_save_rank_s_steps_return_values_and_leave_the_rank_and_the_state_dict
     assert [p.key for p in described.pieces] == ["w", "b"] and described.skeleton == flat.skeleton
     leaves = np.array([0, 1])
     staged = rank.stage(described, leaves)
-    assert staged is not described and all(h.local is not s.local for h, s in zip(described.data.held, staged.data.held))
-    assert described.data.held[0].local is w  # the description made before staging still names the caller's array
+    assert staged is not described and all(h.local is not s.local for h, s in zip(described.sources.held, staged.sources.held))
+    assert described.sources.held[0].local is w  # the description made before staging still names the caller's array
     w[...] = -1  # the caller changes its tensor after the stage: the staged copy keeps the values
-    np.testing.assert_array_equal(staged.data.held[0].local, np.arange(12, dtype=np.float32).reshape(3, 4))
+    np.testing.assert_array_equal(staged.sources.held[0].local, np.arange(12, dtype=np.float32).reshape(3, 4))
     result = protocol.run(SoloComm(), protocol.save(LocalSaveRank(SoloComm(), {"w": w, "b": b}, store, None, {})))
     assert result.unique_id == 0 and store.listings == 1  # one listing: the id's choice, its preparation and the tidy
     assert vars(rank) == attributes  # no step stored anything on the rank

@@ -83,7 +83,7 @@ class FakeSaveRank:
         self._step("reserve")
 
     def write(self, described, uid, generation, leaves):
-        assert described.data == ("staged" if "stage" in self.steps else "held")
+        assert described.sources == ("staged" if "stage" in self.steps else "held")
         self._step("write")
         self.written = [self.pieces[i] for i in leaves.tolist()]
         nbytes = np.array([p.box.volume * itemsize(p.dtype) for p in self.written], dtype=np.int64)
