@@ -5,13 +5,13 @@ every file from the nearest copy that verifies.
 A local step is an ordinary checkpoint of id ``step`` in every node's local directory: each
 rank writes its data file on its own node (:func:`paddle_dcp.api.run_save`, the metadata held
 back), then copies of every data file go, under the same name, to ranks of ``replicas`` other
-nodes (:mod:`paddle_dcp.core.copies`, :mod:`paddle_dcp.parallel.replicate`), and only then does
+nodes (:mod:`paddle_dcp.core.replica_plan`, :mod:`paddle_dcp.parallel.replicate`), and only then does
 every node get the metadata: a step whose metadata a node holds has every original and every
 copy written. Which ranks share a node is learned at open: ranks that see each other's marker
 files in the local directory (:meth:`LocalTier.open`).
 
 A restore of a local step first checks, node by node, every data file it holds against the
-metadata's checksums (:func:`paddle_dcp.io.scrub.check_files`, the node's ranks sharing the
+metadata's checksums (:func:`paddle_dcp.io.file_check.check_files`, the node's ranks sharing the
 work); the step is restorable when every data file has an intact copy on some node. The load
 then reads nothing from a file found damaged (it is left out of that node's listing): the bytes
 come from the node itself, else from a rank of another node that holds an intact copy (the
@@ -32,12 +32,12 @@ import xxhash
 from .api import run_load, run_save
 from .core.compress import Policy
 from .core import metafile
-from .core.copies import copy_holders, nodes_of
+from .core.replica_plan import copy_holders, nodes_of
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
 from .errors import ArgumentError, IntegrityError
 from .io import cleanup, is_url, open_storage
-from .io.copy import copy_file
+from .io.file_transfer import copy_file
 from .io.storage import Storage, metadata_from_bytes
 from .parallel import protocol, wire
 from .parallel.comm import Comm
@@ -361,7 +361,7 @@ class LocalTier:
         passes = [(f"local tier: check step {step}", absent, True)]
         while passes:
             what, writers, originals = passes.pop()
-            doc, ok = yield from protocol.local(what, lambda: self._scrub(step, writers, originals))
+            doc, ok = yield from protocol.local(what, lambda: self._check_files(step, writers, originals))
             more = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(doc)))]
             lost = lost - {w for r in more for w in wire.from_runs(r["good"])}
             bad |= {n for r, d in zip(self.comm.ranks, more) if r in self.node for n in d["bad"]}
@@ -375,7 +375,7 @@ class LocalTier:
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
         """The writers of the ``lost`` files copy them from the global tier's same step (the
         same metadata, ``digest``) into their node, checked; returns writer -> (name, bytes)."""
-        from .io.scrub import check_files
+        from .io.file_check import check_files
 
         def fetch() -> bytes:
             if self.comm.rank not in lost:
@@ -428,14 +428,14 @@ class LocalTier:
         return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(here), "bad": [],
                 "digest": _digest(data)}, copies
 
-    def _scrub(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
+    def _check_files(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
         """This rank's share of its node's check of ``step``: the originals (with
         ``originals``) and the copies it holds of ``writers``' files, on as many threads as
         the node's ranks leave cores. Returns ({"good": writers whose file this rank found
         intact (runs), "bad": names of files it found damaged or unusable}, the names of the
         copies its node checks in this pass, found intact by this rank or a node-mate's
         share, so as readable)."""
-        from .io.scrub import check_files
+        from .io.file_check import check_files
 
         found, bad = self._step_files(step)
         if found is None:

@@ -10,7 +10,7 @@ from ..core.metadata_parse import check_entry
 from ..core.metadata import TensorEntry
 from ..core.naming import metadata_name
 from ..errors import FormatError, StorageError
-from ..io import open_storage, scrub
+from ..io import open_storage, file_check
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -58,7 +58,7 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     counts["tensors"] = len(entries)
     counts["pieces"] = sum(e.pieces.count for e in entries.values())
     with _Progress(f"verify {unique_id}", progress) as bar:
-        found = scrub.check_each_file(store, meta, progress=bar, entries=entries, window_bytes=consolidate.SLAB_BYTES)
+        found = file_check.check_each_file(store, meta, progress=bar, entries=entries, window_bytes=consolidate.SLAB_BYTES)
     # files first: presence and size, then the pieces of those present
     problems += [p for check in found if not check.readable for p in check.problems]
     problems += [p for check in found if check.readable for p in check.problems]

@@ -179,7 +179,7 @@ def two_nodes(tmp_path) -> dict[int, str]:
 def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict, dict]:
     """Every rank's LocalTier._check of step 3, the files each node hashed, and its calls of
     check_files (the names of each)."""
-    from paddle_dcp.io import scrub
+    from paddle_dcp.io import file_check
     from paddle_dcp.parallel import protocol
     from paddle_dcp.tiers import LocalTier
 
@@ -187,14 +187,14 @@ def check_on_threads(dirs: dict[int, str], monkeypatch) -> tuple[dict, dict, dic
 
     hashed: dict[str, list] = {}
     calls: dict[str, list] = {}
-    real = scrub.check_files
+    real = file_check.check_files
 
     def spy(store, meta, names=None, *args, **kwargs):
         hashed.setdefault(store.path, []).extend(names or [])
         calls.setdefault(store.path, []).append(sorted(names or []))
         return real(store, meta, names, *args, **kwargs)
 
-    monkeypatch.setattr(scrub, "check_files", spy)
+    monkeypatch.setattr(file_check, "check_files", spy)
 
     def rank(comm):
         tier = LocalTier(dirs[comm.rank], comm, 1, 2)

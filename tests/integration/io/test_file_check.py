@@ -1,4 +1,4 @@
-"""paddle_dcp.io.scrub: which data files hold exactly the bytes their metadata describes. Real
+"""paddle_dcp.io.file_check: which data files hold exactly the bytes their metadata describes. Real
 checkpoints are damaged one file at a time; the oracle of where a piece lies is a search of
 the file's bytes for the piece's own values (not the metadata's byte offsets), the oracle of a
 reason the file damaged and the block the flipped byte falls in."""
@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 import paddle_dcp
 from paddle_dcp import api
 from paddle_dcp.errors import ArgumentError
-from paddle_dcp.io import local, safetensors_files, scrub
+from paddle_dcp.io import local, safetensors_files, file_check
 
 from unit.helpers import random_array, save_checkpoint
 from unit.io.memory_storage import memory_storage
@@ -52,7 +52,7 @@ def data_files(path: str) -> list[str]:
 
 def check(path: str, **kw) -> dict[str, str | None]:
     store = local.LocalStorage(path)
-    return scrub.check_files(store, store.read_metadata(0), **kw)
+    return file_check.check_files(store, store.read_metadata(0), **kw)
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_damage_in_two_pieces_of_one_file_is_one_line_counting_the_rest(one_file
     reason = check(path)[name]
     assert reason is not None and "\n" not in reason and "1 more" in reason
     store = local.LocalStorage(path)
-    (found,) = scrub.check_each_file(store, store.read_metadata(0))
+    (found,) = file_check.check_each_file(store, store.read_metadata(0))
     assert found.readable and len(found.problems) == 2
     assert "model.a" in found.problems[0] and "model.c" in found.problems[1]
 
@@ -174,12 +174,12 @@ def test_the_in_memory_storage_is_checked_through_the_interface(monkeypatch):
     store = memory_storage("mem", blobs=blobs)
     meta = store.read_metadata(0)
     (name,) = [n for n in blobs if n.endswith(".distcp")]
-    assert scrub.check_files(store, meta) == {name: None}
+    assert file_check.check_files(store, meta) == {name: None}
     at = blobs[name].find(w.tobytes())
     blobs[name] = blobs[name][: at + 5] + bytes([blobs[name][at + 5] ^ 1]) + blobs[name][at + 6 :]
-    assert ": w: piece 0 " in scrub.check_files(store, meta)[name]
+    assert ": w: piece 0 " in file_check.check_files(store, meta)[name]
     del blobs[name]
-    assert "missing" in scrub.check_files(store, meta)[name]
+    assert "missing" in file_check.check_files(store, meta)[name]
 
 
 def test_a_hugging_face_directory_has_only_its_files_sizes_checked(tmp_path):
@@ -190,9 +190,9 @@ def test_a_hugging_face_directory_has_only_its_files_sizes_checked(tmp_path):
     assert meta.checksum_algorithm == "none"
     size = os.path.getsize(tmp_path / "model.safetensors")
     flip(str(tmp_path), "model.safetensors", size - 10)
-    assert scrub.check_files(store, meta) == {"model.safetensors": None}
+    assert file_check.check_files(store, meta) == {"model.safetensors": None}
     os.truncate(tmp_path / "model.safetensors", size - 1)
-    reason = scrub.check_files(store, meta)["model.safetensors"]
+    reason = file_check.check_files(store, meta)["model.safetensors"]
     assert reason is not None and f"the metadata says {size}" in reason and "holds pieces of w" in reason
 
 
@@ -237,7 +237,7 @@ def test_files_checked_on_several_threads_find_the_same_and_count_every_byte_onc
     import threading
 
     threads: set = set()
-    real = scrub._read_pieces
+    real = file_check._read_pieces
     together = threading.Barrier(2, timeout=5)  # a serial check would wait here in vain
 
     def spy(*args, **kwargs):
@@ -245,7 +245,7 @@ def test_files_checked_on_several_threads_find_the_same_and_count_every_byte_onc
         together.wait()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scrub, "_read_pieces", spy)
+    monkeypatch.setattr(file_check, "_read_pieces", spy)
     calls: list[tuple[int, int]] = []
     assert check(path, workers=2, progress=lambda done, all_: calls.append((done, all_))) == want
     total = arrays["w"].nbytes + arrays["b"].nbytes

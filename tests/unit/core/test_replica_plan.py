@@ -1,4 +1,4 @@
-"""Where copies of node-local data go (core/copies.py): every copy on another node than its
+"""Where copies of node-local data go (core/replica_plan.py): every copy on another node than its
 original and the copies of one rank on distinct nodes, the nodes' loads balanced, the same
 answer for any order of the input; nodes learned from what each rank sees."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paddle_dcp.core.copies import copy_holders, nodes_of
+from paddle_dcp.core.replica_plan import copy_holders, nodes_of
 from paddle_dcp.errors import ArgumentError
 
 from ..helpers import fast

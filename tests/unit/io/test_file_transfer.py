@@ -1,4 +1,4 @@
-"""A file copied between storages (io/copy.py): the same bytes in chunks, the copy absent until
+"""A file copied between storages (io/file_transfer.py): the same bytes in chunks, the copy absent until
 complete, a missing source named."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from paddle_dcp.errors import StorageError
 from paddle_dcp.io import open_storage
-from paddle_dcp.io.copy import copy_file
+from paddle_dcp.io.file_transfer import copy_file
 
 from .memory_storage import MemoryStorage
 
