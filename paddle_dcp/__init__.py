@@ -28,9 +28,9 @@ from .core.derive import MASTER_WEIGHTS
 from .patching import PaddlePatch, StateDictMetadata, patch_paddle, read_state_dict_metadata
 from .training import get_state_dict, set_state_dict
 from .version import __version__
-from .parallel.buffers import watch as _watch_buffers
+from .patching import watch_buffers as _watch_buffers
 
-_watch_buffers()  # notes buffers paddle's shard_layer makes persistable (paddle_dcp.parallel.buffers)
+_watch_buffers()  # notes buffers paddle's shard_layer makes persistable (paddle_dcp.patching)
 
 __all__ = [
     "save_state_dict",

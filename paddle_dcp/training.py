@@ -127,8 +127,8 @@ def _optim_entries(model, optimizer) -> tuple[dict[str, Any], dict[str, str], di
 
 def model_state(model) -> dict:
     """``model.state_dict()`` without the buffers the model declared non-persistable and
-    paddle's ``shard_layer`` made persistable (:mod:`paddle_dcp.parallel.buffers`)."""
-    from .parallel.buffers import forgotten_keys
+    paddle's ``shard_layer`` made persistable (:mod:`paddle_dcp.patching`)."""
+    from .patching import forgotten_keys
 
     state = model.state_dict()
     for key in forgotten_keys(model) & set(state):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import paddle_dcp
-from paddle_dcp.parallel import buffers
+from paddle_dcp import patching
 
 paddle = pytest.importorskip("paddle")
 import paddle.distributed as dist  # noqa: E402
@@ -45,9 +45,9 @@ def test_paddles_shard_layer_adds_keys_and_get_state_dict_leaves_them_out():
     assert sorted(state) == ONE_PROCESS
     for key in ONE_PROCESS:  # the live tensors, not copies
         assert state[key] is model.state_dict()[key]
-    assert buffers.forgotten(model.rotary) == {"inv_freq", "cached"}
-    assert buffers.forgotten(model) == frozenset()
-    assert buffers.forgotten_keys(model) == {"rotary.inv_freq", "rotary.cached"}
+    assert patching.forgotten(model.rotary) == {"inv_freq", "cached"}
+    assert patching.forgotten(model) == frozenset()
+    assert patching.forgotten_keys(model) == {"rotary.inv_freq", "rotary.cached"}
 
 
 def test_an_explicit_persistable_is_the_callers_choice():
@@ -89,7 +89,7 @@ def test_patched_shard_layer_marks_them_non_persistable_again():
     assert dist.shard_layer is paddles
     assert sorted(model.state_dict()) == ONE_PROCESS
     assert model.rotary.inv_freq.is_dist() and model.rotary.steps.is_dist()
-    assert buffers.forgotten_keys(model) == frozenset()
+    assert patching.forgotten_keys(model) == frozenset()
 
 
 @pytest.mark.parametrize("first", ["paddle_dcp", "paddle"])
@@ -102,8 +102,8 @@ def test_either_import_order(first):
         import {first}
         import {second}
         import paddle.distributed as dist
-        from paddle_dcp.parallel import buffers
-        assert not any(isinstance(f, buffers._WhenLoaded) for f in sys.meta_path)
+        from paddle_dcp import patching
+        assert not any(isinstance(f, patching._WhenLoaded) for f in sys.meta_path)
         layer = paddle.nn.Layer()
         layer.register_buffer("freq", paddle.ones([2]), persistable=False)
         layer = dist.shard_layer(layer, dist.ProcessMesh([0], dim_names=["x"]))
