@@ -37,7 +37,6 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -47,6 +46,8 @@ from .core.dtypes import itemsize, storage_dtype
 from .parallel import protocol, wire
 from .parallel.comm import Comm, make_comm
 from .parallel.gather_plan import GatherPlan, Region, plan_gather
+from .parallel.ranks import Prepared
+from .parallel.requests import Reduction
 from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
 from .io import open_output
@@ -165,8 +166,8 @@ class GatherRank:
         self.root = comm.coordinator
         self.is_root = comm.rank == self.root
 
-    def prepare(self) -> nested.Flat:
-        from .parallel.placements import is_tensor
+    def prepare(self) -> tuple[Prepared, tuple[Reduction, ...]]:
+        from .parallel.placements import is_tensor, partial_pieces
         from .io import is_url
 
         if self.is_root and not is_url(self.path) and os.path.isdir(self.path):
@@ -174,19 +175,17 @@ class GatherRank:
                 f"{self.path} is a directory: save_gathered writes one file; name it, e.g. "
                 f"{os.path.join(self.path, 'model.safetensors')}"
             )
-        return nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
+        flat = nested.flatten(self.state_dict, is_tensor, keep_values=self.is_root or self.state_type == "opt")
+        prepared = Prepared(flat, partial_pieces(flat.tensors, self.comm.rank))
+        return prepared, prepared.reductions
 
-    def reduce(self, flat: nested.Flat) -> dict[str, Any]:
-        from .parallel.placements import reduce_partials
-
-        return reduce_partials(flat.tensors, self.comm.rank, self.comm)
-
-    def describe(self, flat: nested.Flat, reduced: dict[str, Any]) -> tuple[dict, bytes]:
+    def describe(self, prepared: Prepared) -> tuple[dict, bytes]:
         """(key -> what this rank holds of it, its summary for the gathering rank: the pieces
         as ``save_state_dict`` describes them, encoded as its summaries are)."""
         from .parallel.placements import held_of
 
-        held = {h.piece.key: h for h in held_of(flat.tensors, reduced, self.comm.rank)}
+        flat = prepared.flat
+        held = {h.piece.key: h for h in held_of(flat.tensors, prepared.reduced(), self.comm.rank)}
         pieces = [h.piece for h in held.values()]
         return held, wire.encode_summary(save_plan.SaveSummary.from_pieces(self.comm.rank, flat.skeleton, pieces))
 
@@ -231,9 +230,9 @@ def save_steps(rank: GatherRank) -> protocol.Protocol:
     each ending with an agreement and the save's collectives; step 3 is one pairwise step and
     step 4 a local one, both agreed on point to point through the gathering rank. Returns the
     plan on the gathering rank (None elsewhere)."""
-    flat = yield from protocol.local("prepare", rank.prepare)
-    reduced = yield from protocol.local("reduce", lambda: rank.reduce(flat))
-    held, summary = yield from protocol.local("describe", lambda: rank.describe(flat, reduced))
+    prepared, reductions = yield from protocol.local("prepare", rank.prepare)
+    yield protocol.ReduceAmong("reduce", reductions)  # agreed on like a local step
+    held, summary = yield from protocol.local("describe", lambda: rank.describe(prepared))
     summaries = yield protocol.Gather(summary, rank.root)
     plan, parts = yield from protocol.local("plan", lambda: rank.plan_all(summaries))
     mine = yield protocol.Scatter(parts, rank.root)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .requests import Agree, AllGather, AllMax, Broadcast, Gather, Pairwise, Scatter
+from .requests import Agree, AllGather, AllMax, Broadcast, Gather, Pairwise, ReduceAmong, Reduction, Scatter
 from .state import STATE
 from .agree import agree, communication_failed
 from .wire import pad as _pad, unpad as _unpad
@@ -184,6 +184,15 @@ class Comm:
                     self.end_pairwise()
             self.agree(request.step, error, star=request.star)
             return value
+        if isinstance(request, ReduceAmong):
+            try:
+                for reduction in request.reductions:
+                    self.reduce(reduction)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                error = exc
+            self.agree(request.step, error)
+            return None
         step = type(request).__name__.lower()
         if isinstance(request, AllMax):
             return self.call(step, lambda: self.all_max(request.values))
@@ -196,6 +205,18 @@ class Comm:
         if isinstance(request, AllGather):
             return self.call(step, lambda: self.all_gather(request.data))
         raise TypeError(f"unknown protocol request {request!r}")
+
+
+    def reduce(self, reduction: Reduction) -> None:
+        """One :class:`~paddle_dcp.parallel.requests.Reduction`: its collective, then its finish."""
+        self.reduce_among(reduction.members, reduction.array, reduction.collective_op)
+        reduction.finish()
+
+    def reduce_among(self, members: Sequence[int], array: np.ndarray, op: str) -> None:
+        """All-reduce the host ``array`` in place among the ranks ``members`` (this rank
+        included), with ``op`` one of sum, max, min, prod. Here only among this rank alone."""
+        if set(members) != {self.rank}:
+            raise NotImplementedError(f"{type(self).__name__} cannot reduce among ranks {sorted(set(members))}")
 
 
 class SoloComm(Comm):

@@ -18,6 +18,7 @@ from .device import dtype_name
 from ..core.dtypes import name_of_numpy
 from ..errors import PlanError, UnsupportedError
 from ..core.save_plan import LocalPiece
+from .requests import Reduction
 
 
 def is_tensor(value: Any) -> bool:
@@ -208,37 +209,56 @@ def _describe_sharded(key: str, sw) -> HeldTensor:
     return HeldTensor(LocalPiece(key, dtype, shape, box), local, parts=tuple(parts))
 
 
-def reduce_partial(key: str, value: Any, rank: int, comm) -> Any:
-    """This rank's local piece of a Partial dist tensor, reduced over its partial mesh dims with
-    each placement's reduce type: the value the tensor stands for. The ranks along a partial
-    mesh dim hold contributions to the same box; they all-reduce them in a group of their own
-    (sum, avg = sum / count, max, min, prod; any / all as max / min). float16 and bfloat16 are
-    reduced in float32 and rounded once. The user's tensor is not modified."""
-    import paddle
+@dataclass(frozen=True, eq=False)
+class PartialPiece:
+    """A Partial dist tensor's local piece on its way to the value the tensor stands for: a
+    host copy (``work``, float32 for float16 and bfloat16, int32 for bool) that ``reductions``
+    all-reduce in place, one per partial mesh dim in order (the ranks along such a dim hold
+    contributions to the same box), then :func:`reduced_value`. ``work`` is None for an empty
+    piece (nothing to reduce)."""
 
+    key: str
+    local: Any
+    work: np.ndarray | None
+    reductions: tuple[Reduction, ...]
+
+
+def partial_piece(key: str, value: Any, rank: int) -> PartialPiece:
+    """This rank's share of reducing the Partial dist tensor ``value`` (sum, avg = sum / count,
+    max, min, prod; any / all as max / min): its host copy and the reductions to run on it.
+    The user's tensor is not modified. Raises PlanError for a reduce type we cannot do."""
     mesh = value.process_mesh
     ids = np.asarray(mesh.process_ids).reshape([int(s) for s in mesh.shape])
     coord = tuple(int(c) for c in np.argwhere(ids == rank)[0])
     _, partial = _mesh_dims_of_tensor_dims(key, value.placements, len(value.shape))
-    dtype = dtype_name(value)
     local = value._local_value()
-    if int(np.prod(local.shape)) == 0:
-        return local
-    wide = {"float16": "float32", "bfloat16": "float32", "bool": "int32"}.get(dtype)
-    # reduced in host memory over gloo (never on the job's NCCL group): one copy off the device
-    work = (local.astype(wide) if wide else local).numpy()
+    reductions = []
+    ops = []
     for mesh_dim, kind in partial:
+        op = {"any": "max", "all": "min"}.get(kind, kind)
+        if op not in ("sum", "avg", "max", "min", "prod"):
+            raise PlanError(f"{key}: Partial reduce type {kind!r} is not supported")
         line = list(coord)
         line[mesh_dim] = slice(None)
-        members = [int(r) for r in ids[tuple(line)]]
-        op = {"avg": "sum", "any": "max", "all": "min"}.get(kind, kind)
-        if op not in ("sum", "max", "min", "prod"):
-            raise PlanError(f"{key}: Partial reduce type {kind!r} is not supported")
-        comm.reduce_among(members, work, op)
-        if kind == "avg":
-            work = work / len(members) if work.dtype.kind == "f" else work // len(members)
-    host = paddle.to_tensor(work, place=paddle.CPUPlace())
-    return host.astype(local.dtype) if wide else host
+        ops.append((tuple(int(r) for r in ids[tuple(line)]), op))
+    if int(np.prod(local.shape)) == 0:
+        return PartialPiece(key, local, None, ())
+    wide = {"float16": "float32", "bfloat16": "float32", "bool": "int32"}.get(dtype_name(value))
+    # reduced in host memory over gloo (never on the job's NCCL group): one copy off the device
+    work = np.array((local.astype(wide) if wide else local).numpy(), copy=True)
+    reductions = [Reduction(members, work, op) for members, op in ops]
+    return PartialPiece(key, local, work, tuple(reductions))
+
+
+def reduced_value(piece: PartialPiece) -> Any:
+    """The value a Partial tensor stands for, once ``piece``'s reductions ran: a host tensor
+    of the local piece's dtype (float16 and bfloat16 rounded once, from float32)."""
+    import paddle
+
+    if piece.work is None:
+        return piece.local
+    host = paddle.to_tensor(piece.work, place=paddle.CPUPlace())
+    return host.astype(piece.local.dtype) if host.dtype != piece.local.dtype else host
 
 
 def partial_fill(held: HeldTensor) -> int | None:
@@ -281,16 +301,16 @@ def buffer_like(tensors: dict, keys) -> list[str]:
 
 
 # ---------------------------------------------------------------------- a save's preparation
-def reduce_partials(tensors: dict[str, Any], rank: int, comm) -> dict[str, Any]:
-    """key -> the reduced local piece of every Partial tensor of ``tensors`` (see
-    :func:`reduce_partial`): the values a save writes for them. ``save_state_dict`` and
-    ``save_gathered`` prepare their pieces with this and :func:`held_of`."""
-    return {key: reduce_partial(key, value, rank, comm) for key, value in tensors.items() if has_partial(value)}
+def partial_pieces(tensors: dict[str, Any], rank: int) -> dict[str, PartialPiece]:
+    """key -> this rank's share of reducing every Partial tensor of ``tensors``
+    (:func:`partial_piece`), in their order: ``save_state_dict`` and ``save_gathered`` run
+    their reductions as a protocol step, then hold :func:`reduced_value` (:func:`held_of`)."""
+    return {key: partial_piece(key, value, rank) for key, value in tensors.items() if has_partial(value)}
 
 
 def held_of(tensors: dict[str, Any], reduced: dict[str, Any], rank: int, flat_ok: bool = False) -> list[HeldTensor]:
     """What ``rank`` holds of every tensor of ``tensors`` (:func:`describe`), a Partial one's
-    local piece replaced by its reduced value (``reduced``, :func:`reduce_partials`)."""
+    local piece replaced by its reduced value (``reduced``: key -> :func:`reduced_value`)."""
     held = [describe(key, value, rank, flat_ok) for key, value in tensors.items()]
     return [
         replace(h, local=reduced[h.piece.key]) if h.piece.key in reduced and h.local is not None else h for h in held

@@ -27,7 +27,9 @@ import numpy as np
 import xxhash
 
 from . import wire
-from .requests import Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, Scatter  # noqa: F401 - protocol.Gather...
+from .requests import (  # noqa: F401 - protocol.Gather...
+    Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, ReduceAmong, Reduction, Scatter,
+)
 from ..core import load_plan, metafile, nested, save_plan
 from ..core.boxes import Box
 from ..core.compress import Policy
@@ -162,14 +164,12 @@ class SaveRankProtocol(_Protocol):
     layout: Callable[[save_plan.SavePlan], save_plan.SavePlan] | None
     compress: Policy | None
 
-    def prepare(self) -> Any:
-        """The state dict flattened (opaque to the protocol); raise on what cannot be saved."""
+    def prepare(self) -> tuple[Any, tuple[Reduction, ...]]:
+        """The state dict flattened (opaque to the protocol), and the all-reductions its
+        Partial tensors need (run next, by the protocol); raise on what cannot be saved."""
 
-    def reduce(self, prepared: Any) -> Any:
-        """Reduce Partial tensors (a collective of paddle's; entered by all together)."""
-
-    def describe(self, prepared: Any, reduced: Any) -> Described:
-        """What this rank holds, described."""
+    def describe(self, prepared: Any) -> Described:
+        """What this rank holds (its Partial tensors reduced), described."""
 
     def choose_id(self) -> tuple[int, Any]:
         """The coordinator's choice of id (called on the coordinator only), and the
@@ -219,9 +219,9 @@ class SaveResult:
 def save(side: SaveRankProtocol) -> Protocol:
     """The save protocol of one rank; ``side`` does that rank's local steps."""
     is_coord = side.rank == side.coordinator
-    prepared = yield from local("prepare", side.prepare)
-    reduced = yield from local("reduce partial", lambda: side.reduce(prepared))
-    described: Described = yield from local("describe", lambda: side.describe(prepared, reduced))
+    prepared, reductions = yield from local("prepare", side.prepare)
+    yield ReduceAmong("reduce partial", reductions)  # agreed on like a local step
+    described: Described = yield from local("describe", lambda: side.describe(prepared))
     summary = wire.encode_summary(
         save_plan.SaveSummary.from_pieces(side.rank, described.skeleton, described.pieces, described.derived)
     )

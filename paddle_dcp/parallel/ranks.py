@@ -19,7 +19,8 @@ from . import exchange, protocol, wire
 from .comm import Comm
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
-from .placements import HeldTensor, describe, held_of, is_tensor, reduce_partials, tensor_name
+from .placements import HeldTensor, PartialPiece, describe, held_of, is_tensor, partial_pieces, reduced_value, tensor_name
+from .requests import Reduction
 from ..core import aoa, load_plan, metafile, nested, save_plan
 from ..core.boxes import Box
 from ..core.keys import MissingKeys, match_keys, mw_compatible_name, reconcile
@@ -60,6 +61,23 @@ class PieceSources:
         return sorted({self.rows[row][0] for row in leaves.tolist()})
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A save rank's ``prepare`` step's value: its state dict flattened, and its share of
+    reducing each Partial tensor (reduced in place by the protocol's next step)."""
+
+    flat: nested.Flat
+    partials: dict[str, PartialPiece]
+
+    @property
+    def reductions(self) -> tuple[Reduction, ...]:
+        return tuple(r for p in self.partials.values() for r in p.reductions)
+
+    def reduced(self) -> dict[str, Any]:
+        """key -> the value each Partial tensor stands for (once its reductions ran)."""
+        return {key: reduced_value(p) for key, p in self.partials.items()}
+
+
 class LocalSaveRank:
     """This process's side of ``save_state_dict``: its inputs (the state dict, the storage, the
     options); every step's result is a value the protocol carries to the next step."""
@@ -91,17 +109,16 @@ class LocalSaveRank:
         self.layout = hf_dir.layout_plan if safetensors else None
         self.compress = compress  # which keys are stored quantized (core/compress.py)
 
-    def prepare(self) -> nested.Flat:
+    def prepare(self) -> tuple[Prepared, tuple[Reduction, ...]]:
         check_id(self.unique_id)
         flat = nested.flatten(self.state_dict, is_tensor, keep_values=False)
         self.store.create()
-        return flat
+        prepared = Prepared(flat, partial_pieces(flat.tensors, self.rank))
+        return prepared, prepared.reductions
 
-    def reduce(self, flat: nested.Flat) -> dict[str, Any]:
-        return reduce_partials(flat.tensors, self.rank, self.comm)
-
-    def describe(self, flat: nested.Flat, reduced: dict[str, Any]) -> protocol.Described:
-        held = held_of(flat.tensors, reduced, self.rank, flat_ok=True)
+    def describe(self, prepared: Prepared) -> protocol.Described:
+        flat = prepared.flat
+        held = held_of(flat.tensors, prepared.reduced(), self.rank, flat_ok=True)
         rows = tuple((i, piece, at) for i, h in enumerate(held) for piece, at in h.pieces())
         pieces = tuple(piece for _, piece, _ in rows)
         return protocol.Described(flat.skeleton, pieces, PieceSources(tuple(held), rows), self._derived(flat, held))
@@ -171,8 +188,8 @@ class LocalSaveRank:
         pieces: PieceSources = described.sources
         return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, self.durable, self.safetensors, self.compress)
 
-    def values(self, flat: nested.Flat) -> dict:
-        return flat.values
+    def values(self, prepared: Prepared) -> dict:
+        return prepared.flat.values
 
     def publish(self, meta: Metadata) -> None:
         if not self.publishes:

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Sequence
 
-from .requests import Agree, AllGather, AllMax, Broadcast, Gather, Scatter
+from .requests import Agree, AllGather, AllMax, Broadcast, Gather, ReduceAmong, Scatter, combine
 from .comm import Traffic, cost_all_gather, cost_all_max, cost_gather, cost_scatter
 
 
@@ -109,6 +109,25 @@ class SimWorld:
             self._add(r, cost_all_max(1, len(self.ranks)))
         return max(lengths.values())
 
+    def _reduce(self, reductions: dict) -> None:
+        """Every rank's reductions (rank -> its list): the k-th reduction among a set of members
+        on each of them is one collective, its result written into each member's array. The
+        bytes of these collectives are not counted (the planning traffic is)."""
+        groups: dict = {}
+        for r, mine in reductions.items():
+            seen: dict = {}
+            for red in mine:
+                members = tuple(sorted(set(red.members)))
+                k = seen[members] = seen.get(members, -1) + 1
+                groups.setdefault((members, k), []).append((r, red))
+        for (members, k), taking in groups.items():
+            if sorted(r for r, _ in taking) != list(members):
+                raise RuntimeError(f"reduction {k} among ranks {list(members)}: only {sorted(r for r, _ in taking)} took part")
+            total = combine([red.array for _, red in taking], taking[0][1].collective_op)
+            for _, red in taking:
+                red.array[...] = total
+                red.finish()
+
     def _execute(self, requests: dict, kind) -> dict:
         for r in requests:
             self.traffic[r].collectives += 1
@@ -121,6 +140,11 @@ class SimWorld:
                 self._add(r, cost_all_max(1 + len(q.values), size))
             out = [max(v) for v in zip(*(q.values for q in requests.values()))]
             return {r: list(out) for r in requests}
+        if kind is ReduceAmong:  # the reductions of each group of members, then an agreement
+            self._reduce({r: q.reductions for r, q in requests.items()})
+            for r in requests:
+                self._add(r, cost_all_max(1, size))
+            return {r: None for r in requests}
         if kind is AllMax:
             out = [max(v) for v in zip(*(q.values for q in requests.values()))]
             for r, q in requests.items():

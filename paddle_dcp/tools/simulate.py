@@ -78,13 +78,10 @@ class _SimSaveRank:
         self.pieces_of, self._values, self.block_bytes, self.cache = layout, values, block_bytes, cache
         self.unique_id, self.published = unique_id, published
 
-    def prepare(self) -> None:
-        return None
+    def prepare(self) -> tuple[None, tuple]:
+        return None, ()
 
-    def reduce(self, prepared) -> None:
-        return None
-
-    def describe(self, prepared, reduced) -> protocol.Described:
+    def describe(self, prepared) -> protocol.Described:
         return protocol.Described(self.pieces_of.skeleton, tuple(self.pieces_of.pieces))
 
     def choose_id(self) -> tuple[int, None]:

@@ -203,9 +203,10 @@ def test_a_save_rank_s_steps_return_values_and_leave_the_rank_and_the_state_dict
     store = CountingStorage("mem", {})
     rank = LocalSaveRank(SoloComm(), {"w": w, "b": b, "step": 3}, store, None, {}, staged=True)
     attributes = dict(vars(rank))
-    flat = rank.prepare()
-    described = rank.describe(flat, rank.reduce(flat))
-    assert [p.key for p in described.pieces] == ["w", "b"] and described.skeleton == flat.skeleton
+    prepared, reductions = rank.prepare()
+    assert reductions == ()  # no Partial tensor
+    described = rank.describe(prepared)
+    assert [p.key for p in described.pieces] == ["w", "b"] and described.skeleton == prepared.flat.skeleton
     leaves = np.array([0, 1])
     staged = rank.stage(described, leaves)
     assert staged is not described and all(h.local is not s.local for h, s in zip(described.sources.held, staged.sources.held))

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 
 from paddle_dcp.parallel.comm import Comm, Traffic
+from paddle_dcp.parallel.requests import combine
 
 TIMEOUT = 10.0
 
@@ -23,6 +24,8 @@ class ThreadWorld:
         self.sent: list[tuple[int, int, int]] = []  # (sender, receiver, bytes), in order of sending
         self.lanes_used: set[int] = set()  # which of a pair's connections carried messages
         self.lock = threading.Lock()
+        self.rounds: dict = {}  # (members, rank) -> reductions among members that rank began
+        self.reductions: dict = {}  # (members, round) -> (barrier, rank -> its array)
 
     def everyone(self, rank: int, value):
         """Every rank posts ``value``; each gets all ranks' values, in rank order."""
@@ -79,6 +82,20 @@ class ThreadComm(Comm):
 
     def _all_gather(self, buf):
         return self.world.everyone(self.rank, np.array(buf, copy=True))
+
+    def reduce_among(self, members, array, op):
+        """As gloo's all-reduce among ``members``: each member's k-th reduction among the same
+        members meets the others' k-th; all wait until every member came."""
+        members = tuple(sorted(set(members)))
+        if len(members) == 1:
+            return
+        world = self.world
+        with world.lock:
+            k = world.rounds[(members, self.rank)] = world.rounds.get((members, self.rank), -1) + 1
+            barrier, parts = world.reductions.setdefault((members, k), (threading.Barrier(len(members), timeout=TIMEOUT), {}))
+            parts[self.rank] = np.array(array, copy=True)
+        barrier.wait()
+        array[...] = combine([parts[m] for m in members], op)
 
     def send(self, peer, data):
         taken = threading.Event()

@@ -10,7 +10,7 @@ from paddle_dcp.core import save_plan
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import itemsize
 from paddle_dcp.core.metadata import Metadata
-from paddle_dcp.parallel import protocol
+from paddle_dcp.parallel import protocol, requests
 from paddle_dcp.parallel.simworld import SimWorld
 from paddle_dcp.errors import CollectiveError, FormatError, StorageError
 from paddle_dcp.io import storage
@@ -39,9 +39,10 @@ class FakeSaveRank:
     layout = None
     compress = None
 
-    def __init__(self, rank: int, cache: dict, fail_step: str | None = None):
+    def __init__(self, rank: int, cache: dict, fail_step: str | None = None, reductions: tuple = ()):
         self.rank, self.ranks, self.coordinator, self.cache = rank, tuple(range(SIZE)), 0, cache
         self.fail_step = fail_step
+        self.reductions = reductions  # its Partial tensors' (requests.Reduction)
         self.pieces = pieces_of(rank)
         self.written: list[save_plan.LocalPiece] = []
         self.published: list[Metadata] = []
@@ -54,15 +55,10 @@ class FakeSaveRank:
 
     def prepare(self):
         self._step("prepare")
-        return "prepared"
+        return "prepared", self.reductions
 
-    def reduce(self, prepared):
+    def describe(self, prepared):
         assert prepared == "prepared"
-        self._step("reduce")
-        return "reduced"
-
-    def describe(self, prepared, reduced):
-        assert (prepared, reduced) == ("prepared", "reduced")
         self._step("describe")
         return protocol.Described({"d": [["b", {"t": 0}], ["w", {"t": 0}]]}, tuple(self.pieces), "held")
 
@@ -138,7 +134,39 @@ def test_a_second_save_of_the_same_layout_reuses_the_plan_on_every_rank():
     assert [results[r].plan_reused for r in range(SIZE)] == [True] * SIZE
 
 
-@pytest.mark.parametrize("step", ["describe", "write", "publish"])
+def partials_of(rank: int) -> tuple:
+    """Rank r's reductions, in the order every member lists them: a (float32) summed and b
+    (int64) averaged among all ranks, c averaged among ranks 0 and 1, d multiplied among 1 and 2."""
+    every = tuple(range(SIZE))
+    out = [requests.Reduction(every, np.array([rank + 1, 2 * rank + 2], np.float32), "sum"),
+           requests.Reduction(every, np.array([rank + 1], np.int64), "avg")]
+    if rank in (0, 1):
+        out.append(requests.Reduction((0, 1), np.array([rank + 0.5], np.float32), "avg"))
+    if rank in (1, 2):
+        out.append(requests.Reduction((1, 2), np.array([rank + 2], np.int64), "prod"))
+    return tuple(out)
+
+
+EXPECTED = {0: [[6, 12], [2], [1.0]], 1: [[6, 12], [2], [1.0], [12]], 2: [[6, 12], [2], [12]]}
+
+
+@pytest.mark.parametrize("world", ["threads", "simulated"])
+def test_the_protocol_runs_each_rank_s_reductions_among_their_members_before_describe(world):
+    """The Partial reduction is the protocol's step (ReduceAmong), not a collective inside a
+    rank's local step: sum, avg (// for integers), prod, each among its own members."""
+    ranks = {r: FakeSaveRank(r, {}, reductions=partials_of(r)) for r in range(SIZE)}
+    if world == "threads":
+        save_on_threads(ranks)
+    else:
+        SimWorld(tuple(range(SIZE)), 0).run({r: protocol.save(ranks[r]) for r in range(SIZE)})
+    for r, rank in ranks.items():
+        got = [red.array.tolist() for red in rank.reductions]
+        assert got == EXPECTED[r], (r, got)
+        assert [red.array.dtype for red in rank.reductions] == [red.array.dtype for red in partials_of(r)]
+        assert rank.steps[:2] == ["prepare", "describe"]
+
+
+@pytest.mark.parametrize("step", ["prepare", "describe", "write", "publish"])
 def test_a_step_failing_on_one_rank_raises_the_same_error_on_every_rank(step):
     failing = 0 if step == "publish" else 1
     ranks = {r: FakeSaveRank(r, {}, step if r == failing else None) for r in range(SIZE)}
