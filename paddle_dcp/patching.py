@@ -308,7 +308,7 @@ def patch_paddle(strict: bool = False) -> PaddlePatch:
 # ``persistable`` given, the name non-persistable until now, a plain tensor replaced by a dist
 # one) and notes the name on the layer. The wrapper changes nothing paddle does; it only notes.
 # Readers: :func:`forgotten` (``paddle_dcp.get_state_dict`` leaves those buffers out) and
-# :func:`restore` (``patch_paddle``'s ``shard_layer`` marks them non-persistable again). An
+# :func:`restore_buffers` (``patch_paddle``'s ``shard_layer`` marks them non-persistable again). An
 # explicit ``persistable=`` is the caller's choice and clears the note.
 #
 # If paddle's layers module is not loaded when paddle_dcp is imported, the wrapper is put in

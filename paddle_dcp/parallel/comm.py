@@ -206,7 +206,6 @@ class Comm:
             return self.call(step, lambda: self.all_gather(request.data))
         raise TypeError(f"unknown protocol request {request!r}")
 
-
     def reduce(self, reduction: Reduction) -> None:
         """One :class:`~paddle_dcp.parallel.requests.Reduction`: its collective, then its finish."""
         self.reduce_among(reduction.members, reduction.array, reduction.collective_op)

@@ -232,7 +232,6 @@ def partial_piece(key: str, value: Any, rank: int) -> PartialPiece:
     coord = tuple(int(c) for c in np.argwhere(ids == rank)[0])
     _, partial = _mesh_dims_of_tensor_dims(key, value.placements, len(value.shape))
     local = value._local_value()
-    reductions = []
     ops = []
     for mesh_dim, kind in partial:
         op = {"any": "max", "all": "min"}.get(kind, kind)
@@ -245,9 +244,8 @@ def partial_piece(key: str, value: Any, rank: int) -> PartialPiece:
         return PartialPiece(key, local, None, ())
     wide = {"float16": "float32", "bfloat16": "float32", "bool": "int32"}.get(dtype_name(value))
     # reduced in host memory over gloo (never on the job's NCCL group): one copy off the device
-    work = np.array((local.astype(wide) if wide else local).numpy(), copy=True)
-    reductions = [Reduction(members, work, op) for members, op in ops]
-    return PartialPiece(key, local, work, tuple(reductions))
+    work = (local.astype(wide) if wide else local).numpy()  # paddle's numpy() is a copy
+    return PartialPiece(key, local, work, tuple(Reduction(members, work, op) for members, op in ops))
 
 
 def reduced_value(piece: PartialPiece) -> Any:
