@@ -172,6 +172,8 @@ class SavePlan:
             (:mod:`~paddle_dcp.core.grids`; None with ``replicas``).
         static: what this plan's saves share, kept by what builds their metadata (the places
             of the skeleton's plain values) and by its writer (:mod:`~paddle_dcp.core.metafile_write`).
+        file_order: the pieces in the order the writers report their checksums (by writer,
+            each in its file's order); None: sorted when the metadata is built.
     """
 
     keys: tuple[str, ...]
@@ -192,6 +194,7 @@ class SavePlan:
     sources: tuple[str | None, ...] = ()
     grids: GridCheck | None = None
     static: dict = field(default_factory=dict)
+    file_order: np.ndarray | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -243,7 +246,7 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
     p_nbytes = _piece_nbytes(p_key, p_shape, known.ndims, list(zip(dtypes, encodings)))
     grid = _check_tilings(known, pieces, max_nd, replicas, set(derived))
     p_writer, p_leaf = _pick_writers(pieces, p_nbytes)
-    p_byte_offset, writes, file_bytes = _file_layouts(p_writer, p_leaf, p_nbytes)
+    p_byte_offset, writes, file_bytes, file_order = _file_layouts(p_writer, p_leaf, p_nbytes)
     return SavePlan(
         keys=keys_sorted,
         dtypes=dtypes,
@@ -262,6 +265,7 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
         encodings=encodings,
         sources=tuple(sources.get(k) for k in keys_sorted),
         grids=grid,
+        file_order=file_order,
     )
 
 
@@ -270,8 +274,10 @@ def _piece_nbytes(p_key: np.ndarray, p_shape: np.ndarray, nds: np.ndarray, store
     key's (dtype, encoding) in ``stored``."""
     if not len(p_key):
         return np.zeros(0, np.int64)
-    masked = np.where(np.arange(p_shape.shape[1])[None, :] < nds[p_key][:, None], p_shape, 1)
-    elements = np.prod(masked, axis=1, dtype=np.int64)
+    nd = nds[p_key]
+    elements = np.ones(len(p_key), dtype=np.int64)
+    for c in range(p_shape.shape[1]):  # a column at a time: no (pieces, width) temporary
+        elements *= np.where(nd > c, p_shape[:, c], 1)
     nbytes = elements * np.array([itemsize(dtype) for dtype, _ in stored], dtype=np.int64)[p_key]
     for k, (dtype, encoding) in enumerate(stored):
         if encoding is not None:  # pieces are sorted by key: one slice each
@@ -586,15 +592,16 @@ def _greedy_by_set(
 
 def _file_layouts(
     p_writer: np.ndarray, p_leaf: np.ndarray, p_nbytes: np.ndarray
-) -> tuple[np.ndarray, dict[int, np.ndarray], dict[int, int]]:
+) -> tuple[np.ndarray, dict[int, np.ndarray], dict[int, int], np.ndarray]:
     """Every writer's file: its pieces in leaf order, back to back (as layout_offsets). Returns
-    each piece's byte offset, writer -> its rows in file order, writer -> its file's size."""
+    each piece's byte offset, writer -> its rows in file order, writer -> its file's size, and
+    the pieces by writer and file order."""
     n = len(p_writer)
     p_byte_offset = np.zeros(n, dtype=np.int64)
     writes: dict[int, np.ndarray] = {}
     file_bytes: dict[int, int] = {}
     if not n:
-        return p_byte_offset, writes, file_bytes
+        return p_byte_offset, writes, file_bytes, np.zeros(0, np.int64)
     order = sorting.lexsort((p_leaf, p_writer))
     w_sorted = p_writer[order]
     first = np.concatenate([[0], np.flatnonzero(np.diff(w_sorted)) + 1])
@@ -607,7 +614,7 @@ def _file_layouts(
     for r, lo, hi, end in zip(w_sorted[first].tolist(), first.tolist(), (last + 1).tolist(), ends.tolist()):
         writes[r] = p_leaf[order[lo:hi]]
         file_bytes[r] = end
-    return p_byte_offset, writes, file_bytes
+    return p_byte_offset, writes, file_bytes, order
 
 
 def _check_rows(summaries: Sequence[SaveSummary], counts: np.ndarray, leaves: np.ndarray) -> None:
@@ -663,7 +670,7 @@ def build_metadata(
     nblocks = blocks_of(plan.piece_nbytes, block_bytes) if n else np.zeros(0, np.int64)
     # reports arrive writer by writer, each in leaf (= file) order: where each piece's
     # checksums start in their concatenation
-    order = sorting.lexsort((plan.piece_leaf, plan.piece_writer))
+    order = plan.file_order if plan.file_order is not None else sorting.lexsort((plan.piece_leaf, plan.piece_writer))
     start_in_report = np.zeros(n, dtype=np.int64)
     start_in_report[order] = np.cumsum(nblocks[order]) - nblocks[order]
     expected = np.bincount(np.searchsorted(writers, plan.piece_writer), weights=nblocks, minlength=len(writers)).astype(np.int64)

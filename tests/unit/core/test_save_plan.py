@@ -3,6 +3,7 @@
 Oracles: the set of boxes every rank holds (from paddle's chunking rule written by hand, see
 helpers.ref_box) and numpy slices of the global arrays, compared bit for bit.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -91,6 +92,11 @@ def test_plan_save_writes_each_distinct_piece_once_by_a_holder_in_any_order(layo
             at = start + int(plan.piece_nbytes[i])
         assert plan.file_bytes[r] == at
     assert set(plan.writes) == set(plan.piece_writer.tolist())
+    # the order writers report their checksums in: writer by writer, each its file's order
+    in_order = plan.file_order
+    assert sorted(in_order.tolist()) == list(range(len(plan.piece_key)))
+    assert plan.piece_writer[in_order].tolist() == sorted(plan.piece_writer.tolist())
+    assert plan.piece_leaf[in_order].tolist() == [x for r in sorted(plan.writes) for x in plan.writes[r].tolist()]
 
     shuffled = list(summaries)
     rnd.shuffle(shuffled)
@@ -171,6 +177,22 @@ def test_build_metadata_refuses_a_wrong_number_of_checksums():
     plan = save_plan.plan_save([summary(0, [("w", "uint8", (200,), Box.whole((200,)))])])
     with pytest.raises(PlanError, match="rank 0 reported 1 checksums, expected 4"):
         save_plan.build_metadata(plan, {0: np.zeros(1, np.uint64)}, plan.skeleton, 0, 1, 64)
+
+
+def test_metadata_puts_each_writers_checksums_on_its_pieces_with_or_without_the_plans_file_order():
+    # three writers of a piece of 4 blocks (key a) and one of 2 (key b) each, of 64 bytes; a
+    # writer reports its sums in its file's order: b's row comes after a's in its summary
+    summaries = [summary(r, [("a", "uint8", (3, 200), Box((r, 0), (1, 200))),
+                             ("b", "uint8", (3, 70), Box((r, 0), (1, 70)))]) for r in range(3)]
+    plan = save_plan.plan_save(summaries)
+    sums = {r: np.arange(6, dtype=np.uint64) + np.uint64(100 * r) for r in range(3)}
+    for p in (plan, dataclasses.replace(plan, file_order=None)):
+        meta = save_plan.build_metadata(p, sums, p.skeleton, 0, 3, 64)
+        for key, blocks in (("a", [0, 1, 2, 3]), ("b", [4, 5])):
+            pieces = meta.tensors[key].pieces
+            writers = [int(meta.files[f].name.split("_")[0]) for f in pieces.files.tolist()]
+            assert writers == [0, 1, 2]  # a writer per row of the key
+            assert pieces.checksums.tolist() == [100 * r + b for r in range(3) for b in blocks]
 
 
 def test_layout_offsets_align_every_piece():
