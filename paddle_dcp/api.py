@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Sequence
 
 from . import async_save as background_saves
 from .async_save import AsyncSave, wait_async_save
@@ -138,25 +139,20 @@ def save_state_dict(
     return handle if async_save else None
 
 
-def run_save(comm, rank: LocalSaveRank, path: str, then=None) -> "AsyncSave | protocol.SaveResult":
-    """Run the save of ``rank`` (an async one when ``rank.staged``), then ``then(comm,
-    result)`` on the comm the save finished on (in the background for an async save); returns
-    the SaveResult, or the AsyncSave handle."""
+def run_save(
+    comm, rank: LocalSaveRank, path: str, after: "Sequence[protocol.Step] | None" = None
+) -> "AsyncSave | protocol.SaveResult":
+    """The one driver of a save: run the save of ``rank`` and the steps ``after`` it
+    (:func:`paddle_dcp.parallel.protocol.save`; default: publishing its metadata) to the end,
+    or, for an async save (``rank.staged``), until it detaches, the rest on the writer thread
+    over the group's background comm. Returns the SaveResult, or the AsyncSave handle."""
     started = time.perf_counter()
+    run = protocol.save(rank, after)
     if not rank.staged:
-        result = protocol.run(comm, protocol.save(rank))
+        result = protocol.run(comm, run)
         STATE.traffic["save"] = comm.traffic
         _log_saved(result, path, started)
-        if then is not None:
-            then(comm, result)
         return result
-    return _save_async(comm, rank, path, started, then)
-
-
-def _save_async(comm, rank: LocalSaveRank, path: str, started: float, then=None) -> "AsyncSave":
-    """Run the save until this rank's pieces are staged (or, the first time, written), then
-    hand the rest to the background writer."""
-    run = protocol.save(rank)
     try:
         protocol.run(comm, run, until_detach=True)
     except BaseException:
@@ -164,15 +160,13 @@ def _save_async(comm, rank: LocalSaveRank, path: str, started: float, then=None)
         raise
     logger.info("async save to %s: state staged in %.3f s, writing in the background", path, time.perf_counter() - started)
 
-    def finish():
+    def finish() -> int:
         try:  # the background group is made once per group of ranks, here, off the caller's path
             background = comm.private() if comm.size > 1 else comm
             result = protocol.run(background, run)
         finally:
             STATE.staging.done()
         _log_saved(result, path, started)
-        if then is not None:
-            then(background, result)
         return result.unique_id
 
     return background_saves.submit(finish)

@@ -24,9 +24,9 @@ from typing import Any, Callable
 from .io import cleanup
 from . import async_save as background_saves
 from .parallel.state import STATE
-from .api import run_load, save_state_dict
+from .api import run_load, run_save
 from .core.compress import policy_of
-from .parallel.ranks import LocalLoadRank
+from .parallel.ranks import LocalLoadRank, LocalSaveRank
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
 from .parallel import protocol
@@ -154,26 +154,32 @@ class CheckpointManager:
                 raise ArgumentError(f"step {step} is already saved in {self.directory}")
             entry = StepEntry(step, "writing", metrics)
             self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
+        background_saves.wait_async_save()  # every save of the process before it, as save_state_dict does
         if due_local:
-            then = (lambda comm: self._global_from_local(comm, step)) if due_global else None
-            handle = self.local.save(step, state_dict, self.async_save, then, self.compress)
-            self._pending = [handle] if handle is not None else []
-            return True
-        handle = save_state_dict(
-            state_dict, self.directory, self.process_group, self.coordinator_rank, unique_id=step,
-            async_save=self.async_save, storage_options=self.storage_options, compress=self.compress,
-        )
-        if handle is None:
-            self._committed(self.comm, step)
+            rank = self.local.save_rank(step, state_dict, self.async_save, self.compress)
+            after = self.local.after_save(rank)
+            if due_global:  # the local step's files are the global tier's
+                after += (self.local.upload_step(step, self.store), self._recorded(step))
+            path = self.local.directory
         else:
-            self._pending = [handle, background_saves.submit(lambda: self._after(handle, step))]
+            rank = LocalSaveRank(
+                self.comm, state_dict, self.store, step, STATE.save_plans, staged=self.async_save,
+                staging=STATE.staging if self.async_save else None, compress=self.compress,
+            )
+            after = (lambda result: protocol.publish(rank, result), self._recorded(step))
+            path = self.directory
+        handle = run_save(self.comm, rank, path, after)
+        self._pending = [handle] if self.async_save else []
         return True
 
-    def _global_from_local(self, comm: Comm, step: int) -> None:
-        """The global tier's copy of local ``step``: its files copied, its metadata last, then
-        the manifest and retention (on the comm the local save finished on)."""
-        self.local.upload(comm, step, self.store)
-        self._committed(comm, step)
+    def _recorded(self, step: int) -> protocol.Step:
+        """The step after a global save: ``step`` marked complete in the manifest, then
+        retention."""
+        def record(result: protocol.SaveResult) -> protocol.Protocol:
+            yield from self._decision(self.comm, "mark step complete", lambda m: (m.with_state([step], "complete"), None), True)
+            yield from self._retention(self.comm)
+
+        return record
 
     def restore(self, state_dict: dict, step: int | None = None) -> int:
         """Load the newest restorable step (or ``step``) into ``state_dict``; returns it.
@@ -312,19 +318,10 @@ class CheckpointManager:
                 self._lock_file = None
             raise
 
-    def _after(self, handle: background_saves.AsyncSave, step: int) -> int:
-        """The writer thread's continuation of an async save: once it committed, retention,
-        over the background process group."""
-        handle.wait()
-        comm = self.comm.private() if self.comm.size > 1 else self.comm
-        self._committed(comm, step)
-        return step
-
-    def _committed(self, comm: Comm, step: int) -> None:
-        self._decide(comm, "mark step complete", lambda m: (m.with_state([step], "complete"), None))
-        self._retain(comm)
-
     def _retain(self, comm: Comm, unfinished_only: bool = False) -> None:
+        protocol.run(comm, self._retention(comm, unfinished_only))
+
+    def _retention(self, comm: Comm, unfinished_only: bool = False) -> protocol.Protocol:
         """Choose the steps to delete (coordinator), mark them, remove their metadata, then
         every rank removes its own data files (on object storage the coordinator removes them
         all: one listing, batched deletes), then they leave the manifest."""
@@ -343,7 +340,7 @@ class CheckpointManager:
                 cleanup.remove_temporary(self.store, step, -1)
             return manifest, doomed
 
-        doomed = self._decide(comm, "retention: choose", choose, write=False)
+        doomed = yield from self._decision(comm, "retention: choose", choose, False)
         if not doomed:
             return
         def remove() -> None:
@@ -356,8 +353,8 @@ class CheckpointManager:
                 names = [n for step in doomed for n in listing.data_names(step) + cleanup.temporary_names(listing, step)]
                 self.store.remove(names)
 
-        protocol.run(comm, protocol.local("retention: remove data files", remove))
-        self._decide(comm, "retention: forget", lambda m: (m.without(doomed), None))
+        yield from protocol.local("retention: remove data files", remove)
+        yield from self._decision(comm, "retention: forget", lambda m: (m.without(doomed), None), True)
         logger.info("CheckpointManager %s: deleted steps %s", self.directory, doomed)
 
     def _scores(self, manifest: Manifest) -> dict[int, float | None] | None:

@@ -3,9 +3,10 @@ for itself, each rank's data file copied to ranks of other nodes, and a restore 
 every file from the nearest copy that verifies.
 
 A local step is an ordinary checkpoint of id ``step`` in every node's local directory: each
-rank writes its data file on its own node (:func:`paddle_dcp.api.run_save`, the metadata held
-back), then copies of every data file go, under the same name, to ranks of ``replicas`` other
-nodes (:mod:`paddle_dcp.core.replica_plan`, :mod:`paddle_dcp.parallel.replicate`), and only then does
+rank writes its data file on its own node (:meth:`LocalTier.save_rank`; the CheckpointManager
+runs the save with the tier's steps after it, :meth:`LocalTier.after_save`), then copies of
+every data file go, under the same name, to ranks of ``replicas`` other nodes
+(:mod:`paddle_dcp.core.replica_plan`, :mod:`paddle_dcp.parallel.replicate`), and only then does
 every node get the metadata: a step whose metadata a node holds has every original and every
 copy written. Which ranks share a node is learned at open: ranks that see each other's marker
 files in the local directory (:meth:`LocalTier.open`).
@@ -29,7 +30,6 @@ from typing import Any
 
 import xxhash
 
-from .api import run_load, run_save
 from .core.compress import Policy
 from .core import metafile
 from .core.replica_plan import copy_holders, nodes_of
@@ -211,27 +211,26 @@ class LocalTier:
         return frozenset(s for s in need if need[s] <= have[s])
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state_dict: dict, staged: bool, then=None, compress: Policy | None = None):
-        """Save ``step`` to every node's local directory (the keys ``compress`` names stored
-        quantized) and copy each data file to the other nodes (an async save when ``staged``:
-        the copies and the metadata follow in the background), then ``then(comm)``. Returns
-        the AsyncSave handle or None."""
-        rank = LocalSaveRank(
+    def save_rank(self, step: int, state_dict: dict, staged: bool, compress: Policy | None = None) -> LocalSaveRank:
+        """The rank that saves ``step`` to this node's local directory (the keys ``compress``
+        names stored quantized; an async save when ``staged``); its metadata is published by
+        :meth:`after_save`'s step, once the copies are in place."""
+        return LocalSaveRank(
             self.comm, state_dict, self.store, step, STATE.save_plans, staged=staged,
-            staging=STATE.staging if staged else None, durable=self.durable, publish=False, compress=compress,
+            staging=STATE.staging if staged else None, durable=self.durable, compress=compress,
         )
 
-        def finish(comm: Comm, result: protocol.SaveResult) -> None:
-            protocol.run(comm, self._replicate(comm, result))
-            if then is not None:
-                then(comm)
+    def after_save(self, rank: LocalSaveRank) -> tuple[protocol.Step, ...]:
+        """The steps that follow the local save of ``rank`` (see
+        :func:`paddle_dcp.parallel.protocol.save`): copies of every data file on ranks of
+        other nodes, then the metadata on every node, last, then retention."""
+        return (lambda result: self._replicate(rank, result),)
 
-        handle = run_save(self.comm, rank, self.directory, then=finish)
-        return handle if staged else None
-
-    def _replicate(self, comm: Comm, result: protocol.SaveResult) -> protocol.Protocol:
+    def _replicate(self, rank: LocalSaveRank, result: protocol.SaveResult) -> protocol.Protocol:
         """Copies of every data file on ranks of other nodes, then the metadata on every
-        node, last."""
+        node, last; then ``rank``'s older generations of the id, and the steps past
+        ``max_to_keep``, removed."""
+        comm = self.comm
         data = metafile.encode(result.metadata) if comm.is_coordinator else b""
         data = yield protocol.Broadcast(data, comm.coordinator)
         sends, receives = yield from protocol.local("local tier: plan copies", lambda: self._copies(comm.rank, data))
@@ -248,7 +247,8 @@ class LocalTier:
                 self.store.write_atomic(metadata_name(result.unique_id), data, self.durable)
 
         yield from protocol.local("local tier: publish", publish)
-        yield from self._retain(comm, keep=result.unique_id)
+        yield from protocol.local("tidy", lambda: rank.tidy(result.unique_id, result.generation, result.listing))
+        yield from self._retain(keep=result.unique_id)
 
     def _copies(self, me: int, data: bytes) -> tuple[dict[int, str], dict[int, str]]:
         """(holder -> this rank's file to send it, writer -> the file to receive from it)."""
@@ -264,7 +264,7 @@ class LocalTier:
         receives = {r: files[r][0] for r, hs in holders.items() if me in hs and r in files}
         return sends, receives
 
-    def _retain(self, comm: Comm, keep: int) -> protocol.Protocol:
+    def _retain(self, keep: int) -> protocol.Protocol:
         """Keep the ``max_to_keep`` newest local steps (``keep`` among them): the metadata of
         the others goes first on every node, then their files."""
         steps = yield from self._all_steps()
@@ -286,10 +286,11 @@ class LocalTier:
         yield from protocol.local("local tier: retention, data", remove)
         logger.info("local tier %s: deleted steps %s", self.directory, doomed)
 
-    def upload(self, comm: Comm, step: int, target: Storage, durable: bool = False) -> None:
-        """Local ``step`` copied to the global tier ``target``: every rank copies its own data
-        file, then the coordinator writes the metadata, last."""
-        protocol.run(comm, self._upload(comm, step, target, durable))
+    def upload_step(self, step: int, target: Storage, durable: bool = False) -> protocol.Step:
+        """The step that copies local ``step`` to the global tier ``target`` (after
+        :meth:`after_save`'s): every rank copies its own data file, then the coordinator
+        writes the metadata, last."""
+        return lambda result: self._upload(self.comm, step, target, durable)
 
     def _upload(self, comm: Comm, step: int, target: Storage, durable: bool) -> protocol.Protocol:
         def prepare() -> None:  # what a crashed copy left, removed before any rank writes
@@ -333,7 +334,7 @@ class LocalTier:
         # node's: the load does not hash them a second time
         options.setdefault("verify", False)
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, exclude=exclude, **options)
-        _, work = run_load(rank)
+        _, work = protocol.run(self.comm, protocol.load(rank))
         return {
             "local": sum(op.nbytes for op in work.local),
             "peer": sum(op.nbytes for ops in work.remote.values() for op in ops),

@@ -198,7 +198,7 @@ class SaveRankProtocol(_Protocol):
         """The coordinator's plain values, flat key -> value."""
 
     def publish(self, meta: Metadata) -> None:
-        """The coordinator writes the metadata; called last."""
+        """The coordinator writes the metadata (the :func:`publish` step)."""
 
     def tidy(self, uid: int, generation: int, listing: Any) -> None:
         """Remove this rank's data files of older generations of ``uid``, once the new
@@ -207,17 +207,41 @@ class SaveRankProtocol(_Protocol):
 
 @dataclass
 class SaveResult:
-    """A save's outcome on one rank; ``metadata``: what the coordinator published (None on
-    the other ranks)."""
+    """A save's outcome on one rank.
+
+    Attributes:
+        metadata: what the coordinator built, for :func:`publish` (None on the other ranks).
+        generation / listing: the generation of the id's data files this save wrote, and
+            the listing its ``prepare_id`` made (for ``tidy``, once the metadata is in place).
+    """
 
     unique_id: int
     bytes_written: int
     plan_reused: bool
     metadata: Metadata | None = None
+    generation: int = 0
+    listing: Any = None
 
 
-def save(side: SaveRankProtocol) -> Protocol:
-    """The save protocol of one rank; ``side`` does that rank's local steps."""
+Step = Callable[["SaveResult"], Protocol]  # what follows a written save, given its result
+
+
+def save(side: SaveRankProtocol, after: Sequence[Step] | None = None) -> Protocol:
+    """The save protocol of one rank; ``side`` does that rank's local steps: the data files
+    written and the metadata built by the coordinator, then each step of ``after`` in turn,
+    given the result (default: :func:`publish`; a CheckpointManager composes its own: a
+    node-local tier's copies, the upload, the manifest, retention). Returns the save's
+    result."""
+    result, last = yield from _written(side)
+    for step in (lambda r: publish(side, r),) if after is None else after:
+        yield from step(result)
+    last()  # this rank's own memory, last: no rank waits on it
+    return result
+
+
+def _written(side: SaveRankProtocol) -> Protocol:
+    """A save up to its metadata, built by the coordinator and not yet written; returns the
+    result and what the rank does last (after every step that follows)."""
     is_coord = side.rank == side.coordinator
     prepared, reductions = yield from local("prepare", side.prepare)
     yield ReduceAmong("reduce partial", reductions)  # agreed on like a local step
@@ -260,20 +284,21 @@ def save(side: SaveRankProtocol) -> Protocol:
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), side.coordinator)
 
     def commit():
-        return quiet_collector(publish)
-
-    def publish():
-        meta = metadata_from_reports(
-            plan, side.ranks, reports, side.values(prepared), uid, side.block_bytes, side.created_by, generation
+        return quiet_collector(
+            metadata_from_reports,
+            plan, side.ranks, reports, side.values(prepared), uid, side.block_bytes, side.created_by, generation,
         )
-        side.publish(meta)
-        return meta
 
     meta = yield from local("commit", commit if is_coord else (lambda: None))
-    yield from local("tidy", lambda: side.tidy(uid, generation, listing))
-    if direct:  # this rank's own memory, last: no rank waits on it
-        side.reserve(described, leaves)
-    return SaveResult(uid, size, not changed, meta)
+    last = (lambda: side.reserve(described, leaves)) if direct else (lambda: None)
+    return SaveResult(uid, size, not changed, meta, generation, listing), last
+
+
+def publish(side: SaveRankProtocol, result: SaveResult) -> Protocol:
+    """The coordinator writes the metadata of a written save; then every
+    rank removes its data files of older generations of the id, which the metadata replaced."""
+    yield from local("publish", (lambda: side.publish(result.metadata)) if side.rank == side.coordinator else (lambda: None))
+    yield from local("tidy", lambda: side.tidy(result.unique_id, result.generation, result.listing))
 
 
 def plan_from_summaries(

@@ -98,11 +98,9 @@ class LocalSaveRank:
         durable: bool = False,
         staged: bool = False,
         staging: StagingArena | None = None,
-        publish: bool = True,
         compress: Policy | None = None,
     ):
         self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
-        self.publishes = publish  # False: the caller writes the metadata (SaveResult.metadata) later
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
         self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
         self.safetensors, self.durable = safetensors, durable
@@ -192,8 +190,6 @@ class LocalSaveRank:
         return prepared.flat.values
 
     def publish(self, meta: Metadata) -> None:
-        if not self.publishes:
-            return
         if self.safetensors:
             meta = hf_dir.rename_files(meta)
         self.store.write_atomic(storage.metadata_name(meta.unique_id), metafile.encode(meta), self.durable)

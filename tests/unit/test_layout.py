@@ -1,6 +1,7 @@
 """The package's directories draw its architecture: imports flow one way,
 tools/ -> root (api, gather, singlefile, training) -> parallel/, io/ -> format/ -> core/,
-and nothing outside tools/ imports tools/ (but ``__main__``, the command line's entry point).
+and nothing outside tools/ imports tools/ (but ``__main__``, the command line's entry point);
+among the root modules, in a declared order (ROOT_ORDER).
 Every module is parsed with ``ast`` (nothing is imported), so an import hidden inside a
 function counts too."""
 from __future__ import annotations
@@ -91,6 +92,38 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
 
 def package_modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
+
+
+# the root modules, each importing only those before it: the save's pipeline runs down the
+# list (the manager composes a node-local tier's steps and the api's driver runs them; the
+# tier runs no save itself), and the package's __init__ re-exports above them all
+ROOT_ORDER = ("async_save", "singlefile", "gather", "tiers", "api", "patching", "training", "manager")
+
+
+def root_violations(source: str, module: str) -> list[str]:
+    """The imports of root module ``module`` of a root module not before it in ROOT_ORDER."""
+    name = module.split(".")[1]
+    allowed = set(ROOT_ORDER[: ROOT_ORDER.index(name)])
+    found = {t.split(".")[1] for _, t in imports_of(source, module, False)
+             if t.startswith("paddle_dcp.") and layer_of(t) == "root" and t.split(".")[1] not in BASE}
+    return sorted(f"{module} imports paddle_dcp.{t}, not before it in ROOT_ORDER" for t in found - allowed)
+
+
+def test_every_root_module_has_its_place_in_the_declared_order():
+    roots = {module_name(p).split(".")[1] for p in package_modules()
+             if layer_of(module_name(p)) == "root" and module_name(p) != "paddle_dcp"}
+    assert roots == set(ROOT_ORDER)
+
+
+@pytest.mark.parametrize("name", ROOT_ORDER)
+def test_root_modules_import_only_those_before_them(name):
+    assert root_violations((PACKAGE / f"{name}.py").read_text(), f"paddle_dcp.{name}") == []
+
+
+def test_the_order_checker_refuses_a_tier_that_imports_the_api():
+    assert root_violations("from .api import run_save\n", "paddle_dcp.tiers") != []
+    assert root_violations("def f():\n    from . import manager\n", "paddle_dcp.api") != []
+    assert root_violations("from .tiers import LocalTier\nfrom .errors import DcpError\n", "paddle_dcp.manager") == []
 
 
 def test_every_module_is_in_a_known_place():
