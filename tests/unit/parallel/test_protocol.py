@@ -182,6 +182,40 @@ def test_a_step_failing_on_one_rank_raises_the_same_error_on_every_rank(step):
         assert ranks[0].published == []
 
 
+def composed_on_threads(ranks: dict, fail: tuple[str, int] | None = None) -> tuple[dict, dict]:
+    """Each rank's save with two steps composed after it ("copy", "record"), each recording
+    (name, the result's id, whether it carries the metadata); ``fail``: (step, rank) raising."""
+    seen: dict[int, list] = {r: [] for r in ranks}
+
+    def one(comm):
+        def step(name):
+            def body(result):
+                seen[comm.rank].append((name, result.unique_id, result.metadata is not None))
+                if fail == (name, comm.rank):
+                    raise StorageError(f"{name} failed")
+            return lambda result: protocol.local(name, lambda: body(result))
+        return protocol.run(comm, protocol.save(ranks[comm.rank], (step("copy"), step("record"))))
+
+    return ThreadWorld(SIZE).run(one), seen
+
+
+def test_the_steps_composed_after_a_save_run_in_order_with_its_result_instead_of_publishing():
+    ranks = {r: FakeSaveRank(r, {}) for r in range(SIZE)}
+    results, seen = composed_on_threads(ranks)
+    assert all(isinstance(v, protocol.SaveResult) and v.unique_id == 7 for v in results.values()), results
+    for r in range(SIZE):  # the metadata, built by the coordinator alone, passed to the steps
+        assert seen[r] == [("copy", 7, r == 0), ("record", 7, r == 0)]
+        assert "publish" not in ranks[r].steps and "tidy" not in ranks[r].steps  # not composed
+    assert results[0].metadata.unique_id == 7 and ranks[0].published == []
+
+
+def test_a_composed_step_failing_on_one_rank_raises_on_every_rank_and_no_later_step_runs():
+    ranks = {r: FakeSaveRank(r, {}) for r in range(SIZE)}
+    results, seen = composed_on_threads(ranks, fail=("copy", 2))
+    assert all(isinstance(e, CollectiveError) and e.step == "copy" for e in results.values()), results
+    assert all(steps == [("copy", 7, r == 0)] for r, steps in seen.items())
+
+
 # ---------------------------------------------------------------------------- load
 class FakeWork:
     """A LoadWork recording the order of its steps."""
