@@ -25,6 +25,7 @@ from .core.keys import MissingKeys
 from .parallel import protocol
 from .parallel.comm import make_comm
 from .parallel.state import STATE, ProcessState
+from .parallel.options import LoadOptions, SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
@@ -130,10 +131,10 @@ def save_state_dict(
     wait_async_save()  # a save starts when the previous async one has finished (or raises its error)
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
+    options = SaveOptions(safetensors, bool(save_replicas), durable, async_save, policy)
     rank = LocalSaveRank(
-        comm, state_dict, open_storage(path, storage_options), unique_id, STATE.save_plans,
-        safetensors=safetensors, replicas=save_replicas, durable=durable, staged=async_save,
-        staging=STATE.staging if async_save else None, compress=policy,
+        comm, state_dict, open_storage(path, storage_options), unique_id, STATE.save_plans, options,
+        STATE.staging if async_save else None,
     )
     handle = run_save(comm, rank, path)
     return handle if async_save else None
@@ -259,10 +260,9 @@ def load_state_dict(
     if is_file(path, storage_options):  # one safetensors file (save_gathered): each process reads its own part
         return _load_one_file(state_dict, path, offload, mw_name_compatibility, missing, storage_options)
     path = os.fspath(path)
+    options = LoadOptions(offload, mw_name_compatibility, aoa_config, safetensors, near, verify, missing)
     rank = LocalLoadRank(
-        make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id,
-        offload=offload, mw_name_compatibility=mw_name_compatibility, aoa_config=aoa_config, safetensors=safetensors,
-        near=near, verify=verify, missing=missing,
+        make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id, options,
     )
     run_load(rank)
 

@@ -26,6 +26,7 @@ from . import async_save as background_saves
 from .parallel.state import STATE
 from .api import run_load, run_save
 from .core.compress import policy_of
+from .parallel.options import SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
@@ -162,9 +163,9 @@ class CheckpointManager:
                 after += (self.local.upload_step(step, self.store), self._recorded(step))
             path = self.local.directory
         else:
+            options = SaveOptions(staged=self.async_save, compress=self.compress)
             rank = LocalSaveRank(
-                self.comm, state_dict, self.store, step, STATE.save_plans, staged=self.async_save,
-                staging=STATE.staging if self.async_save else None, compress=self.compress,
+                self.comm, state_dict, self.store, step, STATE.save_plans, options, STATE.staging if self.async_save else None,
             )
             after = (lambda result: protocol.publish(rank, result), self._recorded(step))
             path = self.directory
@@ -345,13 +346,9 @@ class CheckpointManager:
             return
         def remove() -> None:
             if not self.store.seen_by_all:
-                for step in doomed:
-                    cleanup.remove_data(self.store, step, comm.rank)
-                    cleanup.remove_temporary(self.store, step, comm.rank)
+                cleanup.remove_steps(self.store, doomed, comm.rank)
             elif comm.rank == comm.coordinator:  # one listing, batched deletes, for every rank
-                listing = self.store.list_checkpoints()
-                names = [n for step in doomed for n in listing.data_names(step) + cleanup.temporary_names(listing, step)]
-                self.store.remove(names)
+                cleanup.remove_steps(self.store, doomed)
 
         yield from protocol.local("retention: remove data files", remove)
         yield from self._decision(comm, "retention: forget", lambda m: (m.without(doomed), None), True)

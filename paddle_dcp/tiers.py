@@ -26,13 +26,13 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import xxhash
 
 from .core.compress import Policy
 from .core import metafile
 from .core.replica_plan import copy_holders, nodes_of
+from .core.retention import Manifest, StepEntry, to_delete
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
 from .errors import ArgumentError, IntegrityError
@@ -41,6 +41,7 @@ from .io.file_transfer import copy_file
 from .io.storage import Storage, metadata_from_bytes
 from .parallel import protocol, wire
 from .parallel.comm import Comm
+from .parallel.options import LoadOptions, SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank
 from .parallel.replicate import copy_files
 from .parallel.state import STATE
@@ -215,9 +216,9 @@ class LocalTier:
         """The rank that saves ``step`` to this node's local directory (the keys ``compress``
         names stored quantized; an async save when ``staged``); its metadata is published by
         :meth:`after_save`'s step, once the copies are in place."""
+        options = SaveOptions(durable=self.durable, staged=staged, compress=compress)
         return LocalSaveRank(
-            self.comm, state_dict, self.store, step, STATE.save_plans, staged=staged,
-            staging=STATE.staging if staged else None, durable=self.durable, compress=compress,
+            self.comm, state_dict, self.store, step, STATE.save_plans, options, STATE.staging if staged else None,
         )
 
     def after_save(self, rank: LocalSaveRank) -> tuple[protocol.Step, ...]:
@@ -265,11 +266,12 @@ class LocalTier:
         return sends, receives
 
     def _retain(self, keep: int) -> protocol.Protocol:
-        """Keep the ``max_to_keep`` newest local steps (``keep`` among them): the metadata of
-        the others goes first on every node, then their files."""
+        """Keep the ``max_to_keep`` newest local steps (``keep`` among them), chosen as the
+        manager's retention chooses (:func:`paddle_dcp.core.retention.to_delete`): the
+        metadata of the others goes first on every node, then their files."""
         steps = yield from self._all_steps()
-        newest = sorted(steps)[-self.max_to_keep:]
-        doomed = sorted(s for s in steps if s not in newest and s != keep)
+        held = Manifest({s: StepEntry(s, "complete") for s in steps})
+        doomed = to_delete(held, self.max_to_keep, protected=(keep,))
         if not doomed:
             return
 
@@ -279,8 +281,7 @@ class LocalTier:
 
         def remove() -> None:
             if self.is_leader:
-                listing = self.store.list_checkpoints()
-                self.store.remove([n for s in doomed for n in listing.data_names(s) + cleanup.temporary_names(listing, s)])
+                cleanup.remove_steps(self.store, doomed)
 
         yield from protocol.local("local tier: retention, metadata", forget)
         yield from protocol.local("local tier: retention, data", remove)
@@ -317,7 +318,7 @@ class LocalTier:
         yield from protocol.local("global tier: publish", publish)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state_dict: dict, step: int, fallback: Storage | None = None, **options: Any) -> tuple[dict | None, str]:
+    def restore(self, state_dict: dict, step: int, fallback: Storage | None = None) -> tuple[dict | None, str]:
         """Load local ``step`` into ``state_dict``, each file from the nearest intact copy: its
         own node, another node, else (when no node has one) the global tier ``fallback``
         holding the same step, from which the file's writer copies it back into its node
@@ -332,8 +333,8 @@ class LocalTier:
             exclude = exclude - {name for r, (name, _) in repaired.items() if r in self.node}
         # every byte it reads was checked just now, by its own node's ranks or the serving
         # node's: the load does not hash them a second time
-        options.setdefault("verify", False)
-        rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, exclude=exclude, **options)
+        options = LoadOptions(verify=False, exclude=frozenset(exclude))
+        rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, options)
         _, work = protocol.run(self.comm, protocol.load(rank))
         return {
             "local": sum(op.nbytes for op in work.local),

@@ -3,6 +3,8 @@ of ids without metadata, a rank's older generations.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from ..core.naming import TMP_RE, parse_data_name
 from .storage import Listing, Storage
 
@@ -41,6 +43,18 @@ def remove_data(
         writer, _, generation = parse_data_name(name) or (-1, -1, -1)
         if (rank is None or writer == rank) and generation != keep_generation:
             names.append(name)
+    return store.remove(names)
+
+
+def remove_steps(store: Storage, unique_ids: Iterable[int], rank: int | None = None) -> list[str]:
+    """Remove the data files of ``unique_ids`` and the temporary files crashed saves of them
+    left: ``rank``'s own, or (None) every rank's and the metadata's, from one listing (the
+    retention of a manager and of its node-local tier, once the ids' metadata is gone)."""
+    listing = store.list_checkpoints()
+    names = []
+    for uid in unique_ids:
+        names += [n for n in listing.data_names(uid) if rank is None or (parse_data_name(n) or (-1,))[0] == rank]
+        names += temporary_names(listing, uid, rank)
     return store.remove(names)
 
 

@@ -22,6 +22,7 @@ from ..core import checksums
 from ..io import reads
 from . import exchange, wire
 from .comm import Comm
+from .options import LoadOptions
 from .device import PinnedStage, TargetBuffer
 from .placements import buffer_like, partial_fill
 from ..core import aoa, load_plan, nested
@@ -238,21 +239,20 @@ def plan_load(
     meta: Metadata,
     path: str,
     store: storage.Storage,
-    offload: bool,
-    mw: bool,
+    options: LoadOptions = LoadOptions(),
     verify: bool = True,
-    missing: MissingKeys = MissingKeys(),
     sources: Sources | None = None,
     remap=None,
     kind: str = "checkpoint",
 ) -> LocalLoadWork:
     """This rank's complete load of ``meta`` into ``state_dict`` (flattened: ``flat``, its
-    tensors' pieces: ``held``): keys matched, targets' buffers, read ops split between the
-    files this rank reads and the ranks that serve the others (``sources``; None: every file
-    is this rank's), every local file opened. ``kind`` names the source in messages
-    ("checkpoint", "file")."""
-    matched = match_load(flat, meta, path, mw, missing, remap, kind)
-    return plan_work(state_dict, flat, held, meta, matched, path, store, offload, verify, sources, remap)
+    tensors' pieces: ``held``) as ``options`` ask: keys matched, targets' buffers, read ops
+    split between the files this rank reads and the ranks that serve the others
+    (``sources``; None: every file is this rank's), every local file opened. ``verify``:
+    whether blocks are checked (asked for, and the metadata has checksums). ``kind`` names the
+    source in messages ("checkpoint", "file")."""
+    matched = match_load(flat, meta, path, options.mw_name_compatibility, options.missing, remap, kind)
+    return plan_work(state_dict, flat, held, meta, matched, path, store, options.offload, verify, sources, remap)
 
 
 def plan_work(

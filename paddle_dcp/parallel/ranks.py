@@ -17,6 +17,7 @@ from ..io import cleanup
 from ..core.dtypes import as_bytes
 from . import exchange, protocol, wire
 from .comm import Comm
+from .options import LoadOptions, SaveOptions
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
 from .placements import HeldTensor, PartialPiece, describe, held_of, is_tensor, partial_pieces, reduced_value, tensor_name
@@ -92,20 +93,15 @@ class LocalSaveRank:
         store: storage.Storage,
         unique_id: int | None,
         cache: dict,
-        *,
-        safetensors: bool = False,
-        replicas: bool = False,
-        durable: bool = False,
-        staged: bool = False,
+        options: SaveOptions = SaveOptions(),
         staging: StagingArena | None = None,
-        compress: Policy | None = None,
     ):
         self.comm, self.state_dict, self.store, self.unique_id = comm, state_dict, store, unique_id
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
-        self.cache, self.replicas, self.staged, self.staging = cache, bool(replicas), staged, staging
-        self.safetensors, self.durable = safetensors, durable
-        self.layout = hf_dir.layout_plan if safetensors else None
-        self.compress = compress  # which keys are stored quantized (core/compress.py)
+        self.cache, self.options, self.staging = cache, options, staging
+        # what the protocol asks of every side (SaveRankProtocol)
+        self.replicas, self.staged, self.compress = options.replicas, options.staged, options.compress
+        self.layout = hf_dir.layout_plan if options.safetensors else None
 
     def prepare(self) -> tuple[Prepared, tuple[Reduction, ...]]:
         check_id(self.unique_id)
@@ -182,17 +178,18 @@ class LocalSaveRank:
         return replace(described, sources=replace(pieces, held=tuple(held)))
 
     def write(self, described: protocol.Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
-        name = storage.data_file_name(self.rank, uid, generation, "safetensors" if self.safetensors else "distcp")
+        name = storage.data_file_name(self.rank, uid, generation, self.options.file_kind)
         pieces: PieceSources = described.sources
-        return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, self.durable, self.safetensors, self.compress)
+        o = self.options
+        return write_pieces(self.store, name, pieces.held, pieces.rows, leaves, o.durable, o.safetensors, o.compress)
 
     def values(self, prepared: Prepared) -> dict:
         return prepared.flat.values
 
     def publish(self, meta: Metadata) -> None:
-        if self.safetensors:
+        if self.options.safetensors:
             meta = hf_dir.rename_files(meta)
-        self.store.write_atomic(storage.metadata_name(meta.unique_id), metafile.encode(meta), self.durable)
+        self.store.write_atomic(storage.metadata_name(meta.unique_id), metafile.encode(meta), self.options.durable)
 
     def tidy(self, uid: int, generation: int, listing: storage.Listing | None) -> None:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
@@ -268,23 +265,12 @@ class LocalLoadRank:
         path: str,
         store: storage.Storage,
         unique_id: int | None,
-        *,
-        offload: bool = False,
-        mw_name_compatibility: bool = True,
-        aoa_config: dict | None = None,
-        safetensors: bool = False,
-        near: frozenset = frozenset(),
-        verify: bool = True,
-        missing: MissingKeys = MissingKeys(),
-        exclude: frozenset = frozenset(),
+        options: LoadOptions = LoadOptions(),
     ):
         self.comm, self.state_dict, self.path, self.unique_id = comm, state_dict, path, unique_id
-        self.exclude = exclude  # files this rank must not read (found damaged): taken from other ranks
         self.rank, self.ranks, self.coordinator = comm.rank, comm.ranks, comm.coordinator
-        self.offload, self.mw, self.aoa_config = offload, mw_name_compatibility, aoa_config
-        self.safetensors, self.near, self.verify, self.missing = safetensors, near, verify, missing
-        self.store = store
-        self.shares_targets = aoa_config is not None  # paddle's engine needs every rank's targets
+        self.options, self.store = options, store
+        self.shares_targets = options.aoa_config is not None  # paddle's engine needs every rank's targets
         # one store every rank sees alike (object storage): the coordinator alone lists it, to
         # find the latest id or, with safetensors, whether it is a directory of safetensors files
         self.lists_for_all = bool(store.seen_by_all)
@@ -293,13 +279,13 @@ class LocalLoadRank:
         check_id(self.unique_id)
         flat = nested.flatten(self.state_dict, is_tensor)
         held = tuple(describe(k, v, self.rank, flat_ok=True) for k, v in flat.tensors.items())
-        given = self.unique_id is not None and not self.safetensors
+        given = self.unique_id is not None and not self.options.safetensors
         if self.lists_for_all and (self.rank != self.coordinator or given):
             return Inspected(flat, held), storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
         listing = self.store.list_checkpoints(temporary=False)
-        if self.exclude:
-            listing = storage.listing_of(listing.files - self.exclude)
-        if self.safetensors and listing.latest is None:  # a directory of safetensors files
+        if self.options.exclude:
+            listing = storage.listing_of(listing.files - self.options.exclude)
+        if self.options.safetensors and listing.latest is None:  # a directory of safetensors files
             shards = safetensors_files.shard_names(self.store, listing.files)
             uid = self.unique_id if self.unique_id is not None else 0
             return Inspected(flat, held, shards), _directory_listing(uid, shards[0])
@@ -317,12 +303,12 @@ class LocalLoadRank:
         """The checkpoint keys this rank may read (its tensors' keys, and their master-weight
         spellings) with the boxes it fills of each; None when it must see every key (an
         aoa_config matches patterns against them)."""
-        if self.aoa_config is not None or view.shards is not None:
+        if self.options.aoa_config is not None or view.shards is not None:
             return None
         out: dict[str, list[Box]] = {}
         for h in view.held:
             boxes = [piece.box for piece, _ in h.pieces() if piece.box is not None] if h.local is not None else []
-            for key in (h.piece.key, mw_compatible_name(h.piece.key) if self.mw else None):
+            for key in (h.piece.key, mw_compatible_name(h.piece.key) if self.options.mw_name_compatibility else None):
                 if key is not None:
                     out.setdefault(key, []).extend(boxes)
         return out
@@ -366,7 +352,7 @@ class LocalLoadRank:
         return storage.metadata_from_bytes(data[1:], uid, self.store.resolve(storage.metadata_name(uid)), lazy=True)
 
     def metadata_from_helpers(self, view: Inspected, readers: list[int], meta: Metadata | None) -> protocol.Pairwise:
-        if self.aoa_config is not None:  # every rank knows the readers: all raise the same error
+        if self.options.aoa_config is not None:  # every rank knows the readers: all raise the same error
             others = [r for r in self.ranks if r not in readers]
             raise UnsupportedError(
                 f"aoa_config needs every rank to read the metadata of the checkpoint in {self.path}; "
@@ -382,7 +368,7 @@ class LocalLoadRank:
 
         return protocol.Pairwise(
             "metadata from helpers",
-            lambda c: metadata_from_helpers(c, readers, meta, view.flat, view.held, self.mw, part_for),
+            lambda c: metadata_from_helpers(c, readers, meta, view.flat, view.held, self.options.mw_name_compatibility, part_for),
         )
 
     def plan(
@@ -393,17 +379,15 @@ class LocalLoadRank:
             directory = meta.checksum_algorithm == hf_dir.NO_CHECKSUMS  # safetensors files, no metadata of ours
             listing = _directory_listing(uid, names) if directory else storage.listing_of(names)
         remap = None
-        if self.aoa_config is not None:
+        if self.options.aoa_config is not None:
             from .aoa_paddle import Remap
 
-            remap = Remap(self.aoa_config, aoa.source_shards(meta), every_target)
-        checks = self.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
+            remap = Remap(self.options.aoa_config, aoa.source_shards(meta), every_target)
+        checks = self.options.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
         sources = Sources(self.comm.rank, tuple(self.comm.ranks), uid, frozenset(visible_files(listing, uid)),
-                          tuple(statuses), frozenset(self.near))
-        return plan_load(
-            self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.offload, self.mw, checks,
-            self.missing, sources, remap,
-        )
+                          tuple(statuses), self.options.near)
+        return plan_load(self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.options, checks,
+                         sources, remap)
 
 
 def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:

@@ -70,7 +70,7 @@ def test_a_finished_work_is_freed_without_the_garbage_collector(store):
     state, flat, held = target()
     gc.disable()
     try:
-        work = plan_load(state, flat, held, meta, "mem", store, False, True)
+        work = plan_load(state, flat, held, meta, "mem", store)
         work.read_local()
         work.finish()
         alive = weakref.ref(work)
@@ -91,7 +91,7 @@ def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, mon
 
     meta = store.read_metadata(0, lazy=True)
     state, flat, held = target()
-    work = plan_load(state, flat, held, meta, "mem", store, False, True)
+    work = plan_load(state, flat, held, meta, "mem", store)
     exchanging, served = threading.Event(), []
     real_ahead = loadwork.reads.read_ahead
 
@@ -115,7 +115,7 @@ def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, mon
         raise StorageError("disk gone")
 
     state, flat, held = target()
-    work = plan_load(state, flat, held, meta, "mem", store, False, True)
+    work = plan_load(state, flat, held, meta, "mem", store)
     monkeypatch.setattr(loadwork.reads, "read_ahead", broken)
     served.clear()
     with pytest.raises(StorageError, match="disk gone"):
@@ -133,7 +133,7 @@ def test_ops_received_on_several_connections_at_once_never_share_a_staging_buffe
 
     meta = store.read_metadata(0, lazy=True)
     state, flat, held = target()
-    work = plan_load(state, flat, held, meta, "mem", store, False, True)
+    work = plan_load(state, flat, held, meta, "mem", store)
     seen: dict = {}
     both = threading.Barrier(3, timeout=5)
 

@@ -15,6 +15,7 @@ from safetensors.numpy import save
 from paddle_dcp.parallel import protocol
 from paddle_dcp.parallel.comm import SoloComm
 from paddle_dcp.parallel.ranks import LocalLoadRank, LocalSaveRank
+from paddle_dcp.parallel.options import LoadOptions, SaveOptions
 from paddle_dcp.errors import CollectiveError
 from paddle_dcp.io import safetensors_files
 
@@ -82,7 +83,7 @@ def load_on_threads(blobs: dict, unique_id=None):
     state = [targets() for _ in range(SIZE)]
 
     def one(comm):
-        side = LocalLoadRank(comm, state[comm.rank], "s3://bucket/model", stores[comm.rank], unique_id, safetensors=True)
+        side = LocalLoadRank(comm, state[comm.rank], "s3://bucket/model", stores[comm.rank], unique_id, LoadOptions(safetensors=True))
         return protocol.run(comm, protocol.load(side))[0]
 
     return ThreadWorld(SIZE).run(one), stores, state
@@ -201,7 +202,7 @@ def test_a_save_rank_s_steps_return_values_and_leave_the_rank_and_the_state_dict
     holds nothing after the save but its inputs."""
     w, b = np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(3, dtype=np.int64)
     store = CountingStorage("mem", {})
-    rank = LocalSaveRank(SoloComm(), {"w": w, "b": b, "step": 3}, store, None, {}, staged=True)
+    rank = LocalSaveRank(SoloComm(), {"w": w, "b": b, "step": 3}, store, None, {}, SaveOptions(staged=True))
     attributes = dict(vars(rank))
     prepared, reductions = rank.prepare()
     assert reductions == ()  # no Partial tensor

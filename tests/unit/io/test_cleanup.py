@@ -29,3 +29,18 @@ def test_temporary_names_by_id_and_rank():
     assert cleanup.temporary_names(listing, 3, 1) == ["1_3.2.distcp.tmp.b"]
     assert cleanup.temporary_names(listing, 3, -1) == ["3.metadata.tmp.c"]  # the coordinator's metadata
     assert cleanup.temporary_names(listing, 5) == []
+
+
+def test_removing_steps_takes_their_data_and_temporary_files_of_one_rank_or_all_and_nothing_else(tmp_path):
+    names = ["3.metadata", "0_3.distcp", "1_3.distcp", "1_3.1.distcp", "1_3.distcp.tmp.ab", "3.metadata.tmp.ef",
+             "0_4.distcp", "1_4.distcp", "4.metadata", "0_5.distcp", "1_5.distcp.tmp.cd", "notes.txt"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    store = local.LocalStorage(str(tmp_path))
+    assert sorted(cleanup.remove_steps(store, [3, 4], rank=1)) == ["1_3.1.distcp", "1_3.distcp", "1_3.distcp.tmp.ab",
+                                                                   "1_4.distcp"]
+    assert sorted(cleanup.remove_steps(store, [3])) == ["0_3.distcp", "3.metadata.tmp.ef"]
+    assert cleanup.remove_steps(store, []) == []
+    # the metadata is the caller's to remove first; other steps and other files stay
+    assert sorted(os.listdir(tmp_path)) == ["0_4.distcp", "0_5.distcp", "1_5.distcp.tmp.cd", "3.metadata", "4.metadata",
+                                            "notes.txt"]
