@@ -232,7 +232,7 @@ class LocalTier:
         node, last; then ``rank``'s older generations of the id, and the steps past
         ``max_to_keep``, removed."""
         comm = self.comm
-        data = metafile.encode(result.metadata) if comm.is_coordinator else b""
+        data = yield from protocol.local("commit", lambda: metafile.encode(result.built()) if comm.is_coordinator else b"")
         data = yield protocol.Broadcast(data, comm.coordinator)
         sends, receives = yield from protocol.local("local tier: plan copies", lambda: self._copies(comm.rank, data))
         writers = yield protocol.Pairwise("local tier: copy", lambda c: copy_files(c, self.store, sends, receives))

@@ -210,9 +210,12 @@ class SaveResult:
     """A save's outcome on one rank.
 
     Attributes:
-        metadata: what the coordinator built, for :func:`publish` (None on the other ranks).
+        metadata: the metadata, once the coordinator built it (:meth:`built`, in the step
+            that follows the write: :func:`publish`'s commit); None on the other ranks.
         generation / listing: the generation of the id's data files this save wrote, and
             the listing its ``prepare_id`` made (for ``tidy``, once the metadata is in place).
+        build: the coordinator's: builds the metadata from every writer's report (None on the
+            other ranks).
     """
 
     unique_id: int
@@ -221,6 +224,14 @@ class SaveResult:
     metadata: Metadata | None = None
     generation: int = 0
     listing: Any = None
+    build: Callable[[], Metadata] | None = None
+
+    def built(self) -> Metadata:
+        """The metadata, built once (on the coordinator)."""
+        if self.metadata is None:
+            assert self.build is not None, "only the coordinator builds the metadata"
+            self.metadata = quiet_collector(self.build)
+        return self.metadata
 
 
 Step = Callable[["SaveResult"], Protocol]  # what follows a written save, given its result
@@ -228,8 +239,8 @@ Step = Callable[["SaveResult"], Protocol]  # what follows a written save, given 
 
 def save(side: SaveRankProtocol, after: Sequence[Step] | None = None) -> Protocol:
     """The save protocol of one rank; ``side`` does that rank's local steps: the data files
-    written and the metadata built by the coordinator, then each step of ``after`` in turn,
-    given the result (default: :func:`publish`; a CheckpointManager composes its own: a
+    written and every writer's report with the coordinator, then each step of ``after`` in
+    turn, given the result (the first builds the metadata: ``result.built()``) (default: :func:`publish`; a CheckpointManager composes its own: a
     node-local tier's copies, the upload, the manifest, retention). Returns the save's
     result."""
     result, last = yield from _written(side)
@@ -240,8 +251,9 @@ def save(side: SaveRankProtocol, after: Sequence[Step] | None = None) -> Protoco
 
 
 def _written(side: SaveRankProtocol) -> Protocol:
-    """A save up to its metadata, built by the coordinator and not yet written; returns the
-    result and what the rank does last (after every step that follows)."""
+    """A save up to the writers' reports, gathered by the coordinator; returns the result
+    (whose ``build`` makes the metadata on the coordinator) and what the rank does last (after
+    every step that follows)."""
     is_coord = side.rank == side.coordinator
     prepared, reductions = yield from local("prepare", side.prepare)
     yield ReduceAmong("reduce partial", reductions)  # agreed on like a local step
@@ -283,21 +295,20 @@ def _written(side: SaveRankProtocol) -> Protocol:
     size, sums = written or (0, [])
     reports = yield Gather(wire.encode_report(size, np.asarray(sums, np.uint64)), side.coordinator)
 
-    def commit():
-        return quiet_collector(
-            metadata_from_reports,
-            plan, side.ranks, reports, side.values(prepared), uid, side.block_bytes, side.created_by, generation,
+    def build():
+        return metadata_from_reports(
+            plan, side.ranks, reports, side.values(prepared), uid, side.block_bytes, side.created_by, generation
         )
 
-    meta = yield from local("commit", commit if is_coord else (lambda: None))
     last = (lambda: side.reserve(described, leaves)) if direct else (lambda: None)
-    return SaveResult(uid, size, not changed, meta, generation, listing), last
+    return SaveResult(uid, size, not changed, None, generation, listing, build if is_coord else None), last
 
 
 def publish(side: SaveRankProtocol, result: SaveResult) -> Protocol:
-    """The coordinator writes the metadata of a written save; then every
-    rank removes its data files of older generations of the id, which the metadata replaced."""
-    yield from local("publish", (lambda: side.publish(result.metadata)) if side.rank == side.coordinator else (lambda: None))
+    """The coordinator builds the metadata of a written save and writes it (one step, the
+    commit); then every rank removes its data files of older generations of the id, which the
+    metadata replaced."""
+    yield from local("commit", (lambda: side.publish(result.built())) if side.rank == side.coordinator else (lambda: None))
     yield from local("tidy", lambda: side.tidy(result.unique_id, result.generation, result.listing))
 
 

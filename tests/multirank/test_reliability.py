@@ -24,7 +24,7 @@ from launcher import assert_passed, run_launch, run_single, script, spawn
 SCENARIOS = ["writer_new", "coordinator_new", "writer_same", "coordinator_same", "writer_frozen"]
 PHASES = ["verify", "exchange"]
 VICTIM = {"writer": 1, "coordinator": 0, "load": 1}
-STEP = {"writer": "write", "coordinator": "publish", "verify": "verify remote", "exchange": "read and exchange"}
+STEP = {"writer": "write", "coordinator": "commit", "verify": "verify remote", "exchange": "read and exchange"}
 STARTUP_BOUND = 180  # s for every job to reach its victim's block (six jobs share the CPUs)
 KILL_BOUND = 60  # s from the kill to the survivors' exit: gloo's 30 s timeout, and slack
 GLOO_TIMEOUT = 30  # s: how long gloo waits for a peer that stops answering

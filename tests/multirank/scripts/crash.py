@@ -128,7 +128,7 @@ def save_scenario(scenario: str) -> None:
             return real_replace(src, dst, *args, **kwargs)
 
         os.replace = block_before_commit
-    step = "write" if scenario.startswith("writer") else "publish"
+    step = "write" if scenario.startswith("writer") else "commit"
     survive(lambda: paddle_dcp.save_state_dict(c.build(saved, 1, variant_values(1)), path, unique_id=1), step)
 
 

@@ -174,7 +174,7 @@ def test_a_step_failing_on_one_rank_raises_the_same_error_on_every_rank(step):
     errors = list(results.values())
     assert all(isinstance(e, CollectiveError) for e in errors), errors
     assert {(e.step, tuple(e.failures.items())) for e in errors} == {
-        (step, ((failing, f"StorageError: rank {failing}: disk full"),))
+        (step if step != "publish" else "commit", ((failing, f"StorageError: rank {failing}: disk full"),))
     }
     # nobody went on past the failed step: no rank tidies, the metadata is not published
     assert all("tidy" not in r.steps for r in ranks.values())
@@ -183,14 +183,16 @@ def test_a_step_failing_on_one_rank_raises_the_same_error_on_every_rank(step):
 
 
 def composed_on_threads(ranks: dict, fail: tuple[str, int] | None = None) -> tuple[dict, dict]:
-    """Each rank's save with two steps composed after it ("copy", "record"), each recording
-    (name, the result's id, whether it carries the metadata); ``fail``: (step, rank) raising."""
+    """Each rank's save with two steps composed after it ("copy", which builds the metadata on
+    the coordinator, and "record"), each recording (name, the result's id, whether it has the
+    metadata); ``fail``: (step, rank) raising."""
     seen: dict[int, list] = {r: [] for r in ranks}
 
     def one(comm):
         def step(name):
             def body(result):
-                seen[comm.rank].append((name, result.unique_id, result.metadata is not None))
+                built = result.built() if name == "copy" and comm.rank == 0 else result.metadata  # the first step builds it
+                seen[comm.rank].append((name, result.unique_id, built is not None))
                 if fail == (name, comm.rank):
                     raise StorageError(f"{name} failed")
             return lambda result: protocol.local(name, lambda: body(result))
@@ -203,7 +205,7 @@ def test_the_steps_composed_after_a_save_run_in_order_with_its_result_instead_of
     ranks = {r: FakeSaveRank(r, {}) for r in range(SIZE)}
     results, seen = composed_on_threads(ranks)
     assert all(isinstance(v, protocol.SaveResult) and v.unique_id == 7 for v in results.values()), results
-    for r in range(SIZE):  # the metadata, built by the coordinator alone, passed to the steps
+    for r in range(SIZE):  # the metadata, built by the coordinator alone, kept for the steps after
         assert seen[r] == [("copy", 7, r == 0), ("record", 7, r == 0)]
         assert "publish" not in ranks[r].steps and "tidy" not in ranks[r].steps  # not composed
     assert results[0].metadata.unique_id == 7 and ranks[0].published == []
