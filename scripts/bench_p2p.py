@@ -8,7 +8,7 @@ memory. Three routes for the same messages, rank 0 sending to rank 1, 64 message
 - gloo pair: a gloo process group of the two ranks, host tensors (what paddle_dcp used before);
 - job communicator: the job's group with device tensors, as an NCCL job must use it: the host
   bytes copied to a device tensor, sent, received into a device tensor, copied back. Run under
-  the fake GPU (``PADDLE_DCP_FAKE_GPU=1``, ``tests/fakegpu_site`` on PYTHONPATH, as
+  the fake GPU (``PADDLE_DCP_FAKE_GPU=1``, ``tests/worker_site`` on PYTHONPATH, as
   ``--fake-gpu`` arranges) the fake counts the device memory and the host/device copies this
   route costs; its wire is gloo on this machine, so its time here is not NCCL's.
 
@@ -119,7 +119,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     if args.fake_gpu:
         env.update(PADDLE_DCP_FAKE_GPU="1")
-        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests", "fakegpu_site"), env["PYTHONPATH"]])
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests", "worker_site"), env["PYTHONPATH"]])
     with tempfile.TemporaryDirectory() as logs:
         cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", logs,
                os.path.abspath(__file__), "--worker", "--sizes", args.sizes]

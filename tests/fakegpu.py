@@ -20,7 +20,7 @@
   operators produce are not counted (only what creation calls and copies make).
 
 What it does not prove: timing, streams, real device memory limits, NCCL's own behaviour.
-Enabled in processes started with ``PADDLE_DCP_FAKE_GPU=1`` and ``tests/fakegpu_site`` on
+Enabled in processes started with ``PADDLE_DCP_FAKE_GPU=1`` and ``tests/worker_site`` on
 ``PYTHONPATH`` (``sitecustomize`` there calls :func:`install`), or by calling :func:`install`.
 """
 from __future__ import annotations

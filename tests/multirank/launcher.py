@@ -95,8 +95,9 @@ def _env() -> dict:
     """The environment of a launch (as :func:`launch` builds it): the scripts and the
     repository importable."""
     env = dict(os.environ)
-    # under the fake GPU (scripts/test.sh --fake-gpu) every worker installs it at start-up
-    site = [str(REPO / "tests" / "fakegpu_site")] if env.get("PADDLE_DCP_FAKE_GPU") == "1" else []
+    # every process started finds tests/worker_site/sitecustomize.py: the fake GPU when asked
+    # (scripts/test.sh --fake-gpu), and a launched rank's wait for rank 0's store
+    site = [str(REPO / "tests" / "worker_site")]
     env["PYTHONPATH"] = os.pathsep.join(
         site + [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
@@ -124,8 +125,9 @@ def launch(script: str, nproc: int, tmp_path, args=(), timeout: float = 180) -> 
         script, *[str(a) for a in args],
     ]
     env = dict(os.environ)
-    # under the fake GPU (scripts/test.sh --fake-gpu) every worker installs it at start-up
-    site = [str(REPO / "tests" / "fakegpu_site")] if env.get("PADDLE_DCP_FAKE_GPU") == "1" else []
+    # every process started finds tests/worker_site/sitecustomize.py: the fake GPU when asked
+    # (scripts/test.sh --fake-gpu), and a launched rank's wait for rank 0's store
+    site = [str(REPO / "tests" / "worker_site")]
     env["PYTHONPATH"] = os.pathsep.join(
         site + [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )

@@ -3,7 +3,7 @@
 value (PADDLE_DCP_GPU_CHECK_CORRUPT) is a FAIL line and exit code 1; without a GPU it says what
 to install and exits 2; a launch past its timeout is killed, with everything it started.
 
-Under the fake GPU (PADDLE_DCP_FAKE_GPU=1 with tests/fakegpu_site on PYTHONPATH, inherited) the
+Under the fake GPU (PADDLE_DCP_FAKE_GPU=1 with tests/worker_site on PYTHONPATH, inherited) the
 script sees GPUs and runs the same cases in its GPU mode, printing peak memory.
 """
 from __future__ import annotations
