@@ -92,8 +92,8 @@ class Launch:
 
 
 def _env() -> dict:
-    """The environment of a launch (as :func:`launch` builds it): the scripts and the
-    repository importable."""
+    """The environment of every process a test starts (launches, single processes, two
+    nodes): the scripts and the repository importable, and tests/worker_site first."""
     env = dict(os.environ)
     # every process started finds tests/worker_site/sitecustomize.py: the fake GPU when asked
     # (scripts/test.sh --fake-gpu), and a launched rank's wait for rank 0's store
@@ -124,15 +124,7 @@ def launch(script: str, nproc: int, tmp_path, args=(), timeout: float = 180) -> 
         "--nproc_per_node", str(nproc), "--log_dir", str(log_dir),
         script, *[str(a) for a in args],
     ]
-    env = dict(os.environ)
-    # every process started finds tests/worker_site/sitecustomize.py: the fake GPU when asked
-    # (scripts/test.sh --fake-gpu), and a launched rank's wait for rank 0's store
-    site = [str(REPO / "tests" / "worker_site")]
-    env["PYTHONPATH"] = os.pathsep.join(
-        site + [str(SCRIPTS), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = _env()
     proc = subprocess.Popen(
         cmd, cwd=str(tmp_path), env=env, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
