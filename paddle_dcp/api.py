@@ -132,10 +132,7 @@ def save_state_dict(
     path = os.fspath(path)
     comm = make_comm(process_group, coordinator_rank)
     options = SaveOptions(safetensors, bool(save_replicas), durable, async_save, policy)
-    rank = LocalSaveRank(
-        comm, state_dict, open_storage(path, storage_options), unique_id, STATE.save_plans, options,
-        STATE.staging if async_save else None,
-    )
+    rank = LocalSaveRank.of_process(comm, state_dict, open_storage(path, storage_options), unique_id, options)
     handle = run_save(comm, rank, path)
     return handle if async_save else None
 

@@ -164,9 +164,7 @@ class CheckpointManager:
             path = self.local.directory
         else:
             options = SaveOptions(staged=self.async_save, compress=self.compress)
-            rank = LocalSaveRank(
-                self.comm, state_dict, self.store, step, STATE.save_plans, options, STATE.staging if self.async_save else None,
-            )
+            rank = LocalSaveRank.of_process(self.comm, state_dict, self.store, step, options)
             after = (lambda result: protocol.publish(rank, result), self._recorded(step))
             path = self.directory
         handle = run_save(self.comm, rank, path, after)

@@ -44,7 +44,6 @@ from .parallel.comm import Comm
 from .parallel.options import LoadOptions, SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank
 from .parallel.replicate import copy_files
-from .parallel.state import STATE
 
 logger = logging.getLogger(__name__)
 
@@ -216,9 +215,8 @@ class LocalTier:
         """The rank that saves ``step`` to this node's local directory (the keys ``compress``
         names stored quantized; an async save when ``staged``); its metadata is published by
         :meth:`after_save`'s step, once the copies are in place."""
-        options = SaveOptions(durable=self.durable, staged=staged, compress=compress)
-        return LocalSaveRank(
-            self.comm, state_dict, self.store, step, STATE.save_plans, options, STATE.staging if staged else None,
+        return LocalSaveRank.of_process(
+            self.comm, state_dict, self.store, step, SaveOptions(durable=self.durable, staged=staged, compress=compress)
         )
 
     def after_save(self, rank: LocalSaveRank) -> tuple[protocol.Step, ...]:
@@ -248,7 +246,7 @@ class LocalTier:
                 self.store.write_atomic(metadata_name(result.unique_id), data, self.durable)
 
         yield from protocol.local("local tier: publish", publish)
-        yield from protocol.local("tidy", lambda: rank.tidy(result.unique_id, result.generation, result.listing))
+        yield from protocol.tidy(rank, result)
         yield from self._retain(keep=result.unique_id)
 
     def _copies(self, me: int, data: bytes) -> tuple[dict[int, str], dict[int, str]]:

@@ -29,6 +29,7 @@ from ..core import aoa, load_plan, nested
 from ..core.keys import MissingKeys, reconcile, report
 from ..core.boxes import Box
 from ..core.metadata import Metadata
+from ..format.hf_dir import NO_CHECKSUMS
 from ..errors import DcpError, FormatError, MismatchError, PlanError, StorageError
 from ..io import storage
 
@@ -240,7 +241,6 @@ def plan_load(
     path: str,
     store: storage.Storage,
     options: LoadOptions = LoadOptions(),
-    verify: bool = True,
     sources: Sources | None = None,
     remap=None,
     kind: str = "checkpoint",
@@ -248,9 +248,10 @@ def plan_load(
     """This rank's complete load of ``meta`` into ``state_dict`` (flattened: ``flat``, its
     tensors' pieces: ``held``) as ``options`` ask: keys matched, targets' buffers, read ops
     split between the files this rank reads and the ranks that serve the others
-    (``sources``; None: every file is this rank's), every local file opened. ``verify``:
-    whether blocks are checked (asked for, and the metadata has checksums). ``kind`` names the
-    source in messages ("checkpoint", "file")."""
+    (``sources``; None: every file is this rank's), every local file opened; blocks are
+    checked when ``options`` ask and the metadata has checksums (a Hugging Face directory's has
+    none). ``kind`` names the source in messages ("checkpoint", "file")."""
+    verify = options.verify and meta.checksum_algorithm != NO_CHECKSUMS
     matched = match_load(flat, meta, path, options.mw_name_compatibility, options.missing, remap, kind)
     return plan_work(state_dict, flat, held, meta, matched, path, store, options.offload, verify, sources, remap)
 

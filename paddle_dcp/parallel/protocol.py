@@ -240,9 +240,9 @@ Step = Callable[["SaveResult"], Protocol]  # what follows a written save, given 
 def save(side: SaveRankProtocol, after: Sequence[Step] | None = None) -> Protocol:
     """The save protocol of one rank; ``side`` does that rank's local steps: the data files
     written and every writer's report with the coordinator, then each step of ``after`` in
-    turn, given the result (the first builds the metadata: ``result.built()``) (default: :func:`publish`; a CheckpointManager composes its own: a
-    node-local tier's copies, the upload, the manifest, retention). Returns the save's
-    result."""
+    turn, given the result; the first builds the metadata (``result.built()``). Default:
+    :func:`publish`; a CheckpointManager composes its own (a node-local tier's copies, the
+    upload, the manifest, retention). Returns the save's result."""
     result, last = yield from _written(side)
     for step in (lambda r: publish(side, r),) if after is None else after:
         yield from step(result)
@@ -309,6 +309,13 @@ def publish(side: SaveRankProtocol, result: SaveResult) -> Protocol:
     commit); then every rank removes its data files of older generations of the id, which the
     metadata replaced."""
     yield from local("commit", (lambda: side.publish(result.built())) if side.rank == side.coordinator else (lambda: None))
+    yield from tidy(side, result)
+
+
+def tidy(side: SaveRankProtocol, result: SaveResult) -> Protocol:
+    """Every rank removes its data files of older generations of the saved id, once the
+    metadata that replaces them is in place (after :func:`publish`, or a node-local tier's
+    publishing on every node)."""
     yield from local("tidy", lambda: side.tidy(result.unique_id, result.generation, result.listing))
 
 

@@ -18,13 +18,14 @@ from ..core.dtypes import as_bytes
 from . import exchange, protocol, wire
 from .comm import Comm
 from .options import LoadOptions, SaveOptions
+from .state import STATE
 from .device import StagingArena, host_bytes, needs_host_copy, staged_copy
 from .loadwork import LocalLoadWork, Sources, plan_load, visible_files
 from .placements import HeldTensor, PartialPiece, describe, held_of, is_tensor, partial_pieces, reduced_value, tensor_name
 from .requests import Reduction
 from ..core import aoa, load_plan, metafile, nested, save_plan
 from ..core.boxes import Box
-from ..core.keys import MissingKeys, match_keys, mw_compatible_name, reconcile
+from ..core.keys import match_keys, mw_compatible_name, reconcile
 from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
 from ..core.metadata_parse import parse_metadata
 from ..errors import ArgumentError, UnsupportedError
@@ -102,6 +103,14 @@ class LocalSaveRank:
         # what the protocol asks of every side (SaveRankProtocol)
         self.replicas, self.staged, self.compress = options.replicas, options.staged, options.compress
         self.layout = hf_dir.layout_plan if options.safetensors else None
+
+    @classmethod
+    def of_process(
+        cls, comm: Comm, state_dict: dict, store: storage.Storage, unique_id: int | None, options: SaveOptions
+    ) -> "LocalSaveRank":
+        """The rank of a save of this process: the plans its saves reuse and, for an async
+        save, its staging memory, taken from the process state."""
+        return cls(comm, state_dict, store, unique_id, STATE.save_plans, options, STATE.staging if options.staged else None)
 
     def prepare(self) -> tuple[Prepared, tuple[Reduction, ...]]:
         check_id(self.unique_id)
@@ -383,11 +392,9 @@ class LocalLoadRank:
             from .aoa_paddle import Remap
 
             remap = Remap(self.options.aoa_config, aoa.source_shards(meta), every_target)
-        checks = self.options.verify and meta.checksum_algorithm != hf_dir.NO_CHECKSUMS
         sources = Sources(self.comm.rank, tuple(self.comm.ranks), uid, frozenset(visible_files(listing, uid)),
                           tuple(statuses), self.options.near)
-        return plan_load(self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.options, checks,
-                         sources, remap)
+        return plan_load(self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.options, sources, remap)
 
 
 def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:
