@@ -4,11 +4,12 @@ A piece's bytes are cut in blocks of ``block_bytes`` (the last one shorter; an e
 one empty block); block ``k`` of a piece is checksummed with xxh3_64 seeded by the piece's
 seed plus ``k``, and the piece's seed is the xxh3_64 of its identity (key, dtype, global offset,
 local shape). The save computes them (``DataFileWriter.write``), the metadata stores them, a
-load and ``verify`` check them (:func:`check_blocks`) before a byte is used.
+load, a peer's answer and ``verify`` compare them in one place (:func:`failing`) before a byte
+is used.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Sequence, Tuple, Union
 
 import xxhash
 
@@ -57,28 +58,53 @@ def seed_of(meta: Metadata, piece: SavedPiece) -> int:
     return piece_seed(piece.key, meta.tensors[piece.key].dtype, piece.box.offsets, piece.box.shape)
 
 
-def segment_blocks(meta: Metadata, seg: Segment) -> list[tuple[int, int, int, int]]:
-    """(file offset, length, seed, expected checksum) of every checksum block a segment covers."""
+Block = Tuple[int, int, int, int]  # (file offset, length, the block's seed, its recorded checksum)
+
+
+def piece_blocks(
+    seed: int, recorded: Sequence[int], first_block: int, start: int, stop: int, piece_start: int, block_bytes: int
+) -> list[Block]:
+    """Every checksum block that bytes [start, stop) of a piece (its seed, its blocks'
+    ``recorded`` checksums from ``first_block`` on, starting at ``piece_start``) cover."""
+    return [
+        (at, n, (seed + k) & _MASK64, int(recorded[first_block + k]))
+        for k, at, n in blocks(start, stop, piece_start, block_bytes)
+    ]
+
+
+def segment_blocks(meta: Metadata, seg: Segment, stop: int | None = None) -> list[Block]:
+    """Every checksum block a segment covers (up to ``stop``, its end by default)."""
     piece = seg.piece
     sums = meta.tensors[piece.key].pieces.checksums
-    seed = seed_of(meta, piece)
-    return [
-        (at, n, (seed + k) & _MASK64, int(sums[piece.first_block + k]))
-        for k, at, n in blocks(seg.start, seg.stop, piece.byte_offset, meta.block_bytes)
-    ]
+    end = seg.stop if stop is None else stop
+    return piece_blocks(seed_of(meta, piece), sums, piece.first_block, seg.start, end, piece.byte_offset, meta.block_bytes)
+
+
+def hashed(checked: Iterable[Block], view: Callable[[int, int], Buffer]) -> list[int]:
+    """The checksum of each block's bytes, ``view(offset, length)`` (each view is hashed
+    before the next is asked for: it may reuse one buffer)."""
+    return [checksum(view(at, n), seed) for at, n, seed, _ in checked]
+
+
+def failing(checked: Sequence[Block], sums: Sequence[int]) -> list[Block]:
+    """The blocks whose checksum in ``sums`` (one per block, in order) is not the recorded one:
+    the one comparison every check of bytes against the metadata makes (a load, a peer's
+    answer, ``verify``)."""
+    if len(sums) != len(checked):
+        raise IntegrityError(f"{len(sums)} checksums for {len(checked)} blocks")
+    return [b for b, have in zip(checked, sums) if int(have) != b[3]]
 
 
 def check_blocks(meta: Metadata, seg: Segment, data: memoryview, where: str) -> None:
     """Check the checksums of the whole blocks of ``seg`` held in ``data`` (``where``: the
     file, as the IntegrityError names it)."""
-    piece = seg.piece
-    sums = meta.tensors[piece.key].pieces.checksums
-    seed = seed_of(meta, piece)
-    for k, at, n in blocks(seg.start, seg.start + len(data), piece.byte_offset, meta.block_bytes):
-        rel = at - seg.start
-        if block_checksum(data[rel : rel + n], seed, k) != int(sums[piece.first_block + k]):
-            raise IntegrityError(
-                f"{where}: bytes [{at}, {at + n}) of tensor "
-                f"{piece.key!r} (piece at offset {piece.box.offsets}) fail their checksum: the "
-                f"file is damaged or does not belong to this metadata"
-            )
+    checked = segment_blocks(meta, seg, seg.start + len(data))
+    bad = failing(checked, hashed(checked, lambda at, n: data[at - seg.start : at - seg.start + n]))
+    if bad:
+        at, n = bad[0][:2]
+        piece = seg.piece
+        raise IntegrityError(
+            f"{where}: bytes [{at}, {at + n}) of tensor "
+            f"{piece.key!r} (piece at offset {piece.box.offsets}) fail their checksum: the "
+            f"file is damaged or does not belong to this metadata"
+        )

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..core import checksums
-from ..core.metadata import Metadata, TensorEntry, blocks_of
+from ..core.metadata import Metadata, TensorEntry
 from ..errors import ArgumentError, FormatError, StorageError
 from ..format.hf_dir import NO_CHECKSUMS
 from .storage import DataFiles, Storage
@@ -289,16 +289,13 @@ def _piece_problem(window: _Window, block: int, entry: TensorEntry, i: int, off:
     """What is wrong with piece ``i`` of ``entry`` (at bytes [off, off + nbytes)), or ""."""
     p = entry.pieces
     seed = checksums.piece_seed(entry.key, entry.dtype, p.offsets[i].tolist(), p.shapes[i].tolist())
-    bad, first_bad = 0, (0, 0)
-    for b, at, length in checksums.blocks(off, off + nbytes, off, block):
-        if checksums.block_checksum(window.view(at, length), seed, b) != int(p.checksums[first + b]):
-            bad += 1
-            first_bad = first_bad if bad > 1 else (at, at + length)
+    checked = checksums.piece_blocks(seed, p.checksums, first, off, off + nbytes, off, block)
+    bad = checksums.failing(checked, checksums.hashed(checked, window.view))
     if not bad:
         return ""
     box = tuple(int(x) for x in p.offsets[i])
     return (
         f"{entry.key}: piece {i} at offset {box} ({nbytes} bytes from byte {off}): "
-        f"{bad} of {int(blocks_of(nbytes, block))} checksum blocks differ, the first at bytes "
-        f"[{first_bad[0]}, {first_bad[1]})"
+        f"{len(bad)} of {len(checked)} checksum blocks differ, the first at bytes "
+        f"[{bad[0][0]}, {bad[0][0] + bad[0][1]})"
     )

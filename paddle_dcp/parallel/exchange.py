@@ -23,13 +23,15 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
 
 from . import wire
 from .comm import Comm
-from ..errors import CollectiveError, DcpError, StorageError
+from ..errors import CollectiveError, DcpError, IntegrityError, StorageError
+from ..core import checksums
 from ..core.load_plan import ReadOp
 from ..io.reads import Staging
 from ..io.storage import Storage
@@ -229,20 +231,24 @@ def _serve_lane(comm: Comm, client: int, request: list, store: Storage) -> DcpEr
     return error
 
 
+def _read(reader, staging: Staging, name: str, at: int, n: int) -> memoryview:
+    """Bytes [at, at + n) of file ``name`` in the staging buffer (valid until the next read)."""
+    buf = memoryview(staging.get(n))
+    reader.read_into(name, at, buf)
+    return buf
+
+
 def check_remote(
     comm: Comm,
     store: Storage,
     my_servers: dict[int, list[ReadOp]],
     my_clients: Sequence[int],
-    blocks: Callable[[ReadOp], list[tuple[int, int, int]]],
+    blocks: Callable[[ReadOp], list[checksums.Block]],
     file_name: Callable[[int], str],
 ) -> None:
     """Pairwise: ask each server for the checksums of the blocks this rank will read from it,
     compare them with the metadata's, and answer the same question for this rank's clients.
     Raises IntegrityError naming the file and range of the first mismatch."""
-    from ..errors import IntegrityError
-    from ..core.checksums import checksum
-
     me = comm.rank
     reader = store.range_reader()
     staging = Staging()
@@ -250,45 +256,56 @@ def check_remote(
     try:
         for peer in pair_order(me, set(my_servers) | set(my_clients)):
             for client, server in directions(me, peer):
-                if client == me and server in my_servers:
-                    wanted = [(file_name(op.file), blocks(op)) for op in my_servers[server]]
-                    request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
-                    wire.send_message(comm, peer, json.dumps(request).encode())
-                    answer = wire.recv_message(comm, peer)
-                    if answer is None:  # the server failed: its error comes at the agreement
-                        continue
-                    try:
-                        got = np.frombuffer(answer, dtype="<u8")
-                        expected = [(name, at, n, want) for name, bl in wanted for at, n, _, want in bl]
-                        if len(got) != len(expected):
-                            raise CollectiveError("verify remote", {peer: f"sent {len(got)} checksums for {len(expected)} blocks"})
-                        for (name, at, n, want), have in zip(expected, got.tolist()):
-                            if have != want:
-                                raise IntegrityError(
-                                    f"{name} on rank {peer}: bytes [{at}, {at + n}) fail their checksum: "
-                                    f"the file is damaged or does not belong to this metadata"
-                                )
-                    except DcpError as exc:
-                        error = error or exc
-                elif server == me and client in my_clients:
-                    request = json.loads(wire.recv_message(comm, peer) or b"[]")
-                    try:
-                        sums = []
-                        for name, ranges in request:
-                            for at, n, seed in ranges:
-                                if (
-                                    type(at) is not int or type(n) is not int or type(seed) is not int
-                                    or at < 0 or not 0 <= n <= wire.MAX_MESSAGE or not 0 <= seed < 1 << 64
-                                ):  # fmt: skip
-                                    raise CollectiveError("verify remote", {peer: f"asked rank {me} for a malformed range of {name!r}"})
-                                buf = staging.get(n)
-                                reader.read_into(str(name), at, memoryview(buf))
-                                sums.append(checksum(memoryview(buf), seed))
-                        wire.send_message(comm, peer, np.asarray(sums, dtype="<u8").view(np.uint8))
-                    except DcpError as exc:
-                        wire.send_failed(comm, peer)
-                        error = error or exc
+                try:
+                    if client == me and server in my_servers:
+                        _ask_checks(comm, peer, [(file_name(op.file), blocks(op)) for op in my_servers[server]])
+                    elif server == me and client in my_clients:
+                        _answer_checks(comm, peer, lambda name, at, n: _read(reader, staging, name, at, n))
+                except DcpError as exc:
+                    error = error or exc
     finally:
         reader.close()
     if error is not None:
         raise error
+
+
+def _ask_checks(comm: Comm, server: int, wanted: list[tuple[str, list[checksums.Block]]]) -> None:
+    """Send a server the blocks to hash (file, offset, length, seed) and compare its answer
+    with the recorded checksums; a server that failed says so at the agreement."""
+    request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
+    wire.send_message(comm, server, json.dumps(request).encode())
+    answer = wire.recv_message(comm, server)
+    if answer is None:
+        return
+    got = np.frombuffer(answer, dtype="<u8")
+    expected = sum(len(bl) for _, bl in wanted)
+    if len(got) != expected:
+        raise CollectiveError("verify remote", {server: f"sent {len(got)} checksums for {expected} blocks"})
+    for name, bl in wanted:
+        bad, got = checksums.failing(bl, got[: len(bl)]), got[len(bl) :]
+        if bad:
+            at, n = bad[0][:2]
+            raise IntegrityError(
+                f"{name} on rank {server}: bytes [{at}, {at + n}) fail their checksum: "
+                f"the file is damaged or does not belong to this metadata"
+            )
+
+
+def _answer_checks(comm: Comm, client: int, read: Callable[[str, int, int], memoryview]) -> None:
+    """Hash the blocks a client asks for (``read(file, offset, length)``) and send the
+    checksums; a malformed request or a failed read tells the client this rank failed."""
+    request = json.loads(wire.recv_message(comm, client) or b"[]")
+    try:
+        sums: list[int] = []
+        for name, ranges in request:
+            for at, n, seed in ranges:
+                if (
+                    type(at) is not int or type(n) is not int or type(seed) is not int
+                    or at < 0 or not 0 <= n <= wire.MAX_MESSAGE or not 0 <= seed < 1 << 64
+                ):  # fmt: skip
+                    raise CollectiveError("verify remote", {client: f"asked rank {comm.rank} for a malformed range of {name!r}"})
+            sums += checksums.hashed([(at, n, seed, 0) for at, n, seed in ranges], partial(read, str(name)))
+        wire.send_message(comm, client, np.asarray(sums, dtype="<u8").view(np.uint8))
+    except DcpError:
+        wire.send_failed(comm, client)
+        raise

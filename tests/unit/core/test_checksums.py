@@ -50,3 +50,19 @@ def test_check_blocks_passes_the_saved_bytes_and_names_the_file_and_key_of_a_fli
     data[100] ^= 4
     with pytest.raises(IntegrityError, match=r"^f: bytes \[64, 128\) of tensor 'model.b'"):
         checksums.check_blocks(meta, seg, memoryview(bytes(data)), "f")
+
+
+def test_failing_returns_the_blocks_whose_hash_differs_and_refuses_a_count_that_does_not_match():
+    data = bytes(range(150))
+    seed = checksums.piece_seed("w", "uint8", (0,), (150,))
+    recorded = [0, 0, 0] + checksums.block_checksums(memoryview(data), 64, seed)  # the piece's blocks from 3 on
+    checked = checksums.piece_blocks(seed, recorded, 3, 1000 + 64, 1000 + 150, 1000, 64)
+    assert [(at, n) for at, n, _, _ in checked] == [(1064, 64), (1128, 22)]
+    view = lambda at, n: memoryview(data)[at - 1000 : at - 1000 + n]  # noqa: E731
+    assert checksums.failing(checked, checksums.hashed(checked, view)) == []
+    damaged = bytearray(data)
+    damaged[140] ^= 1
+    bad = checksums.failing(checked, checksums.hashed(checked, lambda at, n: memoryview(damaged)[at - 1000 : at - 1000 + n]))
+    assert [(at, n) for at, n, _, _ in bad] == [(1128, 22)]
+    with pytest.raises(IntegrityError, match="1 checksums for 2 blocks"):
+        checksums.failing(checked, [1])

@@ -212,3 +212,52 @@ def test_a_pair_moves_its_ranges_over_two_connections_and_stays_in_step_after_a_
     assert error is None  # the client learns only that the server failed: its error comes at the agreement
     lane_of = {i: lane for lane, part in enumerate(exchange.lanes_of([["", o.start, o.stop] for o in ops], 2)) for i in part}
     assert {k for k in got} == {(o.file, o.start) for i, o in enumerate(ops) if lane_of[i] != lane_of[1]}
+
+
+def test_a_block_a_peer_hashes_differently_is_an_integrity_error_naming_its_file_peer_and_bytes():
+    """check_remote: the server hashes the blocks the client names, the client compares them
+    with the checksums it was given (xxhash of the saved bytes as the oracle): intact bytes
+    pass; one flipped byte on the server fails naming the file, the server and the block."""
+    import types
+
+    import xxhash
+
+    from paddle_dcp.errors import IntegrityError
+
+    saved = bytes(range(200))
+    seed = 77
+    blocks = [(at, min(64, 200 - at), seed + k, xxhash.xxh3_64_intdigest(saved[at : at + 64], seed=seed + k))
+              for k, at in enumerate(range(0, 200, 64))]
+
+    class Store:
+        def __init__(self, data):
+            self.data = data
+
+        def range_reader(self):
+            data = self.data
+
+            class Reader:
+                def read_into(self, name, start, out):
+                    assert name == "0_0.distcp"
+                    out[:] = data[start : start + len(out)]
+
+                def close(self):
+                    pass
+
+            return Reader()
+
+    def run(on_server: bytes):
+        def rank(comm):
+            op = types.SimpleNamespace(file=0)
+            servers, clients = ({1: [op]}, []) if comm.rank == 0 else ({}, [0])
+            return exchange.check_remote(comm, Store(on_server), servers, clients, lambda o: blocks, lambda i: "0_0.distcp")
+
+        return ThreadWorld(2).run(rank)
+
+    assert run(saved) == {0: None, 1: None}
+    damaged = bytearray(saved)
+    damaged[130] ^= 1
+    results = run(bytes(damaged))
+    assert isinstance(results[0], IntegrityError), results[0]
+    assert str(results[0]).startswith("0_0.distcp on rank 1: bytes [128, 192) fail their checksum")
+    assert results[1] is None
