@@ -6,7 +6,6 @@ LocalLoadRank on ranks that are threads, over an in-memory storage that records 
 from __future__ import annotations
 
 import json
-from dataclasses import FrozenInstanceError
 
 import numpy as np
 import pytest
@@ -219,7 +218,7 @@ def test_a_save_rank_s_steps_return_values_and_leave_the_rank_and_the_state_dict
     assert vars(rank) == attributes  # no step stored anything on the rank
 
 
-def test_a_load_rank_s_inspection_is_a_frozen_value():
+def test_a_load_rank_s_inspection_is_a_value_it_keeps_nothing_of():
     blobs: dict = {}
     store = MemoryStorage("mem", blobs)
     paddle_dcp_save({"w": np.arange(4.0)}, store)
@@ -227,8 +226,6 @@ def test_a_load_rank_s_inspection_is_a_frozen_value():
     attributes = dict(vars(rank))
     view, listing = rank.inspect()
     assert listing.latest == 0 and view.shards is None and [h.piece.key for h in view.held] == ["w"]
-    with pytest.raises(FrozenInstanceError):
-        view.shards = ([], None)
     assert vars(rank) == attributes
 
 
