@@ -184,4 +184,3 @@ else:  # one case per (target, source) pair
 if PHASE == "save" and "stage3" in NAMES:
     CASES["stage3_tied_weights_refused"] = stage3_tied_weights_refused
 c.run_cases(CASES, [])
-c.end_without_teardown()  # every case passed on this rank (see its docstring)

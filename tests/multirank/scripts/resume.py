@@ -576,4 +576,3 @@ else:
     raise SystemExit(f"unknown scenario {SCENARIO}")
 
 c.run_cases(CASES, sys.argv[3:])
-c.end_without_teardown()  # every case passed on this rank (see its docstring)

@@ -175,4 +175,3 @@ for lay in LAYOUTS:
     CASES[f"saved_into_{lay}"] = (lambda lay=lay: reload_case(lay))
 
 c.run_cases(CASES)
-c.end_without_teardown()  # every case passed on this rank (see its docstring)

@@ -98,4 +98,3 @@ def patched_shard_layer():
 
 
 c.run_cases({"paddles_shard_layer": paddles_shard_layer, "patched_shard_layer": patched_shard_layer})
-c.end_without_teardown()  # every case passed on this rank (see its docstring: paddle's teardown with a PaddleFormers model)
