@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Sequence, Tuple, Union
 
+import numpy as np
 import xxhash
 
 from ..errors import IntegrityError
@@ -62,7 +63,7 @@ Block = Tuple[int, int, int, int]  # (file offset, length, the block's seed, its
 
 
 def piece_blocks(
-    seed: int, recorded: Sequence[int], first_block: int, start: int, stop: int, piece_start: int, block_bytes: int
+    seed: int, recorded: Sequence[int] | np.ndarray, first_block: int, start: int, stop: int, piece_start: int, block_bytes: int
 ) -> list[Block]:
     """Every checksum block that bytes [start, stop) of a piece (its seed, its blocks'
     ``recorded`` checksums from ``first_block`` on, starting at ``piece_start``) cover."""
@@ -86,7 +87,7 @@ def hashed(checked: Iterable[Block], view: Callable[[int, int], Buffer]) -> list
     return [checksum(view(at, n), seed) for at, n, seed, _ in checked]
 
 
-def failing(checked: Sequence[Block], sums: Sequence[int]) -> list[Block]:
+def failing(checked: Sequence[Block], sums: Sequence[int] | np.ndarray) -> list[Block]:
     """The blocks whose checksum in ``sums`` (one per block, in order) is not the recorded one:
     the one comparison every check of bytes against the metadata makes (a load, a peer's
     answer, ``verify``)."""
