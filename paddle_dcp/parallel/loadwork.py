@@ -60,7 +60,6 @@ class LocalLoadWork:
         self._lanes = threading.local()  # a staging buffer per thread receiving bytes (run_op)
         # ops on files this rank reads itself, and the others by the rank that serves them
         self.local, self.remote = (list(ops) if local is None else local), (remote or {})
-        self.checks: list | None = None  # this rank's share of the checks, when shared
         self.state_dict = state_dict
         self.plain = tuple(plain)  # the checkpoint's subtrees without tensors, restored whole
         self.store = store  # where ``files`` are (ranges served to others)
@@ -102,17 +101,14 @@ class LocalLoadWork:
         shared = not self.meta.subset and not self.meta.replicas
         return digest, bool(self.verify and keys and shared and pieces <= 8 * own + 65536)
 
-    def share_checks(self, index: int, count: int) -> None:
-        """Check only this rank's share of the blocks (see load_plan.plan_shared_checks); every
-        rank reads the same files and tensors, and the verify step's agreement covers them all."""
-        self.checks = load_plan.plan_shared_checks(self.meta, self._read_keys(), index, count)
-
-    def verify_local(self) -> None:
-        """Check the checksum of every block this rank will read from its own files (or its
-        share of them), before any target changes."""
+    def verify_local(self, share: tuple[int, int] | None = None) -> None:
+        """Check the checksum of every block this rank will read from its own files, before any
+        target changes; with ``share`` (index, count: every rank reads the same files and
+        tensors, and the verify step's agreement covers them all), only that share of the
+        blocks (see load_plan.plan_shared_checks)."""
         if not self.verify:
             return
-        ops = self.local if self.checks is None else self.checks
+        ops = self.local if share is None else load_plan.plan_shared_checks(self.meta, self._read_keys(), *share)
         for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
             reads.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
 

@@ -378,11 +378,9 @@ class LoadWork(_Protocol):
     @property
     def share_key(self) -> tuple[int, bool]: ...
 
-    def share_checks(self, index: int, count: int) -> None:
-        """Check only this rank's share (``index`` of ``count``) of the blocks."""
-
-    def verify_local(self) -> None:
-        """Check every block this rank reads from its own files, before any target changes."""
+    def verify_local(self, share: tuple[int, int] | None) -> None:
+        """Check every block this rank reads from its own files, before any target changes
+        (with ``share``, (index, count): only that share of them)."""
 
     def verify_remote(self, comm: Any, clients: Sequence[int]) -> None:
         """The same for the blocks its servers send (pairwise)."""
@@ -488,12 +486,12 @@ def load(side: LoadRankProtocol) -> Protocol:
     work, (any_remote, high, neg_low, cannot) = yield from local_max(
         "plan", lambda: side.plan(view, meta, uid, listing, statuses, every_target), plan_key, 4
     )
-    if len(side.ranks) > 1 and not any_remote and not cannot and high == -neg_low:
-        work.share_checks(side.ranks.index(side.rank), len(side.ranks))
+    shared = len(side.ranks) > 1 and not any_remote and not cannot and high == -neg_low
+    share = (side.ranks.index(side.rank), len(side.ranks)) if shared else None
     clients = yield from route(side, work.remote, any_remote)
     # every block is checked before any target changes: a damaged file leaves the state dict
     # as it was on every rank
-    yield from local("verify", work.verify_local)
+    yield from local("verify", lambda: work.verify_local(share))
     if clients is None:  # copying and finishing: one step, one agreement
         yield from local("read", lambda: (work.read_local(), work.finish()))
         return uid, work

@@ -178,10 +178,7 @@ class _NoWork:
     remote: dict = {}
     share_key = (0, False)
 
-    def share_checks(self, index, count):
-        pass
-
-    def verify_local(self):
+    def verify_local(self, share):
         pass
 
     def read_local(self):
