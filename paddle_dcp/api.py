@@ -261,26 +261,13 @@ def load_state_dict(
     rank = LocalLoadRank(
         make_comm(process_group, coordinator_rank), state_dict, path, open_storage(path, storage_options), unique_id, options,
     )
-    run_load(rank)
-
-
-def run_load(rank: LocalLoadRank):
-    """Run the load of ``rank``; returns (the checkpoint id, this rank's LocalLoadWork)."""
-    started = time.perf_counter()
-    uid, work = protocol.run(rank.comm, protocol.load(rank))
-    STATE.traffic["load"] = rank.comm.traffic
-    _log_loaded(uid, rank.path, sum(op.nbytes for op in work.ops), started)
-    return uid, work
+    rank.run()
 
 
 def _load_one_file(state_dict, path, offload: bool, mw: bool, missing: MissingKeys, storage_options) -> None:
     from .singlefile import load_file
 
     load_file(state_dict, path, offload=offload, mw_name_compatibility=mw, missing=missing, storage_options=storage_options)
-
-
-def _log_loaded(uid: int, path: str, nbytes: int, started: float) -> None:
-    logger.info("loaded checkpoint %d from %s: %d bytes by this rank in %.3f s", uid, path, nbytes, time.perf_counter() - started)
 
 
 def _check_load_arguments(path, aoa_config, worker_groups, comm_method: str, storage_options=None) -> frozenset:

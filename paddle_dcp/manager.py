@@ -24,7 +24,7 @@ from typing import Any, Callable
 from .io import cleanup
 from . import async_save as background_saves
 from .parallel.state import STATE
-from .api import run_load, run_save
+from .api import run_save
 from .core.compress import policy_of
 from .parallel.options import SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank
@@ -225,7 +225,7 @@ class CheckpointManager:
 
     def _load_global(self, state_dict: dict, step: int) -> int:
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step)
-        _, work = run_load(rank)
+        _, work = rank.run()
         return sum(op.nbytes for op in work.ops)
 
     def _refuse(self, refused: list, source: str, step: int, why: str) -> None:

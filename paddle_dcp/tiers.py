@@ -333,7 +333,7 @@ class LocalTier:
         # node's: the load does not hash them a second time
         options = LoadOptions(verify=False, exclude=frozenset(exclude))
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, options)
-        _, work = protocol.run(self.comm, protocol.load(rank))
+        _, work = rank.run()
         return {
             "local": sum(op.nbytes for op in work.local),
             "peer": sum(op.nbytes for ops in work.remote.values() for op in ops),

@@ -6,6 +6,7 @@ state dict and the checkpoint's directory.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -283,6 +284,18 @@ class LocalLoadRank:
         # one store every rank sees alike (object storage): the coordinator alone lists it, to
         # find the latest id or, with safetensors, whether it is a directory of safetensors files
         self.lists_for_all = bool(store.seen_by_all)
+
+    def run(self) -> tuple[int, LocalLoadWork]:
+        """The whole load on this rank's comm (:func:`protocol.load`): the traffic kept in
+        ``STATE.traffic["load"]``, the bytes and time logged; returns (the checkpoint id, the
+        work done). The one driver of a load: the api's, the manager's, the local tier's."""
+        started = time.perf_counter()
+        uid, work = protocol.run(self.comm, protocol.load(self))
+        STATE.traffic["load"] = self.comm.traffic
+        nbytes = sum(op.nbytes for op in work.ops)
+        logger.info("loaded checkpoint %d from %s: %d bytes by this rank in %.3f s", uid, self.path, nbytes,
+                    time.perf_counter() - started)
+        return uid, work
 
     def inspect(self) -> tuple[Inspected, storage.Listing]:
         check_id(self.unique_id)

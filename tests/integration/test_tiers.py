@@ -70,6 +70,21 @@ def test_restore_takes_the_newest_step_from_the_local_tier(saved):
     m.close()
 
 
+def test_a_restore_from_the_local_tier_logs_its_load_and_keeps_its_traffic_like_any_load(saved, caplog):
+    import logging
+
+    import paddle_dcp
+
+    m, local, _ = saved
+    paddle_dcp.process_state().traffic.pop("load", None)
+    with caplog.at_level(logging.INFO, logger="paddle_dcp"):
+        assert restore(m) == 5
+    loaded = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("loaded checkpoint")]
+    assert len(loaded) == 1 and loaded[0].startswith(f"loaded checkpoint 5 from {local}: {m.last_restore.bytes['local']} bytes")
+    assert "load" in paddle_dcp.process_state().traffic
+    m.close()
+
+
 def test_a_file_no_node_holds_intact_comes_from_the_global_tier_of_the_same_step(saved):
     """The file's writer copies it back from the global tier (the same step, the same
     metadata), checked; every other byte still comes from the local tier."""
