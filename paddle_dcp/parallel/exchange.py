@@ -256,44 +256,46 @@ def check_remote(
     try:
         for peer in pair_order(me, set(my_servers) | set(my_clients)):
             for client, server in directions(me, peer):
-                try:
-                    if client == me and server in my_servers:
-                        _ask_checks(comm, peer, [(file_name(op.file), blocks(op)) for op in my_servers[server]])
-                    elif server == me and client in my_clients:
-                        _answer_checks(comm, peer, lambda name, at, n: _read(reader, staging, name, at, n))
-                except DcpError as exc:
-                    error = error or exc
+                if client == me and server in my_servers:
+                    found = _ask_checks(comm, peer, [(file_name(op.file), blocks(op)) for op in my_servers[server]])
+                    error = error or found
+                elif server == me and client in my_clients:
+                    found = _answer_checks(comm, peer, lambda name, at, n: _read(reader, staging, name, at, n))
+                    error = error or found
     finally:
         reader.close()
     if error is not None:
         raise error
 
 
-def _ask_checks(comm: Comm, server: int, wanted: list[tuple[str, list[checksums.Block]]]) -> None:
+def _ask_checks(comm: Comm, server: int, wanted: list[tuple[str, list[checksums.Block]]]) -> DcpError | None:
     """Send a server the blocks to hash (file, offset, length, seed) and compare its answer
-    with the recorded checksums; a server that failed says so at the agreement."""
+    with the recorded checksums; returns the first mismatch (a server that failed says so at
+    the agreement; a failed send or receive raises)."""
     request = [[name, [[at, n, seed] for at, n, seed, _ in bl]] for name, bl in wanted]
     wire.send_message(comm, server, json.dumps(request).encode())
     answer = wire.recv_message(comm, server)
     if answer is None:
-        return
+        return None
     got = np.frombuffer(answer, dtype="<u8")
     expected = sum(len(bl) for _, bl in wanted)
     if len(got) != expected:
-        raise CollectiveError("verify remote", {server: f"sent {len(got)} checksums for {expected} blocks"})
+        return CollectiveError("verify remote", {server: f"sent {len(got)} checksums for {expected} blocks"})
     for name, bl in wanted:
         bad, got = checksums.failing(bl, got[: len(bl)]), got[len(bl) :]
         if bad:
             at, n = bad[0][:2]
-            raise IntegrityError(
+            return IntegrityError(
                 f"{name} on rank {server}: bytes [{at}, {at + n}) fail their checksum: "
                 f"the file is damaged or does not belong to this metadata"
             )
+    return None
 
 
-def _answer_checks(comm: Comm, client: int, read: Callable[[str, int, int], memoryview]) -> None:
+def _answer_checks(comm: Comm, client: int, read: Callable[[str, int, int], memoryview]) -> DcpError | None:
     """Hash the blocks a client asks for (``read(file, offset, length)``) and send the
-    checksums; a malformed request or a failed read tells the client this rank failed."""
+    checksums; a malformed request or a failed read tells the client this rank failed and is
+    returned."""
     request = json.loads(wire.recv_message(comm, client) or b"[]")
     try:
         sums: list[int] = []
@@ -306,6 +308,7 @@ def _answer_checks(comm: Comm, client: int, read: Callable[[str, int, int], memo
                     raise CollectiveError("verify remote", {client: f"asked rank {comm.rank} for a malformed range of {name!r}"})
             sums += checksums.hashed([(at, n, seed, 0) for at, n, seed in ranges], partial(read, str(name)))
         wire.send_message(comm, client, np.asarray(sums, dtype="<u8").view(np.uint8))
-    except DcpError:
+    except DcpError as exc:
         wire.send_failed(comm, client)
-        raise
+        return exc
+    return None
