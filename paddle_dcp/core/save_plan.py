@@ -383,12 +383,18 @@ def _held_rows(
     hids = [s.header_id if s.header_id is not None else id(s) for s in summaries]
     counts = np.array([len(s.boxes) for s in summaries], dtype=np.int64)
     _check_rows(summaries, counts, np.array([len(layout_ids[h]) for h in hids], dtype=np.int64))
-    rows = ragged.positions(counts)
+    # keys, ranks and rows as int32 when they fit (always, but for absurd ranks): the three
+    # columns as long as every held row take half the memory
+    keys = max((int(ids.max()) + 1 for ids in layout_ids.values() if len(ids)), default=0)
+    small = np.int32 if max(summaries[-1].rank, int(counts.max()), keys) < 2**31 else np.int64
+    total = int(counts.sum())
+    rows = np.arange(total, dtype=small)
+    rows -= np.repeat((np.cumsum(counts) - counts).astype(small), counts)
     key = np.concatenate([layout_ids[h] if s.row_leaf is None else layout_ids[h][s.row_leaf]
-                          for s, h in zip(summaries, hids)])
-    table = _padded_boxes(summaries, int(counts.sum()), max_nd)
+                          for s, h in zip(summaries, hids)], dtype=small, casting="unsafe")
+    table = _padded_boxes(summaries, total, max_nd)
     held = table[:, 0] != 0
-    ranks = np.repeat(np.array([s.rank for s in summaries], dtype=np.int64), counts)
+    ranks = np.repeat(np.array([s.rank for s in summaries], dtype=small), counts)
     if held.all():
         return key, table, ranks, rows
     return key[held], table[held], ranks[held], rows[held]
@@ -485,11 +491,13 @@ def _check_tilings(
 
 def _inside(p_key: np.ndarray, offsets: np.ndarray, shapes: np.ndarray, extents: np.ndarray, nds: np.ndarray) -> np.ndarray:
     """(P,) bool: the piece is non-empty and inside its tensor (dims past its ndim ignored)."""
-    limit = extents[p_key]
-    used = np.arange(offsets.shape[1])[None, :] < nds[p_key][:, None]
-    # compared without forming offsets + shapes, which could wrap around
-    bad = used & ((offsets < 0) | (shapes <= 0) | (shapes > limit) | (offsets > limit - shapes))
-    return ~bad.any(axis=1)
+    nd = nds[p_key]
+    bad = np.zeros(len(p_key), dtype=bool)
+    for c in range(offsets.shape[1]):  # a column at a time: no (pieces, width) temporaries
+        limit, offset, shape = extents[p_key, c], offsets[:, c], shapes[:, c]
+        # compared without forming offset + shape, which could wrap around
+        bad |= (nd > c) & ((offset < 0) | (shape <= 0) | (shape > limit) | (offset > limit - shape))
+    return ~bad
 
 
 def _pick_writers(pieces: _Pieces, p_nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
