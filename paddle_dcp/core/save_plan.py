@@ -389,7 +389,7 @@ def _held_rows(
     small = np.int32 if max(summaries[-1].rank, int(counts.max()), keys) < 2**31 else np.int64
     total = int(counts.sum())
     rows = np.arange(total, dtype=small)
-    rows -= np.repeat((np.cumsum(counts) - counts).astype(small), counts)
+    np.subtract(rows, np.repeat((np.cumsum(counts) - counts).astype(small), counts), out=rows)
     key = np.concatenate([layout_ids[h] if s.row_leaf is None else layout_ids[h][s.row_leaf]
                           for s, h in zip(summaries, hids)], dtype=small, casting="unsafe")
     table = _padded_boxes(summaries, total, max_nd)
