@@ -226,7 +226,7 @@ class CheckpointManager:
     def _load_global(self, state_dict: dict, step: int) -> int:
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step)
         _, work = rank.run()
-        return sum(op.nbytes for op in work.ops)
+        return sum(op.nbytes for op in work.plan.ops)
 
     def _refuse(self, refused: list, source: str, step: int, why: str) -> None:
         logger.warning("CheckpointManager: step %d of the %s tier cannot be restored: %s", step, source, why)

@@ -72,7 +72,7 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .parallel.loadwork import match_load, plan_work
+    from .parallel.loadwork import LocalLoadWork, match_load, plan_work
     from .parallel.placements import describe, is_tensor
 
     path = os.fspath(path)
@@ -92,11 +92,13 @@ def load_file(
     batches = host_batches(held, host_batch_bytes)
     nbytes = 0
     for i, batch in enumerate(batches):
-        work = plan_work(state_dict, flat, batch, meta, matched, path, store, offload, False, plain=i == len(batches) - 1)
+        plan = plan_work(state_dict, flat, batch, meta, matched, path, store, offload, False, plain=i == len(batches) - 1)
+        work = LocalLoadWork(plan, store)
+        work.open_local()
         work.read_local()
         work.finish()
-        nbytes += sum(op.nbytes for op in work.local)
-        del work  # its host buffers go before the next batch's
+        nbytes += sum(op.nbytes for op in plan.local)
+        del plan, work  # its host buffers go before the next batch's
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(held), nbytes, path, time.perf_counter() - started)
 
 

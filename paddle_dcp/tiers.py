@@ -335,8 +335,8 @@ class LocalTier:
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, options)
         _, work = rank.run()
         return {
-            "local": sum(op.nbytes for op in work.local),
-            "peer": sum(op.nbytes for ops in work.remote.values() for op in ops),
+            "local": sum(op.nbytes for op in work.plan.local),
+            "peer": sum(op.nbytes for ops in work.plan.remote.values() for op in ops),
             "global": repaired.get(self.comm.rank, ("", 0))[1],
         }, ""
 

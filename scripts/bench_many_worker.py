@@ -116,7 +116,7 @@ STEPS = (
     "paddle_dcp.core.metadata:Metadata.prefetch",
     "paddle_dcp.parallel.loadwork:plan_work",
     "paddle_dcp.core.load_plan:plan_reads",
-    "paddle_dcp.parallel.loadwork:LocalLoadWork.share_checks",
+    "paddle_dcp.parallel.loadwork:LocalLoadWork.open_local",
     "paddle_dcp.parallel.loadwork:LocalLoadWork.verify_local",
     "paddle_dcp.parallel.loadwork:LocalLoadWork.read_local",
     "paddle_dcp.parallel.loadwork:LocalLoadWork.finish",

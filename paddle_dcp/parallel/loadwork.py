@@ -1,10 +1,10 @@
-"""One rank's load of a checkpoint directory: the reads it plans, the buffers they fill, and
-the steps the load protocol runs on them (:class:`LocalLoadWork`, a
-:class:`~paddle_dcp.parallel.protocol.LoadWork`).
+"""One rank's load of a checkpoint directory: the plan of its reads and the buffers they
+fill (:class:`LoadPlan`, data), and the steps the load protocol runs to carry it out
+(:class:`LocalLoadWork`, a :class:`~paddle_dcp.parallel.protocol.LoadWork`).
 
 :func:`plan_load` matches the state dict's keys with the checkpoint's, builds one buffer per
 state-dict tensor (:func:`target_buffer`, shared with the single-file load), and plans the
-byte ranges to read into views of them.
+byte ranges to read into views of them; it opens no file.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import xxhash
@@ -42,48 +42,41 @@ def visible_files(listing, uid: int) -> set[str]:
     return set(listing.data_names(uid)) | {n for n in listing.names if storage.parse_data_name(n) is None}
 
 
-class LocalLoadWork:
-    """One rank's load: read ops, the buffers they fill, and what finishes each buffer.
+@dataclass(frozen=True, eq=False)
+class LoadPlan:
+    """One rank's load as data, complete when planning ends: no file is opened to make it
+    and nothing is set on it afterwards. :class:`LocalLoadWork` carries it out.
 
-    ``buffers`` (each a :class:`LoadTarget`) / ``fills`` are per state-dict tensor; ``views`` are the arrays the ops'
-    copies name (one per target box, views of the buffers), followed by one staging array
-    per ``staged`` part of an aoa_config mapping."""
+    Attributes:
+        meta: the checkpoint's metadata (this rank's part of it).
+        ops: every read op, as planned.
+        local: the ops on files this rank reads itself.
+        remote: server rank -> the ops on files that rank reads for this one.
+        targets: per state-dict tensor, what it fills (a :class:`LoadTarget`).
+        fills: per state-dict tensor, the value it is filled with instead of read (or None).
+        views: the arrays the ops' copies name (one per target box, views of the targets'
+            buffers).
+        staged: aoa_config parts, read into arrays of their own, then permuted or cast into
+            ``views``.
+        plain: the checkpoint's subtrees without tensors (path, node), put into
+            ``state_dict`` whole.
+        verify: every block read is checked against its checksum first.
+        state_dict: the caller's.
+    """
 
-    def __init__(
-        self, flat, meta, ops, files, buffers, fills, views, verify: bool = True, staged=(), *,
-        state_dict: dict, plain=(), store: storage.Storage, local=None, remote=None,
-    ):
-        self.flat, self.meta = flat, meta
-        self.ops, self.files, self.buffers, self.fills, self.views = ops, files, buffers, fills, views
-        self.verify = verify
-        self.staging = reads.Staging()
-        self._lanes = threading.local()  # a staging buffer per thread receiving bytes (run_op)
-        # ops on files this rank reads itself, and the others by the rank that serves them
-        self.local, self.remote = (list(ops) if local is None else local), (remote or {})
-        self.state_dict = state_dict
-        self.plain = tuple(plain)  # the checkpoint's subtrees without tensors, restored whole
-        self.store = store  # where ``files`` are (ranges served to others)
-        self.staged = list(staged)  # aoa_config parts: read here, then permuted / cast into views
-        self.arrays = list(views) + aoa.staging_arrays(self.staged)
+    meta: Any = None
+    ops: tuple = ()
+    local: tuple = ()
+    remote: Mapping[int, list] = field(default_factory=dict)
+    targets: tuple = ()
+    fills: tuple = ()
+    views: tuple = ()
+    staged: tuple = ()
+    plain: tuple = ()
+    verify: bool = False
+    state_dict: dict = field(default_factory=dict)
 
-    def run_op(self, op, fetch) -> None:
-        """Carry out one op whose bytes ``fetch`` receives from another rank (several threads
-        at once, one per connection: each its own staging buffer)."""
-        staging = getattr(self._lanes, "staging", None)
-        if staging is None:
-            staging = self._lanes.staging = reads.Staging()
-        reads.execute_op(op, self.files, self.arrays, staging, self.verify, fetch)
-
-    def open_local(self) -> None:
-        """Open every file this rank reads itself (its size checked) before any byte moves."""
-        for f in sorted({op.file for op in self.local}):
-            try:
-                self.files.open(f)
-            except DcpError as exc:
-                keys = sorted({seg.piece.key for op in self.local if op.file == f for seg in op.segments})
-                raise type(exc)(f"{exc}; it holds {keys}") from None
-
-    def _read_keys(self) -> list[str]:
+    def read_keys(self) -> list[str]:
         """The checkpoint's tensors this rank reads from its own files, sorted."""
         return sorted({seg.piece.key for op in self.local for seg in op.segments})
 
@@ -91,33 +84,67 @@ class LocalLoadWork:
     def share_key(self) -> tuple[int, bool]:
         """(digest of the tensors this rank reads, whether it may share their checks): ranks
         that agree on both check the blocks of those tensors once between them."""
-        keys = self._read_keys()
+        keys = self.read_keys()
         digest = xxhash.xxh3_64_intdigest("\0".join(keys).encode()) >> 1  # fits an int64
+        if not (self.verify and keys):
+            return digest, False
         # every piece of these tensors is dealt out: worth it only when the rank reads a fair
         # part of them (a few ranks resharding), not one piece in thousands (a large job)
         pieces = sum(self.meta.tensors[k].pieces.count for k in keys)
         own = sum(len(op.segments) for op in self.local)
         # with replicas, ranks on other nodes read other copies: nothing to share
         shared = not self.meta.subset and not self.meta.replicas
-        return digest, bool(self.verify and keys and shared and pieces <= 8 * own + 65536)
+        return digest, bool(shared and pieces <= 8 * own + 65536)
+
+
+class LocalLoadWork:
+    """Carries out one rank's :class:`LoadPlan` step by step (a
+    :class:`~paddle_dcp.parallel.protocol.LoadWork`): opens the files it reads itself, checks
+    their blocks (and has its servers check theirs), copies and exchanges the bytes, then fills
+    the caller's tensors."""
+
+    def __init__(self, plan: LoadPlan, store: storage.Storage):
+        self.plan, self.store = plan, store  # ``store``: where the files are (ranges served to others)
+        self.files = store.open_files(plan.meta)  # opened by open_local
+        self.staging = reads.Staging()
+        self._lanes = threading.local()  # a staging buffer per thread receiving bytes (run_op)
+        self.arrays = list(plan.views) + aoa.staging_arrays(plan.staged)
+
+    def run_op(self, op, fetch) -> None:
+        """Carry out one op whose bytes ``fetch`` receives from another rank (several threads
+        at once, one per connection: each its own staging buffer)."""
+        staging = getattr(self._lanes, "staging", None)
+        if staging is None:
+            staging = self._lanes.staging = reads.Staging()
+        reads.execute_op(op, self.files, self.arrays, staging, self.plan.verify, fetch)
+
+    def open_local(self) -> None:
+        """Open every file this rank reads itself (its size checked) before any byte moves."""
+        for f in sorted({op.file for op in self.plan.local}):
+            try:
+                self.files.open(f)
+            except DcpError as exc:
+                keys = sorted({seg.piece.key for op in self.plan.local if op.file == f for seg in op.segments})
+                raise type(exc)(f"{exc}; it holds {keys}") from None
 
     def verify_local(self, share: tuple[int, int] | None = None) -> None:
         """Check the checksum of every block this rank will read from its own files, before any
         target changes; with ``share`` (index, count: every rank reads the same files and
         tensors, and the verify step's agreement covers them all), only that share of the
         blocks (see load_plan.plan_shared_checks)."""
-        if not self.verify:
+        if not self.plan.verify:
             return
-        ops = self.local if share is None else load_plan.plan_shared_checks(self.meta, self._read_keys(), *share)
+        ops = self.plan.local if share is None else load_plan.plan_shared_checks(self.plan.meta, self.plan.read_keys(), *share)
         for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
             reads.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
-        if not self.verify:
+        if not self.plan.verify:
             return
-        blocks = lambda op: [b for seg in op.segments for b in checksums.segment_blocks(self.meta, seg)]  # noqa: E731
-        exchange.check_remote(comm, self.store, self.remote, clients, blocks, lambda i: self.meta.files[i].name)
+        meta = self.plan.meta
+        blocks = lambda op: [b for seg in op.segments for b in checksums.segment_blocks(meta, seg)]  # noqa: E731
+        exchange.check_remote(comm, self.store, self.plan.remote, clients, blocks, lambda i: meta.files[i].name)
 
     def read_local(self) -> None:
         """Copy from the local files. Their blocks were checked in the verify step, so they are
@@ -129,7 +156,7 @@ class LocalLoadWork:
 
     def _copy_local(self) -> None:
         staging = reads.Staging()  # its own: the copy may run beside run_op's threads
-        for op in reads.read_ahead(self.files, self.local):
+        for op in reads.read_ahead(self.files, self.plan.local):
             reads.execute_op(op, self.files, self.arrays, staging, verify=False)
         self.files.check_unchanged()
 
@@ -140,7 +167,8 @@ class LocalLoadWork:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-read") as pool:
             copying = pool.submit(self._copy_local)
             try:
-                exchange.fetch_remote(comm, self.store, self.remote, clients, lambda i: self.meta.files[i].name, self.run_op)
+                exchange.fetch_remote(comm, self.store, self.plan.remote, clients, lambda i: self.plan.meta.files[i].name,
+                                      self.run_op)
             finally:
                 failed = copying.exception()  # waits for the copy
                 self.files.close()
@@ -150,14 +178,15 @@ class LocalLoadWork:
     def finish(self) -> None:
         """Fill constants, copy host buffers into the caller's tensors (through one bounded
         pinned area, reused), put the checkpoint's plain values into the state dict."""
-        aoa.apply(self.staged, self.arrays)
+        plan = self.plan
+        aoa.apply(list(plan.staged), self.arrays)
         with PinnedStage() as stage:
-            for buffer, fill in zip(self.buffers, self.fills):
+            for target, fill in zip(plan.targets, plan.fills):
                 if fill is not None:
-                    buffer.fill(fill)
-                buffer.finish(stage)
-        for path, node in self.plain:
-            nested.assign_subtree(self.state_dict, path, node)
+                    target.fill(fill)
+                target.finish(stage)
+        for path, node in plan.plain:
+            nested.assign_subtree(plan.state_dict, path, node)
 
 
 @dataclass(frozen=True)
@@ -240,11 +269,11 @@ def plan_load(
     sources: Sources | None = None,
     remap=None,
     kind: str = "checkpoint",
-) -> LocalLoadWork:
+) -> LoadPlan:
     """This rank's complete load of ``meta`` into ``state_dict`` (flattened: ``flat``, its
     tensors' pieces: ``held``) as ``options`` ask: keys matched, targets' buffers, read ops
     split between the files this rank reads and the ranks that serve the others
-    (``sources``; None: every file is this rank's), every local file opened; blocks are
+    (``sources``; None: every file is this rank's); blocks are
     checked when ``options`` ask and the metadata has checksums (a Hugging Face directory's has
     none). ``kind`` names the source in messages ("checkpoint", "file")."""
     verify = options.verify and meta.checksum_algorithm != NO_CHECKSUMS
@@ -265,10 +294,10 @@ def plan_work(
     sources: Sources | None = None,
     remap=None,
     plain: bool = True,
-) -> LocalLoadWork:
-    """The load work of the tensors ``held`` (all of this rank's, or a batch of them) from
-    ``meta``, keys ``matched``: their buffers and read ops, every local file opened. With
-    ``plain``, its finish also restores the checkpoint's plain values."""
+) -> LoadPlan:
+    """The load plan of the tensors ``held`` (all of this rank's, or a batch of them) from
+    ``meta``, keys ``matched``: their buffers and read ops. With ``plain``, it also restores
+    the checkpoint's plain values."""
     buffers, fills, views, targets, slots, remapped = [], [], [], [], [], []
     for h in held:
         source = matched.source.get(h.piece.key, h.piece.key if h.piece.key in matched.mapped else None)
@@ -300,12 +329,8 @@ def plan_work(
     reads = aoa.plan(meta, remapped, first_slot=len(views))
     ops = _plan_ops(meta, targets + reads.pieces, slots + reads.slots, path, sources)
     local, remote = split_ops(ops, meta, sources) if sources is not None else (ops, {})
-    work = LocalLoadWork(
-        flat, meta, ops, store.open_files(meta), buffers, fills, views, verify, reads.staged,
-        state_dict=state_dict, plain=matched.plain if plain else (), store=store, local=local, remote=remote,
-    )
-    work.open_local()
-    return work
+    return LoadPlan(meta, tuple(ops), tuple(local), remote, tuple(buffers), tuple(fills), tuple(views), tuple(reads.staged),
+                    matched.plain if plain else (), verify, state_dict)
 
 
 def _plan_ops(meta: Metadata, targets: list, slots: list, path: str, sources: Sources | None) -> list:

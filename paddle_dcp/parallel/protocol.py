@@ -365,18 +365,30 @@ def metadata_from_reports(
 
 
 # ====================================================================== load
-class LoadWork(_Protocol):
-    """One rank's planned load, step by step (what :meth:`LoadRankProtocol.plan` returns).
+class LoadPlanView(_Protocol):
+    """What the protocol reads of a rank's load plan (:class:`~paddle_dcp.parallel.loadwork.LoadPlan`).
 
     Attributes:
         remote: server rank -> the read ops this rank needs from files it cannot read.
         share_key: (digest of the tensors it reads, whether it may share their checks).
     """
 
-    remote: dict[int, list[load_plan.ReadOp]]
+    @property
+    def remote(self) -> Mapping[int, Sequence[load_plan.ReadOp]]: ...
 
     @property
     def share_key(self) -> tuple[int, bool]: ...
+
+
+class LoadWork(_Protocol):
+    """One rank's planned load, step by step (what :meth:`LoadRankProtocol.plan` returns):
+    its complete ``plan``, carried out by the steps below; planning opened no file."""
+
+    @property
+    def plan(self) -> LoadPlanView: ...
+
+    def open_local(self) -> None:
+        """Open the files this rank reads itself (the first step after planning)."""
 
     def verify_local(self, share: tuple[int, int] | None) -> None:
         """Check every block this rank reads from its own files, before any target changes
@@ -480,18 +492,18 @@ def load(side: LoadRankProtocol) -> Protocol:
     # with the plan's agreement: does any rank need bytes from another, and do all ranks read
     # the same tensors of a checkpoint they all see (then they share the checksum work)
     def plan_key(work):
-        digest, can_share = work.share_key
-        return 1 if work.remote else 0, digest, -digest, 0 if can_share else 1
+        digest, can_share = work.plan.share_key
+        return 1 if work.plan.remote else 0, digest, -digest, 0 if can_share else 1
 
     work, (any_remote, high, neg_low, cannot) = yield from local_max(
         "plan", lambda: side.plan(view, meta, uid, listing, statuses, every_target), plan_key, 4
     )
     shared = len(side.ranks) > 1 and not any_remote and not cannot and high == -neg_low
     share = (side.ranks.index(side.rank), len(side.ranks)) if shared else None
-    clients = yield from route(side, work.remote, any_remote)
-    # every block is checked before any target changes: a damaged file leaves the state dict
-    # as it was on every rank
-    yield from local("verify", lambda: work.verify_local(share))
+    clients = yield from route(side, work.plan.remote, any_remote)
+    # the plan opened nothing: this rank's files are opened here, and every block is checked
+    # before any target changes (a damaged file leaves the state dict as it was on every rank)
+    yield from local("verify", lambda: (work.open_local(), work.verify_local(share)))
     if clients is None:  # copying and finishing: one step, one agreement
         yield from local("read", lambda: (work.read_local(), work.finish()))
         return uid, work

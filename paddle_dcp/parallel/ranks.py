@@ -292,7 +292,7 @@ class LocalLoadRank:
         started = time.perf_counter()
         uid, work = protocol.run(self.comm, protocol.load(self))
         STATE.traffic["load"] = self.comm.traffic
-        nbytes = sum(op.nbytes for op in work.ops)
+        nbytes = sum(op.nbytes for op in work.plan.ops)
         logger.info("loaded checkpoint %d from %s: %d bytes by this rank in %.3f s", uid, self.path, nbytes,
                     time.perf_counter() - started)
         return uid, work
@@ -407,7 +407,8 @@ class LocalLoadRank:
             remap = Remap(self.options.aoa_config, aoa.source_shards(meta), every_target)
         sources = Sources(self.comm.rank, tuple(self.comm.ranks), uid, frozenset(visible_files(listing, uid)),
                           tuple(statuses), self.options.near)
-        return plan_load(self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.options, sources, remap)
+        plan = plan_load(self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.options, sources, remap)
+        return LocalLoadWork(plan, self.store)
 
 
 def _directory_listing(uid: int, names: Sequence[str]) -> storage.Listing:

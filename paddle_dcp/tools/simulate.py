@@ -19,6 +19,7 @@ import numpy as np
 from ..core.compress import Policy
 from ..core import load_plan, metafile, save_plan
 from ..parallel import protocol
+from ..parallel.loadwork import LoadPlan
 from ..io import storage
 from ..core.boxes import Box
 from ..parallel.comm import Traffic
@@ -175,8 +176,11 @@ class LoadSim:
 class _NoWork:
     """A rank's load work when only its messages matter: it reads nothing itself."""
 
-    remote: dict = {}
-    share_key = (0, False)
+    def __init__(self, ops=()):
+        self.plan = LoadPlan(ops=tuple(ops))
+
+    def open_local(self):
+        pass
 
     def verify_local(self, share):
         pass
@@ -186,12 +190,6 @@ class _NoWork:
 
     def finish(self):
         pass
-
-
-class _PlannedWork(_NoWork):
-    def __init__(self, ops):
-        self.ops = ops
-        self.remote = {}
 
 
 def plan_rank(meta: Metadata, targets: Sequence[load_plan.TargetPiece]) -> list:
@@ -275,7 +273,7 @@ class _SimLoadRank:
         if self.layout is None:
             return _NoWork()
         self.parsed[self.rank] = meta
-        return _PlannedWork(plan_rank(meta, targets_of(self.layout)))
+        return _NoWork(plan_rank(meta, targets_of(self.layout)))
 
     def targets(self, view) -> bytes:
         return b""

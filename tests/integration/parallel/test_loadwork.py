@@ -1,6 +1,7 @@
 """One rank's load work (parallel/loadwork.py): keys matched once, work planned for any set of
-the state dict's tensors, the plain values restored by the work that says so, and a finished
-work freed at once (its host buffers with it), in one process over the in-memory storage."""
+the state dict's tensors without opening a file, the plain values restored by the work that
+says so, and a finished work freed at once (its host buffers with it), in one process over the
+in-memory storage."""
 from __future__ import annotations
 
 import gc
@@ -15,7 +16,7 @@ from paddle_dcp.core.keys import MissingKeys
 from paddle_dcp.errors import MismatchError
 from paddle_dcp.parallel import protocol
 from paddle_dcp.parallel.comm import SoloComm
-from paddle_dcp.parallel.loadwork import match_load, plan_load, plan_work
+from paddle_dcp.parallel.loadwork import LoadPlan, LocalLoadWork, match_load, plan_load, plan_work
 from paddle_dcp.parallel.placements import describe, is_tensor
 from paddle_dcp.parallel.ranks import LocalSaveRank
 
@@ -38,12 +39,41 @@ def target(extra: dict | None = None) -> tuple[dict, nested.Flat, list]:
     return state, flat, [describe(k, v, 0, flat_ok=True) for k, v in flat.tensors.items()]
 
 
+def opened(plan: LoadPlan, store) -> LocalLoadWork:
+    """The work that carries out ``plan``, its files opened (the load's first step after planning)."""
+    work = LocalLoadWork(plan, store)
+    work.open_local()
+    return work
+
+
+def test_planning_opens_no_file_and_the_first_step_after_it_names_a_missing_one(store):
+    """The plan is data: made while the data file is gone, it is complete (frozen, every read
+    op of both tensors planned), and the file's absence is found when the work opens it,
+    named with the tensors it holds."""
+    import dataclasses
+
+    from paddle_dcp.errors import DcpError
+
+    meta = store.read_metadata(0, lazy=True)
+    (data,) = [f.name for f in meta.files]
+    del store.blobs[data]
+    state, flat, held = target()
+    plan = plan_load(state, flat, held, meta, "mem", store)
+    assert sorted({seg.piece.key for op in plan.local for seg in op.segments}) == ["a", "b"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.verify = False  # type: ignore[misc]
+    work = LocalLoadWork(plan, store)
+    with pytest.raises(DcpError, match=rf"{data}.*\['a', 'b'\]"):
+        work.open_local()
+    np.testing.assert_array_equal(state["a"], np.zeros((2, 3), np.float32))  # untouched
+
+
 def test_work_for_each_tensor_apart_loads_the_same_as_one_work(store):
     meta = store.read_metadata(0, lazy=True)
     state, flat, held = target()
     matched = match_load(flat, meta, "mem", True, MissingKeys())
     for i, h in enumerate(held):  # one tensor a work; the plain values with the last
-        work = plan_work(state, flat, [h], meta, matched, "mem", store, False, plain=i == len(held) - 1)
+        work = opened(plan_work(state, flat, [h], meta, matched, "mem", store, False, plain=i == len(held) - 1), store)
         work.read_local()
         work.finish()
         assert state["lr"] == (0.5 if i == len(held) - 1 else 0.0)
@@ -70,7 +100,7 @@ def test_a_finished_work_is_freed_without_the_garbage_collector(store):
     state, flat, held = target()
     gc.disable()
     try:
-        work = plan_load(state, flat, held, meta, "mem", store)
+        work = opened(plan_load(state, flat, held, meta, "mem", store), store)
         work.read_local()
         work.finish()
         alive = weakref.ref(work)
@@ -91,7 +121,7 @@ def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, mon
 
     meta = store.read_metadata(0, lazy=True)
     state, flat, held = target()
-    work = plan_load(state, flat, held, meta, "mem", store)
+    work = opened(plan_load(state, flat, held, meta, "mem", store), store)
     exchanging, served = threading.Event(), []
     real_ahead = loadwork.reads.read_ahead
 
@@ -115,7 +145,7 @@ def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, mon
         raise StorageError("disk gone")
 
     state, flat, held = target()
-    work = plan_load(state, flat, held, meta, "mem", store)
+    work = opened(plan_load(state, flat, held, meta, "mem", store), store)
     monkeypatch.setattr(loadwork.reads, "read_ahead", broken)
     served.clear()
     with pytest.raises(StorageError, match="disk gone"):
@@ -133,7 +163,7 @@ def test_ops_received_on_several_connections_at_once_never_share_a_staging_buffe
 
     meta = store.read_metadata(0, lazy=True)
     state, flat, held = target()
-    work = plan_load(state, flat, held, meta, "mem", store)
+    work = opened(plan_load(state, flat, held, meta, "mem", store), store)
     seen: dict = {}
     both = threading.Barrier(3, timeout=5)
 
@@ -145,8 +175,8 @@ def test_ops_received_on_several_connections_at_once_never_share_a_staging_buffe
     def lane(name):
         def run():
             both.wait()
-            work.run_op(work.ops[0], None)
-            work.run_op(work.ops[-1], None)
+            work.run_op(work.plan.ops[0], None)
+            work.run_op(work.plan.ops[-1], None)
         return threading.Thread(target=run, name=name)
 
     threads = [lane("lane0"), lane("lane1")]

@@ -3,6 +3,8 @@ ranks implementing SaveRankProtocol / LoadRankProtocol / LoadWork: on a world of
 real comms (tests/unit/parallel/fakes.py) and on the in-process SimWorld, which must agree."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
@@ -219,15 +221,20 @@ def test_a_composed_step_failing_on_one_rank_raises_on_every_rank_and_no_later_s
 
 
 # ---------------------------------------------------------------------------- load
+@dataclass(frozen=True)
+class FakePlan:
+    remote: dict
+    share_key: tuple = (12345, True)
+
+
 class FakeWork:
     """A LoadWork recording the order of its steps."""
 
     def __init__(self, log: list, remote: dict | None = None):
-        self.log, self.remote = log, remote or {}
+        self.log, self.plan = log, FakePlan(remote or {})
 
-    @property
-    def share_key(self):
-        return 12345, True
+    def open_local(self):
+        self.log.append("open")
 
     def verify_local(self, share):
         self.log.append("verify" if share is None else ("verify", *share))
@@ -307,7 +314,7 @@ def test_load_reads_the_latest_checkpoint_and_runs_the_steps_in_order():
     for r, rank in ranks.items():
         assert rank.asked == [7]
         # same tensors on every rank of a shared file system: they share the checks
-        assert rank.log == [("verify", r, SIZE), "read", "finish"]
+        assert rank.log == ["open", ("verify", r, SIZE), "read", "finish"]
 
 
 def test_load_routes_clients_to_their_servers():
@@ -315,8 +322,8 @@ def test_load_routes_clients_to_their_servers():
     # rank 2 needs bytes from rank 0: rank 0 learns its client, rank 2 its server's work is remote
     ranks = {r: FakeLoadRank(r, meta, listing_of(meta), remote={0: ["op"]} if r == 2 else None) for r in range(SIZE)}
     ThreadWorld(SIZE).run(lambda comm: protocol.run(comm, protocol.load(ranks[comm.rank])))
-    assert ranks[0].log == ["verify", ("verify remote", [2]), ("exchange", [2]), "finish"]
-    assert ranks[1].log == ["verify", ("verify remote", []), ("exchange", []), "finish"]
+    assert ranks[0].log == ["open", "verify", ("verify remote", [2]), ("exchange", [2]), "finish"]
+    assert ranks[1].log == ["open", "verify", ("verify remote", []), ("exchange", []), "finish"]
 
 
 def test_load_of_an_empty_directory_fails_the_same_on_every_rank():
@@ -366,7 +373,7 @@ def test_a_load_from_object_storage_reads_the_metadata_once_and_broadcasts_it():
     assert {results[r][0] for r in range(SIZE)} == {7}
     assert [rank.asked for rank in ranks.values()] == [[7], [], []]
     assert all(rank.parsed == [raw] for rank in ranks.values())
-    assert all(rank.log == [("verify", r, SIZE), "read", "finish"] for r, rank in ranks.items())
+    assert all(rank.log == ["open", ("verify", r, SIZE), "read", "finish"] for r, rank in ranks.items())
 
     # the simulation runs the same steps; the metadata crosses the comm once per other rank
     sim_ranks = {r: ObjectStoreLoadRank(r, meta) for r in range(SIZE)}
