@@ -26,7 +26,6 @@ import time
 import numpy as np
 
 from .core import nested
-from .core.dtypes import itemsize
 from .core.keys import MissingKeys
 from .errors import MismatchError
 from .format import hf_dir
@@ -73,6 +72,7 @@ def load_file(
         StorageError: the file cannot be read.
     """
     from .parallel.loadwork import LocalLoadWork, match_load, plan_work
+    from .parallel.targets import host_batches
     from .parallel.placements import describe, is_tensor
 
     path = os.fspath(path)
@@ -100,25 +100,6 @@ def load_file(
         nbytes += sum(op.nbytes for op in plan.local)
         del plan, work  # its host buffers go before the next batch's
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(held), nbytes, path, time.perf_counter() - started)
-
-
-def host_batches(held: list, limit: int) -> list[list]:
-    """``held`` in consecutive batches whose host buffers (tensors not in host memory, on a
-    device) take at most ``limit`` bytes each, a larger tensor alone; tensors in host memory
-    need none. At least one batch."""
-    from .parallel.device import needs_host_copy
-
-    batches: list[list] = [[]]
-    size = 0
-    for h in held:
-        on_device = h.local is not None and needs_host_copy(h.local)
-        n = int(np.prod(h.local.shape)) * itemsize(h.piece.dtype) if on_device else 0  # TargetBuffer's array
-        if n and batches[-1] and size + n > limit:
-            batches.append([])
-            size = 0
-        batches[-1].append(h)
-        size += n
-    return batches
 
 
 def _rank(flat: nested.Flat) -> int:

@@ -232,7 +232,8 @@ def _copy_into(target, source, key: str) -> None:
     import paddle
     import paddle.distributed as dist
 
-    from .parallel.device import TargetBuffer, dtype_name, host_bytes
+    from .parallel.device import dtype_name, host_bytes
+    from .parallel.targets import key_targets, target_buffer
     from .core.dtypes import name_of_numpy
     from .parallel.placements import describe
 
@@ -263,6 +264,7 @@ def _copy_into(target, source, key: str) -> None:
             piece = host_bytes(whole._local_value()).array[held.piece.box.slices() + (Ellipsis,)]
     else:
         piece = host_bytes(source).array[held.piece.box.slices() + (Ellipsis,)]
-    buffer = TargetBuffer(held.local)
-    buffer.array[...] = piece
+    buffer = target_buffer(held, offload=False)
+    (_, view), = key_targets(held, buffer)  # one box: a live tensor is no flattened ShardedWeight
+    view[...] = piece
     buffer.finish()

@@ -13,7 +13,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping
 
 import numpy as np
 import xxhash
@@ -23,14 +23,14 @@ from ..io import reads
 from . import exchange, wire
 from .comm import Comm
 from .options import LoadOptions
-from .device import PinnedStage, TargetBuffer
+from .device import PinnedStage
 from .placements import buffer_like, partial_fill
+from .targets import NoTarget, key_targets, target_buffer
 from ..core import aoa, load_plan, nested
 from ..core.keys import MissingKeys, reconcile, report
-from ..core.boxes import Box
 from ..core.metadata import Metadata
 from ..format.hf_dir import NO_CHECKSUMS
-from ..errors import DcpError, FormatError, MismatchError, PlanError, StorageError
+from ..errors import DcpError, FormatError, PlanError, StorageError
 from ..io import storage
 
 logger = logging.getLogger(__name__)
@@ -344,64 +344,3 @@ def _plan_ops(meta: Metadata, targets: list, slots: list, path: str, sources: So
         raise FormatError(f"{source}: {exc}") from None
     meta.check_digest()  # after the structure of what this rank uses, before any byte moves
     return ops
-
-
-def key_targets(held, buffer) -> list[tuple[Box, np.ndarray]]:
-    """What this rank fills of one state-dict tensor: every box (in_global) with the host array
-    it lands in, a view of the tensor's buffer (the one place a key's targets are built). A
-    flattened ShardedWeight fills the boxes its range covers, each a segment of its flat local
-    tensor; any other tensor fills its one box."""
-    if held.parts is not None:
-        flat = buffer.array.reshape(-1)
-        return [(box, flat[at : at + box.volume].reshape(box.shape)) for box, at in held.parts]
-    box = held.piece.box
-    return [(box, buffer.array.reshape(box.shape))]
-
-
-class LoadTarget(Protocol):
-    """Where one state-dict tensor of this rank is loaded: ``array``, the host buffer the
-    reads fill (None: this rank loads nothing into it); ``fill``, a constant instead of read
-    bytes (a Partial tensor's other ranks); ``finish``, the buffer handed to the caller's
-    tensor once every read is done. :class:`NoTarget`, :class:`NumpyTarget` and
-    :class:`~paddle_dcp.parallel.device.TargetBuffer` are the kinds."""
-
-    array: np.ndarray | None
-
-    def fill(self, value: Any) -> None: ...
-
-    def finish(self, stage: PinnedStage | None = None) -> None: ...
-
-
-def target_buffer(held, offload: bool) -> LoadTarget:
-    """Where this rank's part of one state-dict tensor is loaded: the numpy array itself, or
-    a paddle tensor's host buffer (:class:`~paddle_dcp.parallel.device.TargetBuffer`)."""
-    if isinstance(held.local, np.ndarray):
-        return NumpyTarget(held.local, held.piece.key)
-    return TargetBuffer(held.local, offload)
-
-
-class NoTarget:
-    """The buffer of a tensor this rank loads nothing into."""
-
-    array = None
-
-    def fill(self, value: Any) -> None:
-        pass
-
-    def finish(self, stage: PinnedStage | None = None) -> None:
-        pass
-
-
-class NumpyTarget:
-    """A numpy array of the state dict, loaded in place."""
-
-    def __init__(self, array: np.ndarray, key: str):
-        if not array.flags.c_contiguous or not array.flags.writeable:
-            raise MismatchError(f"{key}: numpy arrays loaded in place must be C-contiguous and writable")
-        self.array = array
-
-    def fill(self, value: Any) -> None:
-        self.array[...] = value
-
-    def finish(self, stage: PinnedStage | None = None) -> None:
-        pass
