@@ -269,6 +269,70 @@ def plan_save(summaries: Sequence[SaveSummary], replicas: bool = False, compress
     )
 
 
+@dataclass(frozen=True, eq=False)
+class DistinctPieces:
+    """Every distinct piece of a state dict spread over ranks, and the ranks that hold it:
+    what a policy other than :func:`plan_save`'s picks its senders from (a gathered save's,
+    :func:`paddle_dcp.parallel.gather_plan.plan_gather`). Made by :func:`distinct_pieces`, with
+    the checks of a save's plan: the ranks agree on every key's dtype and shape, and each key's
+    distinct pieces tile it.
+
+    Attributes:
+        keys / dtypes / shapes: every key, sorted, with its dtype and global shape.
+        piece_key: (pieces,) each piece's key (an index into ``keys``); pieces sorted by key,
+            then offsets.
+        offsets / extents: (pieces, max_nd) each piece's box, zero-padded past its key's ndim.
+        holder_start / holder_count: where each piece's holders start in ``holders``, how many.
+        holders: the holding ranks of every piece, ascending, piece after piece.
+    """
+
+    keys: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    piece_key: np.ndarray
+    offsets: np.ndarray
+    extents: np.ndarray
+    holder_start: np.ndarray
+    holder_count: np.ndarray
+    holders: np.ndarray
+
+    def of(self, k: int) -> list[tuple[Box, list[int]]]:
+        """Key ``k``'s pieces, by offsets: (box, its holders)."""
+        lo, hi = np.searchsorted(self.piece_key, [k, k + 1]).tolist()
+        nd = len(self.shapes[k])
+        return [
+            (Box(tuple(self.offsets[i, :nd].tolist()), tuple(self.extents[i, :nd].tolist())),
+             self.holders[self.holder_start[i] : self.holder_start[i] + self.holder_count[i]].tolist())
+            for i in range(lo, hi)
+        ]
+
+
+def distinct_pieces(summaries: Sequence[SaveSummary]) -> DistinctPieces:
+    """The distinct pieces of ``summaries`` and their holders, found and checked as
+    :func:`plan_save` finds and checks them (it is the same code).
+
+    Raises:
+        MismatchError: ranks disagree on a key's dtype, shape, or kind.
+        PlanError: the distinct pieces of a key do not tile it exactly.
+    """
+    summaries = sorted(summaries, key=lambda s: s.rank)
+    known, layout_ids, _, _ = _distinct_layouts(summaries)
+    max_nd = int(known.ndims.max()) if len(known.keys) else 0
+    pieces = _distinct_pieces(*_held_rows(summaries, layout_ids, max_nd), max_nd, False)
+    _check_tilings(known, pieces, max_nd, False)
+    return DistinctPieces(
+        keys=known.keys,
+        dtypes=tuple(DTYPE_NAMES[c] for c in known.dtype_codes.tolist()),
+        shapes=tuple(known.shape(k) for k in range(len(known.keys))),
+        piece_key=pieces.uniq[:, 0],
+        offsets=pieces.uniq[:, 1 : 1 + max_nd],
+        extents=pieces.uniq[:, 1 + max_nd :],
+        holder_start=pieces.group_start,
+        holder_count=pieces.counts,
+        holders=pieces.row_rank[pieces.order].astype(np.int64),
+    )
+
+
 def _piece_nbytes(p_key: np.ndarray, p_shape: np.ndarray, nds: np.ndarray, stored: Sequence[tuple]) -> np.ndarray:
     """Stored bytes of every piece (rows of ``p_shape``, padded to the largest rank), its
     key's (dtype, encoding) in ``stored``."""

@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 
 from ..core import nested
-from ..core.boxes import Box, check_tiling, element_span, split_region
+from ..core import save_plan
+from ..core.boxes import Box, element_span, split_region
 from ..core.dtypes import itemsize
 from ..core.save_plan import SaveSummary
 from ..errors import FormatError, MismatchError
@@ -119,7 +119,9 @@ def plan_gather(
     summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str, limit: int
 ) -> GatherPlan:
     """Plan a gathered save from every rank's summary (in group order; the summaries a save
-    sends, :func:`paddle_dcp.parallel.wire.decode_summary`). Pure: no I/O.
+    sends, :func:`paddle_dcp.parallel.wire.decode_summary`). Pure: no I/O. The distinct pieces
+    and their holders are a save plan's (:func:`paddle_dcp.core.save_plan.distinct_pieces`);
+    only the choice of who sends each differs.
 
     Raises:
         MismatchError: ranks disagree on a tensor's dtype or shape, on what is a tensor, or (for
@@ -127,58 +129,46 @@ def plan_gather(
         FormatError: a dtype safetensors cannot hold, or the reserved key ``__metadata__``.
         PlanError: pieces that overlap or leave a gap.
     """
-    skeleton, info, holders = _merge_summaries(summaries, ranks, root, state_type)
-    if "__metadata__" in info:
+    skeleton = _skeleton(summaries, ranks, root, state_type)
+    distinct = save_plan.distinct_pieces(summaries)
+    if "__metadata__" in distinct.keys:
         raise FormatError("the key '__metadata__' is reserved by safetensors; rename that entry of the state dict")
-    tensors = _file_layout(nested.tensor_keys(skeleton), info)
-    chosen = _choose_holders(tensors, holders, ranks, root)
+    tensors = _file_layout(nested.tensor_keys(skeleton), distinct)
+    chosen = _choose_senders(tensors, distinct, root)
     groups = _pack_groups(tensors, chosen, root, limit)
     return GatherPlan(tensors, skeleton, groups, _header(tensors, skeleton))
 
 
-def _merge_summaries(summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str):
-    """(skeleton, key -> (dtype, global shape), key -> {(offsets, shape): holder ranks}),
-    checking that the ranks agree."""
+def _skeleton(summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str) -> dict:
+    """The file's structure: the gathering rank's skeleton ("params": every rank must hold the
+    same tensors), or every rank's merged ("opt": optimizer states split by key)."""
     docs = dict(zip(ranks, summaries))
-    base = docs[root]
-    skeleton = base.skeleton
-    info: dict[str, tuple[str, tuple[int, ...]]] = {}
-    holders: dict[str, dict[tuple, list[int]]] = {}
-    root_keys = set(nested.tensor_keys(base.skeleton))
-    for r in [root] + [r for r in ranks if r != root]:
+    skeleton = docs[root].skeleton
+    root_keys = set(docs[root].keys)
+    for r in [r for r in ranks if r != root]:
         summary = docs[r]
-        keys = nested.tensor_keys(summary.skeleton)
-        if state_type == "params" and r != root and set(keys) != root_keys:
-            lacks = sorted(root_keys - set(keys))[:5]
-            extra = sorted(set(keys) - root_keys)[:5]
+        if state_type == "params" and set(summary.keys) != root_keys:
+            lacks = sorted(root_keys - set(summary.keys))[:5]
+            extra = sorted(set(summary.keys) - root_keys)[:5]
             raise MismatchError(
                 f"state_type='params' needs the same tensors on every rank: rank {r} lacks {lacks} and "
                 f"has {extra} that rank {root} lacks; for optimizer states split by key across ranks "
                 f"(sharding), pass state_type='opt'"
             )
-        if state_type == "opt" and r != root:
+        if state_type == "opt":
             try:
                 skeleton = nested.merge(skeleton, summary.skeleton)
             except FormatError as exc:
                 raise MismatchError(f"rank {r} and rank {root}: {exc}") from None
-        for key, dtype, shape in zip(keys, summary.dtypes, summary.global_shapes):
-            seen = info.setdefault(key, (dtype, tuple(shape)))
-            if seen != (dtype, tuple(shape)):
-                raise MismatchError(
-                    f"{key}: rank {r} holds {dtype} of global shape {tuple(shape)}, another rank {seen[0]} of shape {seen[1]}"
-                )
-        for row, leaf in enumerate(summary.leaves_of_rows().tolist()):
-            box = summary.piece_box(row)
-            if box is not None:
-                holders.setdefault(keys[leaf], {}).setdefault((box.offsets, box.shape), []).append(r)
-    return skeleton, info, holders
+    return skeleton
 
 
-def _file_layout(order: list[str], info: dict) -> list[TensorLayout]:
+def _file_layout(order: list[str], distinct: save_plan.DistinctPieces) -> list[TensorLayout]:
     """The file's layout, in the state dict's order."""
+    index = {k: i for i, k in enumerate(distinct.keys)}
     tensors, at = [], 0
     for key in order:
-        dtype, shape = info[key]
+        dtype, shape = distinct.dtypes[index[key]], distinct.shapes[index[key]]
         if dtype not in SAFETENSORS_DTYPES:
             raise FormatError(
                 f"{key}: {dtype} has no safetensors dtype (supported: {', '.join(SAFETENSORS_DTYPES)}); "
@@ -190,20 +180,18 @@ def _file_layout(order: list[str], info: dict) -> list[TensorLayout]:
     return tensors
 
 
-def _choose_holders(tensors: list[TensorLayout], holders: dict, ranks, root: int) -> dict[str, list[tuple[int, Box]]]:
-    """One holder per distinct piece: the gathering rank when it holds it, else the least loaded."""
-    sent = {r: 0 for r in ranks}
+def _choose_senders(tensors: list[TensorLayout], distinct: save_plan.DistinctPieces, root: int) -> dict[str, list[tuple[int, Box]]]:
+    """One sender per distinct piece: the gathering rank when it holds it, else the holder
+    that has sent the fewest elements so far (the lowest rank on a tie), in file order."""
+    sent: dict[int, int] = {}
+    index = {k: i for i, k in enumerate(distinct.keys)}
     chosen: dict[str, list[tuple[int, Box]]] = {}
     for t in tensors:
-        pieces = holders.get(t.key, {})
-        boxes = [Box(o, s) for o, s in pieces]
-        check_tiling(t.key, t.shape, np.asarray([b.offsets for b in boxes], np.int64).reshape(len(boxes), len(t.shape)),
-                     np.asarray([b.shape for b in boxes], np.int64).reshape(len(boxes), len(t.shape)))
         out = []
-        for box, who in zip(boxes, pieces.values()):
-            r = root if root in who else min(who, key=lambda x: (sent[x], x))
+        for box, who in distinct.of(index[t.key]):
+            r = root if root in who else min(who, key=lambda x: (sent.get(x, 0), x))
             if r != root:
-                sent[r] += box.volume
+                sent[r] = sent.get(r, 0) + box.volume
             out.append((r, box))
         chosen[t.key] = out
     return chosen

@@ -450,3 +450,27 @@ def test_summaries_decoded_together_are_planned_without_copying_their_rows(monke
     plan = save_plan.plan_save(decoded)
     assert np.shares_memory(seen[0], decoded[0].boxes) and np.shares_memory(seen[0], decoded[-1].boxes)
     assert np.array_equal(plan.piece_writer, save_plan.plan_save(per_rank).piece_writer)
+
+
+# ------------------------------------------------------------------ distinct_pieces
+def test_distinct_pieces_lists_each_box_once_with_its_holders_ascending_in_any_order():
+    """What a gathered save chooses its senders from: w's row blocks each held by two ranks,
+    b by all four, c by rank 3 alone (the oracle: the boxes written out here)."""
+    w = lambda r: ("w", "float32", (4, 3), Box((2 * (r % 2), 0), (2, 3)))  # noqa: E731
+    b = ("b", "int64", (2,), Box.whole((2,)))
+    held = [summary(r, [w(r), b] + ([("c", "bfloat16", (5,), Box.whole((5,)))] if r == 3 else [])) for r in range(4)]
+    for order in (held, held[::-1], [held[2], held[0], held[3], held[1]]):
+        found = save_plan.distinct_pieces(order)
+        assert found.keys == ("b", "c", "w") and found.dtypes == ("int64", "bfloat16", "float32")
+        assert found.shapes == ((2,), (5,), (4, 3))
+        assert found.of(0) == [(Box((0,), (2,)), [0, 1, 2, 3])]
+        assert found.of(1) == [(Box((0,), (5,)), [3])]
+        assert found.of(2) == [(Box((0, 0), (2, 3)), [0, 2]), (Box((2, 0), (2, 3)), [1, 3])]
+
+
+def test_distinct_pieces_checks_what_a_save_plan_checks():
+    ok = summary(0, [("w", "float32", (4,), Box((0,), (2,)))])
+    with pytest.raises(MismatchError, match="w"):
+        save_plan.distinct_pieces([ok, summary(1, [("w", "float64", (4,), Box((2,), (2,)))])])
+    with pytest.raises(PlanError, match="w"):
+        save_plan.distinct_pieces([ok, summary(1, [("w", "float32", (4,), Box((1,), (3,)))])])

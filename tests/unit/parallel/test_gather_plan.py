@@ -85,3 +85,19 @@ def test_ranks_that_disagree_or_a_reserved_key_are_refused():
     ])  # fmt: skip
     with pytest.raises(FormatError, match="reserved by safetensors"):
         plan_gather([one], (0,), 0, "params", 1 << 20)
+
+
+def test_a_piece_the_gathering_rank_lacks_is_sent_by_the_holder_that_sent_least_so_far():
+    """Both row blocks of w are held by ranks 1 and 2 (a save plan's distinct pieces): the first
+    goes to rank 1 (a tie: the lower rank), the second to rank 2; b, held by the gathering rank,
+    is never sent."""
+    def of(r):
+        w = [save_plan.LocalPiece("w", "float32", (4, 3), Box((0, 0), (2, 3))),
+             save_plan.LocalPiece("w", "float32", (4, 3), Box((2, 0), (2, 3)))] if r else \
+            [save_plan.LocalPiece("w", "float32", (4, 3), None)]
+        return save_plan.SaveSummary.from_pieces(r, {"d": [["w", {"t": 0}], ["b", {"t": 0}]]},
+                                                 w + [save_plan.LocalPiece("b", "int64", (2,), Box.whole((2,)))])
+    plan = plan_gather([of(0), of(1), of(2)], (0, 1, 2), 0, "params", 1 << 20)
+    assert json.loads(plan.assignment(1)) == [[[["w", [0, 0], [2, 3]]]]]
+    assert json.loads(plan.assignment(2)) == [[[["w", [2, 0], [2, 3]]]]]
+    assert json.loads(plan.assignment(0)) == [[]]
