@@ -29,7 +29,7 @@ from .parallel.options import LoadOptions, SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank, check_id
 from .core.metadata import Metadata
 from .errors import ArgumentError, FormatError, UnsupportedError
-from .io import is_file, open_storage
+from .io import is_file, open_storage, storage
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def read_metadata(path: str, unique_id: int | None = None, *, storage_options: d
         if listing.latest is None:
             raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")
         unique_id = listing.latest
-    return store.read_metadata(unique_id)
+    return storage.read_metadata(store, unique_id)
 
 
 def process_state() -> ProcessState:

@@ -36,7 +36,7 @@ from .core.retention import Manifest, StepEntry, to_delete
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
 from .errors import ArgumentError, IntegrityError
-from .io import cleanup, is_url, open_storage
+from .io import cleanup, is_url, open_storage, storage
 from .io.file_transfer import copy_file
 from .io.storage import Storage, metadata_from_bytes
 from .parallel import protocol, wire
@@ -121,13 +121,13 @@ class LocalTier:
                 continue
             source = min(r for r, doc in by_rank.items() if step in doc["complete"])
             data = yield from protocol.local(
-                "local tier: read metadata", lambda: self.store.metadata_bytes(step) if self.comm.rank == source else b""
+                "local tier: read metadata", lambda: storage.metadata_bytes(self.store, step) if self.comm.rank == source else b""
             )
             data = yield protocol.Broadcast(data, source)
 
             def publish(step=step, data=data) -> None:
                 if self.comm.rank in lacking:
-                    self.store.write_atomic(metadata_name(step), data, self.durable)
+                    storage.commit_metadata(self.store, step, data, self.durable)
 
             yield from protocol.local("local tier: publish", publish)
             logger.info("local tier %s: step %d's metadata written again on the nodes of ranks %s", self.directory, step, lacking)
@@ -192,7 +192,7 @@ class LocalTier:
             listing = self.store.list_checkpoints(temporary=False)
             for step in sorted(listing.complete):
                 try:
-                    meta = self.store.read_metadata(step, lazy=True)
+                    meta = storage.read_metadata(self.store, step, lazy=True)
                 except Exception:  # noqa: BLE001 - unusable here: another node's may serve
                     continue
                 writer = {f.name: ((parse_data_name(f.name) or (-1,))[0], f.nbytes) for f in meta.files}
@@ -243,7 +243,7 @@ class LocalTier:
 
         def publish() -> None:
             if self.is_leader:
-                self.store.write_atomic(metadata_name(result.unique_id), data, self.durable)
+                storage.commit_metadata(self.store, result.unique_id, data, self.durable)
 
         yield from protocol.local("local tier: publish", publish)
         yield from protocol.tidy(rank, result)
@@ -302,7 +302,7 @@ class LocalTier:
         yield from protocol.local("global tier: prepare", prepare)
 
         def copy() -> None:
-            meta = self.store.read_metadata(step, lazy=True)
+            meta = storage.read_metadata(self.store, step, lazy=True)
             for f in meta.files:
                 if (parse_data_name(f.name) or (-1,))[0] == comm.rank:
                     copy_file(self.store, target, f.name, durable)
@@ -311,7 +311,7 @@ class LocalTier:
 
         def publish() -> None:
             if comm.is_coordinator:
-                target.write_atomic(metadata_name(step), self.store.metadata_bytes(step), durable)
+                storage.commit_metadata(target, step, storage.metadata_bytes(self.store, step), durable)
 
         yield from protocol.local("global tier: publish", publish)
 
@@ -380,7 +380,7 @@ class LocalTier:
         def fetch() -> bytes:
             if self.comm.rank not in lost:
                 return b""
-            data = fallback.metadata_bytes(step)
+            data = storage.metadata_bytes(fallback, step)
             if _digest(data) != digest:
                 raise IntegrityError(f"step {step} of the global tier is another save than the local tier's")
             meta = parse_metadata(data, source=fallback.resolve(metadata_name(step)), lazy=True)
@@ -404,7 +404,7 @@ class LocalTier:
         if step not in listing.complete:
             return None, []
         try:  # read once: parsed, and fingerprinted by the survey
-            data = self.store.metadata_bytes(step)
+            data = storage.metadata_bytes(self.store, step)
             meta = metadata_from_bytes(data, step, self.store.resolve(metadata_name(step)), lazy=True)
             meta.check_digest()
         except Exception as exc:  # noqa: BLE001 - a damaged metadata file: another node's serves

@@ -20,10 +20,10 @@ from typing import ContextManager, Iterable, Iterator
 import numpy as np
 
 from ..errors import FormatError, IntegrityError, StorageError
-from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, aligned, check_member_name
-from ..core.naming import TMP_MARK, metadata_name
+from ..core.metadata import ALIGNMENT, Metadata, aligned, check_member_name
+from ..core.naming import TMP_MARK
 from ..core.checksums import block_checksums
-from .storage import Listing, listing_of, metadata_from_bytes
+from .storage import Listing, listing_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +55,6 @@ class LocalStorage:
             raise StorageError(f"cannot read {full}: {exc}", full) from exc
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
-        return read_metadata(self.path, unique_id, lazy)
-
-    def metadata_bytes(self, unique_id: int) -> bytes:
-        return metadata_bytes(self.path, unique_id)
-
     def open_files(self, meta: Metadata) -> "FileSet":
         return FileSet(self.path, meta)
 
@@ -70,12 +64,15 @@ class LocalStorage:
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         write_atomic(self.path, name, data, durable)
 
-    def read_file(self, name: str) -> bytes | None:
+    def read_file(self, name: str, limit: int | None = None) -> bytes | None:
         full = inside(self.path, name)
         try:
             with open(full, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if limit is not None and size > limit:
+                    raise FormatError(f"{full}: {size} bytes is over the {limit}-byte limit for this file")
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise StorageError(f"cannot read {full}: {exc}", full) from exc
@@ -232,28 +229,6 @@ def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> No
     except StorageError:  # only an I/O failure: a process that dies leaves its files as they are
         out.abort()
         raise
-
-
-def read_metadata(path: str, unique_id: int, lazy: bool = False) -> Metadata:
-    """Read and validate ``path/{unique_id}.metadata`` (tensor entries on first use when
-    ``lazy``)."""
-    data = metadata_bytes(path, unique_id)
-    return metadata_from_bytes(data, unique_id, os.path.join(path, metadata_name(unique_id)), lazy)
-
-
-def metadata_bytes(path: str, unique_id: int) -> bytes:
-    """The content of ``path/{unique_id}.metadata``, size checked before it is read."""
-    full = os.path.join(path, metadata_name(unique_id))
-    try:
-        with open(full, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_METADATA_BYTES:
-                raise FormatError(f"{full}: {size} bytes is over the {MAX_METADATA_BYTES}-byte limit for metadata")
-            return f.read()
-    except FileNotFoundError:
-        raise StorageError(f"checkpoint {unique_id} has no metadata file {full}", full) from None
-    except OSError as exc:
-        raise StorageError(f"cannot read {full}: {exc}", full) from exc
 
 
 class DataWriter:

@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterable
 
 import xxhash
 
-from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata, check_member_name
-from ..core.naming import TMP_MARK, metadata_name
+from ..core.metadata import ALIGNMENT, Metadata, check_member_name
+from ..core.naming import TMP_MARK
 from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from .object_reads import ObjectFiles, ObjectRangeReader
 from .retry import RetryPolicy, retrying
-from .storage import Listing, listing_of, metadata_from_bytes
+from .storage import Listing, listing_of
 
 logger = logging.getLogger(__name__)
 
@@ -258,21 +258,6 @@ class ObjectStorage:
             return None
         return int(info["size"]) if info.get("type", "file") == "file" else None
 
-    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
-        return metadata_from_bytes(self.metadata_bytes(unique_id), unique_id, self.resolve(metadata_name(unique_id)), lazy)
-
-    def metadata_bytes(self, unique_id: int) -> bytes:
-        """One GET, cut after the size limit."""
-        url = self.resolve(metadata_name(unique_id))
-        full = self.full(metadata_name(unique_id))
-        try:
-            data = self.call(f"GET {url}", lambda: self.fs.cat_file(full, start=0, end=MAX_METADATA_BYTES + 1, **self.limit))
-        except FileNotFoundError:
-            raise StorageError(f"checkpoint {unique_id} has no metadata object {url}", url) from None
-        if len(data) > MAX_METADATA_BYTES:
-            raise FormatError(f"{url}: over the {MAX_METADATA_BYTES}-byte limit for metadata")
-        return data
-
     def open_files(self, meta: Metadata) -> "ObjectFiles":
         return ObjectFiles(self, meta)
 
@@ -285,13 +270,18 @@ class ObjectStorage:
         full = self.full(name)
         self.call(f"PUT {self.resolve(name)}", lambda: self.fs.pipe_file(full, bytes(data), **self.limit))
 
-    def read_file(self, name: str) -> bytes | None:
-        """One GET of a small object (a manager's manifest); None when there is none."""
-        full = self.full(name)
+    def read_file(self, name: str, limit: int | None = None) -> bytes | None:
+        """One GET of a small object (a metadata file, a manager's manifest), cut one byte
+        after ``limit``; None when there is none."""
+        full, url = self.full(name), self.resolve(name)
+        end = {} if limit is None else {"start": 0, "end": limit + 1}
         try:
-            return self.call(f"GET {self.resolve(name)}", lambda: self.fs.cat_file(full, **self.limit))
+            data = self.call(f"GET {url}", lambda: self.fs.cat_file(full, **end, **self.limit))
         except FileNotFoundError:
             return None
+        if limit is not None and len(data) > limit:
+            raise FormatError(f"{url}: over the {limit}-byte limit for this object")
+        return data
 
     def data_writer(
         self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT

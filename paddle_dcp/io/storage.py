@@ -15,8 +15,8 @@ from typing import ContextManager, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import FormatError
-from ..core.metadata import ALIGNMENT, Metadata
+from ..errors import FormatError, StorageError
+from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata
 from ..core.metadata_parse import parse_metadata
 from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
 
@@ -201,14 +201,6 @@ class Storage(Protocol):
         """The size in bytes of file ``name``, or None when the directory holds no file of that
         name (a subdirectory is not a file)."""
 
-    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
-        """Read and validate checkpoint ``unique_id``'s metadata (:func:`metadata_from_bytes`
-        of :meth:`metadata_bytes`)."""
-
-    def metadata_bytes(self, unique_id: int) -> bytes:
-        """The content of checkpoint ``unique_id``'s metadata file, unparsed (StorageError when
-        there is none; FormatError over the size limit)."""
-
     def open_files(self, meta: Metadata) -> DataFiles:
         """The data files ``meta`` names, opened for reading."""
 
@@ -218,9 +210,10 @@ class Storage(Protocol):
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         """Write ``data`` as file ``name``: it appears whole or not at all."""
 
-    def read_file(self, name: str) -> bytes | None:
-        """The whole content of a small file ``name`` (e.g. a manager's manifest); None when
-        it does not exist."""
+    def read_file(self, name: str, limit: int | None = None) -> bytes | None:
+        """The whole content of a small file ``name`` (a metadata file, a manager's manifest);
+        None when it does not exist. With ``limit``, a file of more bytes is a FormatError naming
+        it, refused before it is read where the storage knows its size."""
 
     def data_writer(
         self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
@@ -232,3 +225,31 @@ class Storage(Protocol):
 
     def resolve(self, name: str) -> str:
         """The full name of file ``name`` (FormatError when it would leave the directory)."""
+
+
+# ========================================================= a checkpoint's metadata file
+# written and read here once, over any storage's bytes: the save's commit, the tiers' copies
+# and the command line's import all commit through commit_metadata; every load reads through
+# metadata_bytes / read_metadata
+def metadata_bytes(store: Storage, unique_id: int) -> bytes:
+    """The content of checkpoint ``unique_id``'s metadata file, unparsed: a StorageError when
+    there is none, a FormatError over the size limit (refused before it is read)."""
+    name = metadata_name(unique_id)
+    data = store.read_file(name, limit=MAX_METADATA_BYTES)
+    if data is None:
+        url = store.resolve(name)
+        raise StorageError(f"checkpoint {unique_id} has no metadata file {url}", url)
+    return data
+
+
+def read_metadata(store: Storage, unique_id: int, lazy: bool = False) -> Metadata:
+    """Checkpoint ``unique_id``'s metadata, read and validated (tensor entries parsed on first
+    use when ``lazy``)."""
+    data = metadata_bytes(store, unique_id)
+    return metadata_from_bytes(data, unique_id, store.resolve(metadata_name(unique_id)), lazy)
+
+
+def commit_metadata(store: Storage, unique_id: int, data: bytes, durable: bool = False) -> None:
+    """Write checkpoint ``unique_id``'s metadata file, the last file of a save or of a copy of
+    one: it appears whole or not at all, and with it the checkpoint."""
+    store.write_atomic(metadata_name(unique_id), data, durable)

@@ -199,7 +199,7 @@ class LocalSaveRank:
     def publish(self, meta: Metadata) -> None:
         if self.options.safetensors:
             meta = hf_dir.rename_files(meta)
-        self.store.write_atomic(storage.metadata_name(meta.unique_id), metafile.encode(meta), self.options.durable)
+        storage.commit_metadata(self.store, meta.unique_id, metafile.encode(meta), self.options.durable)
 
     def tidy(self, uid: int, generation: int, listing: storage.Listing | None) -> None:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
@@ -348,7 +348,7 @@ class LocalLoadRank:
                     return metafile.read_part(ranges, size, wanted, self.store.resolve(name))
             finally:
                 ranges.close()
-        return self.store.read_metadata(uid, lazy=True)
+        return storage.read_metadata(self.store, uid, lazy=True)
 
     def _directory_blob(self, view: Inspected) -> bytes:
         return safetensors_files.directory_blob(self.store, *view.shards)
@@ -359,7 +359,7 @@ class LocalLoadRank:
         a checkpoint of ours for a directory whose files carry no checksums)."""
         if view.shards is not None:
             return b"D" + self._directory_blob(view)
-        return b"M" + self.store.metadata_bytes(uid)
+        return b"M" + storage.metadata_bytes(self.store, uid)
 
     def metadata_start(self, blob: bytes, source: str) -> metafile.Start:
         return protocol.start_of(blob, source)

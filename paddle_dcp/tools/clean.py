@@ -23,7 +23,7 @@ def _superseded(path: str, listing: storage.Listing) -> list[str]:
         if not present:
             continue
         try:
-            meta = open_storage(path).read_metadata(uid, lazy=True)
+            meta = storage.read_metadata(open_storage(path), uid, lazy=True)
         except DcpError as exc:
             logger.warning("checkpoint %d: metadata unreadable, its files are left alone: %s", uid, _one_line(exc))
             continue

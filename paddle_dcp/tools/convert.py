@@ -10,6 +10,7 @@ from typing import Iterator
 from . import consolidate
 from ..errors import ArgumentError, DcpError, UnsupportedError
 from ..io import is_url, open_storage
+from ..io.storage import read_metadata
 from .console import EXIT_OK, ProgressBar, UsageError, _directory, _err, _one_line, _out, _progress_enabled, choose_id
 
 
@@ -51,7 +52,7 @@ def cmd_convert(args) -> int:
         raise UsageError(f"{args.out} is a directory; OUT is the file to write")
     listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)
-    meta = open_storage(path).read_metadata(uid, lazy=True)
+    meta = read_metadata(open_storage(path), uid, lazy=True)
     with _keys_option():
         selection = consolidate.select(meta, args.keys)
     if args.keys is not None and not selection.keys and not selection.values:
@@ -102,7 +103,7 @@ def _convert_hf(path: str, args) -> int:
         raise UsageError(f"{args.out} exists and is not an empty directory; --to hf writes a new directory")
     listing = open_storage(path).list_checkpoints()
     uid = choose_id(path, listing, args.unique_id)
-    meta = open_storage(path).read_metadata(uid, lazy=True)
+    meta = read_metadata(open_storage(path), uid, lazy=True)
     if args.aoa_config is not None:
         return _convert_hf_remapped(path, uid, meta, args, max_bytes)
     with _keys_option():

@@ -109,7 +109,7 @@ def import_paddle_checkpoint(src: str, out: str, unique_id: int | None = None, p
         blob = metafile.encode(meta)
         # validated as any reader will: pieces inside their tensors, tiling them exactly
         parse_metadata(blob, source=f"the metadata imported from {meta_file}")
-        store.write_atomic(metadata_name(uid), blob)
+        storage.commit_metadata(store, uid, blob)
     except BaseException:
         try:
             store.remove(written)

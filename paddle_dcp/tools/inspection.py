@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from ..core import nested
 from ..errors import DcpError, FormatError, StorageError
 from ..io import open_storage
+from ..io.storage import read_metadata
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -40,7 +41,7 @@ def describe(path: str, unique_id: int | None = None) -> dict:
     }
     try:
         uid = choose_id(path, listing, unique_id)
-        meta = open_storage(path).read_metadata(uid, lazy=True)
+        meta = read_metadata(open_storage(path), uid, lazy=True)
     except (FormatError, StorageError) as exc:
         doc["problems"].append(_one_line(exc))
         return doc

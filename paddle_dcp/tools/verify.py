@@ -11,6 +11,7 @@ from ..core.metadata import TensorEntry
 from ..core.naming import metadata_name
 from ..errors import FormatError, StorageError
 from ..io import open_storage, file_check
+from ..io.storage import read_metadata
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -38,7 +39,7 @@ def verify_checkpoint(path: str, unique_id: int, progress: bool = False) -> tupl
     counts = {"tensors": 0, "pieces": 0, "files": 0, "bytes": 0}
     store = open_storage(path)
     try:
-        meta = store.read_metadata(unique_id, lazy=True)
+        meta = read_metadata(store, unique_id, lazy=True)
     except (FormatError, StorageError) as exc:
         return [_located(meta_file, exc)], counts
     problems: list[str] = []

@@ -26,6 +26,7 @@ from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.errors import ArgumentError, DcpError, FormatError, IntegrityError, UnsupportedError
 from paddle_dcp.io import local
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.helpers import (
     BLOCK,
@@ -80,7 +81,7 @@ def layout(request, tmp_path):
 @pytest.mark.parametrize("restrict", [False, True])
 def test_every_rank_of_another_layout_loads_the_reference_values(layout, restrict):
     path, dtype, encoding, want, plain, load_mesh, load_placements = layout
-    meta = local.read_metadata(path, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
     assert meta.tensors["model.m"].encoding == encoding and meta.tensors["model.p"].encoding is None
     assert meta.format_version == 2
     for c in coords(load_mesh):
@@ -340,7 +341,7 @@ def test_hostile_metadata_of_a_quantized_tensor_is_a_format_error_and_nothing_ch
         assert needle in str(info.value), (needle, str(info.value))
     assert (sd["model"]["m"] == SENTINEL).all() and (sd["model"]["n"] == 0).all()
     with pytest.raises(FormatError):
-        local.read_metadata(path, 0).validate()
+        dcp_storage.read_metadata(local.LocalStorage(path), 0).validate()
 
 
 def test_an_async_save_encodes_what_it_staged_not_what_the_tensors_hold_later(tmp_path):

@@ -20,6 +20,7 @@ import paddle_dcp
 from paddle_dcp.core import load_plan
 from paddle_dcp.errors import MismatchError
 from paddle_dcp.io import local
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.helpers import coords, expected_tensor, load_rank, ref_box, save_checkpoint, saved_boxes, to_float32
 
@@ -56,7 +57,7 @@ def layout(request, tmp_path):
 @pytest.mark.parametrize("restrict", [False, True])
 def test_a_derived_master_weight_loads_into_any_layout_as_its_parameter_cast(layout, restrict):
     path, param, saved, load_mesh, load_pl = layout
-    meta = local.read_metadata(path, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
     entry = meta.tensors["model.p.w_0"]
     assert (entry.encoding, entry.source, entry.pieces.count, meta.format_version) == ("derived", "model.p", 0, 2)
     # the data files hold the parameter's pieces alone (each at a multiple of 64 bytes)

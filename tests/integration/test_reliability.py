@@ -29,7 +29,7 @@ import pytest
 import paddle_dcp
 from paddle_dcp.parallel import loadwork
 from paddle_dcp.core import metadata
-from paddle_dcp.io import local
+from paddle_dcp.io import local, storage
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, StorageError
 from paddle_dcp.core.naming import TMP_RE
 
@@ -553,7 +553,7 @@ def test_enormous_metadata_is_refused_without_reading_it(ck, monkeypatch, sparse
     if sparse:
         os.truncate(full, metadata.MAX_METADATA_BYTES + 1)
     else:
-        monkeypatch.setattr(local, "MAX_METADATA_BYTES", os.path.getsize(full) - 1)
+        monkeypatch.setattr(storage, "MAX_METADATA_BYTES", os.path.getsize(full) - 1)
     peak = _peak_allocated(lambda: load_fails(ck, FormatError, "0.metadata", "limit"))
     assert peak < 16 << 20, f"{peak} bytes allocated to refuse an over-sized metadata file"
 

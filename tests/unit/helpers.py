@@ -25,6 +25,7 @@ from paddle_dcp.parallel import wire
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.metadata_parse import parse_metadata
+from paddle_dcp.io import storage as dcp_storage
 
 # No example database: the suite leaves no .hypothesis directory behind and runs the same way
 # on a fresh clone.
@@ -224,7 +225,7 @@ def load_rank(path: str, unique_id: int, targets: Sequence[load_plan.TargetPiece
     """Read a rank's target pieces (into arrays prefilled with garbage); returns (arrays, ops).
     With ``restrict``, plan from the part of the metadata these targets need, sent as JSON (as a
     rank that cannot read the metadata file gets it)."""
-    meta = local.read_metadata(path, unique_id)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), unique_id)
     if restrict:
         part = load_plan.restrict(meta, targets)
         meta = parse_metadata(part.to_json(), source="part", allow_subset=True)

@@ -14,6 +14,7 @@ import paddle_dcp
 from paddle_dcp import api
 from paddle_dcp.errors import ArgumentError
 from paddle_dcp.io import local, safetensors_files, file_check
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.helpers import random_array, save_checkpoint
 from unit.io.memory_storage import memory_storage
@@ -52,7 +53,7 @@ def data_files(path: str) -> list[str]:
 
 def check(path: str, **kw) -> dict[str, str | None]:
     store = local.LocalStorage(path)
-    return file_check.check_files(store, store.read_metadata(0), **kw)
+    return file_check.check_files(store, dcp_storage.read_metadata(store, 0), **kw)
 
 
 @pytest.fixture
@@ -114,7 +115,7 @@ def test_damage_in_two_pieces_of_one_file_is_one_line_counting_the_rest(one_file
     reason = check(path)[name]
     assert reason is not None and "\n" not in reason and "1 more" in reason
     store = local.LocalStorage(path)
-    (found,) = file_check.check_each_file(store, store.read_metadata(0))
+    (found,) = file_check.check_each_file(store, dcp_storage.read_metadata(store, 0))
     assert found.readable and len(found.problems) == 2
     assert "model.a" in found.problems[0] and "model.c" in found.problems[1]
 
@@ -172,7 +173,7 @@ def test_the_in_memory_storage_is_checked_through_the_interface(monkeypatch):
     w = np.arange(300, dtype=np.float32)
     paddle_dcp.save_state_dict({"w": w}, "mem")
     store = memory_storage("mem", blobs=blobs)
-    meta = store.read_metadata(0)
+    meta = dcp_storage.read_metadata(store, 0)
     (name,) = [n for n in blobs if n.endswith(".distcp")]
     assert file_check.check_files(store, meta) == {name: None}
     at = blobs[name].find(w.tobytes())

@@ -19,6 +19,7 @@ from paddle_dcp.core import load_plan
 from paddle_dcp.io import local, storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, StorageError
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.checkpoints import fsync_log
 from unit.format.hf_dirs import ARRAYS, hf_directory
@@ -49,7 +50,7 @@ def whole_targets():
 
 
 def data_file_of(path, key):
-    meta = local.read_metadata(path, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
     p = meta.tensors[key].pieces
     return os.path.join(path, meta.files[int(p.files[0])].name), int(p.byte_offsets[0])
 
@@ -183,7 +184,7 @@ def test_data_writer_abort_removes_its_temporary_file(tmp_path):
 def test_a_clean_checkpoint_loads(ckpt):
     (w, b), _ = load_rank(ckpt, 0, whole_targets())
     assert np.array_equal(w, W) and np.array_equal(b, B)
-    assert local.read_metadata(ckpt, 0).values() == {"step": 3}
+    assert dcp_storage.read_metadata(local.LocalStorage(ckpt), 0).values() == {"step": 3}
 
 
 def test_file_set_refuses_a_file_whose_size_differs_from_the_metadata(ckpt):
@@ -236,17 +237,17 @@ def test_a_flipped_byte_outside_the_target_is_not_read(ckpt):
 
 def test_read_metadata_of_a_missing_id_or_the_wrong_id(ckpt):
     with pytest.raises(StorageError, match="no metadata"):
-        local.read_metadata(ckpt, 1)
+        dcp_storage.read_metadata(local.LocalStorage(ckpt), 1)
     os.rename(os.path.join(ckpt, "0.metadata"), os.path.join(ckpt, "4.metadata"))
     with pytest.raises(FormatError, match="checkpoint 0, not 4"):
-        local.read_metadata(ckpt, 4)
+        dcp_storage.read_metadata(local.LocalStorage(ckpt), 4)
 
 
 def test_read_metadata_of_a_truncated_file_is_a_format_error(ckpt):
     full = os.path.join(ckpt, "0.metadata")
     os.truncate(full, os.path.getsize(full) // 2)
     with pytest.raises(FormatError, match="0.metadata"):
-        local.read_metadata(ckpt, 0)
+        dcp_storage.read_metadata(local.LocalStorage(ckpt), 0)
 
 
 # ------------------------------------------------------------------ paths
@@ -291,7 +292,7 @@ def test_the_load_path_never_unpickles(ckpt, monkeypatch):
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    meta = local.read_metadata(ckpt, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(ckpt), 0)
     targets = whole_targets() + [load_plan.TargetPiece("model.w", "float32", (7, 5), Box((2, 1), (4, 3)))]
     ops = load_plan.plan_reads(meta, targets, max_read_bytes=1)
     out = [np.zeros(t.box.shape, dtype={"float32": np.float32, "int64": np.int64}[t.dtype]) for t in targets]
@@ -315,7 +316,7 @@ def test_read_metadata_refuses_a_file_marked_as_a_subset(ckpt):
     with open(full, "w") as f:
         json.dump(doc, f)
     with pytest.raises(FormatError):
-        local.read_metadata(ckpt, 0)
+        dcp_storage.read_metadata(local.LocalStorage(ckpt), 0)
 
 
 # ------------------------------------------------------------------ the one atomic writer

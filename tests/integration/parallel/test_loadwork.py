@@ -19,6 +19,7 @@ from paddle_dcp.parallel.comm import SoloComm
 from paddle_dcp.parallel.loadwork import LoadPlan, LocalLoadWork, match_load, plan_load, plan_work
 from paddle_dcp.parallel.placements import describe, is_tensor
 from paddle_dcp.parallel.ranks import LocalSaveRank
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.io.memory_storage import MemoryStorage
 
@@ -54,7 +55,7 @@ def test_planning_opens_no_file_and_the_first_step_after_it_names_a_missing_one(
 
     from paddle_dcp.errors import DcpError
 
-    meta = store.read_metadata(0, lazy=True)
+    meta = dcp_storage.read_metadata(store, 0, lazy=True)
     (data,) = [f.name for f in meta.files]
     del store.blobs[data]
     state, flat, held = target()
@@ -69,7 +70,7 @@ def test_planning_opens_no_file_and_the_first_step_after_it_names_a_missing_one(
 
 
 def test_work_for_each_tensor_apart_loads_the_same_as_one_work(store):
-    meta = store.read_metadata(0, lazy=True)
+    meta = dcp_storage.read_metadata(store, 0, lazy=True)
     state, flat, held = target()
     matched = match_load(flat, meta, "mem", True, MissingKeys())
     for i, h in enumerate(held):  # one tensor a work; the plain values with the last
@@ -82,7 +83,7 @@ def test_work_for_each_tensor_apart_loads_the_same_as_one_work(store):
 
 
 def test_missing_keys_are_reported_once_by_the_matching(store, caplog):
-    meta = store.read_metadata(0, lazy=True)
+    meta = dcp_storage.read_metadata(store, 0, lazy=True)
     state, flat, held = target({"c": np.zeros(2)})
     with pytest.raises(MismatchError, match="c"):
         match_load(flat, meta, "mem", True, MissingKeys())
@@ -96,7 +97,7 @@ def test_missing_keys_are_reported_once_by_the_matching(store, caplog):
 def test_a_finished_work_is_freed_without_the_garbage_collector(store):
     """No reference cycle keeps a work (and every host buffer of a GPU load) alive until the
     collector runs."""
-    meta = store.read_metadata(0, lazy=True)
+    meta = dcp_storage.read_metadata(store, 0, lazy=True)
     state, flat, held = target()
     gc.disable()
     try:
@@ -119,7 +120,7 @@ def test_the_copy_from_own_files_runs_while_bytes_cross_between_ranks(store, mon
     from paddle_dcp.errors import StorageError
     from paddle_dcp.parallel import loadwork
 
-    meta = store.read_metadata(0, lazy=True)
+    meta = dcp_storage.read_metadata(store, 0, lazy=True)
     state, flat, held = target()
     work = opened(plan_load(state, flat, held, meta, "mem", store), store)
     exchanging, served = threading.Event(), []
@@ -161,7 +162,7 @@ def test_ops_received_on_several_connections_at_once_never_share_a_staging_buffe
 
     from paddle_dcp.parallel import loadwork
 
-    meta = store.read_metadata(0, lazy=True)
+    meta = dcp_storage.read_metadata(store, 0, lazy=True)
     state, flat, held = target()
     work = opened(plan_load(state, flat, held, meta, "mem", store), store)
     seen: dict = {}

@@ -63,9 +63,10 @@ class SharedStorage(MemoryStorage):
         self.calls.append("range")
         return super().range_reader()
 
-    def metadata_bytes(self, unique_id: int) -> bytes:
-        self.calls.append("metadata")
-        return super().metadata_bytes(unique_id)
+    def read_file(self, name: str, limit: int | None = None):
+        if name.endswith(".metadata"):
+            self.calls.append("metadata")
+        return super().read_file(name, limit)
 
     def open_files(self, meta):
         self.calls.append("data")

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 import paddle_dcp
 from paddle_dcp.errors import ArgumentError, UnsupportedError
 from paddle_dcp.tools import cli, consolidate
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.helpers import same_bits, save_checkpoint
 from unit.tools.commands import TENSORS, VALUES, bf16_as_f32, check_all, flip_byte, run
@@ -168,7 +169,7 @@ def test_a_dtype_safetensors_refuses_gets_the_cli_options_only_from_the_cli(tmp_
     path = str(tmp_path / "c128")
     (tmp_path / "c128").mkdir()
     save_checkpoint(path, {"z": np.ones(3, np.complex128)}, {"z": "complex128"}, (1,), {"z": (None,)})
-    meta = consolidate.open_storage(path).read_metadata(0)
+    meta = dcp_storage.read_metadata(consolidate.open_storage(path), 0)
     with pytest.raises(UnsupportedError) as info:
         consolidate.convert(path, meta, str(tmp_path / "z.safetensors"), "safetensors", consolidate.select(meta))
     assert "--" not in str(info.value) and "complex128" in str(info.value)

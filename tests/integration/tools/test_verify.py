@@ -10,6 +10,7 @@ import pytest
 
 from paddle_dcp.io import local
 from paddle_dcp.tools import consolidate
+from paddle_dcp.io import storage as dcp_storage
 
 from unit.helpers import save_checkpoint
 from unit.tools.commands import (
@@ -124,7 +125,7 @@ def test_verify_checks_quantized_pieces_at_their_stored_sizes(compressed, tmp_pa
     its scales or codes is found."""
     code, out, _ = run(capsys, "verify", compressed[0])
     assert code == 0, out
-    meta = local.read_metadata(compressed[0], 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(compressed[0]), 0)
     for key in ("model.m1", "model.m2"):
         entry = meta.tensors[key]
         for i in range(entry.pieces.count):
@@ -145,7 +146,7 @@ def test_verify_checks_quantized_pieces_at_their_stored_sizes(compressed, tmp_pa
 def test_verify_checks_the_source_of_a_derived_tensor_and_counts_no_pieces_of_its_own(derived, tmp_path, capsys):
     code, out, _ = run(capsys, "verify", derived[0])
     assert code == 0 and "3 tensors, 3 pieces" in out, out  # model.p in 2 pieces, model.q in 1
-    meta = local.read_metadata(derived[0], 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(derived[0]), 0)
     entry = meta.tensors["model.p"]
     path = shutil.copytree(derived[0], str(tmp_path / "bad"))
     with open(os.path.join(path, meta.files[int(entry.pieces.files[0])].name), "r+b") as f:

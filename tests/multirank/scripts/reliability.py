@@ -20,6 +20,7 @@ import metadoc
 import paddle_dcp
 from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.io import local
+from paddle_dcp.io import storage as dcp_storage
 
 ROOT = c.init()
 R = c.rank()
@@ -131,7 +132,7 @@ def verify_false_loads_a_flipped_bit():
     p = save("noverify")
 
     def damage():
-        meta = local.read_metadata(p, 0)
+        meta = dcp_storage.read_metadata(local.LocalStorage(p), 0)
         pieces = meta.tensors["t.w"].pieces
         i = [k for k in range(pieces.count) if meta.files[int(pieces.files[k])].name == "1_0.distcp"][0]
         with open(os.path.join(p, "1_0.distcp"), "r+b") as f:

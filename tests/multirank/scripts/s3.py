@@ -108,7 +108,7 @@ def missing_id(mesh):
     try:
         load(leaves, "s0", unique_id=99)
     except CollectiveError as exc:
-        assert "has no metadata object" in str(exc) and "s0/99.metadata" in str(exc), exc
+        assert "has no metadata file" in str(exc) and "s0/99.metadata" in str(exc), exc
         assert sorted(exc.failures) == [0], exc.failures
     else:
         raise AssertionError("loading a missing id did not fail")

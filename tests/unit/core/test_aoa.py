@@ -9,6 +9,7 @@ from paddle_dcp.io import local
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import cast
 from paddle_dcp.errors import MismatchError, UnsupportedError
+from paddle_dcp.io import storage as dcp_storage
 
 from ..helpers import save_checkpoint
 
@@ -32,7 +33,7 @@ def whole(shape):
 def run(saved, targets):
     """Plan and read like parallel.loadwork.plan_load: buffers first, staging after; returns the buffers,
     the read plan and the ops."""
-    meta = local.read_metadata(saved.path, saved.unique_id)
+    meta = dcp_storage.read_metadata(local.LocalStorage(saved.path), saved.unique_id)
     read_plan = aoa.plan(meta, targets, first_slot=len(targets))
     ops = load_plan.plan_reads(meta, read_plan.pieces, slots=read_plan.slots, direct_min_bytes=1 << 40)
     buffers = [np.full(t.box.shape, -1, dtype=np.float32 if t.dtype == "float32" else np.uint16) for t, _ in targets]
@@ -72,7 +73,7 @@ def test_split_of_a_fused_tensor_reads_only_its_rows(saved):
 
 def read_ranges(saved, ops):
     """(first row of the saved piece, start, stop in the piece) of every read segment."""
-    meta = local.read_metadata(saved.path, saved.unique_id)
+    meta = dcp_storage.read_metadata(local.LocalStorage(saved.path), saved.unique_id)
     entry = meta.tensors["model.qkv"]
     where = {(f, b): o[0] for o, f, b in zip(entry.pieces.offsets.tolist(), entry.pieces.files.tolist(),
                                              entry.pieces.byte_offsets.tolist())}
@@ -154,7 +155,7 @@ def test_no_maps_leaves_the_target(saved):
     ],
 )
 def test_maps_that_do_not_fit_raise(saved, maps, words):
-    meta = local.read_metadata(saved.path, saved.unique_id)
+    meta = dcp_storage.read_metadata(local.LocalStorage(saved.path), saved.unique_id)
     with pytest.raises(MismatchError, match="k: .*" + words.replace("(", r"\(").replace(")", r"\)")):
         aoa.plan(meta, [(target(0, "k", (4, 4)), maps)], first_slot=1)
 
@@ -170,7 +171,7 @@ def test_steps_of_paddles_postprocess_list():
 
 
 def test_shard_descriptions_merge_every_ranks_boxes(saved):
-    meta = local.read_metadata(saved.path, saved.unique_id)
+    meta = dcp_storage.read_metadata(local.LocalStorage(saved.path), saved.unique_id)
     src = aoa.source_shards(meta)
     assert src["model.qkv"] == ("float32", (12, 4), [Box((0, 0), (6, 4)), Box((6, 0), (6, 4))])
     ranks = [aoa.encode_targets([("t", "float32", (4, 4), Box((0, r), (4, 2)))]) for r in (0, 2, 0)]

@@ -7,6 +7,7 @@ import xxhash
 from paddle_dcp.core import checksums
 from paddle_dcp.core.load_plan import Segment
 from paddle_dcp.errors import IntegrityError
+from paddle_dcp.io import storage as dcp_storage
 
 from ..helpers import save_checkpoint
 
@@ -41,7 +42,7 @@ def test_check_blocks_passes_the_saved_bytes_and_names_the_file_and_key_of_a_fli
     path = str(tmp_path)
     b = np.arange(300, dtype=np.int64)
     save_checkpoint(path, {"b": b}, {"b": "int64"}, (1,), {"b": (None,)}, block_bytes=64)
-    meta = local.read_metadata(path, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
     entry = meta.tensors["model.b"]
     piece = entry.piece(0)
     seg = Segment(piece, piece.byte_offset, piece.byte_offset + b.nbytes, ())

@@ -19,6 +19,7 @@ from paddle_dcp.io import local
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError, IntegrityError, MismatchError, PlanError
 from paddle_dcp.core.metadata_parse import parse_metadata
+from paddle_dcp.io import storage as dcp_storage
 
 from ..helpers import (
     ITEMSIZE,
@@ -80,7 +81,7 @@ def test_any_saved_layout_loads_into_any_target_layout_bit_for_bit(
     values = {"step": 7, "lr": [0.5, float("nan")]}
     with tempfile.TemporaryDirectory() as d:
         saved = save_checkpoint(d, arrays, dtypes, save_mesh, save_pl, block_bytes, values)
-        meta = local.read_metadata(d, 0)
+        meta = dcp_storage.read_metadata(local.LocalStorage(d), 0)
         assert meta.world_size == math.prod(save_mesh)
         assert meta.values()["step"] == 7 and math.isnan(meta.values()["lr.1"])
         assert sorted(meta.tensors) == sorted(f"model.{k}" for k in shape)
@@ -114,7 +115,7 @@ def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
     arrays = arrays_for(shape, dtypes, seed)
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(d, arrays, dtypes, mesh, pl, block_bytes)
-        meta = local.read_metadata(d, 0, lazy=True)
+        meta = dcp_storage.read_metadata(local.LocalStorage(d), 0, lazy=True)
         keys = data.draw(st.lists(st.sampled_from(sorted(meta.tensors)), min_size=1, unique=True), label="keys")
         want = every_block(meta, keys)
         dealt, per_rank = [], []
@@ -151,7 +152,7 @@ def test_shared_checks_find_a_flipped_byte_in_exactly_one_share(tmp_path):
     raw = bytearray(open(name, "rb").read())
     raw[700] ^= 0x10
     open(name, "wb").write(bytes(raw))
-    meta = local.read_metadata(str(tmp_path), 0, lazy=True)
+    meta = dcp_storage.read_metadata(local.LocalStorage(str(tmp_path)), 0, lazy=True)
     failed = []
     for index in range(3):
         files = local.FileSet(str(tmp_path), meta)
@@ -188,7 +189,7 @@ def test_zero_size_tensors_round_trip(tmp_path):
     arrays = arrays_for(shape, dtypes, 2)
     pl = {"e": (0,), "f": (1,), "w": (0,)}
     save_checkpoint(str(tmp_path), arrays, dtypes, (2,), pl)
-    meta = local.read_metadata(str(tmp_path), 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(str(tmp_path)), 0)
     assert meta.tensors["model.e"].pieces.count == 0 and meta.tensors["model.e"].shape == (0, 4)
     load_everything(str(tmp_path), shape, dtypes, (3,), {"e": (1,), "f": (None,), "w": (0,)}, arrays, 64)
 
@@ -196,7 +197,7 @@ def test_zero_size_tensors_round_trip(tmp_path):
 def test_plan_reads_refuses_a_target_of_another_shape_or_dtype(tmp_path):
     arrays = {"w": np.zeros((4, 4), np.float32)}
     save_checkpoint(str(tmp_path), arrays, {"w": "float32"}, (1,), {"w": (None,)})
-    meta = local.read_metadata(str(tmp_path), 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(str(tmp_path)), 0)
     with pytest.raises(MismatchError) as info:
         load_plan.plan_reads(meta, [load_plan.TargetPiece("model.w", "float32", (4, 5), Box.whole((4, 5)))])
     assert all(w in str(info.value) for w in ["model.w", "(4, 4)", "(4, 5)"])
@@ -210,7 +211,7 @@ def test_plan_reads_names_each_target_by_its_slot(tmp_path):
     dtypes = {"w": "float32", "s": "int64"}
     arrays = arrays_for(shape, dtypes, 3)
     save_checkpoint(str(tmp_path), arrays, dtypes, (2,), {"w": (0,), "s": (None,)})
-    meta = local.read_metadata(str(tmp_path), 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(str(tmp_path)), 0)
     targets = [
         load_plan.TargetPiece("model.w", "float32", (6, 4), Box((0, 1), (6, 2))),  # both saved pieces
         load_plan.TargetPiece("model.s", "int64", (), Box((), ())),
@@ -321,7 +322,7 @@ def test_a_target_equal_to_a_quantized_piece_reads_its_stored_bytes_and_is_never
     values = np.random.default_rng(2).standard_normal((40, 100)).astype(np.float32)
     save_checkpoint(str(tmp_path), {"q": values, "p": values}, {"q": "float32", "p": "float32"}, (2,),
                     {"q": (0,), "p": (0,)}, block_bytes=64, compress={r"\.q$": "int4"})  # fmt: skip
-    meta = local.read_metadata(str(tmp_path), 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(str(tmp_path)), 0)
     box = Box((20, 0), (20, 100))  # rank 1's piece: 2000 elements, 8 blocks of 136 bytes
     targets = [load_plan.TargetPiece(f"model.{k}", "float32", (40, 100), box) for k in ("q", "p")]
     ops = load_plan.plan_reads(meta, targets, direct_min_bytes=1)

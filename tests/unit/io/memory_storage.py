@@ -9,8 +9,7 @@ import numpy as np
 
 from paddle_dcp.core import checksums
 from paddle_dcp.core.metadata import Metadata, aligned
-from paddle_dcp.core.naming import metadata_name
-from paddle_dcp.errors import IntegrityError, StorageError
+from paddle_dcp.errors import FormatError, IntegrityError
 from paddle_dcp.io import storage
 
 
@@ -101,15 +100,6 @@ class MemoryStorage:
     def size(self, name: str) -> int | None:
         return len(self.blobs[name]) if name in self.blobs else None
 
-    def read_metadata(self, unique_id: int, lazy: bool = False) -> Metadata:
-        return storage.metadata_from_bytes(self.metadata_bytes(unique_id), unique_id, metadata_name(unique_id), lazy)
-
-    def metadata_bytes(self, unique_id: int) -> bytes:
-        name = metadata_name(unique_id)
-        if name not in self.blobs:
-            raise StorageError(f"checkpoint {unique_id} has no metadata file {name}", name)
-        return self.blobs[name]
-
     def open_files(self, meta: Metadata) -> MemoryFiles:
         return MemoryFiles(self.blobs, meta)
 
@@ -128,8 +118,11 @@ class MemoryStorage:
     def resolve(self, name: str) -> str:
         return name
 
-    def read_file(self, name: str) -> bytes | None:
-        return self.blobs.get(name)
+    def read_file(self, name: str, limit: int | None = None) -> bytes | None:
+        data = self.blobs.get(name)
+        if data is not None and limit is not None and len(data) > limit:
+            raise FormatError(f"{name}: {len(data)} bytes is over the {limit}-byte limit for this file")
+        return data
 
 
 def memory_storage(path: str, storage_options: dict | None = None, *, blobs: dict) -> storage.Storage:

@@ -10,6 +10,7 @@ import numpy as np
 from paddle_dcp.io import local
 from paddle_dcp.tools import cli
 from paddle_dcp.core.metadata import TensorEntry
+from paddle_dcp.io import storage as dcp_storage
 
 from ..helpers import coords, ref_box, same_bits
 
@@ -54,7 +55,7 @@ def bf16_as_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def piece_location(path, key, index=0):
-    meta = local.read_metadata(path, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
     p = meta.tensors[key].pieces
     return os.path.join(path, meta.files[int(p.files[index])].name), int(p.byte_offsets[index])
 
@@ -84,7 +85,7 @@ def remove(path, key):
 def overlap(path, key):
     """Metadata whose pieces of ``key`` overlap: the second piece moved onto the first."""
     name = os.path.join(path, "0.metadata")
-    meta = local.read_metadata(path, 0)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
     entry = meta.tensors[key]
     offsets = entry.pieces.offsets.copy()
     offsets[1] = offsets[0]

@@ -9,6 +9,7 @@ import pytest
 
 from paddle_dcp.io import local
 from paddle_dcp.tools import consolidate
+from paddle_dcp.io import storage as dcp_storage
 
 from ..helpers import same_bits, save_checkpoint
 from .commands import run
@@ -16,7 +17,7 @@ from .commands import run
 
 def test_slabs_are_consecutive_and_bounded(saved):
     path, oracle = saved
-    meta = local.read_metadata(path, 0, lazy=True)
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0, lazy=True)
     with consolidate.TensorReader(path, meta, slab_bytes=16) as reader:
         for key, array in oracle.items():
             parts = [s.copy() for s in reader.slabs(key)]
