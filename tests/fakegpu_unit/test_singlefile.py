@@ -10,7 +10,8 @@ import pytest
 import paddle_dcp
 from fakegpu import ACCOUNT
 from paddle_dcp import singlefile
-from paddle_dcp.parallel import device, targets
+from paddle_dcp.parallel import device
+from paddle_dcp.parallel.targets import host_batches
 
 SHAPES = [(64, 32), (16,), (128, 16), (8, 8, 8), (32, 32), (300,)]  # float32: 8 KiB, 64 B, 8 KiB, 2 KiB, 4 KiB, 1.2 KiB
 
@@ -54,7 +55,7 @@ def test_device_targets_load_a_batch_of_host_buffers_at_a_time(saved, monkeypatc
     before = {k: t for k, t in targets.items()}
     state = dict(targets, step=0)
     held_sizes = [int(np.prod(s)) * 4 for s in SHAPES]
-    assert len(targets.host_batches(_held(state), limit)) == batches
+    assert len(host_batches(_held(state), limit)) == batches
     host = HostBuffers(monkeypatch)
     ACCOUNT.reset()
     singlefile.load_file(state, saved, host_batch_bytes=limit)
@@ -71,7 +72,7 @@ def test_device_targets_load_a_batch_of_host_buffers_at_a_time(saved, monkeypatc
 
 def test_host_targets_need_no_batches(saved):
     arrays = {f"t{i}": np.zeros(s, np.float32) for i, s in enumerate(SHAPES)}
-    assert len(targets.host_batches(_held(arrays), 1)) == 1
+    assert len(host_batches(_held(arrays), 1)) == 1
     singlefile.load_file(arrays, saved, host_batch_bytes=1)
     for i, s in enumerate(SHAPES):
         np.testing.assert_array_equal(arrays[f"t{i}"], value(i, s))
