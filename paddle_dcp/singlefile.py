@@ -12,8 +12,8 @@ into the tensors' host memory. The file is reached through its directory's stora
 process alone: the file is a directory of one safetensors file
 (:func:`~paddle_dcp.format.hf_dir.headers_metadata`, the structure ``save_gathered`` stored
 included): :func:`~paddle_dcp.parallel.loadwork.match_load` matches the keys once, then
-:func:`~paddle_dcp.parallel.loadwork.plan_work` plans, reads and finishes the tensors batch by
-batch. Tensors on a GPU are assembled in host buffers first: a batch holds at most
+each batch of tensors is a one-rank load of the same protocol (:class:`_FileBatchRank`): planned
+by :func:`~paddle_dcp.parallel.loadwork.plan_work`, opened, read and finished by its steps. Tensors on a GPU are assembled in host buffers first: a batch holds at most
 ``host_batch_bytes`` of them (a larger tensor alone), so a process never holds the host copy
 of its whole share; host tensors and numpy arrays are filled in place, in one batch.
 """
@@ -22,14 +22,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .core import nested
+from .core.metadata import Metadata
 from .core.keys import MissingKeys
 from .errors import MismatchError
 from .format import hf_dir
 from .io import open_file, safetensors_files
+from .io.storage import Listing
+from .parallel import protocol
+from .parallel.comm import SoloComm
+from .parallel.loadwork import LocalLoadWork, plan_work
+from .parallel.ranks import Inspected, LocalLoadRank
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +79,7 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .parallel.loadwork import LocalLoadWork, match_load, plan_work
+    from .parallel.loadwork import match_load
     from .parallel.targets import host_batches
     from .parallel.placements import describe, is_tensor
 
@@ -87,19 +95,58 @@ def load_file(
         if entry is not None and entry.dtype is None:
             raise MismatchError(f"{key}: the file holds dtype {entry.code}, which paddle_dcp does not load")
     meta = hf_dir.headers_metadata(path, [name], [header], None, structure=header.structure)
-    # the load of a checkpoint directory, in this process alone, a batch at a time
+    # the load of a checkpoint directory, in this process alone (a world of one rank), a batch
+    # at a time, the keys matched once for all batches
     matched = match_load(flat, meta, path, mw_name_compatibility, missing, kind="file")
     batches = host_batches(held, host_batch_bytes)
     nbytes = 0
     for i, batch in enumerate(batches):
-        plan = plan_work(state_dict, flat, batch, meta, matched, path, store, offload, False, plain=i == len(batches) - 1)
-        work = LocalLoadWork(plan, store)
-        work.open_local()
-        work.read_local()
-        work.finish()
-        nbytes += sum(op.nbytes for op in plan.local)
-        del plan, work  # its host buffers go before the next batch's
+        batch_rank = _FileBatchRank(state_dict, path, store, _FileBatch(flat, tuple(batch), meta, matched, offload,
+                                                                      i == len(batches) - 1))
+        _, work = protocol.run(batch_rank.comm, protocol.load(batch_rank))
+        nbytes += sum(op.nbytes for op in work.plan.local)
+        del work  # its host buffers go before the next batch's
     logger.info("loaded %d tensors (%d bytes) from %s in %.3f s", len(held), nbytes, path, time.perf_counter() - started)
+
+
+@dataclass(frozen=True, eq=False)
+class _FileBatch:
+    """One batch of a single file's load: the state dict flattened, the tensors of the batch,
+    the file's metadata (made from its header once), the keys matched once, and whether this
+    batch also puts the plain values in place (the last one)."""
+
+    flat: nested.Flat
+    held: tuple
+    meta: Metadata
+    matched: Any
+    offload: bool
+    plain: bool
+
+
+class _FileBatchRank(LocalLoadRank):
+    """A batch of a single file's load as a one-rank load of the protocol
+    (:func:`paddle_dcp.parallel.protocol.load`): the file is a directory of one safetensors
+    file, checkpoint 0, whose metadata and key matching are the batch's; the protocol opens,
+    reads and finishes as it does for a directory."""
+
+    def __init__(self, state_dict: dict, path: str, store, batch: _FileBatch):
+        super().__init__(SoloComm(), state_dict, path, store, 0)
+        self.lists_for_all = False  # one rank: it reads the metadata itself, on any storage
+        self.batch = batch
+
+    def inspect(self) -> tuple[Inspected, Listing]:
+        b = self.batch
+        return Inspected(b.flat, b.held), Listing(frozenset({0}), {}, names=frozenset(f.name for f in b.meta.files))
+
+    def read_metadata(self, view: Inspected, uid: int) -> Metadata:
+        return self.batch.meta
+
+    def plan(self, view: Inspected, meta: Metadata, uid: int, listing: Listing, statuses: list[dict],
+             every_target: Any) -> LocalLoadWork:
+        b = self.batch
+        plan = plan_work(self.state_dict, b.flat, list(b.held), meta, b.matched, self.path, self.store, b.offload, False,
+                         plain=b.plain)
+        return LocalLoadWork(plan, self.store)
 
 
 def _rank(flat: nested.Flat) -> int:

@@ -57,6 +57,30 @@ def test_reads_a_file_of_another_writer_by_flat_keys(tmp_path):
     assert np.array_equal(sd["model"]["a"], a) and np.array_equal(sd["model"]["b"], b) and sd["c"] == -3
 
 
+def test_a_file_is_loaded_by_the_load_protocol_on_one_rank_each_batch_in_its_steps(tmp_path, monkeypatch):
+    """Each batch is a one-rank load of the protocol a directory's load runs: its steps agreed in
+    the protocol's order (the file opened in the verify step, after the plan), the plain values
+    with the last batch only."""
+    from paddle_dcp.parallel.comm import SoloComm
+    from paddle_dcp.parallel.requests import Agree
+
+    path = write(tmp_path / "x.safetensors", {"a": ("F32", np.arange(4, dtype=np.float32)),
+                                               "b": ("I64", np.arange(3, dtype=np.int64))})
+    steps: list[str] = []
+    real = SoloComm.execute
+
+    def execute(self, request):
+        if isinstance(request, Agree):
+            steps.append(request.step)
+        return real(self, request)
+
+    monkeypatch.setattr(SoloComm, "execute", execute)
+    sd = {"a": np.zeros(4, np.float32), "b": np.zeros(3, np.int64)}
+    singlefile.load_file(sd, str(path))
+    assert steps == ["inspect", "read metadata", "plan", "verify", "read"]
+    assert np.array_equal(sd["a"], np.arange(4)) and np.array_equal(sd["b"], np.arange(3))
+
+
 @pytest.mark.parametrize("name", ["my model+v1\u00e9.safetensors", "weights (1).safetensors"])
 def test_a_file_the_caller_names_may_have_any_name_its_file_system_allows(tmp_path, name):
     import safetensors.numpy
