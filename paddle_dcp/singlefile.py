@@ -11,9 +11,10 @@ into the tensors' host memory. The file is reached through its directory's stora
 (:func:`paddle_dcp.io.open_file`) and loaded by the load of a checkpoint directory, in this
 process alone: the file is a directory of one safetensors file
 (:func:`~paddle_dcp.format.hf_dir.headers_metadata`, the structure ``save_gathered`` stored
-included): :func:`~paddle_dcp.parallel.loadwork.match_load` matches the keys once, then
-each batch of tensors is a one-rank load of the same protocol (:class:`_FileBatchRank`): planned
-by :func:`~paddle_dcp.parallel.loadwork.plan_work`, opened, read and finished by its steps. Tensors on a GPU are assembled in host buffers first: a batch holds at most
+included): :func:`~paddle_dcp.parallel.loadwork.match_load` matches the keys once, then each batch of
+tensors is a one-rank load of the same protocol (:class:`_FileBatchRank`): planned by
+:func:`~paddle_dcp.parallel.loadwork.plan_work`, opened, read and finished by its steps.
+Tensors on a GPU are assembled in host buffers first: a batch holds at most
 ``host_batch_bytes`` of them (a larger tensor alone), so a process never holds the host copy
 of its whole share; host tensors and numpy arrays are filled in place, in one batch.
 """
@@ -36,8 +37,9 @@ from .io import open_file, safetensors_files
 from .io.storage import Listing
 from .parallel import protocol
 from .parallel.comm import SoloComm
-from .parallel.loadwork import LocalLoadWork, plan_work
+from .parallel.loadwork import LocalLoadWork, match_load, plan_work
 from .parallel.ranks import Inspected, LocalLoadRank
+from .parallel.targets import host_batches
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +81,6 @@ def load_file(
         FormatError: a malformed or truncated file.
         StorageError: the file cannot be read.
     """
-    from .parallel.loadwork import match_load
-    from .parallel.targets import host_batches
     from .parallel.placements import describe, is_tensor
 
     path = os.fspath(path)

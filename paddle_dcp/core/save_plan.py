@@ -8,6 +8,7 @@ with numpy and grows as O(pieces log pieces).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Tuple
@@ -295,6 +296,13 @@ class DistinctPieces:
     holder_start: np.ndarray
     holder_count: np.ndarray
     holders: np.ndarray
+
+    def position(self, key: str) -> int:
+        """The index of ``key`` in ``keys`` (KeyError when no rank holds it)."""
+        k = bisect.bisect_left(self.keys, key)
+        if k == len(self.keys) or self.keys[k] != key:
+            raise KeyError(key)
+        return k
 
     def of(self, k: int) -> list[tuple[Box, list[int]]]:
         """Key ``k``'s pieces, by offsets: (box, its holders)."""

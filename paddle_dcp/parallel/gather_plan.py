@@ -14,12 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-
-from ..core import nested
-from ..core import save_plan
+from ..core import nested, save_plan
 from ..core.boxes import Box, element_span, split_region
 from ..core.dtypes import itemsize
-from ..core.save_plan import SaveSummary
 from ..errors import FormatError, MismatchError
 from ..format.safetensors import SAFETENSORS_DTYPES, encode_header
 from ..version import __version__
@@ -116,7 +113,7 @@ def _limits(limit: int) -> tuple[int, int, int]:
 
 
 def plan_gather(
-    summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str, limit: int
+    summaries: Sequence[save_plan.SaveSummary], ranks: tuple[int, ...], root: int, state_type: str, limit: int
 ) -> GatherPlan:
     """Plan a gathered save from every rank's summary (in group order; the summaries a save
     sends, :func:`paddle_dcp.parallel.wire.decode_summary`). Pure: no I/O. The distinct pieces
@@ -139,7 +136,7 @@ def plan_gather(
     return GatherPlan(tensors, skeleton, groups, _header(tensors, skeleton))
 
 
-def _skeleton(summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: int, state_type: str) -> dict:
+def _skeleton(summaries: Sequence[save_plan.SaveSummary], ranks: tuple[int, ...], root: int, state_type: str) -> dict:
     """The file's structure: the gathering rank's skeleton ("params": every rank must hold the
     same tensors), or every rank's merged ("opt": optimizer states split by key)."""
     docs = dict(zip(ranks, summaries))
@@ -165,10 +162,10 @@ def _skeleton(summaries: Sequence[SaveSummary], ranks: tuple[int, ...], root: in
 
 def _file_layout(order: list[str], distinct: save_plan.DistinctPieces) -> list[TensorLayout]:
     """The file's layout, in the state dict's order."""
-    index = {k: i for i, k in enumerate(distinct.keys)}
     tensors, at = [], 0
     for key in order:
-        dtype, shape = distinct.dtypes[index[key]], distinct.shapes[index[key]]
+        k = distinct.position(key)
+        dtype, shape = distinct.dtypes[k], distinct.shapes[k]
         if dtype not in SAFETENSORS_DTYPES:
             raise FormatError(
                 f"{key}: {dtype} has no safetensors dtype (supported: {', '.join(SAFETENSORS_DTYPES)}); "
@@ -184,11 +181,10 @@ def _choose_senders(tensors: list[TensorLayout], distinct: save_plan.DistinctPie
     """One sender per distinct piece: the gathering rank when it holds it, else the holder
     that has sent the fewest elements so far (the lowest rank on a tie), in file order."""
     sent: dict[int, int] = {}
-    index = {k: i for i, k in enumerate(distinct.keys)}
     chosen: dict[str, list[tuple[int, Box]]] = {}
     for t in tensors:
         out = []
-        for box, who in distinct.of(index[t.key]):
+        for box, who in distinct.of(distinct.position(t.key)):
             r = root if root in who else min(who, key=lambda x: (sent.get(x, 0), x))
             if r != root:
                 sent[r] = sent.get(r, 0) + box.volume

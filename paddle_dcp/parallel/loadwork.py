@@ -2,9 +2,9 @@
 fill (:class:`LoadPlan`, data), and the steps the load protocol runs to carry it out
 (:class:`LocalLoadWork`, a :class:`~paddle_dcp.parallel.protocol.LoadWork`).
 
-:func:`plan_load` matches the state dict's keys with the checkpoint's, builds one buffer per
-state-dict tensor (:func:`target_buffer`, shared with the single-file load), and plans the
-byte ranges to read into views of them; it opens no file.
+:func:`plan_load` matches the state dict's keys with the checkpoint's, builds one target per
+state-dict tensor (:func:`paddle_dcp.parallel.targets.target_buffer`), and plans the byte
+ranges to read into views of them; it opens no file.
 """
 from __future__ import annotations
 

@@ -466,6 +466,9 @@ def test_distinct_pieces_lists_each_box_once_with_its_holders_ascending_in_any_o
         assert found.of(0) == [(Box((0,), (2,)), [0, 1, 2, 3])]
         assert found.of(1) == [(Box((0,), (5,)), [3])]
         assert found.of(2) == [(Box((0, 0), (2, 3)), [0, 2]), (Box((2, 0), (2, 3)), [1, 3])]
+        assert [found.position(k) for k in ("b", "c", "w")] == [0, 1, 2]
+    with pytest.raises(KeyError):
+        found.position("a")
 
 
 def test_distinct_pieces_checks_what_a_save_plan_checks():
