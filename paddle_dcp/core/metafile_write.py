@@ -51,10 +51,11 @@ def encode(meta: Metadata, grid: grids.GridCheck | None = None) -> bytes:
         body.append(packed)
         at += len(packed)
     areas = {}
-    for name, blob in (("parts", b"".join(parts)), ("records", s.records), ("boxes", s.boxes), ("sums", sums)):
-        areas[name] = [at, len(blob)]
-        body.append(blob)
-        at += len(blob)
+    for name, blobs in (("parts", parts), ("records", [s.records]), ("boxes", [s.boxes]), ("sums", [sums])):
+        size = sum(len(b) for b in blobs)
+        areas[name] = [at, size]
+        body.extend(blobs)
+        at += size
     head = {
         "format": FORMAT_NAME,
         "format_version": VERSION,
@@ -73,7 +74,7 @@ def encode(meta: Metadata, grid: grids.GridCheck | None = None) -> bytes:
     if meta.replicas:
         head["replicas"] = True
     line = with_digest(json.dumps(head, separators=(",", ":"), allow_nan=False).encode())
-    return line + b"\n" + b"".join(body)
+    return b"".join([line, b"\n", *body])  # one copy of the body, however large
 
 
 @dataclass(frozen=True, eq=False)

@@ -57,7 +57,8 @@ class SaveSummary:
             the coordinator's own.
         dtype_codes: (leaves,) int64, each tensor leaf's dtype, an index into ``DTYPE_NAMES``.
         shapes / ndims: (leaves, width) int64 global shapes, zero-padded, and their ranks.
-        boxes: (rows, 1 + 2 * max_ndim) int64 rows ``[present, offsets, shape]``, offsets
+        boxes: (rows, 1 + 2 * max_ndim) int64 (or, decoded into a coordinator's table of
+            every rank's rows, int32 when every value fits) rows ``[present, offsets, shape]``, offsets
             and shape each padded with zeros to the summary's largest rank; one row per leaf,
             or several for a leaf held as several boxes (a flattened ShardedWeight).
         row_leaf: (rows,) int64, the leaf of every row, ascending; None when row i is leaf i.
@@ -473,11 +474,15 @@ def _held_rows(
 
 
 def _padded_boxes(summaries: Sequence[SaveSummary], total: int, max_nd: int) -> np.ndarray:
-    """Every summary's box rows ``[present, offsets, shape]`` end to end, padded to ``max_nd``."""
+    """Every summary's box rows ``[present, offsets, shape]`` end to end, padded to ``max_nd``
+    (int32 values kept so when every summary's are: they are widened piece by piece, in
+    :func:`_distinct_pieces`)."""
     width = 1 + 2 * max_nd
     held = [s.boxes for s in summaries if len(s.boxes)]
     if all(b.shape[1] == width for b in held):
-        return ragged.joined(held).astype(np.int64, copy=False) if held else np.zeros((0, width), np.int64)
+        narrow = held and all(b.dtype == np.int32 for b in held)
+        return ragged.joined(held).astype(np.int32 if narrow else np.int64, copy=False) if held \
+            else np.zeros((0, width), np.int64)
     table = np.zeros((total, width), dtype=np.int64)
     p0 = 0
     for b in held:
@@ -525,8 +530,10 @@ def _distinct_pieces(
     if replicas:
         group_start, counts = np.arange(len(order)), np.ones(len(order), dtype=np.int64)
     first = order[group_start]
-    uniq = table.take(first, axis=0)
+    uniq = np.empty((len(first), width), dtype=np.int64)  # int64 from here on, whatever the table's
     uniq[:, 0] = key[first]
+    for c in range(1, width):
+        uniq[:, c] = table[first, c]
     return _Pieces(uniq, group_start, counts, new_group, order, row_rank, row_leaf)
 
 

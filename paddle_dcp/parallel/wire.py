@@ -29,6 +29,11 @@ from ..core.save_plan import SaveSummary
 
 _SUMMARY = b"DCS1"
 _SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf column leads the boxes
+# the same two with 4-byte box values, sent when every value fits: half the bytes to inflate,
+# and the coordinator's table of every rank's rows half as large
+_SUMMARY_32 = b"DCS3"
+_SUMMARY_ROWS_32 = b"DCS4"
+_LAYOUTS = {_SUMMARY: (0, "<i8"), _SUMMARY_ROWS: (1, "<i8"), _SUMMARY_32: (0, "<i4"), _SUMMARY_ROWS_32: (1, "<i4")}
 _REPORT = b"DCR1"
 _ASSIGN = b"DCA1"
 _CHUNKS = b"DCK1"
@@ -44,11 +49,11 @@ def encode_summary(summary: SaveSummary) -> bytes:
     n, width = summary.shapes.shape
     ints = np.concatenate([summary.dtype_codes, summary.ndims, summary.shapes.reshape(-1)]).astype("<i8")
     hz = zlib.compress(struct.pack("<QQQ", len(text), n, width) + text + ints.tobytes(), 6)
-    boxes = np.ascontiguousarray(summary.boxes, dtype="<i8")
-    tag = _SUMMARY
-    if summary.row_leaf is not None:
-        tag = _SUMMARY_ROWS
-        boxes = np.ascontiguousarray(np.column_stack([summary.row_leaf, boxes]), dtype="<i8")
+    boxes = summary.boxes if summary.row_leaf is None else np.column_stack([summary.row_leaf, summary.boxes])
+    narrow = boxes.size == 0 or (int(boxes.min()) >= -(2**31) and int(boxes.max()) < 2**31)
+    tag = {(False, False): _SUMMARY, (True, False): _SUMMARY_ROWS,
+           (False, True): _SUMMARY_32, (True, True): _SUMMARY_ROWS_32}[summary.row_leaf is not None, narrow]
+    boxes = np.ascontiguousarray(boxes, dtype=_LAYOUTS[tag][1])
     bz = deflate(boxes.tobytes())  # bounded: a decode refuses boxes that inflate further
     return tag + struct.pack("<QQQ", len(hz), boxes.shape[0], boxes.shape[1]) + hz + bz
 
@@ -63,44 +68,50 @@ def decode_summaries(ranks: Sequence[int], blobs: Sequence[bytes], cache: dict |
     """Parse every rank's summary (as :func:`decode_summary`). When their box rows are all as
     wide, they are decoded into one table, each summary's boxes a view of its rows: the
     coordinator of a large save holds one array of every held row, which the plan takes as it
-    is (:func:`paddle_dcp.core.ragged.joined`), instead of one per rank and then their join."""
+    is (:func:`paddle_dcp.core.ragged.joined`), instead of one per rank and then their join.
+    The table holds int32 values when every rank sent them so, int64 otherwise."""
     cache = {} if cache is None else cache
     frames = [_frame(b, r) for r, b in zip(ranks, blobs)]
-    widths = {width - lead for _, _, width, lead in frames}
-    table = np.empty((sum(f[1] for f in frames), widths.pop()), np.int64) if len(widths) == 1 else None
+    widths = {width - lead for _, _, width, lead, _ in frames}
+    narrow = all(dtype == "<i4" for *_, dtype in frames)
+    rows_in_all = sum(f[1] for f in frames)
+    table = np.empty((rows_in_all, widths.pop()), np.int32 if narrow else np.int64) if len(widths) == 1 else None
     out, at = [], 0
-    for r, data, (hlen, rows, width, lead) in zip(ranks, blobs, frames):
+    for r, data, (hlen, rows, width, lead, dtype) in zip(ranks, blobs, frames):
         hz = bytes(data[28 : 28 + hlen])
         hid = xxhash.xxh3_128_digest(hz)
         parsed = cache.get(hid)
         if parsed is None:
             parsed = cache[hid] = _header(zlib.decompress(hz), r)
-        raw = inflate(data[28 + hlen :], rows * width * 8, f"rank {r}: a save summary's boxes")
-        rows_of = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
+        size = np.dtype(dtype).itemsize
+        raw = inflate(data[28 + hlen :], rows * width * size, f"rank {r}: a save summary's boxes")
+        rows_of = np.frombuffer(raw, dtype=dtype).reshape(rows, width)
         boxes = rows_of[:, lead:]
         if table is not None:
             boxes = table[at : at + rows]
             boxes[:] = rows_of[:, lead:]
             boxes.flags.writeable = False  # read only, as a single decode's are
             at += rows
-        row_leaf = rows_of[:, 0].copy() if lead else None
+        elif dtype != "<i8":  # rows apart from any table are int64, as before
+            boxes = boxes.astype(np.int64)
+        row_leaf = rows_of[:, 0].astype(np.int64) if lead else None
         outline, keys, codes, shapes, ndims, derived = parsed
         out.append(SaveSummary(r, outline, keys, codes, shapes, ndims, boxes, header_id=hid, row_leaf=row_leaf,
                                derived=derived))
     return out
 
 
-def _frame(data: bytes, rank: int) -> tuple[int, int, int, int]:
-    """(header bytes, rows, width, leading leaf columns) of a summary, checked against its size
-    before anything is allocated for its rows."""
-    if len(data) < 28 or data[:4] not in (_SUMMARY, _SUMMARY_ROWS):
+def _frame(data: bytes, rank: int) -> tuple[int, int, int, int, str]:
+    """(header bytes, rows, width, leading leaf columns, box value dtype) of a summary, checked
+    against its size before anything is allocated for its rows."""
+    if len(data) < 28 or bytes(data[:4]) not in _LAYOUTS:
         raise FormatError(f"rank {rank}: not a save summary")
     hlen, rows, width = struct.unpack_from("<QQQ", data, 4)
-    lead = 1 if data[:4] == _SUMMARY_ROWS else 0
+    lead, dtype = _LAYOUTS[bytes(data[:4])]
     packed = len(data) - 28 - hlen  # the boxes cannot claim more than these bytes inflate to
-    if packed < 0 or (width - lead) % 2 != 1 or rows * width * 8 > most_inflated(packed):
+    if packed < 0 or (width - lead) % 2 != 1 or rows * width * np.dtype(dtype).itemsize > most_inflated(packed):
         raise FormatError(f"rank {rank}: a save summary's sizes do not add up")
-    return hlen, rows, width, lead
+    return hlen, rows, width, lead, dtype
 
 
 def _header(raw: bytes, rank: int) -> tuple:

@@ -25,8 +25,18 @@ def test_summary_round_trip_is_exact():
     back = wire.decode_summary(wire.encode_summary(s), 3)
     assert back.rank == 3 and back.skeleton == s.skeleton
     assert back.dtypes == s.dtypes and back.global_shapes == s.global_shapes
-    assert back.boxes.dtype == np.int64 and np.array_equal(back.boxes, s.boxes)
+    assert back.boxes.dtype == np.int32 and np.array_equal(back.boxes, s.boxes)  # every value fits
     assert [back.piece_box(i) for i in range(4)] == [Box((0, 4), (8, 4)), None, Box((), ()), None]
+
+
+def test_box_values_past_int32_travel_as_int64_and_widen_the_whole_table():
+    big = make_summary(1, [Box((2**31, 0), (2**33, 8))])  # a dimension of 2**34 elements
+    small = make_summary(0, [Box((0, 0), (4, 8))])
+    assert wire.encode_summary(big)[:4] == b"DCS1" and wire.encode_summary(small)[:4] == b"DCS3"
+    both = wire.decode_summaries([0, 1], [wire.encode_summary(small), wire.encode_summary(big)])
+    assert [b.boxes.dtype for b in both] == [np.int64, np.int64]
+    assert np.array_equal(both[0].boxes, small.boxes) and np.array_equal(both[1].boxes, big.boxes)
+    assert both[1].piece_box(0) == Box((2**31, 0), (2**33, 8))
 
 
 def test_equal_layouts_share_one_parsed_header():
@@ -81,7 +91,7 @@ def test_summary_with_several_rows_for_one_leaf_round_trips_the_wire():
     assert [back.piece_box(i) for i in range(4)] == [Box((0, 3), (1, 2)), Box((1, 0), (2, 5)), Box((3, 0), (1, 2)), Box((0,), (3,))]
     assert back.dtypes == ("float32", "int64")
     one = summary_of(0, {"b": [save_plan.LocalPiece("b", "int64", (3,), Box.whole((3,)))]})
-    assert one.row_leaf is None and wire.encode_summary(one)[:4] == b"DCS1"  # unchanged message
+    assert one.row_leaf is None and wire.encode_summary(one)[:4] == b"DCS3"  # a leaf column only when needed
 
 
 def test_summaries_decoded_together_share_one_table_and_equal_single_decodes():
