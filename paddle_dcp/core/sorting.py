@@ -67,7 +67,6 @@ def _packed(keys: list[np.ndarray]) -> list[np.ndarray] | None:
     for keys with values past int64's."""
     words: list[np.ndarray] = []
     word: np.ndarray | None = None
-    spare: np.ndarray | None = None
     used = 0
     for key in reversed(keys):  # primary first
         lo, hi = int(key.min()), int(key.max())
@@ -79,10 +78,10 @@ def _packed(keys: list[np.ndarray]) -> list[np.ndarray] | None:
             if word is not None:
                 words.append(word)
             word, used = np.subtract(key, np.int64(lo), dtype=np.int64).view(np.uint64), bits
-        else:  # in place, through one scratch column: a column of many rows costs no new array
-            spare = np.subtract(key, np.int64(lo), dtype=np.int64, out=spare)
+        else:  # in place, modulo 2**64 (the key cast as it is read): no column of temporaries
             word <<= np.uint64(bits)
-            word |= spare.view(np.uint64)
+            word -= np.uint64(lo % (1 << 64))
+            np.add(word, key, out=word, dtype=np.uint64, casting="unsafe")
             used += bits
     assert word is not None
     words.append(word)
