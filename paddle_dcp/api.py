@@ -290,7 +290,7 @@ def read_metadata(path: str, unique_id: int | None = None, *, storage_options: d
     path = os.fspath(path)
     check_id(unique_id)
     store = open_storage(path, storage_options)
-    listing = store.list_checkpoints(temporary=False)
+    listing = storage.list_checkpoints(store, temporary=False)
     if unique_id is None:
         if listing.latest is None:
             raise FormatError(f"no complete checkpoint in {path}: no *.metadata file was found")

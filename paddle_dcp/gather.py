@@ -51,7 +51,7 @@ from .parallel.requests import Reduction
 from .errors import ArgumentError, CollectiveError, FormatError
 from .format.safetensors import MAX_HEADER_BYTES
 from .io import open_output
-from .io.storage import DataFileWriter
+from .io.datafile import DataFileWriter
 
 logger = logging.getLogger(__name__)
 

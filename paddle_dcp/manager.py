@@ -34,7 +34,7 @@ from .parallel import protocol
 from .parallel.comm import Comm, make_comm
 from .tiers import LocalTier, RestoreReport
 from .errors import ArgumentError, DcpError, FormatError
-from .io import is_url, open_storage
+from .io import is_url, open_storage, storage
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class CheckpointManager:
             self._lock_file = _take_lock(self.directory)
             data = self.store.read_file(MANIFEST_NAME)
             manifest = Manifest() if data is None else Manifest.from_json(data, f"{self.directory}/{MANIFEST_NAME}")
-            complete = self.store.list_checkpoints().complete
+            complete = storage.list_checkpoints(self.store).complete
             for step, entry in manifest.steps.items():
                 if entry.state == "writing" and step in complete:  # committed, then a crash
                     manifest = manifest.with_state([step], "complete")

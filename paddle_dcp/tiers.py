@@ -97,7 +97,7 @@ class LocalTier:
 
         def tidy() -> None:
             if self.is_leader:
-                listing = self.store.list_checkpoints()
+                listing = storage.list_checkpoints(self.store)
                 orphans = [n for uid in listing.data if uid not in steps for n in listing.data_names(uid)]
                 self.store.remove(orphans + cleanup.temporary_names(listing) + stale)
 
@@ -108,7 +108,7 @@ class LocalTier:
         not its metadata (a crash between two nodes' publishing: every copy was committed
         before the first) gets the metadata from a node that has it."""
         def look() -> bytes:
-            listing = self.store.list_checkpoints()
+            listing = storage.list_checkpoints(self.store)
             return wire.encode_json({"complete": sorted(listing.complete), "data": sorted(listing.data)})
 
         mine = yield from protocol.local("local tier: list steps", look)
@@ -147,7 +147,7 @@ class LocalTier:
 
         def seen() -> bytes:
             ranks = []
-            for name in self.store.list_checkpoints().files:
+            for name in storage.list_checkpoints(self.store).files:
                 m = _MARKER_RE.match(name)
                 if m and self.store.read_file(name) == token:
                     ranks.append(int(m.group(1)))
@@ -171,7 +171,7 @@ class LocalTier:
     def _all_steps(self) -> protocol.Protocol:
         """The local steps complete on some node (every rank gets the same set)."""
         mine = yield from protocol.local(
-            "local tier: list steps", lambda: json.dumps(sorted(self.store.list_checkpoints().complete)).encode()
+            "local tier: list steps", lambda: json.dumps(sorted(storage.list_checkpoints(self.store).complete)).encode()
         )
         every = yield protocol.AllGather(mine)
         return frozenset(s for b in every for s in json.loads(b))
@@ -189,7 +189,7 @@ class LocalTier:
             found: dict[int, dict] = {}
             if not self.is_leader:
                 return wire.encode_json(found)
-            listing = self.store.list_checkpoints(temporary=False)
+            listing = storage.list_checkpoints(self.store, temporary=False)
             for step in sorted(listing.complete):
                 try:
                     meta = storage.read_metadata(self.store, step, lazy=True)
@@ -295,9 +295,9 @@ class LocalTier:
         def prepare() -> None:  # what a crashed copy left, removed before any rank writes
             target.create()
             if not target.seen_by_all:
-                target.remove(cleanup.temporary_names(target.list_checkpoints(), step, comm.rank))
+                target.remove(cleanup.temporary_names(storage.list_checkpoints(target), step, comm.rank))
             elif comm.is_coordinator:  # one listing for every rank's
-                target.remove(cleanup.temporary_names(target.list_checkpoints(), step))
+                target.remove(cleanup.temporary_names(storage.list_checkpoints(target), step))
 
         yield from protocol.local("global tier: prepare", prepare)
 
@@ -400,7 +400,7 @@ class LocalTier:
         """(the node's metadata of ``step`` and its bytes, writer of each data file, the
         step's data files on this node) or None when the node has no usable metadata (then
         also the names to keep away from)."""
-        listing = self.store.list_checkpoints(temporary=False)
+        listing = storage.list_checkpoints(self.store, temporary=False)
         if step not in listing.complete:
             return None, []
         try:  # read once: parsed, and fingerprinted by the survey

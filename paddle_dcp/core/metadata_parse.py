@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import metafile, nested, quant
-from .boxes import check_entry_tiling, check_inside, check_tiling
+from .boxes import check_entry_tiling, check_inside
 from .derive import DERIVED, DERIVED_DTYPES, SOURCE_DTYPES
 from .dtypes import DTYPE_NAMES, itemsize
 from ..errors import FormatError, PlanError

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
 
+from .datafile import data_writer
 from .storage import Storage
 
 # storage_options for URLs opened without any (the command line's --storage-option)
@@ -86,4 +87,4 @@ def open_output(path: str, header: bytes = b"", storage_options: dict | None = N
     at the writer's ``commit`` (a rename, or the end of a multipart upload)."""
     store, name = open_file(path, follow=False, storage_options=storage_options)
     store.create()
-    return store.data_writer(name, block_bytes=0, depth=0, header=header, alignment=1)
+    return data_writer(store, name, block_bytes=0, depth=0, header=header, alignment=1)

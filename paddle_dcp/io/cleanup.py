@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..core.naming import TMP_RE, parse_data_name
-from .storage import Listing, Storage
+from .storage import Listing, Storage, list_checkpoints
 
 
 def temporary_names(listing: Listing, unique_id: int | None = None, rank: int | None = None) -> list[str]:
@@ -29,7 +29,7 @@ def temporary_names(listing: Listing, unique_id: int | None = None, rank: int | 
 
 def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | None = None) -> list[str]:
     """Remove the :func:`temporary_names` of ``store``'s listing. Returns the names removed."""
-    return store.remove(temporary_names(store.list_checkpoints(), unique_id, rank))
+    return store.remove(temporary_names(list_checkpoints(store), unique_id, rank))
 
 
 def remove_data(
@@ -37,7 +37,7 @@ def remove_data(
 ) -> list[str]:
     """Remove ``rank``'s (None: every rank's) data files of ``unique_id`` but the generation
     ``keep_generation`` (``listing``: the store's, when the caller has one; else it is listed)."""
-    listing = listing or store.list_checkpoints()
+    listing = listing or list_checkpoints(store)
     names = []
     for name in listing.data_names(unique_id):
         writer, _, generation = parse_data_name(name) or (-1, -1, -1)
@@ -50,7 +50,7 @@ def remove_steps(store: Storage, unique_ids: Iterable[int], rank: int | None = N
     """Remove the data files of ``unique_ids`` and the temporary files crashed saves of them
     left: ``rank``'s own, or (None) every rank's and the metadata's, from one listing (the
     retention of a manager and of its node-local tier, once the ids' metadata is gone)."""
-    listing = store.list_checkpoints()
+    listing = list_checkpoints(store)
     names = []
     for uid in unique_ids:
         names += [n for n in listing.data_names(uid) if rank is None or (parse_data_name(n) or (-1,))[0] == rank]
@@ -61,6 +61,6 @@ def remove_steps(store: Storage, unique_ids: Iterable[int], rank: int | None = N
 def remove_incomplete(store: Storage) -> list[str]:
     """Remove the data files of ids that have no metadata in ``store``. (On node-local disks a
     node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
-    listing = store.list_checkpoints()
+    listing = list_checkpoints(store)
     names = [n for uid in sorted(listing.data) if uid not in listing.complete for n in listing.data_names(uid)]
     return store.remove(names)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import StorageError
+from .datafile import data_writer
 from .storage import Storage
 
 CHUNK = 64 << 20  # bytes read and written at a time
@@ -22,7 +23,7 @@ def copy_file(source: Storage, target: Storage, name: str, durable: bool = False
         raise StorageError(f"{source.resolve(name)} is missing: it cannot be copied", source.path)
     reader = source.range_reader()
     # the next chunk is read while the writer still writes the last two (three buffers in turn)
-    writer = target.data_writer(name, block_bytes=0, depth=2, alignment=1)
+    writer = data_writer(target, name, block_bytes=0, depth=2, alignment=1)
     bufs = [np.empty(min(chunk, size), np.uint8) for _ in range(min(3, -(-size // chunk)))]
     try:
         for i, start in enumerate(range(0, size, chunk)):

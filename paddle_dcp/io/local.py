@@ -20,10 +20,9 @@ from typing import ContextManager, Iterable, Iterator
 import numpy as np
 
 from ..errors import FormatError, IntegrityError, StorageError
-from ..core.metadata import ALIGNMENT, Metadata, aligned, check_member_name
+from ..core.metadata import Metadata, check_member_name
 from ..core.naming import TMP_MARK
-from ..core.checksums import block_checksums
-from .storage import Listing, listing_of
+
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +41,8 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"cannot create the directory {self.path}: {exc}", self.path) from exc
 
-    def list_checkpoints(self, temporary: bool = True) -> Listing:
-        return list_checkpoints(self.path)  # temporary files are listed with the rest, at no cost
+    def list_names(self, temporary: bool = True) -> list[str]:
+        return list_names(self.path)  # temporary files are listed with the rest, at no cost
 
     def size(self, name: str) -> int | None:
         full = os.path.join(self.path, name)
@@ -77,10 +76,8 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"cannot read {full}: {exc}", full) from exc
 
-    def data_writer(
-        self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
-    ) -> "DataWriter":
-        return DataWriter(self.path, name, block_bytes, depth, header, alignment)
+    def open_stream(self, name: str, depth: int = 2) -> "FileStream":
+        return FileStream(self.path, name, depth)
 
     def remove(self, names: Iterable[str]) -> list[str]:
         return remove_files(self.path, names)
@@ -89,15 +86,14 @@ class LocalStorage:
         return inside(self.path, name)
 
 
-def list_checkpoints(path: str) -> Listing:
-    """Scan ``path``; a missing directory is an empty listing."""
+def list_names(path: str) -> list[str]:
+    """The names in directory ``path``; a missing directory holds none."""
     try:
-        names = os.listdir(path)
+        return os.listdir(path)
     except FileNotFoundError:
-        return Listing(frozenset(), {})
+        return []
     except OSError as exc:
         raise StorageError(f"cannot list checkpoint directory {path}: {exc}", path) from exc
-    return listing_of(names)
 
 
 def remove_files(path: str, names: Iterable[str]) -> list[str]:
@@ -231,77 +227,22 @@ def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> No
         raise
 
 
-class DataWriter:
-    """Writes one rank's data file: pieces back to back at ALIGNMENT boundaries, under a
-    temporary name until :meth:`commit`.
+class FileStream:
+    """A file on disk written front to back (a :class:`~paddle_dcp.io.storage.ByteStream`),
+    under a temporary name until :meth:`commit`. The bytes go to the file from a thread of its
+    own while the caller prepares the next piece (its checksums; on a GPU, its copy to host
+    memory): at most ``depth`` writes wait to be done, and their host memory is kept alive
+    until they are. The gaps between writes stay holes (zeros)."""
 
-    The bytes go to the file from a thread of their own while the caller prepares the next
-    piece (its checksums; on a GPU, its copy to host memory): at most ``depth`` writes wait to
-    be done, and their host memory is kept alive until they are. Pieces smaller than
-    ``SMALL_PIECE`` are copied into a batch of up to ``BATCH_BYTES`` written as one (the
-    alignment gaps between them zeros, as the file's holes are): a state dict of many small
-    tensors costs one hand-off to the thread and one system call per batch, not per piece.
-    ``header`` (a safetensors header) is written first, and the pieces follow it at multiples
-    of ``alignment`` bytes.
-    """
-
-    SMALL_PIECE = 64 << 10  # bytes
-    BATCH_BYTES = 4 << 20  # bytes
-
-    def __init__(
-        self, path: str, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
-    ):
+    def __init__(self, path: str, name: str, depth: int = 2):
         self.file = AtomicFile(os.path.join(path, name))
         self.final, self.tmp = self.file.final, self.file.tmp
-        self.block_bytes = block_bytes
-        self.offset = 0
         self.depth = depth
-        self.alignment = alignment
         self._pending: deque[Future] = deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-write")
-        self._batch: bytearray | None = None  # small pieces gathered, from file offset _batch_start on
-        self._batch_start = self._batch_used = 0
-        if header:
-            try:
-                self._write_at(memoryview(header), 0, None)
-            except StorageError:
-                self.abort()  # no temporary file left behind
-                raise
-            self.offset = len(header)
 
-    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
-        """Append one piece (bytes in C order; ``keep`` is whatever must stay alive until the
-        bytes are written; ``seed`` its :func:`piece_seed`); returns its block checksums."""
-        view = data.cast("B") if data.format != "B" else data
-        start = aligned(self.offset, self.alignment)  # the gap stays zeros (sparse)
-        sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
-        if len(view) < self.SMALL_PIECE:
-            self._gather(view, start)
-        else:
-            self._flush()
-            self._submit(view, start, keep)
-        self.offset = start + len(view)
-        return sums
-
-    def _gather(self, view: memoryview, start: int) -> None:
-        """Copy a small piece into the batch (a new one when it does not fit)."""
-        if self._batch is not None and start + len(view) - self._batch_start > len(self._batch):
-            self._flush()
-        if self._batch is None:
-            self._batch = bytearray(self.BATCH_BYTES)  # zeros: the gaps between pieces
-            self._batch_start = start
-        at = start - self._batch_start
-        self._batch[at : at + len(view)] = view
-        self._batch_used = at + len(view)
-
-    def _flush(self) -> None:
-        """Hand the batch to the writing thread."""
-        if self._batch is not None:
-            batch, self._batch = self._batch, None
-            self._submit(memoryview(batch)[: self._batch_used], self._batch_start, batch)
-
-    def _submit(self, view: memoryview, offset: int, keep) -> None:
-        self._pending.append(self._pool.submit(self._write_at, view, offset, keep))
+    def write_at(self, data: memoryview, offset: int, keep=None) -> None:
+        self._pending.append(self._pool.submit(self._write_at, data, offset, keep))
         while len(self._pending) > self.depth:
             self._pending.popleft().result()
 
@@ -315,16 +256,13 @@ class DataWriter:
         finally:
             self._pool.shutdown(wait=True)
 
-    def commit(self, durable: bool = False) -> int:
+    def commit(self, size: int, durable: bool = False) -> None:
         """Close and rename into place (with ``durable``: after an fsync of the file, and with
-        one of the directory after); returns the file's size."""
-        self._flush()
+        one of the directory after)."""
         self._drain()
-        self.file.commit(durable, size=self.offset)
-        return self.offset
+        self.file.commit(durable, size=size)
 
     def abort(self) -> None:
-        self._batch = None  # never written
         try:
             self._drain()
         except Exception:  # noqa: BLE001 - the save already failed; remove what is left

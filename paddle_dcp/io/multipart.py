@@ -18,35 +18,37 @@ import logging
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ..core.metadata import aligned
 from ..errors import StorageError
-from ..core.checksums import block_checksums
 
 logger = logging.getLogger(__name__)
 
 
-class _Pieces:
-    """What both writers share: aligned appends and block checksums."""
+class _Appending:
+    """What both streams share: writes at increasing offsets turned into appends, the gaps
+    between them as zeros."""
 
-    def __init__(self, block_bytes: int, alignment: int):
-        self.block_bytes, self.alignment = block_bytes, alignment
-        self.offset = 0
+    def __init__(self) -> None:
+        self.offset = 0  # bytes appended so far
 
-    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
-        """Append one piece at the next ``alignment`` boundary (zeros in between); returns its
-        block checksums (none when ``block_bytes`` is 0). The bytes are copied before it
-        returns, so ``keep`` need not outlive the call."""
+    def write_at(self, data: memoryview, offset: int, keep=None) -> None:
+        """Append ``data`` at ``offset`` (zeros up to it first); the bytes are copied or sent
+        before it returns, so ``keep`` need not outlive the call."""
         view = data.cast("B") if data.format != "B" else data
-        start = aligned(self.offset, self.alignment)
-        sums = block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
-        if start > self.offset:
-            self._append(memoryview(bytes(start - self.offset)))
+        if offset < self.offset:
+            raise StorageError(f"a write at byte {offset} of {self.url}, before its end {self.offset}", self.url)
+        if offset > self.offset:
+            self._append(memoryview(bytes(offset - self.offset)))
         self._append(view)
-        self.offset = start + len(view)
-        return sums
+        self.offset = offset + len(view)
+
+    url: str  # set by each stream
 
     def _append(self, view: memoryview) -> None:
         raise NotImplementedError
+
+    def _check_size(self, size: int) -> None:
+        if size != self.offset:
+            raise StorageError(f"{self.url}: committed as {size} bytes, {self.offset} written", self.url)
 
 
 class PartBody(io.BytesIO):
@@ -82,15 +84,15 @@ class PartBody(io.BytesIO):
         return bytes(self._view)
 
 
-class MultipartWriter(_Pieces):
-    """One data file as an S3 multipart upload (a :class:`DataFileWriter`).
+class MultipartWriter(_Appending):
+    """One file as an S3 multipart upload (a :class:`~paddle_dcp.io.storage.ByteStream`).
 
     Memory: ``parts_in_flight + 1`` buffers of ``part_size`` bytes, made once and reused (one
     filling, the others uploading); the bytes of a piece are copied once, into a buffer, and
     streamed to the socket from there."""
 
-    def __init__(self, store, name: str, block_bytes: int, header: bytes = b"", alignment: int = 1):
-        super().__init__(block_bytes, alignment)
+    def __init__(self, store, name: str):
+        super().__init__()
         self.store, self.name = store, name
         self.url = store.resolve(name)
         self.key = store.key_prefix + name
@@ -102,9 +104,6 @@ class MultipartWriter(_Pieces):
         self._pending: deque[tuple[Future, bytearray]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self.upload_id: str | None = None
-        if header:
-            self._append(memoryview(header))
-            self.offset = len(header)
 
     def _append(self, view: memoryview) -> None:
         at = 0
@@ -143,13 +142,13 @@ class MultipartWriter(_Pieces):
             "upload_part", Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=PartBody(body)))
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
-    def commit(self, durable: bool = False) -> int:
-        """Upload what is left and complete the upload: the object appears, whole; returns
-        its size."""
+    def commit(self, size: int, durable: bool = False) -> None:
+        """Upload what is left and complete the upload: the object appears, whole."""
+        self._check_size(size)
         if self.upload_id is None:  # smaller than one part: one PUT
             self.store.write_atomic(self.name, bytes(memoryview(self._buf)[: self._fill]))
             self._buf, self._fill, self._free = bytearray(), 0, []
-            return self.offset
+            return
         if self._fill or not self._parts:
             if not self._buf:
                 self._buf = self._free.pop() if self._free else bytearray(self.part_size)
@@ -165,7 +164,6 @@ class MultipartWriter(_Pieces):
             self._check_completed()
         logger.debug("wrote %s: %d bytes in %d parts", self.url, self.offset, len(parts))
         self.upload_id = None
-        return self.offset
 
     def _check_completed(self) -> None:
         """The object exists with this file's size (else the upload is lost: StorageError)."""
@@ -189,19 +187,16 @@ class MultipartWriter(_Pieces):
             self.upload_id = None
 
 
-class StreamWriter(_Pieces):
-    """One data file written through fsspec's file interface (protocols other than S3)."""
+class StreamWriter(_Appending):
+    """One file written through fsspec's file interface (protocols other than S3)."""
 
-    def __init__(self, store, name: str, block_bytes: int, header: bytes = b"", alignment: int = 1):
-        super().__init__(block_bytes, alignment)
+    def __init__(self, store, name: str):
+        super().__init__()
         self.store, self.name, self.url = store, name, store.resolve(name)
         try:
             self.file = store.fs.open(store.full(name), "wb")
         except Exception as exc:  # noqa: BLE001 - fsspec raises what its backend raises
             raise StorageError(f"cannot create {self.url}: {exc}", self.url) from exc
-        if header:
-            self._append(memoryview(header))
-            self.offset = len(header)
 
     def _append(self, view: memoryview) -> None:
         try:
@@ -209,12 +204,12 @@ class StreamWriter(_Pieces):
         except Exception as exc:  # noqa: BLE001
             raise StorageError(f"cannot write {self.url}: {exc}", self.url) from exc
 
-    def commit(self, durable: bool = False) -> int:
+    def commit(self, size: int, durable: bool = False) -> None:
+        self._check_size(size)
         try:
             self.file.close()
         except Exception as exc:  # noqa: BLE001
             raise StorageError(f"cannot write {self.url}: {exc}", self.url) from exc
-        return self.offset
 
     def abort(self) -> None:
         try:

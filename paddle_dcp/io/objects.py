@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterable
 
 import xxhash
 
-from ..core.metadata import ALIGNMENT, Metadata, check_member_name
+from ..core.metadata import Metadata, check_member_name
 from ..core.naming import TMP_MARK
 from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from .object_reads import ObjectFiles, ObjectRangeReader
 from .retry import RetryPolicy, retrying
-from .storage import Listing, listing_of
+
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +215,13 @@ class ObjectStorage:
         self._present = set(out)
         return out
 
-    def list_checkpoints(self, temporary: bool = True) -> Listing:
+    def list_names(self, temporary: bool = True) -> list[str]:
         """What the prefix holds: one LIST, and with ``temporary`` (the default) a second one
         of the multipart uploads open under it (only cleaning up needs those)."""
         names = list(self.sizes())
         if self.is_s3 and temporary:
             names += self._pending_uploads()
-        return listing_of(names)
+        return names
 
     def _pending_uploads(self) -> list[str]:
         """The multipart uploads open under the prefix, as temporary names."""
@@ -283,13 +283,12 @@ class ObjectStorage:
             raise FormatError(f"{url}: over the {limit}-byte limit for this object")
         return data
 
-    def data_writer(
-        self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
-    ):
+    def open_stream(self, name: str, depth: int = 2):
+        """An S3 multipart upload, or an fsspec file for other protocols (``depth``: the
+        upload's own ``parts_in_flight`` applies instead)."""
         from .multipart import MultipartWriter, StreamWriter
 
-        cls = MultipartWriter if self.is_s3 else StreamWriter
-        return cls(self, name, block_bytes, header, alignment)
+        return (MultipartWriter if self.is_s3 else StreamWriter)(self, name)
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Delete objects and abort uploads by name; names known from this storage's last

@@ -12,7 +12,7 @@ from ..errors import FormatError
 from ..format import hf_dir
 from ..format.safetensors import MAX_HEADER_BYTES, Header, header_from
 from .reads import read_range
-from .storage import Storage
+from .storage import Storage, list_checkpoints
 
 
 def where(path: str, name: str) -> str:
@@ -59,7 +59,7 @@ def shard_names(store: Storage, files: Iterable[str] | None = None) -> tuple[lis
     Raises:
         FormatError: no safetensors file, more than one index, a malformed index.
     """
-    names = list(files) if files is not None else store.list_checkpoints().files
+    names = list(files) if files is not None else list_checkpoints(store).files
     index = hf_dir.index_name(names, store.path)
     if index is None:
         return hf_dir.shard_files(names, store.path), None

@@ -1,12 +1,15 @@
 """The storage interface: what the save and load code asks of a checkpoint directory
-(:class:`Storage`, the data files it opens, its writers) and the listing it returns.
+(:class:`Storage`, the data files it opens, the byte streams it writes), and what is built once
+above it: the listing of a directory (:func:`list_checkpoints`) and the metadata file's read
+and commit (:func:`read_metadata`, :func:`commit_metadata`).
 
 A storage (:class:`Storage`) lists, reads, writes and removes the files of one checkpoint
 directory; :func:`paddle_dcp.io.open_storage` gives the one for a path (``io/local.py``: the
 local disk; ``io/objects.py``: object storage). OSError becomes StorageError naming the path;
 bytes that disagree with the metadata become IntegrityError naming file and key. What works on
-any storage lives beside it: reading byte ranges (``io/reads.py``), cleaning up
-(``io/cleanup.py``); the checksum scheme is in the core (``core/checksums.py``).
+any storage lives beside it: a data file's layout and checksums as it is written
+(``io/datafile.py``), reading byte ranges (``io/reads.py``), cleaning up (``io/cleanup.py``);
+the checksum scheme is in the core (``core/checksums.py``).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import ContextManager, Iterable, Protocol, Sequence
 import numpy as np
 
 from ..errors import FormatError, StorageError
-from ..core.metadata import ALIGNMENT, MAX_METADATA_BYTES, Metadata
+from ..core.metadata import MAX_METADATA_BYTES, Metadata
 from ..core.metadata_parse import parse_metadata
 from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
 
@@ -163,18 +166,18 @@ class RangeSource(Protocol):
     def close(self) -> None: ...
 
 
-class DataFileWriter(Protocol):
-    """One data file being written: pieces appended at ``alignment`` boundaries, absent under
-    its final name until :meth:`commit`."""
+class ByteStream(Protocol):
+    """One file being written front to back, absent under its final name until
+    :meth:`commit` (what :class:`paddle_dcp.io.datafile.DataFileWriter` writes a data file
+    through)."""
 
-    offset: int  # bytes written so far
+    def write_at(self, data: memoryview, offset: int, keep=None) -> None:
+        """Write ``data`` at ``offset``, at or past the end of what was written (the bytes
+        between are zeros); ``keep`` stays alive until the bytes are written."""
 
-    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
-        """Append one piece (``keep`` stays alive until it is written); returns its block
-        checksums."""
-
-    def commit(self, durable: bool = False) -> int:
-        """Make the file appear, whole, under its final name; returns its size."""
+    def commit(self, size: int, durable: bool = False) -> None:
+        """Make the file of ``size`` bytes appear, whole, under its final name (``durable``:
+        on stable storage first)."""
 
     def abort(self) -> None:
         """Drop the file (never raises)."""
@@ -192,8 +195,8 @@ class Storage(Protocol):
     def create(self) -> None:
         """Make the directory, where the storage has directories (a save calls it first)."""
 
-    def list_checkpoints(self, temporary: bool = True) -> Listing:
-        """What the directory holds (a missing directory is an empty listing). With
+    def list_names(self, temporary: bool = True) -> list[str]:
+        """The name of every file the directory holds (a missing directory holds none). With
         ``temporary=False`` a storage whose temporary files cost a request of their own to
         list (object storage: the open multipart uploads) may leave them out."""
 
@@ -215,16 +218,22 @@ class Storage(Protocol):
         None when it does not exist. With ``limit``, a file of more bytes is a FormatError naming
         it, refused before it is read where the storage knows its size."""
 
-    def data_writer(
-        self, name: str, block_bytes: int, depth: int = 2, header: bytes = b"", alignment: int = ALIGNMENT
-    ) -> DataFileWriter:
-        """A streaming writer of data file ``name`` (``header`` first, then the pieces)."""
+    def open_stream(self, name: str, depth: int = 2) -> ByteStream:
+        """File ``name`` to write front to back (``depth``: how many writes may wait to be
+        done, where the storage writes from a thread of its own)."""
 
     def remove(self, names: Iterable[str]) -> list[str]:
         """Remove the files ``names`` (missing ones skipped); returns the names removed."""
 
     def resolve(self, name: str) -> str:
         """The full name of file ``name`` (FormatError when it would leave the directory)."""
+
+
+# ========================================================= what a directory holds, read once here
+def list_checkpoints(store: Storage, temporary: bool = True) -> Listing:
+    """The checkpoints, data files and temporary files of ``store`` (``temporary``: as for
+    :meth:`Storage.list_names`)."""
+    return listing_of(store.list_names(temporary))
 
 
 # ========================================================= a checkpoint's metadata file

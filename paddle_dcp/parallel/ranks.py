@@ -31,7 +31,7 @@ from ..core.metadata import DEFAULT_BLOCK_BYTES, Metadata
 from ..core.metadata_parse import parse_metadata
 from ..errors import ArgumentError, UnsupportedError
 from ..format import hf_dir
-from ..io import safetensors_files, storage
+from ..io import datafile, safetensors_files, storage
 from ..version import __version__
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def check_id(unique_id: Any) -> None:
 
 def next_id(store: storage.Storage, listing: storage.Listing | None = None) -> int:
     """One more than the highest complete checkpoint id in ``store`` (0 for the first)."""
-    latest = (listing or store.list_checkpoints()).latest
+    latest = (listing or storage.list_checkpoints(store)).latest
     return 0 if latest is None else latest + 1
 
 
@@ -143,7 +143,7 @@ class LocalSaveRank:
     def choose_id(self) -> tuple[int, storage.Listing | None]:
         if self.unique_id is not None:
             return self.unique_id, None
-        listing = self.store.list_checkpoints()
+        listing = storage.list_checkpoints(self.store)
         return next_id(self.store, listing), listing
 
     def prepare_id(self, uid: int, listing: storage.Listing | None) -> tuple[int, storage.Listing | None]:
@@ -153,7 +153,7 @@ class LocalSaveRank:
         removes every rank's leftovers."""
         if self.store.seen_by_all and self.rank != self.coordinator:
             return -1, None
-        listing = listing or self.store.list_checkpoints()
+        listing = listing or storage.list_checkpoints(self.store)
         if self.store.seen_by_all:
             stale = cleanup.temporary_names(listing, uid)
         else:
@@ -227,9 +227,9 @@ def write_pieces(
     if safetensors:
         pieces = [rows[row][1] for row in chosen.tolist()]
         header = hf_dir.rank_header([(p.key, p.dtype, p.box.offsets, p.box.shape, p.global_shape) for p in pieces])
-        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, depth=depth, header=header, alignment=1)
+        writer = datafile.data_writer(store, name, DEFAULT_BLOCK_BYTES, depth=depth, header=header, alignment=1)
     else:
-        writer = store.data_writer(name, DEFAULT_BLOCK_BYTES, depth=depth)
+        writer = datafile.data_writer(store, name, DEFAULT_BLOCK_BYTES, depth=depth)
     last, data = None, None
     try:
         for row in chosen.tolist():
@@ -304,7 +304,7 @@ class LocalLoadRank:
         given = self.unique_id is not None and not self.options.safetensors
         if self.lists_for_all and (self.rank != self.coordinator or given):
             return Inspected(flat, held), storage.Listing(frozenset(), {})  # the latest id comes from the coordinator's
-        listing = self.store.list_checkpoints(temporary=False)
+        listing = storage.list_checkpoints(self.store, temporary=False)
         if self.options.exclude:
             listing = storage.listing_of(listing.files - self.options.exclude)
         if self.options.safetensors and listing.latest is None:  # a directory of safetensors files

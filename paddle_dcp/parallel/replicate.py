@@ -23,7 +23,8 @@ from . import wire
 from .comm import Comm
 from .exchange import directions, pair_order
 from ..errors import CollectiveError
-from ..io.storage import DataFileWriter, Storage
+from ..io.datafile import DataFileWriter, data_writer
+from ..io.storage import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def _receive_file(comm: Comm, peer: int, store: Storage, name: str):
     # a chunk is received while the writer still writes the last two (three buffers in turn,
     # this file's own: the writer is committed only later, and may still hold them)
     bufs = [np.empty(0, np.uint8) for _ in range(3)]
-    writer = store.data_writer(name, block_bytes=0, depth=2, alignment=1)
+    writer = data_writer(store, name, block_bytes=0, depth=2, alignment=1)
     error = None
     try:
         for i, start in enumerate(range(0, size, CHUNK)):

@@ -48,7 +48,7 @@ def _sizes(path: str, names: list[str]) -> dict[str, int]:
 
 def cmd_clean(args) -> int:
     path = _directory(args.path)
-    listing = open_storage(path).list_checkpoints()
+    listing = storage.list_checkpoints(open_storage(path))
     planned = list(listing.temporary)
     if args.incomplete:
         planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
@@ -60,7 +60,7 @@ def cmd_clean(args) -> int:
         removed = cleanup.remove_temporary(open_storage(path))
         if args.incomplete:
             removed += cleanup.remove_incomplete(open_storage(path))
-            removed += open_storage(path).remove(_superseded(path, open_storage(path).list_checkpoints()))
+            removed += open_storage(path).remove(_superseded(path, storage.list_checkpoints(open_storage(path))))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         _out(f"{verb} {open_storage(path).resolve(name) if is_url(path) else os.path.join(path, name)}")

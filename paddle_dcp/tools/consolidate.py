@@ -28,7 +28,7 @@ import numpy as np
 from ..io import reads
 from ..core.dtypes import as_bytes
 from ..core import load_plan, nested
-from ..io import is_url, open_output, open_storage, storage
+from ..io import datafile, is_url, open_output, open_storage
 from ..io.local import atomic_path
 from ..core.boxes import Box, split_region
 from ..core.dtypes import bf16_to_float32, storage_dtype
@@ -170,7 +170,7 @@ def counted_bytes(slabs: Iterator[np.ndarray], progress: Progress | None) -> Ite
 
 
 @contextmanager
-def output_writer(out: str, header: bytes = b"") -> Iterator[storage.DataFileWriter]:
+def output_writer(out: str, header: bytes = b"") -> Iterator[datafile.DataFileWriter]:
     """The file ``out`` (a local path or a URL) being written through its storage's data
     writer, ``header`` first, no checksums or padding: it appears, complete, when the block
     ends (a rename, or the end of a multipart upload), and never when it raises."""
@@ -186,7 +186,7 @@ def output_writer(out: str, header: bytes = b"") -> Iterator[storage.DataFileWri
 class _WriterFile(io.RawIOBase):
     """A data writer as the write-only, unseekable file that zipfile writes to."""
 
-    def __init__(self, writer: storage.DataFileWriter):
+    def __init__(self, writer: datafile.DataFileWriter):
         self.writer = writer
 
     def writable(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Iterator
 from . import consolidate
 from ..errors import ArgumentError, DcpError, UnsupportedError
 from ..io import is_url, open_storage
-from ..io.storage import read_metadata
+from ..io.storage import list_checkpoints, read_metadata
 from .console import EXIT_OK, ProgressBar, UsageError, _directory, _err, _one_line, _out, _progress_enabled, choose_id
 
 
@@ -50,7 +50,7 @@ def cmd_convert(args) -> int:
         raise UsageError(f"{'--max-shard-size' if args.max_shard_size is not None else '--aoa-config'} applies to --to hf only")
     if not is_url(args.out) and os.path.isdir(args.out):
         raise UsageError(f"{args.out} is a directory; OUT is the file to write")
-    listing = open_storage(path).list_checkpoints()
+    listing = list_checkpoints(open_storage(path))
     uid = choose_id(path, listing, args.unique_id)
     meta = read_metadata(open_storage(path), uid, lazy=True)
     with _keys_option():
@@ -101,7 +101,7 @@ def _convert_hf(path: str, args) -> int:
         raise UsageError(f"--max-shard-size must be a size like 5GB, 512MB, 64K; got {args.max_shard_size!r}") from None
     if not is_url(args.out) and os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UsageError(f"{args.out} exists and is not an empty directory; --to hf writes a new directory")
-    listing = open_storage(path).list_checkpoints()
+    listing = list_checkpoints(open_storage(path))
     uid = choose_id(path, listing, args.unique_id)
     meta = read_metadata(open_storage(path), uid, lazy=True)
     if args.aoa_config is not None:

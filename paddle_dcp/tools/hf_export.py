@@ -4,7 +4,7 @@
 most ``max_shard_bytes`` of tensor data (a larger tensor gets a shard of its own, as
 ``transformers`` does), and ``model.safetensors.index.json`` (``metadata.total_size``,
 ``weight_map``: tensor -> shard), written last; a single shard is ``model.safetensors`` with no
-index. Each shard is written through :class:`paddle_dcp.io.local.DataWriter` (a temporary name,
+index. Each shard is written through :class:`paddle_dcp.io.datafile.DataFileWriter` (a temporary name,
 renamed when complete) from slabs of the checkpoint (every block's checksum checked), so
 memory stays at one slab whatever the tensors' sizes. Plain values are not exported (a
 Hugging Face directory has no place for them).
@@ -27,6 +27,8 @@ import numpy as np
 
 from ..core import aoa
 from ..io import open_storage
+from ..io.datafile import data_writer
+from ..io.storage import list_checkpoints
 from ..core.boxes import Box, split_region
 from .consolidate import Progress, Selection, TensorReader, counted_bytes, key_filter, output_bytes, output_dtype
 from ..core.dtypes import bf16_to_float32, storage_dtype
@@ -169,13 +171,13 @@ def _write(
     max_shard_bytes: int,
     produce: Callable[[TensorReader, Output], Iterator[memoryview]],
 ) -> list[str]:
-    """The directory: every shard through a DataWriter (``produce`` gives a tensor's bytes),
+    """The directory: every shard through a DataFileWriter (``produce`` gives a tensor's bytes),
     then the index."""
     if max_shard_bytes <= 0:
         raise ArgumentError(f"the shard size must be positive, got {max_shard_bytes}")
     store = open_storage(out)  # a directory, or a URL prefix
     store.create()
-    if store.list_checkpoints().files:
+    if list_checkpoints(store).files:
         raise ArgumentError(f"{out} is not empty: export to a new directory")
     codes = {o.name: code_of(o.name, o.dtype) for o in outputs}
     shards = plan_shards(outputs, max_shard_bytes) or [[]]
@@ -185,7 +187,7 @@ def _write(
             name = shard_name(i, len(shards))
             header = encode_header(((o.name, codes[o.name], o.shape, o.nbytes) for o in shard), SHARD_METADATA)
             # depth 0: each slab is written before the reader reuses its buffer
-            writer = store.data_writer(name, 0, depth=0, header=header, alignment=1)
+            writer = data_writer(store, name, 0, depth=0, header=header, alignment=1)
             try:
                 for o in shard:
                     for data in produce(reader, o):

@@ -21,7 +21,7 @@ from ..core.metadata_parse import parse_metadata
 from ..core.naming import METADATA_RE, data_file_name, metadata_name
 from ..errors import ArgumentError, DcpError, FormatError, StorageError, UnsupportedError
 from ..format import safetensors
-from ..io import is_url, open_storage, storage
+from ..io import datafile, is_url, open_storage, storage
 from ..version import __version__
 from .console import EXIT_OK, ProgressBar, UsageError, _directory, _ids, _one_line, _out, _progress_enabled
 
@@ -133,7 +133,7 @@ def _checked_id(src: str, out: str, unique_id: int | None) -> int:
         raise ArgumentError(f"{src} has no {metadata_name(uid)}; ids with metadata: {_ids(ids)}")
     if not is_url(out) and os.path.realpath(src) == os.path.realpath(out):
         raise ArgumentError("OUT must be another directory than PATH: paddle's files and ours have the same names")
-    out_listing = open_storage(out).list_checkpoints()
+    out_listing = storage.list_checkpoints(open_storage(out))
     if uid in out_listing.complete or uid in out_listing.data:
         raise ArgumentError(f"{out} already holds files of checkpoint {uid}; import into another directory")
     return uid
@@ -241,7 +241,7 @@ def _write_files(
             full = os.path.join(src, fname)
             arrays = _paddle_file_arrays(paddle, full)
             name = data_file_name(ranks[fname], uid)
-            writer = store.data_writer(name, DEFAULT_BLOCK_BYTES)
+            writer = datafile.data_writer(store, name, DEFAULT_BLOCK_BYTES)
             try:
                 for key, offset, local, fr in sorted(by_file[fname], key=lambda it: (key_order[it[0]], it[1], it[3] or ())):
                     flat = _piece_array(full, key, arrays.get(key), storage_dtype(info[key][0]), local, fr)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from ..core import nested
 from ..errors import DcpError, FormatError, StorageError
 from ..io import open_storage
-from ..io.storage import read_metadata
+from ..io.storage import list_checkpoints, read_metadata
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -30,7 +30,7 @@ def describe(path: str, unique_id: int | None = None) -> dict:
     validation are listed in ``problems`` (the rest is still described). A tensor stored
     quantized also has its ``encoding`` and ``stored_bytes`` (absent for the others); a derived
     one its ``encoding`` ``"derived"``, ``stored_bytes`` 0 and its ``source`` key."""
-    listing = open_storage(path).list_checkpoints()
+    listing = list_checkpoints(open_storage(path))
     doc: dict[str, Any] = {
         "path": path,
         "complete": sorted(listing.complete),

@@ -11,7 +11,7 @@ from ..core.metadata import TensorEntry
 from ..core.naming import metadata_name
 from ..errors import FormatError, StorageError
 from ..io import open_storage, file_check
-from ..io.storage import read_metadata
+from ..io.storage import list_checkpoints, read_metadata
 from .console import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -95,7 +95,7 @@ def _located(where: str, exc: BaseException) -> str:
 
 def cmd_verify(args) -> int:
     path = _directory(args.path)
-    listing = open_storage(path).list_checkpoints()
+    listing = list_checkpoints(open_storage(path))
     if args.all:
         ids = sorted(listing.complete)
         if not ids:

@@ -9,7 +9,6 @@ quantized parameter; paddle's optimizer keys through the public API and the mana
 save's refusals; paddle's contract for missing keys kept."""
 from __future__ import annotations
 
-import json
 import os
 
 import metadoc

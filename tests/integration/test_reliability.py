@@ -29,6 +29,7 @@ import pytest
 import paddle_dcp
 from paddle_dcp.parallel import loadwork
 from paddle_dcp.core import metadata
+from paddle_dcp.io import datafile
 from paddle_dcp.io import local, storage
 from paddle_dcp.errors import DcpError, FormatError, IntegrityError, MismatchError, StorageError
 from paddle_dcp.core.naming import TMP_RE
@@ -81,7 +82,7 @@ def test_data_files_exist_only_under_temporary_names_until_renamed_and_the_metad
     path = str(tmp_path / "ck")
     paddle_dcp.save_state_dict(sd_of(0), path, unique_id=1)  # the checkpoint being replaced
     events = []
-    real_replace, real_write = os.replace, local.DataWriter.write
+    real_replace, real_write = os.replace, datafile.DataFileWriter.write
 
     def rec_replace(src, dst, *args, **kwargs):
         if os.path.dirname(os.fspath(dst)) == path:
@@ -89,11 +90,11 @@ def test_data_files_exist_only_under_temporary_names_until_renamed_and_the_metad
         return real_replace(src, dst, *args, **kwargs)
 
     def rec_write(self, data, *args, **kwargs):
-        events.append(("write", os.path.basename(self.tmp), os.path.basename(self.final), listdir(path)))
+        events.append(("write", os.path.basename(self.stream.tmp), os.path.basename(self.stream.final), listdir(path)))
         return real_write(self, data, *args, **kwargs)
 
     monkeypatch.setattr(os, "replace", rec_replace)
-    monkeypatch.setattr(local.DataWriter, "write", rec_write)
+    monkeypatch.setattr(datafile.DataFileWriter, "write", rec_write)
     paddle_dcp.save_state_dict(sd_of(1), path, unique_id=1)
     monkeypatch.undo()
 
@@ -159,23 +160,23 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
     paddle_dcp.save_state_dict(sd_of(0), path)
 
     # id 1: dies in the middle of its data file (after the first piece)
-    real_write = local.DataWriter.write
+    real_write = datafile.DataFileWriter.write
 
     def dies_after_first_piece(self, data, *args, **kwargs):
         if self.offset:
             self._flush()  # the first piece in the file (small pieces wait in a batch until then)
-            self._pending[-1].result()
+            self.stream._pending[-1].result()
             raise Crash()
         return real_write(self, data, *args, **kwargs)
 
-    real_abort = local.DataWriter.abort
-    monkeypatch.setattr(local.DataWriter, "write", dies_after_first_piece)
+    real_abort = datafile.DataFileWriter.abort
+    monkeypatch.setattr(datafile.DataFileWriter, "write", dies_after_first_piece)
     # a dead process cleans nothing up (the writer's thread is still stopped)
-    monkeypatch.setattr(local.DataWriter, "abort", lambda self: self._drain())
+    monkeypatch.setattr(datafile.DataFileWriter, "abort", lambda self: self.stream._drain())
     with pytest.raises(Crash):
         paddle_dcp.save_state_dict(sd_of(1), path, unique_id=1)
-    monkeypatch.setattr(local.DataWriter, "write", real_write)
-    monkeypatch.setattr(local.DataWriter, "abort", real_abort)
+    monkeypatch.setattr(datafile.DataFileWriter, "write", real_write)
+    monkeypatch.setattr(datafile.DataFileWriter, "abort", real_abort)
 
     # id 2: dies between the metadata's temporary file and its rename
     real_replace = os.replace
@@ -196,7 +197,7 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
     assert len(tmp1) == 1 and len(tmp2) == 1, names
     assert names == sorted(["0.metadata", "0_0.distcp", "0_2.distcp"] + tmp1 + tmp2), names
     assert os.path.getsize(os.path.join(path, tmp1[0])) > 0 and os.path.getsize(os.path.join(path, tmp2[0])) > 0
-    assert local.list_checkpoints(path).complete == {0}
+    assert storage.list_checkpoints(local.LocalStorage(path)).complete == {0}
     # others' temporary files: another id's, another rank's of id 1 (garbage bytes)
     others = ["0_7.distcp.tmp.0a0b0c0d", "7.metadata.tmp.0a0b0c0d", "1_1.distcp.tmp.0e0f0a0b"]
     for other in others:

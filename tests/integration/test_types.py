@@ -57,12 +57,12 @@ def test_a_storage_without_a_method_of_the_interface_is_a_type_error(tmp_path):
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (pip install mypy)")
     (tmp_path / "lacking.py").write_text(
-        "from paddle_dcp.io.storage import Listing, Storage, listing_of\n\n\n"
+        "from paddle_dcp.io.storage import Storage\n\n\n"
         "class Lacking:\n"
         "    path = 'p'\n"
         "    seen_by_all = False\n\n"
-        "    def list_checkpoints(self, temporary: bool = True) -> Listing:\n"
-        "        return listing_of([])\n\n\n"
+        "    def list_names(self, temporary: bool = True) -> list[str]:\n"
+        "        return []\n\n\n"
         "def opened() -> Storage:\n"
         "    return Lacking()\n"
     )

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from paddle_dcp.core import checksums, derive, quant
 from paddle_dcp.core.compress import policy_of
+from paddle_dcp.io import datafile
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan, nested, save_plan
@@ -203,7 +204,7 @@ def save_checkpoint(
     sums = {}
     for r, leaves in plan.writes.items():
         flat, pieces, _ = ranks[r]
-        w = local.DataWriter(path, storage.data_file_name(r, unique_id), block_bytes)
+        w = datafile.data_writer(local.LocalStorage(path), storage.data_file_name(r, unique_id), block_bytes)
         cs: list[int] = []
         for leaf in leaves.tolist():
             p = pieces[leaf]

@@ -14,6 +14,7 @@ import paddle_dcp
 from paddle_dcp.core import save_plan
 from paddle_dcp.format import hf_dir
 from paddle_dcp.io import local
+from paddle_dcp.io import storage as dcp_storage
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.errors import FormatError
 
@@ -46,7 +47,7 @@ def test_save_with_safetensors_writes_files_the_package_opens(tmp_path):
     target = {"model": {"w": np.zeros_like(w), "b": np.zeros(3, np.int64)}, "step": 0}
     paddle_dcp.load_state_dict(target, str(tmp_path))
     assert np.array_equal(target["model"]["w"], w) and target["step"] == 5
-    assert local.list_checkpoints(str(tmp_path)).data_names(0) == ["0_0.safetensors"]
+    assert dcp_storage.list_checkpoints(local.LocalStorage(str(tmp_path))).data_names(0) == ["0_0.safetensors"]
 
 
 def test_piece_names_carry_the_box():

@@ -13,6 +13,7 @@ import xxhash
 from safetensors.numpy import save_file
 
 import paddle_dcp
+from paddle_dcp.io import datafile
 from paddle_dcp.io import reads
 from paddle_dcp.core.dtypes import as_bytes
 from paddle_dcp.core import load_plan
@@ -61,7 +62,7 @@ def test_list_checkpoints_complete_means_metadata_and_data_files_by_id(tmp_path)
                  "2_9.distcp.tmp.cd34", "notes.txt", "x.metadata", "1_x.distcp", "12.metadata",
                  "0_3.2.distcp", "1_3.2.distcp.tmp.0a1b"]:  # fmt: skip
         (tmp_path / name).write_bytes(b"")
-    listing = local.list_checkpoints(str(tmp_path))
+    listing = storage.list_checkpoints(local.LocalStorage(str(tmp_path)))
     assert listing.complete == {3, 12}
     assert listing.data == {3: {(0, 0), (1, 0), (0, 2)}, 5: {(0, 0)}}
     assert listing.generations(3) == {0: [0, 1], 2: [0]}
@@ -71,19 +72,19 @@ def test_list_checkpoints_complete_means_metadata_and_data_files_by_id(tmp_path)
 
 def test_list_checkpoints_of_a_missing_or_empty_directory(tmp_path):
     for path in (tmp_path / "nope", tmp_path):
-        listing = local.list_checkpoints(str(path))
+        listing = storage.list_checkpoints(local.LocalStorage(str(path)))
         assert listing.complete == frozenset() and listing.data == {} and listing.latest is None
 
 
 def test_list_checkpoints_of_a_file_is_a_storage_error(tmp_path):
     (tmp_path / "f").write_bytes(b"")
     with pytest.raises(StorageError) as info:
-        local.list_checkpoints(str(tmp_path / "f"))
+        storage.list_checkpoints(local.LocalStorage(str(tmp_path / "f")))
     assert info.value.path == str(tmp_path / "f")
 
 
 def test_a_save_lists_as_complete(ckpt):
-    listing = local.list_checkpoints(ckpt)
+    listing = storage.list_checkpoints(local.LocalStorage(ckpt))
     assert listing.complete == {0} and listing.data == {0: {(0, 0), (1, 0)}}
     assert not [n for n in listdir(ckpt) if storage.TMP_MARK in n]
 
@@ -107,7 +108,7 @@ def test_write_atomic_failure_is_a_storage_error_and_leaves_nothing(tmp_path):
 
 
 def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
-    w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
+    w = datafile.data_writer(local.LocalStorage(str(tmp_path)), "0_0.distcp", 64)
     a = np.arange(30, dtype=np.uint8)
     b = np.arange(100, dtype=np.uint8)
     sums_a = w.write(as_bytes(a))
@@ -124,23 +125,23 @@ def test_data_writer_aligns_pieces_and_checksums_blocks(tmp_path):
 
 def _pieces_written(tmp_path, sizes, monkeypatch):
     """Write pieces of ``sizes`` bytes (piece i: bytes i, i+1, ... mod 251) through a
-    DataWriter, counting its writes to the file and its hand-offs to the writing thread; (the
+    data writer, counting its writes to the file and its hand-offs to the writing thread; (the
     file's bytes, the bytes expected, computed by hand: every piece at the next multiple of 64,
     zeros between, writes, hand-offs)."""
     count = {"pwrite": 0, "submit": 0}
-    real_pwrite, real_submit = local.AtomicFile.pwrite, local.DataWriter._submit
+    real_pwrite, real_submit = local.AtomicFile.pwrite, local.FileStream.write_at
 
     def pwrite(self, view, offset):
         count["pwrite"] += 1
         return real_pwrite(self, view, offset)
 
-    def submit(self, view, offset, keep):
+    def submit(self, view, offset, keep=None):
         count["submit"] += 1
         return real_submit(self, view, offset, keep)
 
     monkeypatch.setattr(local.AtomicFile, "pwrite", pwrite)
-    monkeypatch.setattr(local.DataWriter, "_submit", submit)
-    w = local.DataWriter(str(tmp_path), "0_0.distcp", 4096)
+    monkeypatch.setattr(local.FileStream, "write_at", submit)
+    w = datafile.data_writer(local.LocalStorage(str(tmp_path)), "0_0.distcp", 4096)
     want = bytearray()
     for i, n in enumerate(sizes):
         piece = ((np.arange(n) + i) % 251).astype(np.uint8)
@@ -158,15 +159,15 @@ def test_data_writer_writes_small_pieces_in_batches_whatever_their_number(tmp_pa
         d.mkdir()
         got, want, writes, handoffs = _pieces_written(d, [2000 + i % 97 for i in range(n)], monkeypatch)
         assert got == want
-        assert writes == handoffs <= -(-len(want) // local.DataWriter.BATCH_BYTES) + 1
+        assert writes == handoffs <= -(-len(want) // datafile.DataFileWriter.BATCH_BYTES) + 1
         per_piece.append(handoffs / n)
     # one hand-off and one system call per batch of about 2,000 pieces, at 1k as at 10k
     assert per_piece[1] <= per_piece[0] and per_piece[0] <= 1 / 500, per_piece
 
 
 def test_data_writer_writes_large_pieces_alone_between_batches_of_small_ones(tmp_path, monkeypatch):
-    big = local.DataWriter.SMALL_PIECE
-    sizes = [10, 3000, big, 7, big + 5, 64, 1, 3 * local.DataWriter.BATCH_BYTES // 2, 5]
+    big = datafile.DataFileWriter.SMALL_PIECE
+    sizes = [10, 3000, big, 7, big + 5, 64, 1, 3 * datafile.DataFileWriter.BATCH_BYTES // 2, 5]
     got, want, writes, handoffs = _pieces_written(tmp_path, sizes, monkeypatch)
     assert got == want
     # batches [10, 3000], [7], [64, 1], [5] and the three large pieces alone
@@ -174,7 +175,7 @@ def test_data_writer_writes_large_pieces_alone_between_batches_of_small_ones(tmp
 
 
 def test_data_writer_abort_removes_its_temporary_file(tmp_path):
-    w = local.DataWriter(str(tmp_path), "0_0.distcp", 64)
+    w = datafile.data_writer(local.LocalStorage(str(tmp_path)), "0_0.distcp", 64)
     w.write(as_bytes(np.zeros(3, np.uint8)))
     w.abort()
     assert listdir(str(tmp_path)) == []
@@ -321,7 +322,7 @@ def test_read_metadata_refuses_a_file_marked_as_a_subset(ckpt):
 
 # ------------------------------------------------------------------ the one atomic writer
 def _data_writer(d: str, durable: bool) -> None:
-    writer = local.DataWriter(d, "f", 64)
+    writer = datafile.data_writer(local.LocalStorage(d), "f", 64)
     writer.write(memoryview(b"abc"))
     writer.commit(durable)
 
@@ -381,8 +382,10 @@ def test_a_data_writer_whose_header_fails_leaves_no_temporary_file(tmp_path, mon
         raise StorageError(f"cannot write {self.tmp}: no space left", self.tmp)
 
     monkeypatch.setattr(local.AtomicFile, "pwrite", full_disk)
-    with pytest.raises(StorageError, match="no space left"):
-        local.DataWriter(str(tmp_path), "f", 64, header=b"head")
+    writer = datafile.data_writer(local.LocalStorage(str(tmp_path)), "f", 64, header=b"head")
+    with pytest.raises(StorageError, match="no space left"):  # written by the file's thread: known by the commit
+        writer.commit()
+    writer.abort()
     assert listdir(str(tmp_path)) == []
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import paddle_dcp
+from paddle_dcp.io import storage as dcp_storage
 from s3server import Requests
 
 MiB = 1 << 20
@@ -134,7 +135,7 @@ def test_directory_entries_left_by_deleted_objects_are_no_files(s3_env, capsys):
         _leave_a_directory_entry(store, name)
     entries = store.fs.ls(store.root, detail=True, refresh=True)
     assert {e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "directory"} >= {"5.metadata", "sub"}, entries
-    listing = store.list_checkpoints()
+    listing = dcp_storage.list_checkpoints(store)
     assert listing.complete == {0} and set(listing.data) == {0} and listing.temporary == (), listing
     assert listing.files == {"0.metadata", "0_0.distcp"}, listing.files
     assert store.size("5.metadata") is None and store.size("sub") is None
@@ -146,7 +147,7 @@ def test_directory_entries_left_by_deleted_objects_are_no_files(s3_env, capsys):
     # a checkpoint prefix whose every object was deleted is an empty checkpoint directory
     store.remove(sorted(store.sizes()))
     assert store.fs.ls(f"{store.root.split('/')[0]}", refresh=True)  # weed still lists "dirs"
-    assert not is_file(url, OPTIONS) and store.list_checkpoints().files == frozenset()
+    assert not is_file(url, OPTIONS) and dcp_storage.list_checkpoints(store).files == frozenset()
     with pytest.raises(paddle_dcp.errors.FormatError, match="no complete checkpoint"):
         paddle_dcp.read_metadata(url, storage_options=OPTIONS)
     paddle_dcp.save_state_dict(sd, url, storage_options=OPTIONS)

@@ -51,9 +51,9 @@ class SharedStorage(MemoryStorage):
         super().__init__("s3://bucket/model", blobs)
         self.calls: list[str] = []
 
-    def list_checkpoints(self, temporary: bool = True):
+    def list_names(self, temporary: bool = True):
         self.calls.append("list")
-        return super().list_checkpoints()
+        return super().list_names()
 
     def size(self, name: str):
         self.calls.append(f"size {name}")
@@ -191,9 +191,9 @@ class CountingStorage(MemoryStorage):
         super().__init__(path, blobs)
         self.listings = 0
 
-    def list_checkpoints(self, temporary: bool = True):
+    def list_names(self, temporary: bool = True):
         self.listings += 1
-        return super().list_checkpoints(temporary)
+        return super().list_names(temporary)
 
 
 def test_a_save_rank_s_steps_return_values_and_leave_the_rank_and_the_state_dict_as_they_were():

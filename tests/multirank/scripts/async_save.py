@@ -13,7 +13,7 @@ import paddle.distributed as dist
 import common as c
 import paddle_dcp
 from paddle_dcp import CollectiveError
-from paddle_dcp.io import local
+from paddle_dcp.io import datafile
 
 root = c.init()
 R = c.rank()
@@ -50,14 +50,14 @@ def changed_after_return():
 
 def writer_fails_in_background():
     p = os.path.join(root, "fails")
-    original = local.DataWriter.write
+    original = datafile.DataFileWriter.write
 
     def broken(self, data, *args, **kwargs):
         if R == 1:
             raise OSError(28, "No space left on device (injected)")
         return original(self, data, *args, **kwargs)
 
-    local.DataWriter.write = broken
+    datafile.DataFileWriter.write = broken
     try:
         handle = paddle_dcp.save_state_dict(state(1), p, async_save=True)
         try:
@@ -68,7 +68,7 @@ def writer_fails_in_background():
         else:
             raise AssertionError("the background failure did not surface")
     finally:
-        local.DataWriter.write = original
+        datafile.DataFileWriter.write = original
     dist.barrier()
     assert not [n for n in os.listdir(p) if n.endswith(".metadata")], os.listdir(p)
     # nothing pending is left: a new save goes through
@@ -102,7 +102,7 @@ def load_while_saving():
     os.chdir(os.path.join(root, f"local{R}"))
     saved = c.mixed_layout(MESH, (("S", 0),))
     target_layout = c.mixed_layout(MESH, (("S", 1),))
-    original = local.DataWriter.write
+    original = datafile.DataFileWriter.write
 
     def slow(self, data, *args, **kwargs):
         import time
@@ -112,7 +112,7 @@ def load_while_saving():
 
     try:
         paddle_dcp.save_state_dict(c.build(saved, 0, {"step": 11}), "ck")
-        local.DataWriter.write = slow
+        datafile.DataFileWriter.write = slow
         handle = paddle_dcp.save_state_dict(state(6), "bg", async_save=True)
         for _ in range(3):
             target = c.build(target_layout, 0, {"step": 0}, target=True)
@@ -121,7 +121,7 @@ def load_while_saving():
             assert target["step"] == 11, target["step"]
         assert handle.wait(timeout=120) == 0
     finally:
-        local.DataWriter.write = original
+        datafile.DataFileWriter.write = original
         os.chdir(home)
     assert sorted(os.listdir(os.path.join(root, f"local{R}", "bg"))) == sorted(
         [f"{R}_0.distcp"] + (["0.metadata"] if R == 0 else [])), os.listdir(os.path.join(root, f"local{R}", "bg"))

@@ -36,6 +36,7 @@ os.makedirs(ROOT, exist_ok=True)
 import common as c  # noqa: E402
 import paddle_dcp  # noqa: E402
 from paddle_dcp.parallel import exchange
+from paddle_dcp.io import datafile  # noqa: E402
 from paddle_dcp.io import local, storage  # noqa: E402
 
 SAVE_RANKS = 3
@@ -105,7 +106,7 @@ def save_scenario(scenario: str) -> None:
         paddle_dcp.save_state_dict(c.build(saved, 2, variant_values(2)), path, unique_id=1)
     c.dist.barrier()
     if scenario.startswith("writer") and r == 1:
-        real_write = local.DataWriter.write
+        real_write = datafile.DataFileWriter.write
         calls = [0]
 
         def write_then_block(self, data, *args, **kwargs):
@@ -117,8 +118,8 @@ def save_scenario(scenario: str) -> None:
                 announce(f"writing {os.path.basename(self.tmp)} after its first piece")
             return real_write(self, data, *args, **kwargs)
 
-        local.DataWriter.write = write_then_block
-        local.DataWriter.SMALL_PIECE = 0  # each piece written as it comes, not batched until the close
+        datafile.DataFileWriter.write = write_then_block
+        datafile.DataFileWriter.SMALL_PIECE = 0  # each piece written as it comes, not batched until the close
     if scenario.startswith("coordinator") and r == 0:
         real_replace = os.replace
 
@@ -196,7 +197,7 @@ def check_one(scenario: str) -> None:
         gen = ".1" if same else ""
         assert all(f"{r}_1{gen}.distcp" in names for r in range(SAVE_RANKS)), names
         assert [n for n in tmp if n.startswith("1.metadata.tmp.")], names
-    listing = local.list_checkpoints(path)
+    listing = storage.list_checkpoints(local.LocalStorage(path))
     expected_latest = 1 if same else 0
     assert listing.latest == expected_latest, (listing.complete, names)
     # the previous checkpoint loads exactly; the crashed one is never chosen

@@ -23,7 +23,8 @@ import paddle_dcp
 from paddle_dcp.core import checksums
 from paddle_dcp.core.metadata import SUPPORTED_VERSIONS
 from paddle_dcp import CollectiveError
-from paddle_dcp.io import local, storage
+from paddle_dcp.io import datafile
+from paddle_dcp.io import storage
 
 ROOT = c.init()
 R = c.rank()
@@ -361,17 +362,17 @@ def object_on_coordinator():
 def write_fails_on_one_rank():
     """A rank whose write fails mid-save: every rank raises, no metadata, no temporary file."""
     p = path("write")
-    original = local.DataWriter.write
+    original = datafile.DataFileWriter.write
 
     def broken(self, data, *args, **kwargs):
         raise paddle_dcp.StorageError(f"cannot write {self.tmp}: injected failure", self.tmp)
 
     if R == 1:
-        local.DataWriter.write = broken
+        datafile.DataFileWriter.write = broken
     try:
         expect(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), p), [1], "StorageError", "injected failure")
     finally:
-        local.DataWriter.write = original
+        datafile.DataFileWriter.write = original
     c.dist.barrier()
     names = files(p)
     assert not [f for f in names if f.endswith(".metadata")], names

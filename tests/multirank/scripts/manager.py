@@ -26,9 +26,9 @@ import common as c
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
 from s3server import Requests  # noqa: E402
 import paddle_dcp
+from paddle_dcp.io import datafile
 from paddle_dcp.io import cleanup
 from paddle_dcp import CheckpointManager
-from paddle_dcp.io import local
 
 ROOT, MODE = sys.argv[1], sys.argv[2]
 ARGS = sys.argv[3:]
@@ -163,7 +163,7 @@ def survive() -> None:
 def crash(scenario: str) -> None:
     p = os.path.join(ROOT, "ck")
     if scenario in ("async_keep1", "async_keep2"):
-        original = local.DataWriter.write
+        original = datafile.DataFileWriter.write
 
         def write(self, data, *args, **kwargs):
             out = original(self, data, *args, **kwargs)
@@ -171,7 +171,7 @@ def crash(scenario: str) -> None:
                 die()  # part of step 3's data file written, under its temporary name
             return out
 
-        local.DataWriter.write = write
+        datafile.DataFileWriter.write = write
         m = CheckpointManager(p, max_to_keep=1 if scenario == "async_keep1" else 2, async_save=True)
         try:
             for step in range(4):
@@ -219,7 +219,7 @@ def resume(scenario: str) -> None:
 def exit_in_flight() -> None:
     """The script ends while step 5 is still being written (slowly): the interpreter's exit
     waits for it, and for its retention, instead of losing it (the test reads what is left)."""
-    original = local.DataWriter.write
+    original = datafile.DataFileWriter.write
 
     def slow(self, data, *args, **kwargs):
         time.sleep(0.2)
@@ -227,7 +227,7 @@ def exit_in_flight() -> None:
 
     m = CheckpointManager(os.path.join(ROOT, "ck"), max_to_keep=1, async_save=True)
     m.save(4, state(4))
-    local.DataWriter.write = slow
+    datafile.DataFileWriter.write = slow
     m.save(5, state(5))
     print(f"PASS returned rank={R}", flush=True)
 

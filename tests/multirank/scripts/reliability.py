@@ -9,7 +9,6 @@ turning checksums off does: a flipped byte is loaded as it is.
 (tests/multirank/scripts/errors.py covers a flipped byte, a truncated and a deleted file, a future
 format version and a negative shape the same way.)
 """
-import json
 import os
 import sys
 
@@ -18,7 +17,6 @@ import numpy as np
 import common as c
 import metadoc
 import paddle_dcp
-from paddle_dcp.core.metadata import with_digest
 from paddle_dcp.io import local
 from paddle_dcp.io import storage as dcp_storage
 
@@ -159,7 +157,7 @@ def deleted_after_listing():
     """1_0.distcp disappears after every rank listed the directory, before planning opens it:
     the ranks that read it raise IntegrityError naming it; every rank raises; nothing changes."""
     p = save("vanish")
-    real_list = local.list_checkpoints
+    real_list = local.list_names
     calls = [0]
 
     def list_then_vanish(path, *args, **kwargs):
@@ -172,11 +170,11 @@ def deleted_after_listing():
             c.dist.barrier()
         return out
 
-    local.list_checkpoints = list_then_vanish
+    local.list_names = list_then_vanish
     try:
         exc = every_rank_fails(p, "IntegrityError", "1_0.distcp", "missing")
     finally:
-        local.list_checkpoints = real_list
+        local.list_names = real_list
     assert 1 in exc.failures, exc.failures
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from s3server import Requests  # noqa: E402
 import paddle_dcp  # noqa: E402
 from paddle_dcp.io import open_storage  # noqa: E402
+from paddle_dcp.io import storage as dcp_storage  # noqa: E402
 
 BIG = c.Leaf(("big", "w"), (4096, 1024), "float32", index=9)  # 16 MiB: 8 MiB per rank over 2
 
@@ -240,7 +241,7 @@ def check():
     metadata, rank 1's upload is open and ``clean`` aborts it."""
     url = f"{URL}/crash"
     store = open_storage(url, OPTIONS)
-    listing = store.list_checkpoints()
+    listing = dcp_storage.list_checkpoints(store)
     assert listing.complete == frozenset({0}), listing
     tmp = [n for n in listing.temporary if n.startswith("1_1.distcp.tmp.")]
     assert tmp, listing
@@ -252,7 +253,7 @@ def check():
     from paddle_dcp.tools import cli
 
     assert cli.main(["clean", url]) == 0
-    assert not store.list_checkpoints().temporary, store.list_checkpoints()
+    assert not dcp_storage.list_checkpoints(store).temporary, dcp_storage.list_checkpoints(store)
     reply = store.s3("list_multipart_uploads", Prefix=store.key_prefix)
     assert not reply.get("Uploads"), reply
     sd = c.build(leaves, 0, {"tag": ""}, target=True)

@@ -45,6 +45,7 @@ import paddle.distributed as dist
 
 import common as c
 import paddle_dcp
+from paddle_dcp.io import datafile
 from paddle_dcp.io import local
 from paddle_dcp.parallel import replicate, ranks
 
@@ -108,7 +109,7 @@ def arm() -> None:
 
         ranks.LocalSaveRank.write = write
     elif POINT in ("save_writing", "copy_receiving"):
-        original = local.DataWriter.write
+        original = datafile.DataFileWriter.write
         own = f"{VICTIM}_3.distcp"
         seen = {"copy": None, "chunks": 0}
 
@@ -131,7 +132,7 @@ def arm() -> None:
                         die()
             return out
 
-        local.DataWriter.write = write
+        datafile.DataFileWriter.write = write
     elif POINT == "copy_sending":
         original = local.RangeReader.read_into
         own = f"{VICTIM}_3.distcp"

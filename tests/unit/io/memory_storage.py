@@ -7,8 +7,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from paddle_dcp.core import checksums
-from paddle_dcp.core.metadata import Metadata, aligned
+from paddle_dcp.core.metadata import Metadata
 from paddle_dcp.errors import FormatError, IntegrityError
 from paddle_dcp.io import storage
 
@@ -46,21 +45,18 @@ class MemoryFiles:
         pass
 
 
-class MemoryWriter:
-    def __init__(self, blobs: dict, name: str, block_bytes: int, header: bytes, alignment: int):
-        self.blobs, self.name, self.block_bytes, self.alignment = blobs, name, block_bytes, alignment
-        self.buf = bytearray(header)
-        self.offset = len(header)
+class MemoryStream:
+    def __init__(self, blobs: dict, name: str):
+        self.blobs, self.name = blobs, name
+        self.buf = bytearray()
 
-    def write(self, data: memoryview, keep=None, seed: int = 0) -> list[int]:
-        view = data.cast("B")
-        self.buf += bytes(aligned(self.offset, self.alignment) - self.offset) + bytes(view)
-        self.offset = len(self.buf)
-        return checksums.block_checksums(view, self.block_bytes, seed) if self.block_bytes else []
+    def write_at(self, data: memoryview, offset: int, keep=None) -> None:
+        assert offset >= len(self.buf)
+        self.buf += bytes(offset - len(self.buf)) + bytes(data.cast("B"))
 
-    def commit(self, durable: bool = False) -> int:
+    def commit(self, size: int, durable: bool = False) -> None:
+        assert size == len(self.buf)
         self.blobs[self.name] = bytes(self.buf)
-        return self.offset
 
     def abort(self) -> None:
         pass
@@ -94,8 +90,8 @@ class MemoryStorage:
     def create(self) -> None:
         pass
 
-    def list_checkpoints(self, temporary: bool = True) -> storage.Listing:
-        return storage.listing_of(self.blobs)
+    def list_names(self, temporary: bool = True) -> list[str]:
+        return list(self.blobs)
 
     def size(self, name: str) -> int | None:
         return len(self.blobs[name]) if name in self.blobs else None
@@ -109,8 +105,8 @@ class MemoryStorage:
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         self.blobs[name] = bytes(data)
 
-    def data_writer(self, name, block_bytes, depth=2, header=b"", alignment=64) -> MemoryWriter:
-        return MemoryWriter(self.blobs, name, block_bytes, header, alignment)
+    def open_stream(self, name: str, depth: int = 2) -> MemoryStream:
+        return MemoryStream(self.blobs, name)
 
     def remove(self, names) -> list[str]:
         return [n for n in names if self.blobs.pop(n, None) is not None]

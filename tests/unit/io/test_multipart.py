@@ -87,12 +87,13 @@ def _expected(header: bytes, pieces, alignment: int) -> bytes:
 
 
 def test_a_file_streams_as_parts_of_part_size_with_a_bounded_number_in_flight():
+    from paddle_dcp.io.datafile import DataFileWriter
     from paddle_dcp.io.multipart import MultipartWriter
     from paddle_dcp.core.checksums import block_checksums
 
     fake = FakeS3(part_size=1000, in_flight=2)
     pieces = _pieces([2500, 3, 1700, 0, 999])
-    w = MultipartWriter(fake, "0_0.distcp", block_bytes=256, header=b"HEAD", alignment=64)
+    w = DataFileWriter(MultipartWriter(fake, "0_0.distcp"), block_bytes=256, header=b"HEAD", alignment=64)
     for i, p in enumerate(pieces):
         assert w.write(memoryview(p), seed=i) == block_checksums(memoryview(p), 256, i)
     size = w.commit()
@@ -106,11 +107,12 @@ def test_a_file_streams_as_parts_of_part_size_with_a_bounded_number_in_flight():
 
 
 def test_a_file_smaller_than_a_part_is_one_put():
+    from paddle_dcp.io.datafile import DataFileWriter
     from paddle_dcp.io.multipart import MultipartWriter
 
     fake = FakeS3(part_size=1000, in_flight=2)
     pieces = _pieces([10, 20])
-    w = MultipartWriter(fake, "0_0.distcp", block_bytes=0, alignment=8)
+    w = DataFileWriter(MultipartWriter(fake, "0_0.distcp"), block_bytes=0, alignment=8)
     assert w.write(memoryview(pieces[0])) == []
     w.write(memoryview(pieces[1]))
     w.commit()
@@ -118,10 +120,11 @@ def test_a_file_smaller_than_a_part_is_one_put():
 
 
 def test_a_failed_part_aborts_the_upload():
+    from paddle_dcp.io.datafile import DataFileWriter
     from paddle_dcp.io.multipart import MultipartWriter
 
     fake = FakeS3(part_size=100, in_flight=2, fail_part=2)
-    w = MultipartWriter(fake, "0_0.distcp", block_bytes=0)
+    w = DataFileWriter(MultipartWriter(fake, "0_0.distcp"), block_bytes=0, alignment=1)
     with pytest.raises(StorageError, match="HTTP 500"):
         for p in _pieces([100] * 8):
             w.write(memoryview(p))
@@ -133,11 +136,12 @@ def test_a_failed_part_aborts_the_upload():
 
 @pytest.mark.parametrize("found", ["whole", "short", "missing"])
 def test_a_completion_whose_reply_was_lost_is_checked_by_the_object_size(found):
+    from paddle_dcp.io.datafile import DataFileWriter
     from paddle_dcp.io.multipart import MultipartWriter
 
     fake = FakeS3(part_size=100, in_flight=2)
     fake.lost_reply = True
-    w = MultipartWriter(fake, "0_0.distcp", block_bytes=0)
+    w = DataFileWriter(MultipartWriter(fake, "0_0.distcp"), block_bytes=0, alignment=1)
     for p in _pieces([100] * 3):
         w.write(memoryview(p))
     if found != "missing":
