@@ -113,9 +113,9 @@ def save_scenario(scenario: str) -> None:
             calls[0] += 1
             if calls[0] == 2:  # the first piece is in the temporary file (written by a thread)
                 deadline = time.monotonic() + 10
-                while os.path.getsize(self.tmp) == 0 and time.monotonic() < deadline:
+                while os.path.getsize(self.stream.tmp) == 0 and time.monotonic() < deadline:
                     time.sleep(0.01)
-                announce(f"writing {os.path.basename(self.tmp)} after its first piece")
+                announce(f"writing {os.path.basename(self.stream.tmp)} after its first piece")
             return real_write(self, data, *args, **kwargs)
 
         datafile.DataFileWriter.write = write_then_block

@@ -10,7 +10,6 @@ must leave the state dict exactly as it was on every rank: every container and t
 every tensor's local bytes and every plain value (:func:`load_fails`).
 """
 import copy
-import json
 import os
 import sys
 
@@ -365,7 +364,7 @@ def write_fails_on_one_rank():
     original = datafile.DataFileWriter.write
 
     def broken(self, data, *args, **kwargs):
-        raise paddle_dcp.StorageError(f"cannot write {self.tmp}: injected failure", self.tmp)
+        raise paddle_dcp.StorageError(f"cannot write {self.stream.tmp}: injected failure", self.stream.tmp)
 
     if R == 1:
         datafile.DataFileWriter.write = broken

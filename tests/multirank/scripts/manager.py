@@ -167,7 +167,7 @@ def crash(scenario: str) -> None:
 
         def write(self, data, *args, **kwargs):
             out = original(self, data, *args, **kwargs)
-            if R == 1 and os.path.basename(self.final) == "1_3.distcp":
+            if R == 1 and os.path.basename(self.stream.final) == "1_3.distcp":
                 die()  # part of step 3's data file written, under its temporary name
             return out
 

@@ -7,7 +7,6 @@ by paddle_dcp. Values are compared bit for bit.
 
 Usage (under paddle.distributed.launch, 2 ranks): sharded.py DIR [case ...]
 """
-import json
 import os
 
 import numpy as np

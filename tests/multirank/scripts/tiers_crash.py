@@ -115,11 +115,11 @@ def arm() -> None:
 
         def write(self, data, *args, **kwargs):
             out = original(self, data, *args, **kwargs)
-            name = os.path.basename(self.final)
-            if R != VICTIM or not in_local(self.final) or not name.endswith("_3.distcp"):
+            name = os.path.basename(self.stream.final)
+            if R != VICTIM or not in_local(self.stream.final) or not name.endswith("_3.distcp"):
                 return out
             if POINT == "save_writing" and name == own:
-                for pending in list(self._pending):  # the piece is on disk, under the temporary name
+                for pending in list(self.stream._pending):  # the piece is on disk, under the temporary name
                     pending.result()
                 die()
             if POINT == "copy_receiving" and name != own:
@@ -127,7 +127,7 @@ def arm() -> None:
                 if name == seen["copy"]:
                     seen["chunks"] += 1
                     if seen["chunks"] == 3:
-                        for pending in list(self._pending):
+                        for pending in list(self.stream._pending):
                             pending.result()
                         die()
             return out
