@@ -301,17 +301,19 @@ class LocalTier:
 
         yield from protocol.local("global tier: prepare", prepare)
 
-        def copy() -> None:
-            meta = storage.read_metadata(self.store, step, lazy=True)
+        def copy() -> bytes:  # the metadata read once: parsed here, committed as it is by publish
+            data = storage.metadata_bytes(self.store, step)
+            meta = metadata_from_bytes(data, step, self.store.resolve(metadata_name(step)), lazy=True)
             for f in meta.files:
                 if (parse_data_name(f.name) or (-1,))[0] == comm.rank:
                     copy_file(self.store, target, f.name, durable)
+            return data
 
-        yield from protocol.local("global tier: copy the local step", copy)
+        data = yield from protocol.local("global tier: copy the local step", copy)
 
         def publish() -> None:
             if comm.is_coordinator:
-                storage.commit_metadata(target, step, storage.metadata_bytes(self.store, step), durable)
+                storage.commit_metadata(target, step, data, durable)
 
         yield from protocol.local("global tier: publish", publish)
 

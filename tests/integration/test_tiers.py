@@ -263,3 +263,21 @@ def test_markers_of_earlier_jobs_are_removed_when_the_tier_opens(tmp_path):
     markers = sorted(n for n in os.listdir(local) if n.startswith("paddle_dcp_node."))
     assert markers == ["paddle_dcp_node.0"]
     assert (local / "paddle_dcp_node.0").read_bytes() != b"an earlier token"
+
+
+def test_a_step_due_in_both_tiers_reads_its_local_metadata_once_for_the_upload(tmp_path, monkeypatch):
+    from paddle_dcp.io import local as local_io
+
+    reads = []
+    real = local_io.LocalStorage.read_file
+
+    def counted(self, name, limit=None):
+        if name == "2.metadata" and os.path.realpath(self.path) == os.path.realpath(tmp_path / "local"):
+            reads.append(name)
+        return real(self, name, limit)
+
+    monkeypatch.setattr(local_io.LocalStorage, "read_file", counted)
+    m = CheckpointManager(tmp_path / "global", save_interval_steps=2, local_directory=str(tmp_path / "local"), replicas=0)
+    assert m.save(2, state(2))
+    assert steps_in(tmp_path / "global") == [2] and len(reads) == 1, reads  # parsed and committed from one read
+    m.close()
