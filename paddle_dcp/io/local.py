@@ -23,7 +23,6 @@ from ..errors import FormatError, IntegrityError, StorageError
 from ..core.metadata import Metadata, check_member_name
 from ..core.naming import TMP_MARK
 
-
 logger = logging.getLogger(__name__)
 
 

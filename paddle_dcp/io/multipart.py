@@ -27,6 +27,8 @@ class _Appending:
     """What both streams share: writes at increasing offsets turned into appends, the gaps
     between them as zeros."""
 
+    url: str  # set by each stream
+
     def __init__(self) -> None:
         self.offset = 0  # bytes appended so far
 
@@ -40,8 +42,6 @@ class _Appending:
             self._append(memoryview(bytes(offset - self.offset)))
         self._append(view)
         self.offset = offset + len(view)
-
-    url: str  # set by each stream
 
     def _append(self, view: memoryview) -> None:
         raise NotImplementedError

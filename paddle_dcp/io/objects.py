@@ -28,7 +28,6 @@ from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from .object_reads import ObjectFiles, ObjectRangeReader
 from .retry import RetryPolicy, retrying
 
-
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install paddle-dcp[s3]"

@@ -34,6 +34,7 @@ _SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf col
 _SUMMARY_32 = b"DCS3"
 _SUMMARY_ROWS_32 = b"DCS4"
 _LAYOUTS = {_SUMMARY: (0, "<i8"), _SUMMARY_ROWS: (1, "<i8"), _SUMMARY_32: (0, "<i4"), _SUMMARY_ROWS_32: (1, "<i4")}
+_TAG_OF = {layout: tag for tag, layout in _LAYOUTS.items()}  # (leading leaf columns, dtype) -> tag
 _REPORT = b"DCR1"
 _ASSIGN = b"DCA1"
 _CHUNKS = b"DCK1"
@@ -51,9 +52,9 @@ def encode_summary(summary: SaveSummary) -> bytes:
     hz = zlib.compress(struct.pack("<QQQ", len(text), n, width) + text + ints.tobytes(), 6)
     boxes = summary.boxes if summary.row_leaf is None else np.column_stack([summary.row_leaf, summary.boxes])
     narrow = boxes.size == 0 or (int(boxes.min()) >= -(2**31) and int(boxes.max()) < 2**31)
-    tag = {(False, False): _SUMMARY, (True, False): _SUMMARY_ROWS,
-           (False, True): _SUMMARY_32, (True, True): _SUMMARY_ROWS_32}[summary.row_leaf is not None, narrow]
-    boxes = np.ascontiguousarray(boxes, dtype=_LAYOUTS[tag][1])
+    dtype = "<i4" if narrow else "<i8"
+    tag = _TAG_OF[int(summary.row_leaf is not None), dtype]
+    boxes = np.ascontiguousarray(boxes, dtype=dtype)
     bz = deflate(boxes.tobytes())  # bounded: a decode refuses boxes that inflate further
     return tag + struct.pack("<QQQ", len(hz), boxes.shape[0], boxes.shape[1]) + hz + bz
 
@@ -74,8 +75,7 @@ def decode_summaries(ranks: Sequence[int], blobs: Sequence[bytes], cache: dict |
     frames = [_frame(b, r) for r, b in zip(ranks, blobs)]
     widths = {width - lead for _, _, width, lead, _ in frames}
     narrow = all(dtype == "<i4" for *_, dtype in frames)
-    rows_in_all = sum(f[1] for f in frames)
-    table = np.empty((rows_in_all, widths.pop()), np.int32 if narrow else np.int64) if len(widths) == 1 else None
+    table = np.empty((sum(f[1] for f in frames), widths.pop()), np.int32 if narrow else np.int64) if len(widths) == 1 else None
     out, at = [], 0
     for r, data, (hlen, rows, width, lead, dtype) in zip(ranks, blobs, frames):
         hz = bytes(data[28 : 28 + hlen])
