@@ -25,7 +25,7 @@ from ..core import checksums
 from ..core.metadata import Metadata, TensorEntry
 from ..errors import ArgumentError, FormatError, StorageError
 from ..format.hf_dir import NO_CHECKSUMS
-from .storage import DataFiles, Storage
+from .storage import DataFiles, Storage, open_data_files
 
 WINDOW_BYTES = 64 << 20  # the most bytes of a data file held in memory at once
 
@@ -137,7 +137,7 @@ def check_each_file(
 
     def check(jobs: list[tuple[int, int]]) -> None:  # (position in found, file index), one thread
         window = _Window(max(window_bytes, meta.block_bytes))
-        files = store.open_files(meta)
+        files = open_data_files(store, meta)
         try:
             for n, f in jobs:
                 window.start(files, f, meta.files[f].nbytes)

@@ -15,12 +15,12 @@ import stat
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import ContextManager, Iterable, Iterator
+from typing import ContextManager, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import FormatError, IntegrityError, StorageError
-from ..core.metadata import Metadata, check_member_name
+from ..core.metadata import FileEntry, check_member_name
 from ..core.naming import TMP_MARK
 
 logger = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ class LocalStorage:
             raise StorageError(f"cannot read {full}: {exc}", full) from exc
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def open_files(self, meta: Metadata) -> "FileSet":
-        return FileSet(self.path, meta)
+    def open_files(self, entries: Sequence[FileEntry], whose: str = "") -> "FileSet":
+        return FileSet(self.path, entries, whose)
 
     def range_reader(self) -> "RangeReader":
         return RangeReader(self.path)
@@ -298,12 +298,12 @@ def open_data(full: str, whose: str = "") -> int:
 
 
 class FileSet:
-    """Open data files of one checkpoint, by index into ``Metadata.files``; checks each file's
+    """Open data files, by index into the entries they were opened from; checks each file's
     size against the metadata the first time it is opened."""
 
-    def __init__(self, path: str, meta: Metadata):
+    def __init__(self, path: str, entries: Sequence[FileEntry], whose: str = ""):
         self.path = path
-        self.meta = meta
+        self.entries, self.whose = entries, whose
         self._fds: dict[int, int] = {}
         self._stats: dict[int, tuple[int, int, int]] = {}
 
@@ -311,9 +311,9 @@ class FileSet:
         fd = self._fds.get(index)
         if fd is not None:
             return fd
-        entry = self.meta.files[index]
+        entry = self.entries[index]
         full = inside(self.path, entry.name)
-        fd = open_data(full, f" of checkpoint {self.meta.unique_id}")
+        fd = open_data(full, self.whose)
         st = os.fstat(fd)
         if st.st_size != entry.nbytes:
             os.close(fd)
@@ -348,7 +348,7 @@ class FileSet:
                 )
 
     def name(self, index: int) -> str:
-        return os.path.join(self.path, self.meta.files[index].name)
+        return os.path.join(self.path, self.entries[index].name)
 
     def read_into(self, index: int, offset: int, out: memoryview) -> None:
         read_exact(self.fd(index), offset, out, self.name(index), "the metadata promises")

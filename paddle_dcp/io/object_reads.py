@@ -18,11 +18,11 @@ import bisect
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from ..core.metadata import Metadata
+from ..core.metadata import FileEntry
 from ..errors import IntegrityError
 from .spill import NOTHING, SpillFiles, spill_directory
 
@@ -84,7 +84,7 @@ class _Fetch:
         self.region = files._spill.region(index, start, stop) if again and files._spill is not None else None
         self.buf = self.region.buf if self.region is not None else np.empty(stop - start, dtype=np.uint8)
         chunk = files.store.options.read_chunk_bytes
-        name = files.meta.files[index].name
+        name = files.entries[index].name
         view = self.buf.data
         self.parts: list[tuple[int, Future]] = [
             (at, files.pool().submit(get_into, files.store, name, start + at, view[at : at + chunk]))
@@ -124,8 +124,8 @@ class ObjectFiles:
     spill directory, up to ``read_cache_bytes`` of them are kept in memory, the rest fetched
     again."""
 
-    def __init__(self, store: "ObjectStorage", meta: Metadata):
-        self.store, self.meta = store, meta
+    def __init__(self, store: "ObjectStorage", entries: Sequence[FileEntry], whose: str = ""):
+        self.store, self.entries, self.whose = store, entries, whose
         self._infos: dict[int, tuple] = {}
         self._queue: deque[tuple[int, int, int]] = deque()  # advised, not started
         self._queued: dict[tuple[int, int, int], bool] = {}  # the same, with their ``again``
@@ -143,11 +143,11 @@ class ObjectFiles:
         return self._pool
 
     def name(self, index: int) -> str:
-        return self.store.resolve(self.meta.files[index].name)
+        return self.store.resolve(self.entries[index].name)
 
     def _head(self, index: int) -> dict | None:
         """The object's size and ETag (None when it is missing)."""
-        full = self.store.full(self.meta.files[index].name)
+        full = self.store.full(self.entries[index].name)
         try:
             return self.store.call(f"HEAD {self.name(index)}", lambda: self.store.fs.info(full, refresh=True, **self.store.limit))
         except FileNotFoundError:
@@ -160,10 +160,10 @@ class ObjectFiles:
     def open(self, index: int) -> None:
         if index in self._infos:
             return
-        entry = self.meta.files[index]
+        entry = self.entries[index]
         info = self._head(index)
         if info is None:
-            raise IntegrityError(f"data file {self.name(index)} of checkpoint {self.meta.unique_id} is missing")
+            raise IntegrityError(f"data file {self.name(index)}{self.whose} is missing")
         if info.get("size") != entry.nbytes:
             raise IntegrityError(f"data file {self.name(index)} has {info.get('size')} bytes, the metadata says {entry.nbytes}")
         self._infos[index] = self._identity(info)
@@ -171,7 +171,7 @@ class ObjectFiles:
     def read_into(self, index: int, offset: int, out: memoryview) -> None:
         self.open(index)
         out = out.cast("B")
-        got = get_into(self.store, self.meta.files[index].name, offset, out)
+        got = get_into(self.store, self.entries[index].name, offset, out)
         if got < len(out):
             raise _short(self.name(index), offset, got, len(out), "the metadata promises")
 

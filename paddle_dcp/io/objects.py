@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import xxhash
 
-from ..core.metadata import Metadata, check_member_name
+from ..core.metadata import FileEntry, check_member_name
 from ..core.naming import TMP_MARK
 from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from .object_reads import ObjectFiles, ObjectRangeReader
@@ -257,8 +257,8 @@ class ObjectStorage:
             return None
         return int(info["size"]) if info.get("type", "file") == "file" else None
 
-    def open_files(self, meta: Metadata) -> "ObjectFiles":
-        return ObjectFiles(self, meta)
+    def open_files(self, entries: Sequence[FileEntry], whose: str = "") -> "ObjectFiles":
+        return ObjectFiles(self, entries, whose)
 
     def range_reader(self) -> "ObjectRangeReader":
         return ObjectRangeReader(self)

@@ -110,6 +110,7 @@ class Staging:
 
 def execute_op(
     op: ReadOp,
+    meta: Metadata,
     files: DataFiles,
     targets: Sequence[np.ndarray],
     staging: Staging,
@@ -118,8 +119,9 @@ def execute_op(
     check_only: bool = False,
     again: bool = False,
 ) -> None:
-    """Carry out one read op: check its blocks' checksums, then copy its regions into
-    ``targets`` (host arrays of the target pieces, in storage dtype).
+    """Carry out one read op of the checkpoint ``meta`` describes (``files``: its data files):
+    check its blocks' checksums, then copy its regions into ``targets`` (host arrays of the
+    target pieces, in storage dtype).
 
     Bytes of a local file are mapped, checked and copied straight out of the page cache (one
     copy, of the needed bytes only). Bytes from another rank (``fetch``) land in the target
@@ -132,10 +134,9 @@ def execute_op(
             target, so a damaged file leaves the state dict as it was).
         again: the op is carried out once more soon (the copy after a check_only pass).
     """
-    meta = files.meta
     if fetch is None:
         with files.mapped(op.file, op.start, op.stop, again) as buf:
-            _verify_and_copy(op, files, targets, buf, verify, check_only)
+            _verify_and_copy(op, meta, files, targets, buf, verify, check_only)
             del buf  # no view may outlive the mapping
         return
     if op.direct:
@@ -150,11 +151,10 @@ def execute_op(
         return
     buf = staging.get(op.nbytes)
     fetch(op, buf.data)
-    _verify_and_copy(op, files, targets, buf, verify, check_only)
+    _verify_and_copy(op, meta, files, targets, buf, verify, check_only)
 
 
-def _verify_and_copy(op: ReadOp, files: DataFiles, targets, buf: np.ndarray, verify: bool, check_only: bool) -> None:
-    meta = files.meta
+def _verify_and_copy(op: ReadOp, meta: Metadata, files: DataFiles, targets, buf: np.ndarray, verify: bool, check_only: bool) -> None:
     if verify or check_only:
         for seg in op.segments:
             verify_segment(meta, files, op.file, seg, buf[seg.start - op.start : seg.stop - op.start].data)
@@ -171,6 +171,7 @@ def _verify_and_copy(op: ReadOp, files: DataFiles, targets, buf: np.ndarray, ver
 
 def execute_reads(
     ops: Sequence[ReadOp],
+    meta: Metadata,
     files: DataFiles,
     targets: Sequence[np.ndarray],
     verify: bool = True,
@@ -179,5 +180,5 @@ def execute_reads(
     """Carry out read ops from local files (see :func:`execute_op`); returns bytes read."""
     staging = staging or Staging()
     for op in ops:
-        execute_op(op, files, targets, staging, verify)
+        execute_op(op, meta, files, targets, staging, verify)
     return sum(op.nbytes for op in ops)

@@ -19,7 +19,7 @@ from typing import ContextManager, Iterable, Protocol, Sequence
 import numpy as np
 
 from ..errors import FormatError, StorageError
-from ..core.metadata import MAX_METADATA_BYTES, Metadata
+from ..core.metadata import MAX_METADATA_BYTES, FileEntry, Metadata
 from ..core.metadata_parse import parse_metadata
 from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
 
@@ -130,10 +130,8 @@ class FileRanges:
 
 # ---------------------------------------------------------------------- the interface
 class DataFiles(Protocol):
-    """The data files of one checkpoint opened for reading, by index into ``meta.files``;
-    each file's size is checked against the metadata when it is first used."""
-
-    meta: Metadata
+    """Data files opened for reading, by index into the entries they were opened from; each
+    file's size is checked against its entry's when it is first used."""
 
     def name(self, index: int) -> str:
         """The file's full name, for messages."""
@@ -204,8 +202,9 @@ class Storage(Protocol):
         """The size in bytes of file ``name``, or None when the directory holds no file of that
         name (a subdirectory is not a file)."""
 
-    def open_files(self, meta: Metadata) -> DataFiles:
-        """The data files ``meta`` names, opened for reading."""
+    def open_files(self, entries: Sequence[FileEntry], whose: str = "") -> DataFiles:
+        """The files ``entries`` name (each with the size it must have), opened for reading
+        (``whose``: what messages add to a file's name, e.g. " of checkpoint 3")."""
 
     def range_reader(self) -> RangeSource:
         """A reader of byte ranges of data files by name."""
@@ -249,6 +248,11 @@ def metadata_bytes(store: Storage, unique_id: int) -> bytes:
         url = store.resolve(name)
         raise StorageError(f"checkpoint {unique_id} has no metadata file {url}", url)
     return data
+
+
+def open_data_files(store: Storage, meta: Metadata) -> DataFiles:
+    """The data files of the checkpoint ``meta`` describes, opened for reading."""
+    return store.open_files(meta.files, f" of checkpoint {meta.unique_id}")
 
 
 def read_metadata(store: Storage, unique_id: int, lazy: bool = False) -> Metadata:

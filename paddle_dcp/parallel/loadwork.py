@@ -105,7 +105,7 @@ class LocalLoadWork:
 
     def __init__(self, plan: LoadPlan, store: storage.Storage):
         self.plan, self.store = plan, store  # ``store``: where the files are (ranges served to others)
-        self.files = store.open_files(plan.meta)  # opened by open_local
+        self.files = storage.open_data_files(store, plan.meta)  # opened by open_local
         self.staging = reads.Staging()
         self._lanes = threading.local()  # a staging buffer per thread receiving bytes (run_op)
         self.arrays = list(plan.views) + aoa.staging_arrays(plan.staged)
@@ -116,7 +116,7 @@ class LocalLoadWork:
         staging = getattr(self._lanes, "staging", None)
         if staging is None:
             staging = self._lanes.staging = reads.Staging()
-        reads.execute_op(op, self.files, self.arrays, staging, self.plan.verify, fetch)
+        reads.execute_op(op, self.plan.meta, self.files, self.arrays, staging, self.plan.verify, fetch)
 
     def open_local(self) -> None:
         """Open every file this rank reads itself (its size checked) before any byte moves."""
@@ -136,7 +136,7 @@ class LocalLoadWork:
             return
         ops = self.plan.local if share is None else load_plan.plan_shared_checks(self.plan.meta, self.plan.read_keys(), *share)
         for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
-            reads.execute_op(op, self.files, [], self.staging, check_only=True, again=True)
+            reads.execute_op(op, self.plan.meta, self.files, [], self.staging, check_only=True, again=True)
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
@@ -157,7 +157,7 @@ class LocalLoadWork:
     def _copy_local(self) -> None:
         staging = reads.Staging()  # its own: the copy may run beside run_op's threads
         for op in reads.read_ahead(self.files, self.plan.local):
-            reads.execute_op(op, self.files, self.arrays, staging, verify=False)
+            reads.execute_op(op, self.plan.meta, self.files, self.arrays, staging, verify=False)
         self.files.check_unchanged()
 
     def exchange(self, comm: Comm, clients) -> None:

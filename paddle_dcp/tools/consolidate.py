@@ -30,6 +30,7 @@ from ..core.dtypes import as_bytes
 from ..core import load_plan, nested
 from ..io import datafile, is_url, open_output, open_storage
 from ..io.local import atomic_path
+from ..io.storage import open_data_files
 from ..core.boxes import Box, split_region
 from ..core.dtypes import bf16_to_float32, storage_dtype
 from ..errors import ArgumentError, StorageError, UnsupportedError
@@ -99,7 +100,7 @@ class TensorReader:
         self.path = path
         self.meta = meta
         self.slab_bytes = max(16, int(slab_bytes if slab_bytes is not None else SLAB_BYTES))
-        self.files = open_storage(path).open_files(meta)
+        self.files = open_data_files(open_storage(path), meta)
         self._buf = np.empty(0, dtype=np.uint8)
 
     def __enter__(self) -> "TensorReader":
@@ -120,7 +121,7 @@ class TensorReader:
     def read_pieces(self, pieces: Sequence[load_plan.TargetPiece], slots: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
         """Fill ``arrays[slots[i]]`` (shaped as the box, storage dtype) with each piece."""
         ops = load_plan.plan_reads(self.meta, pieces, max_read_bytes=self.slab_bytes, slots=slots)
-        reads.execute_reads(ops, self.files, arrays)
+        reads.execute_reads(ops, self.meta, self.files, arrays)
 
     def slabs(self, key: str, slab_bytes: int | None = None) -> Iterator[np.ndarray]:
         """The tensor's elements in C order, as consecutive arrays of at most ``slab_bytes``

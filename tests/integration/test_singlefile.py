@@ -220,9 +220,9 @@ def test_read_box_reads_exactly_the_box(tmp_path_factory, shape, data, band):
     # at most ``band`` bytes (small ones force the cut paths), executed on the storage's files
     meta = hf_dir.files_metadata([(path.name, header.file_bytes)], {"t": hf_dir.tensor_entry(header.entries["t"], 0)})
     ops = load_plan.plan_reads(meta, [load_plan.TargetPiece("t", "int32", shape, box)], max_read_bytes=band)
-    files = open_storage(str(path.parent)).open_files(meta)
+    files = open_storage(str(path.parent)).open_files(meta.files)
     try:
-        reads.execute_reads(ops, files, [out], verify=False)
+        reads.execute_reads(ops, meta, files, [out], verify=False)
     finally:
         files.close()
     assert np.array_equal(out, array[box.slices() + (Ellipsis,)])

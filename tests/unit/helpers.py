@@ -233,9 +233,9 @@ def load_rank(path: str, unique_id: int, targets: Sequence[load_plan.TargetPiece
         assert meta.subset and len(meta.files) <= len(part.files)
     ops = load_plan.plan_reads(meta, targets, **plan_kw)
     out = [garbage_like(t.box.shape, t.dtype) for t in targets]
-    files = local.FileSet(path, meta)
+    files = local.FileSet(path, meta.files)
     try:
-        reads.execute_reads(ops, files, out)
+        reads.execute_reads(ops, meta, files, out)
     finally:
         files.close()
     return out, ops

@@ -297,9 +297,9 @@ def test_the_load_path_never_unpickles(ckpt, monkeypatch):
     targets = whole_targets() + [load_plan.TargetPiece("model.w", "float32", (7, 5), Box((2, 1), (4, 3)))]
     ops = load_plan.plan_reads(meta, targets, max_read_bytes=1)
     out = [np.zeros(t.box.shape, dtype={"float32": np.float32, "int64": np.int64}[t.dtype]) for t in targets]
-    files = local.FileSet(ckpt, meta)
+    files = local.FileSet(ckpt, meta.files)
     try:
-        reads.execute_reads(ops, files, out)
+        reads.execute_reads(ops, meta, files, out)
     finally:
         files.close()
     assert np.array_equal(out[0], W) and np.array_equal(out[1], B) and np.array_equal(out[2], W[2:6, 1:4])

@@ -168,7 +168,7 @@ def test_ops_received_on_several_connections_at_once_never_share_a_staging_buffe
     seen: dict = {}
     both = threading.Barrier(3, timeout=5)
 
-    def record(op, files, arrays, staging, *args, **kwargs):
+    def record(op, meta, files, arrays, staging, *args, **kwargs):
         seen.setdefault(threading.current_thread().name, []).append(staging)  # kept: ids are not reused
 
     monkeypatch.setattr(loadwork.reads, "execute_op", record)

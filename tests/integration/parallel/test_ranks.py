@@ -68,9 +68,9 @@ class SharedStorage(MemoryStorage):
             self.calls.append("metadata")
         return super().read_file(name, limit)
 
-    def open_files(self, meta):
+    def open_files(self, entries, whose=""):
         self.calls.append("data")
-        return super().open_files(meta)
+        return super().open_files(entries, whose)
 
 
 def targets() -> dict:

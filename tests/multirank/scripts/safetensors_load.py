@@ -89,9 +89,9 @@ def load_case(directory, layout):
     read = []  # (file, start, stop) of every byte range a read op of this rank copies from
     real = reads.execute_op
 
-    def counting(op, files, *args, **kwargs):
-        read.extend((files.meta.files[op.file].name, seg.start, seg.stop) for seg in op.segments)
-        return real(op, files, *args, **kwargs)
+    def counting(op, meta, *args, **kwargs):
+        read.extend((meta.files[op.file].name, seg.start, seg.stop) for seg in op.segments)
+        return real(op, meta, *args, **kwargs)
 
     reads.execute_op = counting
     try:

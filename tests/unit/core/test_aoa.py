@@ -38,9 +38,9 @@ def run(saved, targets):
     ops = load_plan.plan_reads(meta, read_plan.pieces, slots=read_plan.slots, direct_min_bytes=1 << 40)
     buffers = [np.full(t.box.shape, -1, dtype=np.float32 if t.dtype == "float32" else np.uint16) for t, _ in targets]
     arrays = buffers + aoa.staging_arrays(read_plan.staged)
-    files = local.FileSet(saved.path, meta)
+    files = local.FileSet(saved.path, meta.files)
     try:
-        reads.execute_reads(ops, files, arrays)
+        reads.execute_reads(ops, meta, files, arrays)
     finally:
         files.close()
     aoa.apply(read_plan.staged, arrays)

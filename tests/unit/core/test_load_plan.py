@@ -119,7 +119,7 @@ def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
         keys = data.draw(st.lists(st.sampled_from(sorted(meta.tensors)), min_size=1, unique=True), label="keys")
         want = every_block(meta, keys)
         dealt, per_rank = [], []
-        files = local.FileSet(d, meta)
+        files = local.FileSet(d, meta.files)
         try:
             for index in range(count):
                 ops = load_plan.plan_shared_checks(meta, keys, index, count, max_read_bytes)
@@ -136,7 +136,7 @@ def test_shared_checks_deal_every_block_to_exactly_one_rank_in_balanced_shares(
                         for b in range(seg.start, max(seg.stop, seg.start + 1), block_bytes):
                             dealt.append((op.file, b, min(b + block_bytes, end)))
                             mine += min(b + block_bytes, end) - b
-                    reads.execute_op(op, files, [], reads.Staging(), check_only=True)  # the real checks pass
+                    reads.execute_op(op, meta, files, [], reads.Staging(), check_only=True)  # the real checks pass
                 per_rank.append(mine)
         finally:
             files.close()
@@ -155,10 +155,10 @@ def test_shared_checks_find_a_flipped_byte_in_exactly_one_share(tmp_path):
     meta = dcp_storage.read_metadata(local.LocalStorage(str(tmp_path)), 0, lazy=True)
     failed = []
     for index in range(3):
-        files = local.FileSet(str(tmp_path), meta)
+        files = local.FileSet(str(tmp_path), meta.files)
         try:
             for op in load_plan.plan_shared_checks(meta, ["model.w", "model.b"], index, 3):
-                reads.execute_op(op, files, [], reads.Staging(), check_only=True)
+                reads.execute_op(op, meta, files, [], reads.Staging(), check_only=True)
         except IntegrityError as exc:
             assert "1_0.distcp" in str(exc) and "checksum" in str(exc)
             failed.append(index)

@@ -4,26 +4,27 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Sequence
 
 import numpy as np
 
-from paddle_dcp.core.metadata import Metadata
+from paddle_dcp.core.metadata import FileEntry
 from paddle_dcp.errors import FormatError, IntegrityError
 from paddle_dcp.io import storage
 
 
 class MemoryFiles:
-    def __init__(self, blobs: dict, meta: Metadata):
-        self.blobs, self.meta = blobs, meta
+    def __init__(self, blobs: dict, entries: Sequence[FileEntry]):
+        self.blobs, self.entries = blobs, entries
 
     def _data(self, index: int) -> bytes:
-        name = self.meta.files[index].name
+        name = self.entries[index].name
         if name not in self.blobs:
             raise IntegrityError(f"data file {name} is missing")
         return self.blobs[name]
 
     def name(self, index: int) -> str:
-        return self.meta.files[index].name
+        return self.entries[index].name
 
     def open(self, index: int) -> None:
         self._data(index)
@@ -96,8 +97,8 @@ class MemoryStorage:
     def size(self, name: str) -> int | None:
         return len(self.blobs[name]) if name in self.blobs else None
 
-    def open_files(self, meta: Metadata) -> MemoryFiles:
-        return MemoryFiles(self.blobs, meta)
+    def open_files(self, entries: Sequence[FileEntry], whose: str = "") -> MemoryFiles:
+        return MemoryFiles(self.blobs, entries)
 
     def range_reader(self) -> MemoryRanges:
         return MemoryRanges(self.blobs)

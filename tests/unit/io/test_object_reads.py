@@ -4,11 +4,11 @@ compared with the object's."""
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from paddle_dcp.core.metadata import FileEntry
 from paddle_dcp.errors import IntegrityError
 from paddle_dcp.io.object_reads import ObjectFiles, ObjectRangeReader
 from paddle_dcp.io.objects import ObjectOptions
@@ -45,8 +45,7 @@ class FakeStore:
 
 
 def _files(store, nbytes=None):
-    meta = SimpleNamespace(files=[SimpleNamespace(name="f", nbytes=len(store.data) if nbytes is None else nbytes)], unique_id=0)
-    return ObjectFiles(store, meta)
+    return ObjectFiles(store, [FileEntry("f", len(store.data) if nbytes is None else nbytes)])
 
 
 DATA = np.random.default_rng(0).integers(0, 255, 1000, dtype=np.uint8).tobytes()
