@@ -43,7 +43,7 @@ import numpy as np
 from .core import nested, save_plan
 from .core.boxes import Box, element_span, is_contiguous
 from .core.dtypes import itemsize, storage_dtype
-from .parallel import protocol, wire
+from .parallel import protocol, transfer, wire
 from .parallel.comm import Comm, make_comm
 from .parallel.gather_plan import GatherPlan, Region, plan_gather
 from .parallel.ranks import Prepared
@@ -290,23 +290,17 @@ def _sub(array: np.ndarray, box: Box) -> np.ndarray:
 
 
 def _send_all(comm: Comm, root: int, sends, held: dict) -> BaseException | None:
-    """Send this rank's messages, in plan order. A failure is remembered and zeros are sent in
-    place of the bytes, so that the gathering rank stays in step; it is reported at the end."""
-    error = None
+    """Send this rank's messages, in plan order (:mod:`~paddle_dcp.parallel.transfer`: after a
+    failure the rest go as FAILED, so that the gathering rank stays in step); returns the
+    failure, reported at the end."""
     pieces = _HostPieces(held)
-    for group in sends:
-        for msg in group:
-            nbytes = sum(b.volume * itemsize(held[k].piece.dtype) for k, b in msg)
-            data = None
-            if error is None:
-                try:
-                    data = _message(msg, pieces, nbytes)
-                except Exception as exc:  # noqa: BLE001 - reported at the end
-                    error = exc
-            if data is None:
-                data = np.zeros(nbytes, np.uint8)
-            comm.send(root, data)
-    return error
+    messages = [msg for group in sends for msg in group]
+
+    def fill(i: int) -> np.ndarray:
+        msg = messages[i]
+        return _message(msg, pieces, sum(b.volume * itemsize(held[k].piece.dtype) for k, b in msg))
+
+    return transfer.send(comm, root, len(messages), fill)
 
 
 def _message(msg, pieces: _HostPieces, nbytes: int) -> np.ndarray:
@@ -327,46 +321,28 @@ def _message(msg, pieces: _HostPieces, nbytes: int) -> np.ndarray:
 
 
 def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: DataFileWriter) -> BaseException | None:
-    """Assemble and write every group; returns the first error (after which bytes are still
-    received, so that the senders stay in step, but nothing more is written)."""
+    """Assemble and write every group; returns the first error. After an error, or once a
+    sender failed (its own error comes at the agreement), messages are still taken, so that the
+    senders stay in step, but nothing more is written."""
     error = None
     buf = np.empty(max((g.nbytes for g in plan.groups), default=0), np.uint8)
-    stage = np.empty(0, np.uint8)
+    stage = [np.empty(0, np.uint8)]
     dtypes = {t.key: storage_dtype(t.dtype) for t in plan.tensors}
     pieces = _HostPieces(held)
-
-    def place(reg: Region, gbuf: np.ndarray) -> np.ndarray:
-        """The region's elements in the group buffer (a strided view)."""
-        chunk = gbuf[reg.at : reg.at + reg.chunk.volume * reg.itemsize].view(dtypes[reg.key]).reshape(reg.chunk.shape)
-        return _sub(chunk, reg.box.relative_to(reg.chunk))
-
+    inboxes = {sender: transfer.Receiver(comm, sender) for g in plan.groups for sender in g.messages}
     for g in plan.groups:
         gbuf = buf[: g.nbytes]
         for reg in g.own:
             if error is None:
                 try:
-                    place(reg, gbuf)[...] = pieces.region(reg.key, reg.box)
+                    _place(reg, gbuf, dtypes)[...] = pieces.region(reg.key, reg.box)
                 except Exception as exc:  # noqa: BLE001 - reported at the end
                     error = exc
         for sender in sorted(g.messages):
             for msg in g.messages[sender]:
-                nbytes = sum(r.nbytes for r in msg)
-                reg = msg[0]
-                rel = reg.box.relative_to(reg.chunk)
-                if len(msg) == 1 and is_contiguous(reg.chunk.shape, rel):
-                    first, _ = element_span(reg.chunk.shape, rel)
-                    at = reg.at + first * reg.itemsize
-                    comm.recv_into(sender, gbuf[at : at + nbytes])  # straight into place
-                    continue
-                if len(stage) < nbytes:
-                    stage = np.empty(nbytes, np.uint8)
-                comm.recv_into(sender, stage[:nbytes])
-                at = 0
-                for r in msg:
-                    dest = place(r, gbuf)
-                    dest[...] = stage[at : at + r.nbytes].view(dest.dtype).reshape(dest.shape)
-                    at += r.nbytes
-        if error is None:
+                _receive_message(inboxes[sender], msg, gbuf, dtypes, stage)
+        error = error or next((i.error for i in inboxes.values() if i.error is not None), None)
+        if error is None and not any(i.failed for i in inboxes.values()):
             try:
                 writer.write(memoryview(gbuf))
             except Exception as exc:  # noqa: BLE001 - reported at the end
@@ -374,3 +350,29 @@ def _receive(comm: Comm, plan: GatherPlan, held: dict, writer: DataFileWriter) -
     return error
 
 
+def _place(reg: Region, gbuf: np.ndarray, dtypes: dict) -> np.ndarray:
+    """The region's elements in the group buffer (a strided view)."""
+    chunk = gbuf[reg.at : reg.at + reg.chunk.volume * reg.itemsize].view(dtypes[reg.key]).reshape(reg.chunk.shape)
+    return _sub(chunk, reg.box.relative_to(reg.chunk))
+
+
+def _receive_message(inbox: transfer.Receiver, msg: list[Region], gbuf: np.ndarray, dtypes: dict, stage: list) -> None:
+    """One message into its places in the group buffer: straight into place when it is one
+    contiguous region, else through the staging buffer ``stage[0]`` (grown as needed)."""
+    nbytes = sum(r.nbytes for r in msg)
+    what = f"gathered bytes of {msg[0].key}"
+    reg = msg[0]
+    rel = reg.box.relative_to(reg.chunk)
+    if len(msg) == 1 and is_contiguous(reg.chunk.shape, rel):
+        at = reg.at + element_span(reg.chunk.shape, rel)[0] * reg.itemsize
+        inbox.into(gbuf[at : at + nbytes], what)
+        return
+    if len(stage[0]) < nbytes:
+        stage[0] = np.empty(nbytes, np.uint8)
+    if not inbox.into(stage[0][:nbytes], what):
+        return
+    at = 0
+    for r in msg:
+        dest = _place(r, gbuf, dtypes)
+        dest[...] = stage[0][at : at + r.nbytes].view(dest.dtype).reshape(dest.shape)
+        at += r.nbytes

@@ -8,15 +8,12 @@ files. Ranks then talk in pairs, over a connection of the two (see :mod:`paddle_
 * a rank that needs bytes of a file it cannot read asks a rank that can (its server): first
   for the checksums of the blocks it will read (:func:`check_remote`, so damaged bytes are
   found before any target changes), then for the bytes, one read at a time, each at most the
-  plan's largest read (:func:`fetch_remote`).
+  plan's largest read (:func:`fetch_remote`), moved by :mod:`paddle_dcp.parallel.transfer`.
 
-Deadlock freedom: every rank visits its partners in one global order of pairs (by lower rank,
-then higher rank); the smallest pair still pending always has both its ranks waiting for
-each other, so it completes, and so on. Within a pair, the lower rank's request and its answer
-come first. Every answer starts with a header (status, length): a server that fails to read
-sends the FAILED status instead of bytes and the pair stays in step; the client stops asking
-it, and the server's error reaches every rank at the step's agreement
-(:mod:`paddle_dcp.parallel.agree`) instead of as a hang.
+Every rank visits its partners in transfer's global order of pairs (deadlock-free); within a
+pair, the lower rank's request and its answer come first. A server that fails to read answers
+FAILED, the pair stays in step, the client stops asking it, and the server's error reaches
+every rank at the step's agreement (:mod:`paddle_dcp.parallel.agree`) instead of as a hang.
 """
 from __future__ import annotations
 
@@ -28,25 +25,16 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import wire
+from . import transfer, wire
 from .comm import Comm
-from ..errors import CollectiveError, DcpError, IntegrityError, StorageError
+from .transfer import directions, pair_order
+from ..errors import CollectiveError, DcpError, IntegrityError
 from ..core import checksums
 from ..core.load_plan import ReadOp
 from ..io.reads import Staging
 from ..io.storage import Storage
 
 logger = logging.getLogger(__name__)
-
-def pair_order(me: int, peers) -> list[int]:
-    """``peers`` in the global order of pairs (min, max) as seen from rank ``me``."""
-    return sorted(set(peers), key=lambda p: (min(me, p), max(me, p)))
-
-
-def directions(me: int, peer: int) -> list[tuple[int, int]]:
-    """The (client, server) directions of a pair, in the order both ranks handle them."""
-    lo, hi = min(me, peer), max(me, peer)
-    return [(lo, hi), (hi, lo)]
 
 
 def ask_for_metadata(
@@ -150,55 +138,45 @@ def fetch_remote(
 def _fetch(comm: Comm, peer: int, ops: list[ReadOp], file_name: Callable[[int], str], run_op) -> tuple[int, DcpError | None]:
     """Receive ``ops``' bytes from ``peer`` on one connection; (bytes received, the first
     error). The pair stays in step after an error: every answer is taken."""
-    received, error, server_failed = 0, None, False
+    inbox = transfer.Receiver(comm, peer)
+    received, error = 0, None
     for op in ops:
         taken = [False]
 
         def fetch(op: ReadOp, out: memoryview, taken=taken) -> None:
-            status, length = wire.recv_header(comm, peer)
             taken[0] = True
-            if status == wire.FAILED:
-                raise _ServerFailed()
-            if length != len(out):
-                if length:
-                    comm.recv_into(peer, np.zeros(length, np.uint8))
-                raise StorageError(
-                    f"rank {peer} could not send bytes [{op.start}, {op.stop}) of "
-                    f"{file_name(op.file)}: it sent {length} bytes where {len(out)} were expected"
-                )
-            comm.recv_into(peer, np.frombuffer(out, dtype=np.uint8))
+            if not inbox.into(out, f"bytes [{op.start}, {op.stop}) of {file_name(op.file)}"):
+                raise _ServerFailed()  # or a message of another size: inbox.error
 
         try:
-            if error is None and not server_failed:
+            if error is None and not inbox.failed and inbox.error is None:
                 run_op(op, fetch)
                 received += op.nbytes
         except _ServerFailed:  # its own error comes at the agreement
-            server_failed = True
+            pass
         except DcpError as exc:
             error = error or exc
         if not taken[0]:  # keep the pair in step after an error
-            status, length = wire.recv_header(comm, peer)
-            if length:
-                comm.recv_into(peer, np.zeros(length, np.uint8))
-    return received, error
+            inbox.skip()
+    return received, error or inbox.error
 
 
 class _ServerFailed(Exception):
     """The server sent FAILED in place of an op's bytes (inside fetch_remote only)."""
 
 
-def _serve(comm: Comm, client: int, store: Storage) -> DcpError | None:
+def _serve(comm: Comm, client: int, store: Storage) -> Exception | None:
     """Answer ``client``'s request, on as many connections as it uses (:func:`lanes_of`);
-    returns the first error (the client got FAILED for that range)."""
+    returns the first error (the client got FAILED for that range and the ones after it)."""
     request = json.loads(wire.recv_message(comm, client) or b"[]")
     parts = lanes_of(request, comm.lanes)
     errors = _on_lanes(comm, parts, lambda c, part: _serve_lane(c, client, [request[i] for i in part], store))
     return next((e for e in errors if e is not None), None)
 
 
-def _serve_lane(comm: Comm, client: int, request: list, store: Storage) -> DcpError | None:
+def _serve_lane(comm: Comm, client: int, request: list, store: Storage) -> Exception | None:
     """Answer ranges of ``request`` in order, each read while the one before it is sent (one
-    reading thread, two buffers in turn); a range that cannot be read is answered FAILED."""
+    reading thread, two buffers in turn)."""
     buffers = (Staging(), Staging())
     reader = store.range_reader()
 
@@ -211,24 +189,10 @@ def _serve_lane(comm: Comm, client: int, request: list, store: Storage) -> DcpEr
         reader.read_into(str(name), start, memoryview(buf))
         return buf
 
-    error = None
     try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paddle_dcp-serve") as pool:
-            pending = pool.submit(read, 0) if request else None
-            for i in range(len(request)):
-                try:
-                    buf, failed = pending.result(), None
-                except DcpError as exc:
-                    buf, failed = None, exc
-                pending = pool.submit(read, i + 1) if i + 1 < len(request) else None  # into the other buffer
-                if failed is not None:
-                    wire.send_failed(comm, client)
-                    error = error or failed
-                    continue
-                wire.send_message(comm, client, buf)
+        return transfer.send(comm, client, len(request), read, ahead=True)
     finally:
         reader.close()
-    return error
 
 
 def _read(reader, staging: Staging, name: str, at: int, n: int) -> memoryview:

@@ -2,14 +2,14 @@
 checkpoint tier), point to point, each copy written under the original's name and made to
 appear only once every copy of the step has arrived.
 
-Ranks visit their partners in the global order of pairs of :mod:`paddle_dcp.parallel.exchange`
+Ranks visit their partners in the global order of pairs of :mod:`paddle_dcp.parallel.transfer`
 (deadlock-free); within a pair the lower rank's file crosses first. A file travels as a
-header (its size, or the FAILED status when the sender cannot read it) and then chunks of at
-most :data:`CHUNK` bytes, read by the sender into one reused buffer and written by the
-receiver while it receives the next (three buffers in turn). A sender that fails while
-reading sends zeros for the rest, so the pair stays in step; its error reaches every rank at
-the step's agreement, after which the receiver drops the copy (its writer is never
-committed).
+header (its name and size, or the FAILED status when the sender has no such file) and then
+chunks of at most :data:`CHUNK` bytes moved by :mod:`~paddle_dcp.parallel.transfer`: the
+sender reads the next chunk while it sends one (two buffers in turn), the receiver writes a
+chunk while it receives the next (three). A sender that fails while reading sends FAILED for
+the rest of the file; its error reaches every rank at the step's agreement, after which the
+receiver drops the copy (its writer is never committed).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from typing import Mapping
 
 import numpy as np
 
-from . import wire
+from . import transfer, wire
 from .comm import Comm
-from .exchange import directions, pair_order
+from .transfer import directions, pair_order
 from ..errors import CollectiveError
 from ..io.datafile import DataFileWriter, data_writer
 from ..io.storage import Storage
@@ -39,7 +39,7 @@ def copy_files(comm: Comm, store: Storage, sends: Mapping[int, str], receives: M
     once every pair is done."""
     me = comm.rank
     reader = store.range_reader()
-    sending = [np.empty(0, np.uint8)]  # reused from file to file
+    sending = [np.empty(0, np.uint8), np.empty(0, np.uint8)]  # reused from file to file
     writers: list[DataFileWriter] = []
     error: BaseException | None = None
     try:
@@ -79,23 +79,19 @@ def _send_file(comm: Comm, peer: int, reader, store: Storage, name: str, bufs: l
         wire.send_failed(comm, peer)
         return CollectiveError("replicate", {comm.rank: f"its data file {name} is missing, so it cannot be copied"})
     wire.send_message(comm, peer, json.dumps({"name": name, "size": size}).encode())
-    error = None
-    for start in range(0, size, CHUNK):
-        chunk = _chunk(bufs, 0, min(CHUNK, size - start))
-        if error is None:
-            try:
-                reader.read_into(name, start, memoryview(chunk))
-            except Exception as exc:  # noqa: BLE001 - zeros keep the pair in step; agreed on later
-                error = exc
-        if error is not None:
-            chunk[...] = 0
-        comm.send(peer, chunk)
-    return error
+    starts = range(0, size, CHUNK)
+
+    def read(i: int) -> np.ndarray:
+        chunk = _chunk(bufs, i % 2, min(CHUNK, size - starts[i]))
+        reader.read_into(name, starts[i], memoryview(chunk))
+        return chunk
+
+    return transfer.send(comm, peer, len(starts), read, ahead=True)
 
 
 def _receive_file(comm: Comm, peer: int, store: Storage, name: str):
     header = wire.recv_message(comm, peer)
-    if header is None:  # the sender cannot read its file: its error comes at the agreement
+    if header is None:  # the sender has no such file: its error comes at the agreement
         return None, None
     doc = json.loads(header)
     size = doc.get("size") if isinstance(doc, dict) else None
@@ -105,12 +101,12 @@ def _receive_file(comm: Comm, peer: int, store: Storage, name: str):
     # this file's own: the writer is committed only later, and may still hold them)
     bufs = [np.empty(0, np.uint8) for _ in range(3)]
     writer = data_writer(store, name, block_bytes=0, depth=2, alignment=1)
+    inbox = transfer.Receiver(comm, peer)
     error = None
     try:
         for i, start in enumerate(range(0, size, CHUNK)):
             chunk = _chunk(bufs, i % 3, min(CHUNK, size - start))
-            comm.recv_into(peer, chunk)
-            if error is None:
+            if inbox.into(chunk, f"bytes [{start}, {start + len(chunk)}) of {name}") and error is None:
                 try:
                     writer.write(chunk.data, keep=bufs[i % 3])
                 except Exception as exc:  # noqa: BLE001 - keep receiving; agreed on later
@@ -118,7 +114,8 @@ def _receive_file(comm: Comm, peer: int, store: Storage, name: str):
     except BaseException:
         writer.abort()
         raise
-    if error is not None:
+    error = error or inbox.error
+    if error is not None or inbox.failed:  # the sender's own error comes at the agreement
         writer.abort()
         return None, error
     return writer, None

@@ -269,3 +269,69 @@ def test_gathering_onto_a_directory_is_refused_before_any_byte_moves(tmp_path):
     with pytest.raises(ArgumentError, match=r"is a directory: save_gathered writes one file; name it, e\.g\. .*model\.safetensors"):
         gather.save_gathered({"w": np.arange(4, dtype=np.float32)}, str(tmp_path))
     assert list(tmp_path.iterdir()) == []  # no temporary file left beside it
+
+
+
+def run_transfer(nranks: int, root: int, limit: int, fail_rank: int | None = None, fail_at: int = 1):
+    """gather's step 3 on ranks that are threads, with a point to point that blocks until
+    taken: every rank sends its share of the plan (rank ``fail_rank``'s packing fails from its
+    message number ``fail_at`` on) and the gathering rank writes each group to a recording
+    writer. Returns (plan, the groups written, what each rank's transfer returned, the bytes
+    each rank sent)."""
+    import threading
+    from types import SimpleNamespace
+
+    from unit.parallel.fakes import ThreadWorld
+    from paddle_dcp.parallel.device import HostBytes
+
+    summaries, locals_, _ = job(TENSORS, nranks)
+    plan = plan_gather(summaries, tuple(range(nranks)), root, "params", limit)
+    written: list[bytes] = []
+    writer = SimpleNamespace(write=lambda data: written.append(bytes(data)))
+    real, packed, rank_of = gather._message, {}, {}
+
+    def message(msg, pieces, nbytes):
+        me = rank_of[threading.get_ident()]
+        packed[me] = packed.get(me, 0) + 1
+        if me == fail_rank and packed[me] > fail_at:
+            raise OSError("the device copy failed")
+        return real(msg, pieces, nbytes)
+
+    def rank(comm):
+        me = rank_of[threading.get_ident()] = comm.rank
+        held = {k: SimpleNamespace(local=HostBytes(a, a), piece=SimpleNamespace(box=b, dtype=TENSORS[k][0]))
+                for k, (b, a) in locals_[me].items()}
+        if me == root:
+            return gather._receive(comm, plan, held, writer)
+        return gather._send_all(comm, root, gather._parse_assignment(plan.assignment(me), held, root), held)
+
+    world = ThreadWorld(nranks)
+    gather._message = message
+    try:
+        results = world.run(rank)
+    finally:
+        gather._message = real
+    sent = {r: sum(n for s, _, n in world.sent if s == r) for r in range(nranks)}
+    return plan, written, results, sent
+
+
+@pytest.mark.parametrize("nranks,root,limit", [(2, 0, 40), (3, 2, 7), (4, 1, 1000)])
+def test_the_transfer_writes_the_simulated_file(nranks, root, limit):
+    """Step 3 as the ranks run it (messages through parallel/transfer) writes the bytes the
+    plan's simulation gives, group by group."""
+    summaries, locals_, _ = job(TENSORS, nranks)
+    plan, written, results, _ = run_transfer(nranks, root, limit)
+    assert all(r is None for r in results.values()), results
+    assert plan.header + b"".join(written) == simulate(plan, locals_, root)
+
+
+def test_a_sender_that_fails_sends_no_more_bytes_and_the_gathering_rank_writes_no_more_groups():
+    nranks, root, limit = 3, 0, 7
+    plan, whole, _, sent_whole = run_transfer(nranks, root, limit)
+    plan, written, results, sent = run_transfer(nranks, root, limit, fail_rank=2, fail_at=1)
+    assert isinstance(results[2], OSError) and results[1] is None and results[0] is None  # nobody hangs
+    # the groups before the one of rank 2's second message are written as they were; none after
+    counts = np.cumsum([len(g.messages.get(2, [])) for g in plan.groups])
+    assert written == whole[: int(np.argmax(counts >= 2))]
+    first = sum(r.nbytes for r in next(m for g in plan.groups for m in g.messages.get(2, [])))
+    assert sent[2] == 16 * int(counts[-1]) + first < sent_whole[2]  # headers only after the failure

@@ -2,7 +2,6 @@
 whose sends block until taken (tests/unit/parallel/fakes.py): an order that could deadlock fails."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -66,14 +65,6 @@ def test_a_malformed_header_is_refused():
 
     results = ThreadWorld(2).run(rank)
     assert isinstance(results[1], DcpError) and "malformed message header (7, 3)" in str(results[1])
-
-
-def test_pair_order_is_the_same_global_order_from_both_sides():
-    for me, peer in itertools.permutations(range(5), 2):
-        assert exchange.directions(me, peer) == exchange.directions(peer, me)
-        assert exchange.directions(me, peer)[0] == (min(me, peer), max(me, peer))
-    assert exchange.pair_order(2, [4, 0, 3, 0, 1]) == [0, 1, 3, 4]
-    assert exchange.pair_order(3, [4, 0, 2]) == [0, 2, 4]
 
 
 @pytest.mark.parametrize("size", [2, 4, 5])

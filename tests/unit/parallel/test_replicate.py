@@ -62,3 +62,43 @@ def test_a_sender_without_its_file_fails_the_step_everywhere_and_its_receiver_ke
         assert isinstance(results[r], CollectiveError) and list(results[r].errors) == [0], results[r]
         assert "0_3.distcp is missing" in results[r].errors[0].message
     assert sorted(stores[1].blobs) == ["1_3.distcp"] and sorted(stores[0].blobs) == []
+
+
+def test_a_sender_whose_read_fails_midway_sends_no_more_bytes_and_its_receiver_keeps_nothing(monkeypatch):
+    """The copy's chunks travel through parallel/transfer: after the read of chunk 2 fails, the
+    sender sends FAILED headers only, both ranks learn the error at the agreement, the
+    receiver's copy never appears and the sender's other copy (to rank 0) is dropped too."""
+    monkeypatch.setattr(replicate, "CHUNK", 10)
+    data = blob(1, 95)
+    stores = {0: MemoryStorage("a", {"0_3.distcp": blob(0, 30)}), 1: MemoryStorage("b", {"1_3.distcp": data})}
+    real = stores[1].range_reader
+
+    def failing_reader():
+        reader = real()
+        read_into = reader.read_into
+
+        def read(name, start, out):
+            if start >= 20:
+                raise OSError("disk gone")
+            read_into(name, start, out)
+
+        reader.read_into = read
+        return reader
+
+    stores[1].range_reader = failing_reader
+
+    def rank(comm):
+        me, other = comm.rank, 1 - comm.rank
+        step = Pairwise("copy", lambda c: replicate.copy_files(c, stores[me], {other: f"{me}_3.distcp"},
+                                                               {other: f"{other}_3.distcp"}))
+        for w in comm.execute(step):
+            w.commit()
+
+    world = ThreadWorld(2)
+    results = world.run(rank)
+    for r in (0, 1):
+        assert isinstance(results[r], CollectiveError) and list(results[r].errors) == [1], results[r]
+        assert "disk gone" in results[r].errors[1].message
+    assert sorted(stores[0].blobs) == ["0_3.distcp"] and sorted(stores[1].blobs) == ["1_3.distcp"]
+    chunks = [n for s, r, n in world.sent if s == 1 and r == 0 and n not in (16,)]
+    assert chunks[1:] == [10, 10]  # the header, two chunks, then nothing but FAILED headers
