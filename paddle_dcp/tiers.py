@@ -48,7 +48,7 @@ from .parallel.replicate import copy_files
 logger = logging.getLogger(__name__)
 
 MARKER = "paddle_dcp_node.{rank}"  # a rank's marker file in the local directory
-_MARKER_RE = re.compile(r"^paddle_dcp_node\.(\d+)$")
+_MARKER_RE = re.compile(r"^paddle_dcp_node\.([0-9]+)\Z")
 
 
 @dataclass(frozen=True)

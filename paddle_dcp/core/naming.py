@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import re
 
-METADATA_RE = re.compile(r"^(\d+)\.metadata$")
+# every pattern matches a whole name: "\Z", not "$" (which also matches before a final newline),
+# and ASCII digits only (int() would read other scripts' digits as the same number)
+METADATA_RE = re.compile(r"^([0-9]+)\.metadata\Z")
 # {rank}_{id}.distcp, or {rank}_{id}.{generation}.distcp for a save that replaced a checkpoint;
 # .safetensors instead of .distcp for a save with safetensors=True (the same pieces, and a
 # safetensors header naming them)
-DATA_RE = re.compile(r"^(\d+)_(\d+)(?:\.(\d+))?\.(?:distcp|safetensors)$")
+DATA_RE = re.compile(r"^([0-9]+)_([0-9]+)(?:\.([0-9]+))?\.(?:distcp|safetensors)\Z")
 DATA_SUFFIXES = ("distcp", "safetensors")
 TMP_MARK = ".tmp."
-TMP_RE = re.compile(r"^(?:(\d+)_)?(\d+)(?:\.\d+)?\.(?:distcp|safetensors|metadata)\.tmp\.[0-9a-f]+$")
+TMP_RE = re.compile(r"^(?:([0-9]+)_)?([0-9]+)(?:\.[0-9]+)?\.(?:distcp|safetensors|metadata)\.tmp\.[0-9a-f]+\Z")
 
 
 def metadata_name(unique_id: int) -> str:

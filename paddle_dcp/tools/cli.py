@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from .console import EXIT_PROBLEMS, EXIT_USAGE, PROG, UsageError, _err, _one_line
+from .console import EXIT_PROBLEMS, EXIT_USAGE, PROG, UsageError, _err, _one_line, printable
 from .clean import cmd_clean
 from .convert import FORMATS, cmd_convert
 from .import_paddle import cmd_import_paddle
@@ -223,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ====================================================================== main
+class _Printable(logging.Formatter):
+    """Log messages with their control characters escaped, as every line the commands print (a
+    traceback after one keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
+
+
 class _Logging:
     """A handler on the ``paddle_dcp`` logger for the duration of one command."""
 
@@ -232,7 +240,7 @@ class _Logging:
 
     def __enter__(self):
         self.handler = logging.StreamHandler(sys.stderr)
-        self.handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+        self.handler.setFormatter(_Printable(f"{PROG}: %(levelname)s: %(message)s"))
         self.saved = (self.logger.level, self.logger.propagate)
         self.logger.addHandler(self.handler)
         self.logger.setLevel(self.level)

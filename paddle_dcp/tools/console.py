@@ -16,12 +16,23 @@ EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 PROG = "paddle-dcp"  # the command line's name, as errors and logs begin
 
 
+# what a checkpoint's names and strings may hold that a terminal would act on: C0 and C1 controls
+# (a newline too: one line of output stays one line), DEL, and the bidirectional overrides
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\x1b``, ``\\u202e``)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
+
+
 def _out(line: str = "") -> None:
-    sys.stdout.write(line + "\n")
+    """One line on stdout, its control characters escaped (it may quote a checkpoint)."""
+    sys.stdout.write(printable(line) + "\n")
 
 
 def _err(line: str) -> None:
-    sys.stderr.write(line + "\n")
+    sys.stderr.write(printable(line) + "\n")
 
 
 def human(n: float) -> str:

@@ -27,7 +27,7 @@ from .console import EXIT_OK, ProgressBar, UsageError, _directory, _ids, _one_li
 
 logger = logging.getLogger(__name__)
 
-_PADDLE_DATA_RE = re.compile(r"^(\d+)_(\d+)\.(distcp|safetensors)$")
+_PADDLE_DATA_RE = re.compile(r"^([0-9]+)_([0-9]+)\.(distcp|safetensors)\Z")
 
 
 def _import_paddle_module():

@@ -143,7 +143,8 @@ def cmd_inspect(args) -> int:
     if args.json:
         if doc["checkpoint"] is not None:
             doc["checkpoint"]["values"] = {k: nested.json_plain(v) for k, v in doc["checkpoint"]["values"].items()}
-        _out(json.dumps(doc, indent=1, allow_nan=False))
+        for line in json.dumps(doc, indent=1, allow_nan=False).split("\n"):  # escapes inside strings
+            _out(line)
     else:
         for line in render_inspect(doc):
             _out(line)

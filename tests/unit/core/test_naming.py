@@ -47,3 +47,14 @@ def test_metadata_names():
 def test_temporary_files_of_a_save_are_told_from_other_files(name, temporary):
     assert (naming.TMP_RE.match(name) is not None) == temporary
     assert naming.TMP_MARK in name or not temporary
+
+
+@pytest.mark.parametrize("name", [
+    "12.metadata\n", "0_3.distcp\n", "0_3.2.safetensors\n", "0_3.distcp.tmp.ab12\n",
+    "\u0661\u0662.metadata", "0_\u0663.distcp", "\uff11_3.distcp",  # Arabic-Indic and full-width digits
+])
+def test_a_name_is_matched_whole_and_in_ascii_digits(name):
+    """A final newline or another script's digits (which int() reads as the same number) make
+    no checkpoint's name: a crafted directory cannot pass one off as checkpoint 12's."""
+    assert naming.METADATA_RE.match(name) is None and naming.parse_data_name(name) is None
+    assert naming.TMP_RE.match(name) is None

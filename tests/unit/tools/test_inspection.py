@@ -117,3 +117,34 @@ def test_inspect_shows_a_derived_tensor_s_source_and_no_stored_bytes(derived, ca
         "source": "model.p",
     }
     assert "source" not in tensors["model.p"]
+
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\u202e\n\x9b31m"  # a title, a clear screen, a bidi override, a forged line, a C1 CSI
+
+
+def test_no_command_prints_a_control_character_a_checkpoint_holds(tmp_path, capsys):
+    """A stranger's checkpoint names a tensor and a value with terminal escapes, a bidi
+    override and a newline: inspect (text and JSON), verify and convert print them escaped,
+    on stdout and stderr."""
+    import re
+
+    import numpy as np
+
+    from ..helpers import save_checkpoint
+
+    path = str(tmp_path / "ck")
+    os.makedirs(path)
+    save_checkpoint(path, {"w" + HOSTILE: np.arange(6, dtype=np.float32)}, {"w" + HOSTILE: "float32"}, (2,),
+                    {"w" + HOSTILE: (0,)}, values={"note": HOSTILE})
+    printed = []
+    for argv in (["inspect", path], ["inspect", path, "--json"], ["verify", path],
+                 ["convert", path, str(tmp_path / "out.safetensors"), "--to", "safetensors"],
+                 ["inspect", path, "--unique-id", "7"]):
+        code, out, err = run(capsys, *argv)
+        printed.append((argv[0], code, out, err))
+    for name, code, out, err in printed:
+        for text in (out, err):
+            assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", text), (name, text)
+    text = printed[0][2]
+    assert "w\\x1b]0;owned\\x07\\x1b[2J\\u202e\\n\\x9b31m" in text, text  # still readable, as escapes
+    assert printed[1][1] == 0 and json.loads(printed[1][2])["checkpoint"]["values"]["note"] == HOSTILE
