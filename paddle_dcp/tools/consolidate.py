@@ -278,6 +278,8 @@ def write_npz(
     """
     if NPZ_METADATA in selection.keys:
         raise UnsupportedError(f"a tensor named {NPZ_METADATA!r} collides with the npz metadata member")
+    for key in selection.keys:
+        _check_member_name(key)
     info = {
         "format": "paddle_dcp npz",
         "dtypes": {k: meta.tensors[k].dtype for k in selection.keys},
@@ -303,6 +305,17 @@ def write_npz(
         size = writer.offset
     logger.info("wrote %d tensors to %s (%d bytes)", len(selection.keys), out, size)
     return size
+
+
+def _check_member_name(key: str) -> None:
+    """Refuse a key that would make a zip member a tool could extract outside its directory
+    (absolute, ``..``, backslashes, empty parts) or that holds control characters."""
+    parts = key.split("/")
+    if (
+        not key or "\\" in key or any(p in ("", ".", "..") for p in parts)
+        or any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in key)
+    ):  # fmt: skip
+        raise UnsupportedError(f"tensor {key!r} cannot be an npz member name (a path outside the archive, or control characters); select it out or convert to safetensors")
 
 
 # ------------------------------------------------------------------ pdparams

@@ -7,6 +7,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from paddle_dcp.errors import UnsupportedError
 from paddle_dcp.io import local
 from paddle_dcp.tools import consolidate
 from paddle_dcp.io import storage as dcp_storage
@@ -61,3 +62,26 @@ def test_reading_a_malformed_safetensors_file_is_a_format_error(tmp_path, conten
     bad.write_bytes(content)
     with pytest.raises(FormatError, match="bad.safetensors"):
         consolidate.read_safetensors(str(bad))
+
+
+@pytest.mark.parametrize("key, safe", [
+    ("/../../etc/evil", False), ("w/", False), ("a//b", False), ("a/./b", False), ("a\\..\\b", False),
+    ("tab\tkey", False), ("w\x85", False), ("layers/0/w", True), ("model.w", True), ("w\u00e9", True),
+])
+def test_npz_member_names_that_would_leave_the_archive_are_refused(tmp_path, capsys, key, safe):
+    """convert --to npz names each member after its key: a key that an unzip would put outside
+    its directory is refused, naming the key, before the file is written; other keys, "/"
+    inside them too, round-trip through numpy."""
+    path = str(tmp_path / "ck")
+    os.makedirs(path)
+    save_checkpoint(path, {key: np.arange(6, dtype=np.float32)}, {key: "float32"}, (1,), {key: (None,)})
+    meta = dcp_storage.read_metadata(local.LocalStorage(path), 0)
+    renamed = consolidate.Selection(keys=("model." + key,), values={})
+    out = str(tmp_path / "out.npz")
+    if safe:
+        consolidate.write_npz(path, meta, out, renamed)
+        np.testing.assert_array_equal(np.load(out)["model." + key], np.arange(6, dtype=np.float32))
+    else:
+        with pytest.raises(UnsupportedError, match="cannot be an npz member name") as info:
+            consolidate.write_npz(path, meta, out, renamed)
+        assert repr("model." + key) in str(info.value) and not os.path.exists(out)
