@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
+import stat
 from typing import Any, Callable
 
 from .io import cleanup
@@ -33,7 +35,7 @@ from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, s
 from .parallel import protocol
 from .parallel.comm import Comm, make_comm
 from .tiers import LocalTier, RestoreReport
-from .errors import ArgumentError, DcpError, FormatError
+from .errors import ArgumentError, DcpError, FormatError, StorageError
 from .io import is_url, open_storage, storage
 
 logger = logging.getLogger(__name__)
@@ -397,26 +399,49 @@ def _check_count(name: str, value: Any, allow_none: bool = False) -> None:
 def _take_lock(directory: str):
     """Hold an exclusive lock on the directory's lock file while the manager is open (the OS
     releases it when the process ends); ArgumentError naming the holder when another manager
-    has it. Object storage has no such lock: there, one manager per prefix is the user's job."""
+    has it. Object storage has no such lock: there, one manager per prefix is the user's job.
+
+    The lock file is never opened through a link, and its content (who holds it) is written
+    only into a file this manager created or one that holds nothing but such a line: a file
+    planted under its name (a hard link to another file, say) is locked, never truncated."""
     if is_url(directory):
         logger.warning("CheckpointManager: %s cannot be locked; a second manager on it is not detected", directory)
         return None
     import fcntl
 
     path = os.path.join(directory, LOCK_NAME)
-    f = open(path, "a+")
+    f = os.fdopen(_open_lock_file(path), "r+")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
+        holder = f.read(200).strip() or "another process"
         f.close()
         raise ArgumentError(
-            f"{directory} is in use by another CheckpointManager ({holder}); two managers on one "
+            f"{directory} is in use by another CheckpointManager ({holder!r}); two managers on one "
             f"directory would delete each other's checkpoints: close the other one or use another directory"
         ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
+    st = os.fstat(f.fileno())
+    if st.st_nlink == 1 and st.st_size <= 200 and _LOCK_LINE.fullmatch(f.read(201)):
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+    else:
+        logger.warning("CheckpointManager: %s holds something other than a lock line; locked, left as it is", path)
     return f
+
+
+_LOCK_LINE = re.compile(r"(?:pid [0-9]+ on [^\n]{0,150}\n)?")
+
+
+def _open_lock_file(path: str) -> int:
+    """The lock file, created if need be, never through a link; a StorageError when it is not
+    a regular file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise StorageError(f"cannot open the manager's lock file {path}: {exc}", path) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StorageError(f"the manager's lock file {path} is not a regular file: refused", path)
+    return fd

@@ -7,9 +7,11 @@ StorageError naming the path.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
 from collections import deque
@@ -63,9 +65,9 @@ class LocalStorage:
         write_atomic(self.path, name, data, durable)
 
     def read_file(self, name: str, limit: int | None = None) -> bytes | None:
-        full = inside(self.path, name)
+        full = os.path.join(self.path, name)
         try:
-            with open(full, "rb") as f:
+            with os.fdopen(open_member(self.path, name), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if limit is not None and size > limit:
                     raise FormatError(f"{full}: {size} bytes is over the {limit}-byte limit for this file")
@@ -124,12 +126,62 @@ def inside(path: str, name: str) -> str:
     return full
 
 
+_HUB_REPO = re.compile(r"(?:models|datasets|spaces)--[^/]+\Z")
+
+
 def _hub_blobs(real_dir: str) -> str | None:
-    """The ``blobs`` directory of the hub cache repository whose snapshot ``real_dir`` is."""
+    """The ``blobs`` directory of the hub cache repository whose snapshot ``real_dir`` is: a
+    directory ``snapshots/REV`` of a repository named as the hub names them
+    (``models--org--name``) beside a real ``blobs`` directory and ``refs``."""
     snapshots = os.path.dirname(real_dir)
-    if os.path.basename(snapshots) != "snapshots":
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) != "snapshots" or not _HUB_REPO.match(os.path.basename(repo)):
         return None
-    return os.path.join(os.path.dirname(snapshots), "blobs")
+    blobs = os.path.join(repo, "blobs")
+    if os.path.islink(blobs) or not os.path.isdir(blobs) or not os.path.isdir(os.path.join(repo, "refs")):
+        return None
+    return blobs
+
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_member(path: str, name: str) -> int:
+    """A descriptor open for reading of ``name``, a regular file of directory ``path`` (the
+    one way a checkpoint's files are opened to be read). The name is opened relative to the
+    directory and never through a link: a link is followed only when it resolves inside the
+    directory, or from a hub cache snapshot into its repository's blobs (see :func:`inside`),
+    and then its target is opened the same way. A FIFO, device, socket or directory is a
+    StorageError at once (O_NONBLOCK: opening a FIFO does not wait for a writer).
+
+    Raises:
+        FileNotFoundError: there is no such file (the caller says what is missing).
+        FormatError: a link out of the directory.
+    """
+    check_member_name(name)
+    full = os.path.join(path, name)
+    try:
+        return _open_regular(path, name, full)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # O_NOFOLLOW met a link
+            raise
+    real = inside(path, name)
+    target = os.path.realpath(real)
+    return _open_regular(os.path.dirname(target), os.path.basename(target), full)
+
+
+def _open_regular(directory: str, name: str, full: str) -> int:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(name, _READ, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a directory" if stat.S_ISDIR(mode) else "a device"
+        raise StorageError(f"{full} is {kind}, not a regular file: refused", full)
+    return fd
 
 
 # ---------------------------------------------------------------------- writing
@@ -286,12 +338,14 @@ def read_exact(fd: int, offset: int, out: memoryview, name: str, whose: str) -> 
         raise StorageError(f"cannot read {name}: {exc}", name) from exc
 
 
-def open_data(full: str, whose: str = "") -> int:
-    """A descriptor of data file ``full`` open for reading; a missing one is an IntegrityError
-    (``whose``: what to add to its name, e.g. " of checkpoint 3")."""
+def open_data(path: str, name: str, whose: str = "") -> int:
+    """A descriptor of data file ``name`` of ``path`` open for reading (:func:`open_member`); a
+    missing one is an IntegrityError (``whose``: what to add to its name, e.g. " of checkpoint
+    3")."""
+    full = os.path.join(path, name)
     try:
-        return os.open(full, os.O_RDONLY)
-    except FileNotFoundError:
+        return open_member(path, name)
+    except (FileNotFoundError, NotADirectoryError):
         raise IntegrityError(f"data file {full}{whose} is missing") from None
     except OSError as exc:
         raise StorageError(f"cannot open {full}: {exc}", full) from exc
@@ -312,8 +366,8 @@ class FileSet:
         if fd is not None:
             return fd
         entry = self.entries[index]
-        full = inside(self.path, entry.name)
-        fd = open_data(full, self.whose)
+        full = os.path.join(self.path, entry.name)
+        fd = open_data(self.path, entry.name, self.whose)
         st = os.fstat(fd)
         if st.st_size != entry.nbytes:
             os.close(fd)
@@ -405,7 +459,7 @@ class RangeReader:
     def read_into(self, name: str, start: int, out: memoryview) -> None:
         fd = self._fds.get(name)
         if fd is None:
-            fd = open_data(inside(self.path, name))
+            fd = open_data(self.path, name)
             self._fds[name] = fd
         read_exact(fd, start, out, os.path.join(self.path, name), "a reader asked for")
 

@@ -87,3 +87,28 @@ def test_object_storage(tmp_path):
                                                   "20.metadata", "25.metadata", MANIFEST_NAME])
     with CheckpointManager(url) as m:
         assert restored(m)[0] == 25
+
+
+def test_the_lock_file_is_never_followed_through_a_link_nor_truncated_when_planted(tmp_path):
+    """A link named as the manager's lock file (planted in a shared directory) is refused,
+    its target untouched; a hard link to another file under that name is locked but never
+    truncated; a lock file a manager wrote is rewritten with its holder."""
+    from paddle_dcp.manager import LOCK_NAME
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    os.symlink(victim, ck / LOCK_NAME)
+    with pytest.raises(paddle_dcp.StorageError, match="lock file"):
+        CheckpointManager(ck)
+    assert victim.read_text() == "precious\n"
+    os.remove(ck / LOCK_NAME)
+    os.link(victim, ck / LOCK_NAME)
+    with CheckpointManager(ck) as m:
+        m.save(1, state(1), force=True)
+    assert victim.read_text() == "precious\n"
+    os.remove(ck / LOCK_NAME)
+    (ck / LOCK_NAME).write_text("pid 1 on elsewhere\n")  # a lock file a manager left
+    with CheckpointManager(ck):
+        assert (ck / LOCK_NAME).read_text().startswith(f"pid {os.getpid()} on ")

@@ -50,14 +50,16 @@ class Crash(BaseException):
 
 @pytest.fixture
 def opened(monkeypatch):
-    """Paths of data files opened (os.open) or mapped (mmap) while the fixture is active."""
+    """Paths of data files opened (os.open, when it succeeds: an O_NOFOLLOW open of a link
+    opens nothing) or mapped (mmap) while the fixture is active."""
     seen = {"open": [], "mmap": 0, "pread": 0}
     real_open, real_mmap, real_preadv = os.open, mmap.mmap, os.preadv
 
     def rec_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
         if str(path).endswith(".distcp") or ".distcp" in os.path.basename(str(path)):
             seen["open"].append(os.path.basename(str(path)))
-        return real_open(path, flags, *args, **kwargs)
+        return fd
 
     def rec_mmap(*args, **kwargs):
         seen["mmap"] += 1
@@ -533,6 +535,70 @@ def test_a_data_file_symlinked_inside_the_directory_loads(ck):
     sd = target()
     paddle_dcp.load_state_dict(sd, ck)
     assert_loaded(sd)
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result or exception, or an AssertionError when it has not returned in
+    ``seconds`` (a thread: a hung open cannot hang the test run)."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+@pytest.mark.parametrize("name", ["0_0.distcp", "0.metadata"])
+def test_a_fifo_in_place_of_a_checkpoint_file_is_a_storage_error_at_once(ck, name):
+    """A FIFO (tar archives carry them) where a data file or the metadata should be: the
+    load, verify and a manager's restore refuse it as not a regular file, naming it, without
+    waiting for a writer that never comes."""
+    os.remove(os.path.join(ck, name))
+    os.mkfifo(os.path.join(ck, name))
+    _within(20, lambda: load_fails(ck, StorageError, name, "a FIFO, not a regular file"))
+    from paddle_dcp.tools.verify import verify_checkpoint
+
+    problems, _ = _within(20, lambda: verify_checkpoint(ck, 0))
+    wanted = "a FIFO, not a regular file" if name.endswith(".metadata") else "missing"  # no file to read
+    assert any(name in p and wanted in p for p in problems), problems
+
+
+def test_a_directory_that_only_looks_like_a_hub_snapshot_gets_no_exception(tmp_path):
+    """The hub cache's links from snapshots/REV into ../../blobs are followed only in a real
+    hub layout (a models--org--name repository with blobs and refs): a directory merely named
+    snapshots/x whose files link to a sibling "blobs" is refused like any link out."""
+    from unit.helpers import save_checkpoint as save
+
+    fake = tmp_path / "anything" / "snapshots" / "x"
+    fake.mkdir(parents=True)
+    blobs = tmp_path / "anything" / "blobs"
+    blobs.mkdir()
+    save(str(blobs), {"w": np.arange(8, dtype=np.float32)}, {"w": "float32"}, (1,), {"w": (None,)})
+    for name in os.listdir(blobs):
+        os.symlink(f"../../blobs/{name}", fake / name)
+    sd = {"model": {"w": np.zeros(8, np.float32)}}
+    with pytest.raises(FormatError, match="outside the checkpoint directory"):
+        paddle_dcp.load_state_dict(sd, str(fake))
+    assert not sd["model"]["w"].any()
+    # the same files under a hub-shaped repository load through the links
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    os.rename(blobs, repo / "blobs")
+    (repo / "snapshots").mkdir()
+    os.rename(fake, repo / "snapshots" / "x")
+    paddle_dcp.load_state_dict(sd, str(repo / "snapshots" / "x"))
+    assert np.array_equal(sd["model"]["w"], np.arange(8, dtype=np.float32))
 
 
 def _peak_allocated(fn) -> int:
