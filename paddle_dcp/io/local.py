@@ -202,7 +202,8 @@ class AtomicFile:
         self.final = os.fspath(final)
         self.tmp = f"{self.final}{TMP_MARK}{secrets.token_hex(4)}"
         try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # a name of its own: created here (O_EXCL), never through a link planted under it
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
             raise StorageError(f"cannot create {self.tmp}: {exc}", self.tmp) from exc
 

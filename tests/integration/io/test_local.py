@@ -439,3 +439,19 @@ def test_a_snapshot_link_out_of_its_repository_is_still_refused(tmp_path):
     os.symlink("../../../models--org--other/blobs/x", snapshot / "model.safetensors")
     with pytest.raises(FormatError, match="outside the checkpoint directory"):
         paddle_dcp.load_state_dict(sd, str(snapshot), safetensors=True)
+
+
+def test_the_atomic_writer_never_writes_through_a_name_planted_before_it(tmp_path, monkeypatch):
+    """The temporary name is created by the writer itself (O_EXCL|O_NOFOLLOW): a link or a
+    file planted under it (the random part guessed) is a StorageError, its target untouched."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    monkeypatch.setattr(local.secrets, "token_hex", lambda n: "abcd1234")
+    os.symlink(victim, tmp_path / "f.tmp.abcd1234")
+    with pytest.raises(StorageError, match="cannot create"):
+        local.AtomicFile(str(tmp_path / "f"))
+    os.remove(tmp_path / "f.tmp.abcd1234")
+    os.link(victim, tmp_path / "f.tmp.abcd1234")
+    with pytest.raises(StorageError, match="cannot create"):
+        local.write_atomic(str(tmp_path), "f", b"new")
+    assert victim.read_bytes() == b"precious" and not (tmp_path / "f").exists()
