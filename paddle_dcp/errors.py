@@ -119,7 +119,7 @@ class Failure:
         """The failure :meth:`encode` gave; what does not decode is reported as it came."""
         try:
             return cls.from_dict(json.loads(data))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser
             return cls("", f"a malformed failure report: {bytes(data[:200])!r}")
 
 

@@ -31,7 +31,6 @@ ranks whose pieces are sent early may wait far longer while the gathering rank w
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -250,7 +249,7 @@ def save_steps(rank: GatherRank) -> protocol.Protocol:
 
 def _parse_assignment(data: bytes, held: dict, root: int) -> list[list[list[tuple[str, Box]]]]:
     out = []
-    for group in json.loads(data):
+    for group in wire.decode_json(data, f"rank {root}'s assignment") or []:
         msgs = []
         for msg in group:
             regions = []

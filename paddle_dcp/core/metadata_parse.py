@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import zlib
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -43,6 +42,7 @@ from .metadata import (
     check_file_name,
     stored_nbytes,
 )
+from .json_text import parse_json
 
 
 def parse_metadata(
@@ -78,10 +78,7 @@ def parse_metadata(
             return metafile.decode(data, source)
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError, IndexError) as exc:
             raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{source}: not valid JSON ({exc})") from None
+    doc = parse_json(data, source, "the metadata")
     try:
         digest = DigestVerdict(digest_matches(data, doc), source)
         meta = _parse(doc, source, allow_subset, full=not lazy, size=len(data), digest=digest)
@@ -211,10 +208,10 @@ def _parse(
 
 def _head_doc(data: bytes, source: str) -> Any:
     """The JSON of a head line (what a version after 3 is known by)."""
-    try:
-        return json.loads(data[: data.index(b"\n")])
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{source}: the head line is not valid JSON ({exc})") from None
+    end = data.find(b"\n")
+    if end < 0:
+        raise FormatError(f"{source}: the head line has no end")
+    return parse_json(data[:end], source, "the head line")
 
 
 def _check_format(doc: Any, source: str) -> int:

@@ -5,7 +5,6 @@ reading whole or in parts :mod:`.metafile_read`.
 """
 from __future__ import annotations
 
-import json
 import re
 import zlib
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from .derive import DERIVED, DERIVED_DTYPES, SOURCE_DTYPES
 from .dtypes import itemsize
 from ..errors import FormatError
 from .metadata import _MAX_INT, CHECKSUM_ALGORITHMS, FORMAT_NAME, DigestVerdict, FileEntry, blocks_of, check_file_name, digest_matches
+from .json_text import parse_json
 
 VERSION = 3
 GROUP = 32  # pieces of a tensor under one digest
@@ -221,10 +221,7 @@ def parse_head(line: bytes, size: int, source: str) -> Head:
     """The head line, parsed and checked: every field of its type, every section and area
     inside the file, and the head's own digest (a mismatch is an error at once: all the rest
     is trusted through it)."""
-    try:
-        doc = json.loads(line)
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{source}: the head line is not valid JSON ({exc})") from None
+    doc = parse_json(line, source, "the head line")
     if digest_matches(line, doc) is not True:
         raise FormatError(f"{source}: the metadata's head does not match its digest: the file was edited or damaged")
     head = Head(doc, len(line) + 1, size, DigestVerdict(True, source))

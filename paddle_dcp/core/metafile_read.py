@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Generator, List, Mapping, Sequence, Tuple, Union
@@ -23,6 +22,7 @@ from .metafile_layout import (
     parse_index, read_head, records, rows_of, section, split_part, stored_bytes,
 )
 from ..errors import FormatError, PlanError
+from .json_text import parse_json
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,10 +177,7 @@ def _structure(head: Head, fetch: Fetch, source: str, lookup: Mapping[str, int])
     """The full structure: the section's skeleton, its placeholders filled from the outline's
     values; its tensor leaves are the tensors."""
     a, b, _, _ = head.section("structure")
-    try:
-        blank = json.loads(section(head, "structure", fetch([(a, b)])[0], source))
-    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{source}: the structure is not valid JSON ({exc})") from None
+    blank = parse_json(section(head, "structure", fetch([(a, b)])[0], source), source, "the structure")
     try:
         structure, keys = nested.filled_with_keys(blank, nested.values_of(head.doc["outline"]))
     except FormatError as exc:

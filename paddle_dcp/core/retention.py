@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import ArgumentError, FormatError
+from .json_text import parse_json
 
 MANIFEST_NAME = "paddle_dcp_manager.json"
 MANIFEST_FORMAT = "paddle_dcp.manager"
@@ -65,7 +66,9 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes, source: str = MANIFEST_NAME) -> "Manifest":
         try:
-            doc = json.loads(data)
+            doc = parse_json(data, source, "the manifest")
+            if not isinstance(doc, dict):
+                raise FormatError(f"{source} is not a paddle_dcp manager manifest (not a JSON object)")
             if doc.get("format") != MANIFEST_FORMAT:
                 raise FormatError(f"{source} is not a paddle_dcp manager manifest (format {doc.get('format')!r})")
             if doc.get("version") != MANIFEST_VERSION:

@@ -17,7 +17,6 @@ piece belongs. Pure: stdlib and numpy.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Iterable, Sequence
 
@@ -29,6 +28,7 @@ from ..core.metadata import FileEntry, Metadata, PieceTable, TensorEntry, check_
 from ..core.naming import data_file_name, parse_data_name
 from ..core.save_plan import SavePlan
 from .safetensors import MAX_HEADER_BYTES, Entry, Header, code_of, encode_header, no_duplicates
+from ..core.json_text import parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +49,7 @@ def parse_index(raw: bytes, source: str) -> dict[str, str]:
     """
     if len(raw) > MAX_INDEX_BYTES:
         raise FormatError(f"{source}: more than the {MAX_INDEX_BYTES} bytes allowed for an index")
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates("the index"))
-    except FormatError as exc:
-        raise FormatError(f"{source}: {exc}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise FormatError(f"{source}: not UTF-8 JSON ({exc})") from None
+    doc = parse_json(raw, source, "the index", no_duplicates("the index"))
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise FormatError(f"{source}: an index must be a JSON object with a weight_map object")

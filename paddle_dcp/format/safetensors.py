@@ -26,6 +26,7 @@ import numpy as np
 from ..core import nested
 from ..core.dtypes import DTYPE_OF_SAFETENSORS_CODE, SAFETENSORS_CODES, storage_dtype
 from ..errors import FormatError, StorageError, UnsupportedError
+from ..core.json_text import parse_json
 
 # safetensors' dtypes that paddle.load reads: all of the format's but complex
 SAFETENSORS_DTYPES = {name: code for name, code in SAFETENSORS_CODES.items() if not name.startswith("complex")}
@@ -87,8 +88,8 @@ def _structure(metadata: dict[str, str], keys: Iterable[str], source: str) -> di
     text = metadata.get("structure")
     if text is None:
         return None
+    skeleton = parse_json(text, source, "the structure in __metadata__")
     try:
-        skeleton = json.loads(text)
         tensor_keys = nested.tensor_keys(skeleton)
         nested.values_of(skeleton)
     except ValueError as exc:
@@ -122,6 +123,17 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    """A shape of at most 64 dims, each entry and the product below 2**62 (with a zero entry
+    too: no later arithmetic on an entry can overflow)."""
+    if not isinstance(value, list) or len(value) > 64:
+        raise FormatError(f"{where}: shape must be a list of at most 64 integers")
+    shape = tuple(_int(s, f"{where}: a shape entry") for s in value)
+    if any(s >= _MAX_ELEMENTS for s in shape) or math.prod(shape) >= _MAX_ELEMENTS:
+        raise FormatError(f"{where}: shape {list(shape)[:8]} is too large")
+    return shape
+
+
 def parse_header(raw: bytes, file_bytes: int, source: str) -> Header:
     """Validate the JSON header ``raw`` of a file of ``file_bytes`` bytes.
 
@@ -129,12 +141,7 @@ def parse_header(raw: bytes, file_bytes: int, source: str) -> Header:
         FormatError: anything safetensors' own reader would refuse, naming ``source``.
     """
     data_start = 8 + len(raw)
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates("the header"))
-    except FormatError as exc:
-        raise FormatError(f"{source}: {exc}") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{source}: the safetensors header is not UTF-8 JSON ({exc})") from None
+    doc = parse_json(raw, source, "the safetensors header", no_duplicates("the header"))
     if not isinstance(doc, dict):
         raise FormatError(f"{source}: the safetensors header must be a JSON object")
     metadata = doc.pop("__metadata__", None) or {}
@@ -150,12 +157,8 @@ def parse_header(raw: bytes, file_bytes: int, source: str) -> Header:
         code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if not isinstance(code, str) or (code not in DTYPE_OF_CODE and code not in _OTHER_SIZES):
             raise FormatError(f"{where}: unknown dtype {code!r}")
-        if not isinstance(shape, list):
-            raise FormatError(f"{where}: shape must be a list")
-        shape = tuple(_int(s, f"{where}: a shape entry") for s in shape)
+        shape = _shape(shape, where)
         count = math.prod(shape)
-        if count >= _MAX_ELEMENTS:
-            raise FormatError(f"{where}: shape {shape} is too large")
         if not isinstance(offsets, list) or len(offsets) != 2:
             raise FormatError(f"{where}: data_offsets must be [begin, end]")
         begin, end = (_int(o, f"{where}: data_offsets") for o in offsets)
@@ -194,20 +197,17 @@ def _empty_tensors(metadata: dict[str, str], source: str) -> dict[str, tuple[str
     text = metadata.get("empty_tensors")
     if text is None:
         return {}
-    try:
-        doc = json.loads(text, object_pairs_hook=no_duplicates("the header"))
-    except (ValueError, FormatError) as exc:
-        raise FormatError(f"{source}: empty_tensors in __metadata__: {exc}") from None
+    doc = parse_json(text, source, "empty_tensors in __metadata__", no_duplicates("the header"))
     if not isinstance(doc, dict):
         raise FormatError(f"{source}: empty_tensors in __metadata__ must be a JSON object")
     out = {}
     for key, info in doc.items():
         where = f"{source}: empty tensor {key!r}"
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape"} or not isinstance(info["shape"], list):
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape"}:
             raise FormatError(f"{where}: must have exactly dtype and shape")
-        if info["dtype"] not in DTYPE_OF_CODE and info["dtype"] not in _OTHER_SIZES:
+        if not isinstance(info["dtype"], str) or (info["dtype"] not in DTYPE_OF_CODE and info["dtype"] not in _OTHER_SIZES):
             raise FormatError(f"{where}: unknown dtype {info['dtype']!r}")
-        shape = tuple(_int(x, f"{where}: a shape entry") for x in info["shape"])
+        shape = _shape(info["shape"], where)
         if math.prod(shape) != 0:
             raise FormatError(f"{where}: shape {list(shape)} has elements")
         out[key] = (info["dtype"], shape)

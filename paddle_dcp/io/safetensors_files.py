@@ -13,6 +13,7 @@ from ..format import hf_dir
 from ..format.safetensors import MAX_HEADER_BYTES, Header, header_from
 from .reads import read_range
 from .storage import Storage, list_checkpoints
+from ..core.json_text import parse_json
 
 
 def where(path: str, name: str) -> str:
@@ -103,7 +104,7 @@ def metadata_from_blob(blob: bytes, path: str, unique_id: int = 0) -> Metadata:
     """
     try:
         (n,) = struct.unpack_from("<Q", blob)
-        doc = json.loads(bytes(blob[8:8 + n]))
+        doc = parse_json(blob[8:8 + n], path, "the description of its safetensors files")
         names, weight_map, sizes, lengths = doc["names"], doc["weight_map"], doc["sizes"], doc["heads"]
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise FormatError(f"{path}: the description of its safetensors files is malformed ({exc})") from None

@@ -168,7 +168,7 @@ class _ServerFailed(Exception):
 def _serve(comm: Comm, client: int, store: Storage) -> Exception | None:
     """Answer ``client``'s request, on as many connections as it uses (:func:`lanes_of`);
     returns the first error (the client got FAILED for that range and the ones after it)."""
-    request = json.loads(wire.recv_message(comm, client) or b"[]")
+    request = wire.decode_json(wire.recv_message(comm, client), f"rank {client}'s request") or []
     parts = lanes_of(request, comm.lanes)
     errors = _on_lanes(comm, parts, lambda c, part: _serve_lane(c, client, [request[i] for i in part], store))
     return next((e for e in errors if e is not None), None)
@@ -260,7 +260,7 @@ def _answer_checks(comm: Comm, client: int, read: Callable[[str, int, int], memo
     """Hash the blocks a client asks for (``read(file, offset, length)``) and send the
     checksums; a malformed request or a failed read tells the client this rank failed and is
     returned."""
-    request = json.loads(wire.recv_message(comm, client) or b"[]")
+    request = wire.decode_json(wire.recv_message(comm, client), f"rank {client}'s request") or []
     try:
         sums: list[int] = []
         for name, ranges in request:

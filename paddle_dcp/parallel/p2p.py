@@ -54,6 +54,19 @@ def _recv_exact(conn: socket.socket, view: memoryview, peer: int) -> None:
         got += n
 
 
+def _hello(conn: socket.socket) -> tuple[int, str] | None:
+    """(rank, channel) a connecting rank announces first; None for anything else (a closed
+    connection, bytes that are not a hello)."""
+    hello = bytearray(_HELLO.size)
+    try:
+        _recv_exact(conn, memoryview(hello), -1)
+        rank, channel = _HELLO.unpack(hello)
+        return int(rank), channel.rstrip(b"\0").decode("ascii")
+    except (CollectiveError, OSError, UnicodeDecodeError) as exc:
+        logger.warning("point to point: dropped a connection that did not say which rank it is (%s)", exc)
+        return None
+
+
 class Transport:
     """This process's point-to-point endpoint (see the module doc); thread-safe."""
 
@@ -154,11 +167,12 @@ class Transport:
                 except socket.timeout:
                     continue
                 conn.settimeout(_timeout())
-                hello = bytearray(_HELLO.size)
-                _recv_exact(conn, memoryview(hello), -1)
-                rank, channel = _HELLO.unpack(hello)
+                asker = _hello(conn)
+                if asker is None:  # not a rank of this job (a port scan, a stray client): dropped
+                    conn.close()
+                    continue
                 with self._lock:
-                    self._waiting[(int(rank), channel.rstrip(b"\0").decode())] = conn
+                    self._waiting[asker] = conn
             finally:
                 self._accepting.release()
 

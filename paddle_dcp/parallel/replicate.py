@@ -93,7 +93,7 @@ def _receive_file(comm: Comm, peer: int, store: Storage, name: str):
     header = wire.recv_message(comm, peer)
     if header is None:  # the sender has no such file: its error comes at the agreement
         return None, None
-    doc = json.loads(header)
+    doc = wire.decode_json(header, f"rank {peer}'s copy of {name}")
     size = doc.get("size") if isinstance(doc, dict) else None
     if not isinstance(doc, dict) or doc.get("name") != name or type(size) is not int or size < 0:
         raise CollectiveError("replicate", {peer: f"sent {header[:200]!r} where the header of {name} was expected"})

@@ -26,6 +26,7 @@ import xxhash
 from ..errors import CollectiveError, FormatError
 from ..core.metafile_layout import deflate, inflate, most_inflated
 from ..core.save_plan import SaveSummary
+from ..core.json_text import parse_json
 
 _SUMMARY = b"DCS1"
 _SUMMARY_ROWS = b"DCS2"  # a summary with several rows for some leaf: a leaf column leads the boxes
@@ -119,7 +120,7 @@ def _header(raw: bytes, rank: int) -> tuple:
     text_len, n, width = struct.unpack_from("<QQQ", raw, 0)
     if 24 + text_len + 8 * (2 * n + n * width) != len(raw):
         raise FormatError(f"rank {rank}: a save summary's header does not add up")
-    doc = json.loads(raw[24 : 24 + text_len])
+    doc = parse_json(raw[24 : 24 + text_len], f"rank {rank}", "a save summary's header")
     ints = np.frombuffer(raw, dtype="<i8", offset=24 + text_len).astype(np.int64)
     derived = tuple((str(m), str(p)) for m, p in doc.get("v", ()))
     return doc["o"], tuple(doc["k"]), ints[:n], ints[2 * n :].reshape(n, width), ints[n : 2 * n], derived
@@ -184,8 +185,8 @@ def encode_json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode_json(data: bytes):
-    return json.loads(bytes(data)) if data else None
+def decode_json(data: bytes, source: str = "a peer's message"):
+    return parse_json(data, source) if data else None
 
 
 def rle(values: Sequence[int]) -> list[list[int]]:

@@ -61,7 +61,7 @@ def test_an_index_gives_its_weight_map_checked():
 
 
 @pytest.mark.parametrize("raw, words", [
-    (b"\xff", "not UTF-8 JSON"),
+    (b"\xff", "the index is not valid JSON (UnicodeDecodeError"),
     (b"[1]", "weight_map object"),
     (b'{"weight_map": []}', "weight_map object"),
     (b'{"weight_map": {"a": 3}}', "weight_map['a'] must be a file name"),

@@ -42,6 +42,11 @@ HOSTILE = {
     "extra field": ({"a": {**entry("F32", [1], 0, 4), "x": 1}}, bytes(4)),
     "metadata not str": ({"__metadata__": {"a": 1}}, b""),
     "huge shape": ({"a": entry("U8", [1 << 40, 1 << 40], 0, 1)}, bytes(1)),
+    "huge entry beside a zero": ({"a": entry("U8", [0, 10**30], 0, 0)}, b""),
+    "65 dims": ({"a": entry("U8", [1] * 65, 0, 1)}, bytes(1)),
+    "deeply nested": (b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", b""),
+    "empty tensor of a huge entry": ({"__metadata__": {"empty_tensors": json.dumps({"e": {"dtype": "F32", "shape": [0, 10**30]}})}}, b""),
+    "empty tensor of a list dtype": ({"__metadata__": {"empty_tensors": json.dumps({"e": {"dtype": ["F32"], "shape": [0]}})}}, b""),
 }
 
 

@@ -161,3 +161,21 @@ def test_a_group_that_learned_its_addresses_connects_without_the_store(monkeypat
     finally:
         for end in ends:
             end.close()
+
+
+def test_a_stray_connection_that_says_nothing_sensible_is_dropped_and_the_ranks_still_pair(world):
+    """A port scan or a stray client connects to a rank's listener before its peer does, with
+    bytes that are no hello (not ASCII, or closed early): dropped, and the real peer's bytes
+    arrive."""
+    import socket
+    import struct
+
+    host, port = world[1].address().rsplit(":", 1)
+    for junk in (struct.pack("<q16s", 0, b"\xff\xfe garbage"), b"\x01\x02"):
+        stray = socket.create_connection((host, int(port)))
+        stray.sendall(junk)
+        stray.close()
+    msg = np.arange(1000, dtype=np.uint8)
+    out = np.empty(1000, np.uint8)
+    run_ranks([lambda: world[0].send(1, "control", msg), lambda: world[1].recv_into(0, "control", out)])
+    assert (out == msg).all()
