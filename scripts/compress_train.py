@@ -1,8 +1,8 @@
 """A small real training run for compressed checkpoints: the tiny PaddleFormers Llama the tests
 use (built from a config: no download), trained on this repository's documentation as text
 (one byte a token), with paddle's AdamW, saved at a step through paddle_dcp and resumed from the
-checkpoint. scripts/bench_compress.py measures with it; tests/integration/test_resume_compressed.py
-asserts with it that a resume from a compressed checkpoint follows the uncompressed resume.
+checkpoint. The suite compress of the benchmarks (scripts/bench/compress.py) measures with it;
+tests/integration/test_resume_compressed.py asserts with it that a resume from a compressed checkpoint follows the uncompressed resume.
 
 Mixed precision, emulated: paddle 3.3.1's CPU build has neither a bfloat16 matmul nor a
 bfloat16 AdamW kernel (both raise NotFound), so ``AdamW(multi_precision=True)`` cannot run on

@@ -1,5 +1,5 @@
-"""Benchmark of compressed checkpoints (issue 30, point 3): what int8 / int4 AdamW moments and
-master weights derived on load cost and save, in one run on this machine.
+"""The suite compress: compressed checkpoints (issue 30, point 3): what int8 / int4 AdamW
+moments and master weights derived on load cost and save, in one run on this machine.
 
 Three parts, one process (one rank; paddle's CPU build):
 
@@ -31,7 +31,7 @@ the S3 server; resumed losses within ``TOLERANCE`` of the uncompressed resume's.
 
 Run (about 6 minutes here)::
 
-    nice -n 5 .venv/bin/python scripts/bench_compress.py --json-out compress.json
+    nice -n 5 .venv/bin/python scripts/bench compress --json-out compress.json
 
 Smoke run: ``--params 1M --repeat 1 --save-at 20 --resume-steps 10``. Prints the tables and
 the targets (PASS/MISS), then one JSON line on stdout.
@@ -42,30 +42,22 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for p in (HERE, REPO):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from bench import s3
+from bench.machine import describe, machine_info, page_cache_speed
+from bench.report import emit, log
+from bench.units import GB, MiB, parse_count
 
-GB = 1e9
-MiB = 1 << 20
 VARIANTS = ("plain", "int8", "int4", "int8+derived", "int4+derived")
 # issue 30, point 3: the optimizer part / its uncompressed size, at most
 SIZE_TARGETS = {"int8": 1 / 3, "int4+derived": 1 / 5}
 # resumed losses against the uncompressed resume's: the mean over the resumed steps of
 # |loss - loss_uncompressed| / loss_uncompressed, and the same at any one step (docs/performance.md)
 TOLERANCE = {"mean": 0.01, "max": 0.05}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def policy(variant: str):
@@ -232,7 +224,6 @@ def loss_noise(curve, window: int = 9) -> float:
 
 def training_part(args, work: str) -> dict:
     """Train, save at ``args.save_at`` with every variant, compare moments and masters, resume."""
-    import paddle
     import paddle_dcp as dcp
     from compress_train import Run, resume
 
@@ -392,17 +383,14 @@ def _training_rows(training: dict) -> list:
 def report(result: dict) -> str:
     m, lim, tr = result["machine"], result["limits"], result["training"]
     pc, codec = lim["page_cache"], lim["codec"]
-    out = [f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / (1 << 30):.1f} GiB; python {m['python']}, "
-           f"paddle {m['paddlepaddle']}; paddle_dcp {m.get('paddle_dcp_commit')}; {m['date']}; load average "
+    out = [f"{describe(m)}; load average "
            f"{result['load_average_start'][0]:.2f} -> {result['load_average_end'][0]:.2f}; {result['seconds']:.0f} s",
            f"limits: page cache write {pc['write_cold_gbps']:.2f} cold / {pc['write_warm_gbps']:.2f} warm, read "
            f"{pc['read_gbps']:.2f} GB/s; codec (1 thread) " + ", ".join(
                f"{n} encode {c['encode_gbps']:.2f} / decode {c['decode_gbps']:.2f}" for n, c in codec.items()
                if isinstance(c, dict)) + f" GB/s of float32 ({codec['piece_bytes'] / 1024:.0f} KiB pieces)"]
-    s3 = lim.get("s3_server")
-    if s3:
-        out.append("S3 server: PUT " + " / ".join(f"{v:.3f}" for v in s3["put_gbps"].values()) + ", GET "
-                   + " / ".join(f"{v:.3f}" for v in s3["get_gbps"].values()) + f" GB/s from {' / '.join(s3['put_gbps'])} stream(s)")
+    if lim.get("s3_server"):
+        out.append(s3.speed_line(lim["s3_server"]))
     cfg = result["config"]
     out += ["", f"sizes: {cfg['params']} parameters in {cfg['tensors']} tensors (O2 layout)"] + _size_rows(result["sizes"]["synthetic"])
     out += ["", f"sizes: the training run's checkpoint ({tr['params']} parameters)"] + _size_rows(result["sizes"]["training"])
@@ -414,9 +402,8 @@ def report(result: dict) -> str:
     return "\n".join(out)
 
 
-def machine_limits(work: str, nbytes: int, piece_bytes: int, store) -> dict:
-    from bench_machine import page_cache_speed
-
+def machine_limits(work: str, nbytes: int, piece_bytes: int, store: s3.S3Store | None) -> dict:
+    """The page cache's speed, the codec's and (with a ``store``) the S3 server's."""
     out = {"page_cache": page_cache_speed(os.path.join(work, "pagecache"), nbytes, threads=1, settle=1.0),
            "codec": codec_speed(piece_bytes=piece_bytes)}
     if store is not None:
@@ -424,20 +411,14 @@ def machine_limits(work: str, nbytes: int, piece_bytes: int, store) -> dict:
     return out
 
 
-def s3_speed(store, nbytes: int) -> dict:
-    """The S3 server's own PUT and GET of one object of at most 64 MiB (bench_s3.server_speed)."""
-    import bench_s3
-
-    return bench_s3.server_speed(store, min(nbytes, 64 * MiB), streams=(1, 4))
+def s3_speed(store: s3.S3Store, nbytes: int) -> dict:
+    """The S3 server's own PUT and GET of one object of at most 64 MiB (s3.server_speed)."""
+    return s3.server_speed(store, min(nbytes, 64 * MiB), streams=(1, 4))
 
 
-def parse_count(text: str) -> int:
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list | None = None, prog: str = "bench compress") -> int:
+    """The suite compress: the tables and the targets on stdout."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=parse_count, default=16 * 10**6, help="parameters of the sizes-and-times state (16M)")
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
@@ -449,8 +430,6 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    from bench_machine import emit, machine_info
-
     work = args.workdir or tempfile.mkdtemp(prefix="bench_compress_")
     os.makedirs(work, exist_ok=True)
     t_start = time.perf_counter()
@@ -459,9 +438,7 @@ def main(argv=None) -> int:
     store = None
     try:
         if not args.no_s3:
-            import bench_s3
-
-            store = bench_s3.S3Store.start(os.path.join(work, "s3"))
+            store = s3.S3Store.start(os.path.join(work, "s3"))
             result["s3_server"] = store.info()
         state = o2_state(args.params, args.tensors)
         nbytes = sum(int(np.prod(t.shape)) * (2 if k == "model" else 4) for k in state for t in _leaves(state[k]))
@@ -473,9 +450,7 @@ def main(argv=None) -> int:
             log("sizes and times, S3")
             times["s3"] = summarize(time_variants(state, Place("s3", work, store), args.repeat))
             limits["s3_samples"].append(s3_speed(store, nbytes))  # before and after: the best of both
-            import bench_s3
-
-            limits["s3_server"] = bench_s3.best_server_speed(limits.pop("s3_samples"))
+            limits["s3_server"] = s3.best_server_speed(limits.pop("s3_samples"))
         del state
         log("training")
         training = training_part(args, os.path.join(work, "train"))
@@ -507,6 +482,3 @@ def _sizes(bytes_of: dict) -> dict:
                 "optimizer_ratio": b["optimizer"] / plain["optimizer"], "moments_ratio": b["moments"] / plain["moments"]}
             for v, b in bytes_of.items()}
 
-
-if __name__ == "__main__":
-    sys.exit(main())

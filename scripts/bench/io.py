@@ -1,6 +1,6 @@
-"""Benchmark paddle_dcp against paddle's built-in checkpoint and torch.distributed.checkpoint.
+"""The suites io and s3: paddle_dcp against paddle's built-in checkpoint and torch.distributed.checkpoint.
 
-Builds the workload of issue 5 (scripts/bench_workload.py) at ``--size`` logical bytes and
+Builds the workload of issue 5 (bench/workload.py) at ``--size`` logical bytes and
 ``--ranks`` ranks and measures three phases for every library, each in its own launch (fresh processes):
 
 - save: the state dict laid out mostly Shard(0) (some Replicate) on a 1-D mesh of all ranks;
@@ -46,38 +46,32 @@ after that wait, just before the timed call), so every load reads from the page 
 load reports the fraction of the checkpoint's pages cached when its call started
 (docs/performance.md explains all three).
 
+The suite s3 runs the same workload, phases save, load and reshard, and checks with the
+checkpoints on a local S3 server (bench/s3.py), its own PUT and GET speed as the limit.
+
 Quick smoke run (every code path, about a minute):
-    .venv/bin/python scripts/bench.py --size 16M --repeat 1 --ranks 2
+    .venv/bin/python scripts/bench io --size 16M --repeat 1 --ranks 2
 The measurement of issue 5 (1 GiB, 2 ranks, and the reshard on 4 ranks):
-    .venv/bin/python scripts/bench.py --size 1G --ranks 2 --repeat 3 \\
+    .venv/bin/python scripts/bench io --size 1G --ranks 2 --repeat 3 \\
         --phases save,save-async,save-durable,load,load-noverify,reshard,reshard@4 --json-out bench.json
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_s3  # noqa: E402  (--storage s3: the server, the checkpoints on it, its own speed)
-import bench_workload as workload  # noqa: E402
-import bench_worker  # noqa: E402  (its file reading: the ranks do the same before a timed load)
-
-from bench_config import (  # noqa: E402
-    ASYNC_PEERS, GB, HERE, LIB_TITLE, LIBS, OURS_ONLY, PHASES, REPO, SAVES, WORKER, log, parse_phases, parse_ranks,
-)
-from bench_machine import checksum_speed, machine_info, page_cache_speed  # noqa: E402
-from bench_report import format_report, summarize  # noqa: E402
-
-TORCH_NO_FSYNC = False  # --torch-no-fsync
+from bench import launch, s3, workload
+from bench.io_config import ASYNC_PEERS, LIB_TITLE, LIBS, OURS_ONLY, PHASES, SAVES, WORKER, parse_phases, parse_ranks
+from bench.io_report import format_report, summarize
+from bench.io_worker import read_files
+from bench.machine import checksum_speed, machine_info, page_cache_speed
+from bench.report import emit, log
+from bench.units import GB, GiB, MiB, human, parse_size
 
 
 # ------------------------------------------------------------------------------ launches
@@ -102,100 +96,28 @@ class Run:
     later: dict = field(default_factory=dict)  # save-async: the same process's next saves, per rank
     cached: list = field(default_factory=list)  # loads: per rank, fraction of the checkpoint's pages cached at the start
     cpu: list = field(default_factory=list)  # per rank, CPU seconds (user + system) of the timed call
-    server_cpu: float | None = None  # --storage s3: the server's CPU seconds during rank 0's timed call
+    server_cpu: float | None = None  # suite s3: the server's CPU seconds during rank 0's timed call
+    results: list = field(default_factory=list)  # per rank, the result it wrote (None: none)
 
     @property
     def slowest(self) -> float:
         return max(self.seconds) if self.seconds else float("nan")
 
 
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _logs_tail(run_dir: str, lines: int = 12) -> str:
-    """The last lines of every log of a launch, for a failure report."""
-    parts = []
-    for root, _, files in os.walk(run_dir):
-        for name in sorted(files):
-            if not name.endswith(".json"):
-                parts.append(f"--- {os.path.join(root, name)}\n{_tail(os.path.join(root, name), lines)}")
-    return "\n".join(parts)
-
-
-def _first_error(run_dir: str) -> str:
-    """The last exception line in the logs of a failed launch."""
-    found = ""
-    for root, _, files in os.walk(run_dir):
-        for name in sorted(files):
-            if name.endswith(".json"):
-                continue
-            text = _tail(os.path.join(root, name), 60)
-            for line in text.splitlines():
-                s = line.strip()
-                if s and ("Error" in s or "Exception" in s) and not s.startswith("File "):
-                    found = s
-    return found[:500]
-
-
-def launch(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str, timeout: float,
-           repeat: int, settle: float, worker: str = WORKER) -> Run:
-    """One launch of ``worker`` (bench_worker.py, or another worker taking the same arguments:
+def launch_phase(lib: str, phase: str, ranks: int, size: int, ckpt: str, run_dir: str, timeout: float,
+                 repeat: int, settle: float, worker: str = WORKER, torch_no_fsync: bool = False) -> Run:
+    """One launch of ``worker`` (io_worker.py, or another worker taking the same arguments:
     LIB PHASE SIZE CHECKPOINT RESULT_DIR) on ``ranks`` ranks; its ranks' results."""
     result_dir = os.path.join(run_dir, "result")
-    os.makedirs(result_dir, exist_ok=True)
-    args = [worker, lib, phase, str(size), ckpt, result_dir]
-    if lib == "torch":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), *args]
-    else:
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(ranks),
-               "--log_dir", os.path.join(run_dir, "log"), *args]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([HERE, REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores, N ranks: no library gets a thread pool
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env["PADDLE_DCP_BENCH_SETTLE"] = str(settle)
-    if TORCH_NO_FSYNC:
-        env["PADDLE_DCP_BENCH_TORCH_NO_FSYNC"] = "1"
-    run = Run(lib, phase, ranks, repeat)
-    launcher_log = os.path.join(run_dir, "launcher.log")
-    t0 = time.perf_counter()
-    with open(launcher_log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except BaseException as exc:  # a timeout, or ^C: stop the group this launch started, by its id
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            code = None
-    run.wall = time.perf_counter() - t0
-    results = []
-    for r in range(ranks):
-        try:
-            with open(os.path.join(result_dir, f"rank{r}.json")) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError):
-            results.append(None)
-    errors = [res["error"] for res in results if res and res.get("error")]
-    if code is None:
-        run.error = f"timed out after {timeout:.0f} s (process group killed)"
-    elif errors:
-        run.error = errors[0]
-    elif code != 0 or any(res is None or not res.get("ok") for res in results):
-        run.error = f"launcher exit code {code}: {_first_error(run_dir) or 'see ' + run_dir}"
-    else:
-        run.ok = True
-    done = [res for res in results if res and "seconds" in res]
+    argv = launch.launcher(worker, [lib, phase, str(size), ckpt, result_dir], ranks, os.path.join(run_dir, "log"),
+                           torch=lib == "torch")
+    extra = {"PADDLE_DCP_BENCH_SETTLE": str(settle)}
+    if torch_no_fsync:
+        extra["PADDLE_DCP_BENCH_TORCH_NO_FSYNC"] = "1"
+    job = launch.run([launch.Command(argv, run_dir, os.path.join(run_dir, "launcher.log"))], launch.job_env(**extra),
+                     timeout, result_dir, ranks, [run_dir])
+    run = Run(lib, phase, ranks, repeat, ok=job.ok, error=job.error, wall=job.wall, results=job.results)
+    done = [res for res in job.results if res and "seconds" in res]
     if len(done) == ranks:
         run.seconds = [res["seconds"] for res in done]
         run.rss_growth = [res["rss_growth"] for res in done]
@@ -222,15 +144,16 @@ def rotated(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-def describe(run: Run, logical: int) -> str:
+def run_line(run: Run, logical: int) -> str:
+    """A launch as the progress log shows it."""
     if not run.ok:
         return f"FAILED: {run.error}"
     gbps = logical / run.slowest / GB
-    mib = max(run.rss_growth) / workload.MiB
+    mib = max(run.rss_growth) / MiB
     checked = ", every value checked" if run.phase != "save" else ""
     if run.phase == "save-async":
         return (f"blocked {max(run.blocked):.3f} s, {gbps:6.3f} GB/s until wait() ({run.slowest:.3f} s), "
-                f"peak RSS growth {max(run.rss_growth_at_return) / workload.MiB:.0f} MiB/rank at return, "
+                f"peak RSS growth {max(run.rss_growth_at_return) / MiB:.0f} MiB/rank at return, "
                 f"{mib:.0f} until wait(){checked}")
     cached = f", {100 * min(run.cached):.1f}% of its pages cached at the start" if run.cached else ""
     return f"{gbps:6.3f} GB/s ({run.slowest:.3f} s), peak RSS growth {mib:.0f} MiB/rank{checked}{cached}"
@@ -246,7 +169,7 @@ class Session:
     plan: list
     libs: list
     root: str
-    store: object  # bench_s3.S3Store for --storage s3, else None
+    store: object  # s3.S3Store for the suite s3, else None
     timeout: float
     runs: list = field(default_factory=list)
     ready: dict = field(default_factory=dict)  # (lib, ranks) -> its plain save's checkpoint is there
@@ -272,16 +195,16 @@ def _choose(args) -> tuple[list, list, list]:
         if not plan:
             raise ValueError(f"phases {', '.join(OURS_ONLY)} measure paddle_dcp only: add ours to --libs")
     if args.storage == "s3":
-        dropped = [lib for lib in libs if lib not in bench_s3.LIBS]
-        libs = [lib for lib in libs if lib in bench_s3.LIBS]
-        skipped = sorted({p for _, p in plan if p not in bench_s3.PHASES})
-        plan = [(r, p) for r, p in plan if p in bench_s3.PHASES]
+        dropped = [lib for lib in libs if lib not in s3.LIBS]
+        libs = [lib for lib in libs if lib in s3.LIBS]
+        skipped = sorted({p for _, p in plan if p not in s3.PHASES})
+        plan = [(r, p) for r, p in plan if p in s3.PHASES]
         if not plan or not libs:
-            raise ValueError(f"--storage s3 measures {', '.join(bench_s3.PHASES)} of {', '.join(bench_s3.LIBS)}")
+            raise ValueError(f"the suite s3 measures {', '.join(s3.PHASES)} of {', '.join(s3.LIBS)}")
         if dropped:
-            notes.append(f"--storage s3: {', '.join(LIB_TITLE[x] for x in dropped)} not measured (local paths only)")
+            notes.append(f"on S3: {', '.join(LIB_TITLE[x] for x in dropped)} not measured (local paths only)")
         if skipped:
-            notes.append(f"--storage s3: phases {', '.join(skipped)} not measured (options of the local disk)")
+            notes.append(f"on S3: phases {', '.join(skipped)} not measured (options of the local disk)")
     if "torch" in libs and importlib.util.find_spec("torch") is None:
         libs.remove("torch")
         notes.append("torch is not installed in this Python: torch DCP skipped (pip install torch==2.13.0)")
@@ -299,14 +222,14 @@ def _measure_limits(s: Session, rep: int, page_cache: dict, server: list, checks
                    f"{pc['write_warm_gbps']:.2f} GB/s warm, {pc['write_direct_gbps'] or 0:.2f} GB/s O_DIRECT; "
                    f"read {pc['read_gbps']:.2f} GB/s")
     if s.store:
-        server.append(bench_s3.server_speed(s.store, s.logical))
+        server.append(s3.server_speed(s.store, s.logical))
         speeds = {k: " / ".join(f"{v:.2f}" for v in server[-1][k].values())
                   for k in ("put_gbps", "get_gbps", "get_gbps_s3fs", "get_gbps_lean")}
-        s.log(rep, f"S3 server, 1 / {bench_s3.STREAMS} streams: PUT {speeds['put_gbps']} GB/s, GET "
+        s.log(rep, f"S3 server, 1 / {s3.STREAMS} streams: PUT {speeds['put_gbps']} GB/s, GET "
                    f"{speeds['get_gbps']} GB/s (s3fs {speeds['get_gbps_s3fs']}, lean {speeds['get_gbps_lean']})")
     checksum.append(checksum_speed())
     s.log(rep, f"xxh3_64: {checksum[-1]['whole_gbps']:.1f} GB/s in one call, "
-               f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {workload.human(checksum[-1]['block_bytes'])} blocks")
+               f"{checksum[-1]['blocks_gbps']:.1f} GB/s in {human(checksum[-1]['block_bytes'])} blocks")
 
 
 def _has_checkpoint(s: Session, rep: int, ranks: int, phase: str, lib: str, ckpt: str, run_dir: str) -> bool:
@@ -319,7 +242,8 @@ def _has_checkpoint(s: Session, rep: int, ranks: int, phase: str, lib: str, ckpt
         s.runs.append(run)
         s.log(rep, f"{ranks} ranks {phase:13s} {lib:6s}: skipped, {run.error}")
         return False
-    prep = launch(lib, "save", ranks, s.size, ckpt, run_dir + "_prep", s.timeout, rep, 0)
+    prep = launch_phase(lib, "save", ranks, s.size, ckpt, run_dir + "_prep", s.timeout, rep, 0,
+                        torch_no_fsync=s.args.torch_no_fsync)
     os.sync()
     s.ready[(lib, ranks)] = prep.ok
     s.log(rep, f"{ranks} ranks prepare {lib:6s}: {'ok' if prep.ok else 'FAILED: ' + prep.error}")
@@ -340,8 +264,9 @@ def _run_one(s: Session, rep: int, ranks: int, phase: str, lib: str) -> None:
     elif not _has_checkpoint(s, rep, ranks, phase, lib, ckpt, run_dir):
         return
     if phase not in SAVES and not s.store:
-        bench_worker.read_files(ckpt)
-    run = launch(lib, phase, ranks, s.size, ckpt, run_dir, s.timeout, rep, s.args.settle)
+        read_files(ckpt)
+    run = launch_phase(lib, phase, ranks, s.size, ckpt, run_dir, s.timeout, rep, s.args.settle,
+                       torch_no_fsync=s.args.torch_no_fsync)
     if s.store and phase in SAVES and run.ok and not s.store.holds(ckpt):
         run.ok, run.error = False, f"the save wrote nothing to the server under {ckpt}"
     s.runs.append(run)
@@ -351,15 +276,16 @@ def _run_one(s: Session, rep: int, ranks: int, phase: str, lib: str) -> None:
         os.sync()  # its dirty pages are not written back during the next phase
     if own and not s.args.keep:
         _remove(s.store, ckpt)
-    s.log(rep, f"{ranks} ranks {phase:13s} {lib:6s}: {describe(run, s.logical)} (launch {run.wall:.1f} s)")
+    s.log(rep, f"{ranks} ranks {phase:13s} {lib:6s}: {run_line(run, s.logical)} (launch {run.wall:.1f} s)")
     if not run.ok:
-        log(_logs_tail(run_dir))
+        log(launch.logs_tail([run_dir]))
     if run.ok and not s.args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def run_benchmark(args) -> dict:
-    size = workload.parse_size(args.size)
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Every repeat of every (ranks, phase) of every library, with the machine's limits; the results."""
+    size = parse_size(args.size)
     specs = workload.build(size)
     logical = workload.total_bytes(specs)
     plan, libs, notes = _choose(args)
@@ -368,14 +294,14 @@ def run_benchmark(args) -> dict:
     root = tempfile.mkdtemp(prefix="paddle_dcp_bench.", dir=args.workdir or None)
     load_start = _wait_idle(args.wait_idle)
     info = machine_info(root)
-    log(f"workdir {root}; {workload.human(logical)} logical in {len(specs)} tensors; "
+    log(f"workdir {root}; {human(logical)} logical in {len(specs)} tensors; "
         f"phases (ranks, phase) {plan}; libs {libs}; repeat {args.repeat}; "
         f"load average at start {load_start[0]:.2f}")
     if load_start[0] > 1.0:
         notes.append(f"the machine was busy at the start: load average {load_start[0]:.2f} (1 min)")
         log("warning: " + notes[-1])
-    store = bench_s3.S3Store.start(root) if args.storage == "s3" else None
-    timeout = args.timeout or (180 + 120 * size / workload.GiB * max(r for r, _ in plan))
+    store = s3.S3Store.start(root) if args.storage == "s3" else None
+    timeout = args.timeout or (180 + 120 * size / GiB * max(r for r, _ in plan))
     s = Session(args, size, logical, plan, libs, root, store, timeout)
     page_cache: dict = {k: [] for k in ([] if store else sorted({1} | {r for r, _ in plan}))}
     server: list = []
@@ -401,7 +327,7 @@ def run_benchmark(args) -> dict:
         else:
             shutil.rmtree(root, ignore_errors=True)
     res = summarize(args, info, specs, logical, plan, libs, s.runs, page_cache, checksum, notes, load_start,
-                    os.getloadavg(), time.perf_counter() - started, bench_s3.best_server_speed(server))
+                    os.getloadavg(), time.perf_counter() - started, s3.best_server_speed(server))
     if store:
         res["machine"]["storage"] = store.info()
     return res
@@ -426,19 +352,26 @@ def _wait_idle(limit: float) -> tuple:
     return load
 
 
-def main(argv=None) -> int:
+def _parser(prog: str, storage: str) -> argparse.ArgumentParser:
+    """The options of the suite io (``storage`` "local") or s3."""
+    s3_suite = storage == "s3"
     p = argparse.ArgumentParser(
-        description="Save/load speed and memory of paddle_dcp against paddle's built-in and torch DCP.",
-        epilog="Smoke run: scripts/bench.py --size 16M --repeat 1 --ranks 2",
+        prog=prog,
+        description=("Save/load speed and memory of paddle_dcp against torch DCP on a local S3 server (weed mini, "
+                     "tests/s3server.py: paddle_dcp through s3:// paths, torch DCP through FsspecWriter/FsspecReader), "
+                     "with the server's own PUT/GET speed as the limit." if s3_suite else
+                     "Save/load speed and memory of paddle_dcp against paddle's built-in and torch DCP."),
+        epilog=f"Smoke run: scripts/bench {prog.split()[-1]} --size 16M --repeat 1 --ranks 2",
     )
+    libs, phases = (s3.LIBS, s3.PHASES) if s3_suite else (LIBS, PHASES)
     p.add_argument("--size", default="1G", help="logical bytes of the state dict, e.g. 16M, 256M, 1G (default 1G)")
     p.add_argument("--ranks", default="2", help="rank counts, e.g. 2 or 2,4 (default 2)")
     p.add_argument("--repeat", type=int, default=3, help="repeats of every phase; the best is reported (default 3)")
-    p.add_argument("--libs", default=",".join(LIBS), help="subset of ours,paddle,torch (default all)")
-    p.add_argument("--phases", default=",".join(PHASES),
-                   help=f"subset of {','.join(PHASES)}; PHASE@R runs it at R ranks only (default: all). "
-                        "save-async (async_save=True: time blocked vs until wait()), save-durable (durable=True) "
-                        "and load-noverify (verify=False) measure paddle_dcp only")
+    p.add_argument("--libs", default=",".join(libs), help=f"subset of {','.join(libs)} (default all)")
+    p.add_argument("--phases", default=",".join(phases),
+                   help=f"subset of {','.join(phases)}; PHASE@R runs it at R ranks only (default: all)"
+                        + ("" if s3_suite else ". save-async (async_save=True: time blocked vs until wait()), "
+                           "save-durable (durable=True) and load-noverify (verify=False) measure paddle_dcp only"))
     p.add_argument("--workdir", default=None, help="where the temporary directory goes (default: /tmp)")
     p.add_argument("--json-out", default=None, help="also write the numbers to this JSON file")
     p.add_argument("--timeout", type=float, default=0, help="seconds per launch (default: from the size)")
@@ -448,39 +381,34 @@ def main(argv=None) -> int:
                    help="seconds between building the state dict and the timed call, and before the cold page-cache "
                         "write, so memory freed earlier has gone back to a VM host with free page reporting "
                         "(default 3 from --size 256M on, 0.5 below)")
-    p.add_argument("--torch-no-fsync", action="store_true",
-                   help="save with torch DCP's FileSystemWriter(sync_files=False); its default fsyncs every "
-                        "data file, paddle's built-in and paddle_dcp's do not")
-    p.add_argument("--storage", choices=("local", "s3"), default="local",
-                   help="where checkpoints go: local disk (default), or s3: a local S3 server (weed mini, "
-                        "tests/s3server.py) for paddle_dcp (s3:// paths) and torch DCP (FsspecWriter/FsspecReader), "
-                        "with the server's own PUT/GET speed as the limit; phases save, load, reshard")
+    if not s3_suite:
+        p.add_argument("--torch-no-fsync", action="store_true",
+                       help="save with torch DCP's FileSystemWriter(sync_files=False); its default fsyncs every "
+                            "data file, paddle's built-in and paddle_dcp's do not")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (checkpoints, logs)")
+    p.set_defaults(storage=storage, torch_no_fsync=False)
+    return p
+
+
+def main(argv: list | None = None, prog: str = "bench io", storage: str = "local") -> int:
+    """The suite io (checkpoints on local disk) or, with ``storage`` "s3", the suite s3: the
+    report on stdout; 1 when a run failed."""
+    p = _parser(prog, storage)
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
     if args.settle is None:
         try:
-            args.settle = 3.0 if workload.parse_size(args.size) >= 256 * workload.MiB else 0.5
+            args.settle = 3.0 if parse_size(args.size) >= 256 * MiB else 0.5
         except ValueError as exc:
             p.error(str(exc))
-    global TORCH_NO_FSYNC
-    TORCH_NO_FSYNC = args.torch_no_fsync
     try:
         res = run_benchmark(args)
     except ValueError as exc:
         p.error(str(exc))
-    print(format_report(res))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(res, f, indent=1)
-        log(f"wrote {args.json_out}")
+    emit(res, format_report(res), args.json_out)
     bad = [
         (e["phase"], e["ranks"], lib)
         for e in res["phases"] for lib, s in e["libs"].items() if s["ok_runs"] < len(s["runs"])
     ]
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

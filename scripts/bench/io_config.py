@@ -1,16 +1,10 @@
-"""What scripts/bench.py measures, shared by its modules: the libraries, the phases (and
---phases/--ranks parsed), the targets, the units, and its log."""
+"""What the suite io measures, shared by its driver, its worker and its report: the libraries,
+the phases (and --phases/--ranks parsed) and the targets."""
 from __future__ import annotations
 
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import bench_workload as workload  # noqa: E402
-
-WORKER = os.path.join(HERE, "bench_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "io_worker.py")
 LIBS = ("ours", "paddle", "torch")
 PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
 # paddle_dcp's own options, measured against its plain save and load (no peer has them)
@@ -29,12 +23,6 @@ TARGETS = {
     "load": {"torch": 2.0},
     "reshard": {"paddle": 4.0, "torch": 2.5},
 }
-GB = 1e9
-IO_BUFFER = 64 * workload.MiB
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_phases(text: str, ranks: list) -> list:

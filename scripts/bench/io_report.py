@@ -1,13 +1,16 @@
-"""The results of a bench run (scripts/bench.py): each phase's best and median runs, ratios
+"""The results of a run of the suite io: each phase's best and median runs, ratios
 against the peers, targets, the options compared with our plain calls, and the report."""
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 
-import bench_s3
-from bench_config import ASYNC_PEERS, GB, LIB_TITLE, OURS_ONLY, TARGETS, workload
-from bench_variants import compare_variants, format_variant
+from bench import s3
+from bench.io_config import ASYNC_PEERS, LIB_TITLE, OURS_ONLY, TARGETS
+from bench.io_variants import compare_variants, format_variant
+from bench.machine import describe
+from bench.units import GB, MiB, human
 
 
 def _cpu_use(run) -> dict | None:
@@ -73,20 +76,23 @@ def _set_targets(entry: dict, entry_libs: list, targets: dict, server: dict | No
             entry["targets"][lib] = {"at_least": targets[phase][lib],
                                      "met": None if ratio is None else ratio >= targets[phase][lib]}
     if server and phase in ("save", "load", "reshard"):
-        limit = bench_s3.limit_targets(entry, server)
+        limit = s3.limit_targets(entry, server)
         if limit:
             entry["targets"]["server"] = limit
-    if server and phase in bench_s3.PHASES:
-        entry["targets"]["memory"] = bench_s3.memory_target(entry)
+    if server and phase in s3.PHASES:
+        entry["targets"]["memory"] = s3.memory_target(entry)
     elif "ours" in entry["libs"] and "rss_growth_max_bytes" in entry["libs"]["ours"] and phase != "save-async":
-        limit = 0.1 * share + 64 * workload.MiB
+        limit = 0.1 * share + 64 * MiB
         entry["targets"]["memory"] = {"limit_bytes": limit,
                                       "met": entry["libs"]["ours"]["rss_growth_max_bytes"] <= limit}
 
 
-def summarize(args, info, specs, logical, plan, libs, runs, page_cache, checksum, notes, load_start, load_end,
-              seconds, server=None):
-    targets = bench_s3.TARGETS if args.storage == "s3" else TARGETS
+def summarize(args: argparse.Namespace, info: dict, specs: list, logical: int, plan: list, libs: list, runs: list,
+              page_cache: dict, checksum: list, notes: list, load_start: tuple, load_end: tuple, seconds: float,
+              server: dict | None = None) -> dict:
+    """A run's results: per (ranks, phase) every library's runs, best and median, ratios and
+    targets; the machine, the configuration, the page cache's and the checksum's speeds."""
+    targets = s3.TARGETS if args.storage == "s3" else TARGETS
     phases = []
     for ranks, phase in plan:
         share = logical / ranks
@@ -156,7 +162,7 @@ def format_report(res: dict) -> str:
             continue
         out.extend(_phase_table(entry))
         if res["config"].get("storage") == "s3":
-            out.extend(bench_s3.report_lines(entry, res.get("server") or {}))
+            out.extend(s3.report_lines(entry, res.get("server") or {}))
         else:
             out.extend(_local_limits(entry, res))
     out.extend(_report_footer(res))
@@ -165,20 +171,11 @@ def format_report(res: dict) -> str:
 
 def _report_header(res: dict) -> list:
     """The machine, the commit, the workload and the checksum's speed."""
-    out = []
-    m = res["machine"]
     w = res["workload"]
+    out = [describe(res["machine"])]
     out.append(
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / workload.GiB:.1f} GiB RAM, "
-        f"disk {m['disk']['device']} ({m['disk']['fstype']}); python {m['python']}, paddle {m['paddlepaddle']}, "
-        f"torch {m['torch'] or '-'}; {m['date']}"
-    )
-    dirty = m.get("paddle_dcp_uncommitted")
-    out.append(f"paddle_dcp: commit {m.get('paddle_dcp_commit') or '?'}"
-               + (f", with uncommitted changes: {' '.join(dirty.split())}" if dirty else ""))
-    out.append(
-        f"workload: {workload.human(res['config']['size_bytes'])} logical in {w['tensors']} tensors "
-        f"(largest {workload.human(w['big_tensor_bytes'])}, {w['tiny_tensors']} tiny), "
+        f"workload: {human(res['config']['size_bytes'])} logical in {w['tensors']} tensors "
+        f"(largest {human(w['big_tensor_bytes'])}, {w['tiny_tensors']} tiny), "
         f"{100 * w['bfloat16_fraction']:.0f}% bfloat16, {100 * w['replicated_fraction']:.0f}% replicated; "
         f"best of {res['config']['repeat']} repeat(s), median in brackets; 1 GB = 1e9 bytes; "
         f"load average {res['load_average']['start'][0]:.2f} at the start"
@@ -186,9 +183,9 @@ def _report_header(res: dict) -> list:
     ck = res.get("checksum") or {}
     if ck.get("whole_gbps"):
         sample = ck["samples"][0]
-        out.append(f"checksums: xxh3_64 (xxhash {sample['xxhash']}), one thread, {workload.human(sample['bytes'])} in memory: "
+        out.append(f"checksums: xxh3_64 (xxhash {sample['xxhash']}), one thread, {human(sample['bytes'])} in memory: "
                    f"{ck['whole_gbps']:.1f} GB/s in one call, {ck['blocks_gbps']:.1f} GB/s in the library's "
-                   f"{workload.human(sample['block_bytes'])} blocks")
+                   f"{human(sample['block_bytes'])} blocks")
     return out
 
 
@@ -198,7 +195,7 @@ def _phase_table(entry: dict) -> list:
     out = []
     title = {"save": "save", "load": "load, same layout", "reshard": "load into another layout (Shard(0) -> Shard(1))"}[phase]
     out.append("")
-    out.append(f"== {title}: {ranks} ranks, share per rank {workload.human(entry['share_bytes'])}")
+    out.append(f"== {title}: {ranks} ranks, share per rank {human(entry['share_bytes'])}")
     header = (f"{'library':16s} {'GB/s best':>9s} {'(median)':>9s} {'s slowest':>9s} {'ours/this':>9s} {'(median)':>9s} "
               f"{'target':>9s} {'RSS MiB/rank':>12s} {'% share':>8s}  runs")
     out.append(header)
@@ -222,7 +219,7 @@ def _phase_table(entry: dict) -> list:
             f"{name:16s} {stat['best_gbps']:9.3f} {'(' + format(stat['median_gbps'], '.3f') + ')':>9s} "
             f"{stat['best_seconds']:9.3f} {'' if ratio is None else format(ratio, '.2f') + 'x':>9s} "
             f"{'' if ratio_median is None else '(' + format(ratio_median, '.2f') + 'x)':>9s} {tgt:>9s} "
-            f"{stat['rss_growth_max_bytes'] / workload.MiB:12.0f} {100 * stat['rss_growth_fraction_of_share']:7.1f}%  "
+            f"{stat['rss_growth_max_bytes'] / MiB:12.0f} {100 * stat['rss_growth_fraction_of_share']:7.1f}%  "
             f"{ok}" + (f"; failed: {fails[0][:120]}" if fails else "")
         )
     return out
@@ -241,7 +238,7 @@ def _local_limits(entry: dict, res: dict) -> list:
                       "paddle_dcp durable=True against it, in \"save, durable=True\" below"))
     mem = entry["targets"].get("memory")
     if mem:
-        out.append(f"ours' memory limit (10% of share + 64 MiB): {mem['limit_bytes'] / workload.MiB:.0f} MiB/rank"
+        out.append(f"ours' memory limit (10% of share + 64 MiB): {mem['limit_bytes'] / MiB:.0f} MiB/rank"
                    f" -> {'ok' if mem['met'] else 'over'}")
     counts = ["1"] + ([str(ranks)] if ranks != 1 else [])
     if phase == "save":

@@ -1,4 +1,4 @@
-"""paddle_dcp's options in a bench run (scripts/bench.py), against its own plain calls:
+"""paddle_dcp's options in a run of the suite io, against its own plain calls:
 save-async (the time training is blocked), save-durable (the cost of fsync, and like for like
 against torch DCP's fsyncing save) and load-noverify (the cost of the checksums); computed
 from the phases' results and reported."""
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import statistics
 
-from bench_config import ASYNC_PEERS, LIB_TITLE, OURS_ONLY, workload
+from bench.io_config import ASYNC_PEERS, LIB_TITLE, OURS_ONLY
+from bench.units import MiB, human
 
 
 def _ratio(a, b):
@@ -159,7 +160,7 @@ def format_variant(entry: dict) -> list:
     title = {"save-async": "save, async_save=True", "save-durable": "save, durable=True (fsync of data files, "
              "metadata and directory)", "load-noverify": "load, same layout, verify=False (no checksum checks)"}[phase]
     peers = " (torch DCP's async_save below)" if phase == "save-async" and entry.get("async", {}).get("torch") else " only"
-    out = ["", f"== {title}: paddle_dcp{peers}, {ranks} ranks, share per rank {workload.human(share)}"]
+    out = ["", f"== {title}: paddle_dcp{peers}, {ranks} ranks, share per rank {human(share)}"]
     ok = f"{ours.get('ok_runs', 0)}/{len(ours.get('runs', []))} ok"
     if "best_gbps" not in ours:
         err = next((r["error"] for r in ours.get("runs", []) if r["error"]), "no run")
@@ -167,7 +168,7 @@ def format_variant(entry: dict) -> list:
         return out
     if phase == "save-async":
         return _format_async(entry, out, ok)
-    mib = workload.MiB
+    mib = MiB
     header = (f"{'variant':34s} {'GB/s best':>9s} {'(median)':>9s} {'s slowest':>9s} {'RSS MiB/rank':>12s} "
               f"{'% share':>8s}  runs")
     out.append(header)
@@ -216,7 +217,7 @@ def _format_async(entry: dict, out: list, ok: str) -> list:
     """The save-async phase: blocked and until wait(), first in a process and later, with the
     peers' async saves."""
     share = entry["share_bytes"]
-    mib = workload.MiB
+    mib = MiB
     a = entry["async"]
 
     def mb(v):
@@ -261,7 +262,7 @@ def _format_async(entry: dict, out: list, ok: str) -> list:
             out.append(f"later async saves, blocked: paddle_dcp / {LIB_TITLE[peer]} "
                        f"{_x(p['ours_next_blocked_over_peer_next_best'])} (medians "
                        f"{_x(p['ours_next_blocked_over_peer_next_median'])})")
-    out.append(f"RSS: the host copies are expected to take ~ the share, {workload.human(share)} per rank; "
+    out.append(f"RSS: the host copies are expected to take ~ the share, {human(share)} per rank; "
                f"the memory limit of the plain save does not apply")
     out.append(f"runs: {ok}; each of the three checkpoints loaded back and every value checked")
     return out

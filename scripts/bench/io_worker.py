@@ -1,13 +1,13 @@
 """One rank of one benchmark phase: build the state dict, time one save or load, check it.
 
-Started by scripts/bench.py on every rank, under ``python -m paddle.distributed.launch``
-(libraries "ours" = paddle_dcp and "paddle" = paddle.distributed's built-in) or under
-``torchrun`` ("torch" = torch.distributed.checkpoint with DTensors on a gloo mesh of CPU
-ranks)::
+Started by the suites io and s3 (bench/io.py) on every rank, under ``python -m
+paddle.distributed.launch`` (libraries "ours" = paddle_dcp and "paddle" = paddle.distributed's
+built-in) or under ``torchrun`` ("torch" = torch.distributed.checkpoint with DTensors on a gloo
+mesh of CPU ranks)::
 
-    bench_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
+    io_worker.py LIB PHASE SIZE_BYTES CHECKPOINT_DIR RESULT_DIR
 
-CHECKPOINT_DIR may be an ``s3://bucket/prefix`` URL (bench.py --storage s3): paddle_dcp takes it
+CHECKPOINT_DIR may be an ``s3://bucket/prefix`` URL (the suite s3): paddle_dcp takes it
 as it is, torch DCP through FsspecWriter(sync_files=False) / FsspecReader (s3fs), both
 configured by the AWS_* variables; nothing is read into the page cache before a load then.
 PHASE is "save" (the workload in its save layout), "load" (into the same layout) or "reshard"
@@ -20,7 +20,7 @@ fsynced) and "load-noverify" (load_state_dict(verify=False): no checksum checks)
 waits at a barrier, then times its own call with time.perf_counter (whatever barriers the
 library does inside included) and records its peak resident memory growth during the call.
 After the timed region, a load's every value is compared with the numpy oracle
-(bench_workload); after a save-async or save-durable the rank loads every checkpoint it
+(bench/workload.py); after a save-async or save-durable the rank loads every checkpoint it
 wrote back, untimed, into fresh targets and compares those (nothing else reads them). The
 rank writes ``RESULT_DIR/rank{r}.json``; on any failure it also prints the traceback and
 exits 1.
@@ -37,13 +37,13 @@ import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_s3  # noqa: E402  (the S3 server's CPU time, when the bench runs one)
-import bench_workload as workload  # noqa: E402
+if __package__ in (None, ""):  # run by path: this directory is the package ``bench``
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench import s3, workload  # noqa: E402  (s3: the S3 server's CPU time, when the suite runs one)
+from bench.io_config import OURS_ONLY, PHASES, SAVES  # noqa: E402
+from bench.launch import write_result  # noqa: E402
+from bench.units import MiB  # noqa: E402
 
-PHASES = ("save", "save-async", "save-durable", "load", "load-noverify", "reshard")
-OURS_ONLY = ("save-async", "save-durable", "load-noverify")  # options of paddle_dcp's API
-SAVES = ("save", "save-async", "save-durable")
 SENTINEL = -7.0  # what load targets hold before the load (exact in bfloat16)
 # Seconds to wait between building the state dict and the timed call. In a VM with free page
 # reporting (Firecracker: page_reporting.page_reporting_order=11) memory freed more than ~2 s
@@ -287,7 +287,7 @@ def build_state(lib, specs, layout_of, fill: bool) -> dict:
     return sd
 
 
-def _check_all(lib, sd, specs, layout_of) -> int:
+def check_all(lib, sd, specs, layout_of) -> int:
     """Compare every loaded value with the oracle; the bytes checked."""
     checked = 0
     for spec in specs:
@@ -305,7 +305,7 @@ def read_files(directory: str, rank: int = 0, ranks: int = 1) -> None:
     "Machine"), and in the ten seconds a launch takes before its call 1 to 9% of the pages were
     gone, read back from disk by whichever library met them first."""
     paths = sorted(os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
-    buf = memoryview(bytearray(16 * workload.MiB))
+    buf = memoryview(bytearray(16 * MiB))
     for path in paths[rank::ranks]:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buf):
@@ -342,7 +342,7 @@ def cached_fraction(directory: str) -> float | None:
     return held / total if total else None
 
 
-def _settle(lib) -> None:
+def settle(lib) -> None:
     """Before a timed call: garbage collected, SETTLE seconds for the VM (see SETTLE), then
     every rank at a barrier."""
     gc.collect()
@@ -356,7 +356,7 @@ def _next_saves(lib, sd, ckpt) -> dict:
     wait and a barrier, timed as the first: what a training loop's later saves cost."""
     out = {}
     for uid, name, options in ((1, "next_async", {"async_save": True}), (2, "next_full", {})):
-        _settle(lib)
+        settle(lib)
         memory = PeakRss()
         with memory:
             t0 = time.perf_counter()
@@ -371,11 +371,11 @@ def _next_saves(lib, sd, ckpt) -> dict:
     return out
 
 
-def _timed_call(lib, phase: str, sd: dict, ckpt: str, result: dict) -> None:
+def timed_call(lib, phase: str, sd: dict, ckpt: str, result: dict) -> None:
     """The phase's one timed call; its seconds, peak memory growth and CPU seconds (the S3
     server's too, when the bench runs one) go into ``result``."""
     memory = PeakRss()
-    cpu0, server0 = os.times(), bench_s3.server_cpu_seconds()
+    cpu0, server0 = os.times(), s3.server_cpu_seconds()
     with memory:
         t0 = time.perf_counter()
         if phase == "save-async":
@@ -392,7 +392,7 @@ def _timed_call(lib, phase: str, sd: dict, ckpt: str, result: dict) -> None:
         else:
             lib.load(sd, ckpt)
         seconds = time.perf_counter() - t0
-    cpu1, server1 = os.times(), bench_s3.server_cpu_seconds()
+    cpu1, server1 = os.times(), s3.server_cpu_seconds()
     result.update(seconds=seconds, rss_before=memory.before, rss_growth=memory.growth, rss_method=memory.method,
                   cpu_seconds=cpu1.user + cpu1.system - cpu0.user - cpu0.system)
     if server0 is not None and server1 is not None:  # the S3 server's, during this rank's call
@@ -415,12 +415,12 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
             raise ValueError(f"phase {phase} is paddle_dcp's only")
         sd = build_state(lib, specs, layout_of, fill=phase not in SAVES)
         result["build_seconds"] = time.perf_counter() - started
-        _settle(lib)
+        settle(lib)
         if phase not in SAVES and "://" not in ckpt:  # a local checkpoint: into the page cache
             read_files(ckpt, lib.rank, lib.ranks)
             lib.barrier()
             result["cached_before"] = cached_fraction(ckpt)
-        _timed_call(lib, phase, sd, ckpt, result)
+        timed_call(lib, phase, sd, ckpt, result)
         ids = [0]
         if phase == "save-async":
             # the first save of a process also creates the background save's process group;
@@ -438,10 +438,10 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
                 sd = build_state(lib, specs, layout_of, fill=True)
                 where, options = lib.checkpoint(ckpt, uid)
                 lib.load(sd, where, **options)
-                checked += _check_all(lib, sd, specs, layout_of)
+                checked += check_all(lib, sd, specs, layout_of)
                 del sd
         elif phase != "save":
-            checked = _check_all(lib, sd, specs, layout_of)
+            checked = check_all(lib, sd, specs, layout_of)
         if phase != "save":
             result.update(checked_bytes=checked, check_seconds=time.perf_counter() - t1)
         result["ok"] = True
@@ -452,11 +452,10 @@ def run(lib_name: str, phase: str, size: int, ckpt: str, result_dir: str) -> int
     return finish(lib, result, result_dir, status)
 
 
-def finish(lib, result: dict, result_dir: str, status: int, who: str = "bench_worker") -> int:
+def finish(lib, result: dict, result_dir: str, status: int, who: str = "io_worker") -> int:
     """The end of a rank: its ``result`` written to ``RESULT_DIR/rank{r}.json`` and printed;
     on failure (``status`` 1) the process exits at once, else it waits for the other ranks."""
-    with open(os.path.join(result_dir, f"rank{lib.rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(result_dir, lib.rank, result)
     print(f"{who} rank {lib.rank}: {json.dumps(result)}", flush=True)
     if status:
         sys.stdout.flush()

@@ -1,19 +1,24 @@
-"""The machine a bench runs on (scripts/bench.py): its description, and the speeds that bound
-any library: the page cache's writes and reads, and the checksum's."""
+"""The machine a benchmark runs on, probed once for every suite: its description, and the
+speeds that bound any library: the page cache's writes and reads, the checksum's, a memory copy
+and a loopback TCP stream."""
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import importlib.util
-import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
+import threading
 import time
 
-from bench_config import GB, IO_BUFFER, REPO, log, workload
-from bench_threads import in_threads
+from bench import REPO
+from bench.report import log
+from bench.threads import in_threads
+from bench.units import GB, GiB, MiB
+
+IO_BUFFER = 64 * MiB  # the page cache's writes and reads, a buffer at a time
 
 
 def machine_info(workdir: str) -> dict:
@@ -168,7 +173,7 @@ def page_cache_speed(directory: str, nbytes: int, threads: int, settle: float) -
     return out
 
 
-CHECKSUM_BUFFER = 256 * workload.MiB
+CHECKSUM_BUFFER = 256 * MiB
 
 
 def _library_block_bytes() -> int:
@@ -183,7 +188,7 @@ def _library_block_bytes() -> int:
             return int(m.group(1)) << int(m.group(2) or 0)
     except OSError:
         pass
-    return 4 * workload.MiB
+    return 4 * MiB
 
 
 def checksum_speed(nbytes: int = CHECKSUM_BUFFER, rounds: int = 5) -> dict:
@@ -209,12 +214,62 @@ def checksum_speed(nbytes: int = CHECKSUM_BUFFER, rounds: int = 5) -> dict:
             "whole_gbps": nbytes / min(whole) / GB, "blocks_gbps": nbytes / min(blocks) / GB}
 
 
-def emit(result: dict, text: str, json_out: str | None) -> None:
-    """Print a benchmark's report ``text``, then its ``result`` as one JSON line, also written
-    to ``json_out`` when given."""
-    print(text)
-    line = json.dumps(result, default=str)
-    print(line)
-    if json_out:
-        with open(json_out, "w") as f:
-            f.write(line + "\n")
+def memcpy_speed(nbytes: int, rounds: int = 3) -> float:
+    """GB/s of one numpy copy of ``nbytes`` between buffers touched before, best of ``rounds``."""
+    import numpy as np
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / GB
+
+
+def tcp_loopback_speed(nbytes: int, rounds: int = 2, chunk: int = 4 * MiB) -> float:
+    """GB/s of one TCP stream over 127.0.0.1 (a sender thread, ``recv_into`` a buffer touched
+    before): the wire that bytes between two ranks of this machine cross. Best of ``rounds``."""
+    import numpy as np
+
+    data = memoryview(np.ones(chunk, np.uint8))
+    out = memoryview(np.zeros(nbytes, np.uint8))
+    best = float("inf")
+    for _ in range(rounds):
+        with socket.create_server(("127.0.0.1", 0)) as srv:
+            port = srv.getsockname()[1]
+
+            def send():
+                with socket.create_connection(("127.0.0.1", port)) as c:
+                    left = nbytes
+                    while left:
+                        n = min(left, chunk)
+                        c.sendall(data[:n])
+                        left -= n
+
+            t = threading.Thread(target=send)
+            t.start()
+            conn, _ = srv.accept()
+            with conn:
+                t0 = time.perf_counter()
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(out[got:], min(chunk, nbytes - got))
+                    if not n:
+                        raise RuntimeError("the loopback stream ended early")
+                    got += n
+                best = min(best, time.perf_counter() - t0)
+            t.join()
+    return nbytes / best / GB
+
+
+def describe(info: dict) -> str:
+    """The report's line for a :func:`machine_info`: hardware, versions, commit, date."""
+    disk = info.get("disk") or {}
+    dirty = info.get("paddle_dcp_uncommitted")
+    return (f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_bytes'] / GiB:.1f} GiB RAM, "
+            f"disk {disk.get('device', '?')} ({disk.get('fstype', '?')}); python {info['python']}, "
+            f"paddle {info['paddlepaddle']}, torch {info['torch'] or '-'}; paddle_dcp commit "
+            f"{info.get('paddle_dcp_commit') or '?'}"
+            + (f", with uncommitted changes: {' '.join(dirty.split())}" if dirty else "") + f"; {info['date']}")

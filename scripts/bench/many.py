@@ -1,10 +1,10 @@
-"""Benchmark of a state dict of many small tensors (issue 36, point 4): real 2-rank jobs saving
+"""The suite many: a state dict of many small tensors (issue 36, point 4): real 2-rank jobs saving
 and loading 10k to 100k tensors, the time per tensor at each size.
 
-For every count of ``--tensors`` (the workload of bench_many_worker.build_specs: tensors of 1
+For every count of ``--tensors`` (the workload of many_worker.build_specs: tensors of 1
 to 4 KiB as an expert's optimizer states are, 8 in 10 Shard(0) or Shard(1) over a 1-D mesh of
 the ranks, the rest replicated), each phase runs in its own launch of ``python -m
-paddle.distributed.launch`` (gloo, CPU; scripts/bench.py's ``launch``):
+paddle.distributed.launch`` (gloo, CPU; the suite io's launch of a phase):
 
 - save: the state dict in its save layout;
 - load: into the same layout;
@@ -18,47 +18,41 @@ threads) of the rank that used most, which other work on a shared machine distur
 the seconds Python's garbage collector took inside the call. The summary gives, per phase and
 library, the ratio of the time per tensor at the largest count to that at the smallest (and of
 the CPU time): about 1 when the cost is linear in the number of tensors. After every load each rank compares every value it
-loaded with the numpy oracle of scripts/bench_workload.py; a wrong value fails the run.
+loaded with the numpy oracle of bench/workload.py; a wrong value fails the run.
 ``--libs ours,paddle`` also runs paddle.distributed's built-in save_state_dict/load_state_dict,
 up to ``--paddle-max`` tensors (it is slower by far). ``--profile DIR`` runs every call under
 cProfile (slower: its times are the profiled ones) and keeps each rank's statistics in DIR.
 
-    .venv/bin/python scripts/bench_many.py --tensors 10k,30k,100k --json-out many.json
+    .venv/bin/python scripts/bench many --tensors 10k,30k,100k --json-out many.json
 
 Smoke run (every path, about a minute): ``--tensors 1k,2k --libs ours,paddle``.
-Prints the table and the ratios, then one JSON line on stdout (bench_machine.emit).
+Prints the table and the ratios, then one JSON line on stdout.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pstats
 import shutil
-import sys
 import tempfile
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (one launch of a phase, its ranks' results)
-import bench_many_worker  # noqa: E402
-from bench_config import log  # noqa: E402
-from bench_machine import emit, machine_info  # noqa: E402
+from bench import launch, many_worker
+from bench.io import launch_phase
+from bench.io_config import LIB_TITLE
+from bench.machine import machine_info
+from bench.report import emit, log
+from bench.units import parse_count
 
-WORKER = os.path.abspath(bench_many_worker.__file__)
-PHASES = bench_many_worker.PHASES
+WORKER = os.path.abspath(many_worker.__file__)
+PHASES = many_worker.PHASES
 RANKS = 2
 
 
 def parse_counts(text: str) -> list[int]:
     """'10k,30k,100k' -> [10000, 30000, 100000] (k = 1000), sorted, each at least 1."""
     out = set()
-    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
-        scale = 1000 if item.endswith("k") else 1
-        try:
-            n = int(item[:-1] if scale > 1 else item) * scale
-        except ValueError:
-            raise ValueError(f"tensor count {item!r}: expected a number, optionally with k (1000)") from None
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        n = parse_count(item)
         if n < 1:
             raise ValueError(f"tensor count {item!r}: at least 1")
         out.add(n)
@@ -105,7 +99,7 @@ def format_report(res: dict) -> str:
              "", "| library | phase | tensors | seconds | µs per tensor | CPU µs per tensor | of it, garbage collector (s) |",
              "|---|---|---|---|---|---|---|"]
     for e in res["summary"]["table"]:
-        lines.append(f"| {bench.LIB_TITLE[e['lib']]} | {e['phase']} | {e['tensors']:,} | {e['seconds']:.2f} | "
+        lines.append(f"| {LIB_TITLE[e['lib']]} | {e['phase']} | {e['tensors']:,} | {e['seconds']:.2f} | "
                      f"{e['us_per_tensor']:.0f} | {e['cpu_us_per_tensor']:.0f} | {e['gc_seconds']:.2f} |")
     lines.append("")
     for name, r in res["summary"]["ratios"].items():
@@ -157,7 +151,7 @@ def top_of_profile(paths: list[str], limit: int = 25) -> str:
     return out.getvalue()
 
 
-def run_benchmark(args) -> dict:
+def run_benchmark(args: argparse.Namespace) -> dict:
     counts = parse_counts(args.tensors)
     paddle_max = parse_counts(args.paddle_max)[0]
     libs = [x.strip() for x in args.libs.split(",") if x.strip()]
@@ -176,7 +170,7 @@ def run_benchmark(args) -> dict:
         notes.append(f"paddle built-in measured up to {paddle_max:,} tensors only (--paddle-max)")
     if args.steps:
         os.environ["PADDLE_DCP_BENCH_STEPS"] = "1"
-        notes.append("steps timed by wrappers (bench_many_worker.STEPS): a microsecond a call on top")
+        notes.append("steps timed by wrappers (many_worker.STEPS): a microsecond a call on top")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ["PADDLE_DCP_BENCH_PROFILE"] = "1"
@@ -216,14 +210,14 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str, 
     loads need); its record (the slowest rank's seconds, and per rank the seconds, CPU seconds,
     the garbage collector's seconds and collections, and with --steps the steps' seconds)."""
     run_dir = os.path.join(root, "runs", f"r{rep}_{n}_{phase}_{lib}")
-    run = bench.launch(lib, phase, RANKS, n, ckpt, run_dir, args.timeout or 120 + n / 100, rep, args.settle,
+    run = launch_phase(lib, phase, RANKS, n, ckpt, run_dir, args.timeout or 120 + n / 100, rep, args.settle,
                        worker=WORKER)
     if phase == "save":
         os.sync()  # its dirty pages are not written back during the loads
     out = {"lib": lib, "phase": phase, "tensors": n, "repeat": rep, "ok": run.ok, "error": run.error,
            "seconds": run.slowest if run.ok else None, "per_rank": run.seconds, "launch_seconds": run.wall,
            "cpu_seconds": run.cpu}
-    results = _results(run_dir)
+    results = run.results
     for field in ("gc_seconds", "gc_collections", "steps"):
         out[field] = [(r or {}).get(field) for r in results]
     if run.ok:
@@ -234,22 +228,10 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str, 
     untimed = "" if timed else " (untimed, for the loads)"
     log(f"[{rep + 1}/{args.repeat}] {n:>7,} tensors {phase:8s} {lib:6s}: {what}{untimed} (launch {run.wall:.1f} s)")
     if not run.ok:
-        log(bench._logs_tail(run_dir))
+        log(launch.logs_tail([run_dir]))
     _keep_profiles(args.profile, run_dir, f"{lib}_{n}_{phase}_r{rep}")
     if run.ok and not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return out
-
-
-def _results(run_dir: str) -> list:
-    """Every rank's result file of a launch (None for a rank without one)."""
-    out = []
-    for r in range(RANKS):
-        try:
-            with open(os.path.join(run_dir, "result", f"rank{r}.json")) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            out.append(None)
     return out
 
 
@@ -270,9 +252,10 @@ def _keep_profiles(profile_dir: str | None, run_dir: str, name: str) -> None:
             f.write(top_of_profile(kept[:1], 40))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Save/load of many small tensors on 2 ranks: time per tensor.",
-                                epilog="Smoke run: scripts/bench_many.py --tensors 1k,2k --libs ours,paddle")
+def main(argv: list | None = None, prog: str = "bench many") -> int:
+    """The suite many: the table on stdout; 1 when a run failed."""
+    p = argparse.ArgumentParser(prog=prog, description="Save/load of many small tensors on 2 ranks: time per tensor.",
+                                epilog="Smoke run: scripts/bench many --tensors 1k,2k --libs ours,paddle")
     p.add_argument("--tensors", default="10k,30k,100k", help="tensor counts, k = 1000 (default 10k,30k,100k)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)} (default all)")
     p.add_argument("--libs", default="ours", help="ours, or ours,paddle (paddle's built-in too; default ours)")
@@ -282,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=0, help="seconds per launch (default 120 + tensors / 100)")
     p.add_argument("--profile", default=None, help="run every call under cProfile, statistics into this directory")
     p.add_argument("--steps", action="store_true",
-                   help="time paddle_dcp's steps inside each call (bench_many_worker.STEPS) and show them per rank")
+                   help="time paddle_dcp's steps inside each call (many_worker.STEPS) and show them per rank")
     p.add_argument("--workdir", default=None, help="where the temporary directory goes (default: /tmp)")
     p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (checkpoints, logs)")
@@ -296,6 +279,3 @@ def main(argv=None) -> int:
     emit(res, format_report(res), args.json_out)
     return 0 if res["runs"] and all(r["ok"] for r in res["runs"]) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

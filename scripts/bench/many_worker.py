@@ -1,17 +1,17 @@
-"""One rank of one launch of scripts/bench_many.py: a state dict of many small tensors saved or
-loaded, timed inside the rank, every loaded value checked.
+"""One rank of one launch of the suite many (bench/many.py): a state dict of many small
+tensors saved or loaded, timed inside the rank, every loaded value checked.
 
-Started by bench_many.py on every rank, under ``python -m paddle.distributed.launch``, with the
-arguments scripts/bench.py's ``launch`` passes::
+Started by bench/many.py on every rank, under ``python -m paddle.distributed.launch``, with the
+arguments the suite io's launch passes (bench/io.py)::
 
-    bench_many_worker.py LIB PHASE TENSORS CHECKPOINT_DIR RESULT_DIR
+    many_worker.py LIB PHASE TENSORS CHECKPOINT_DIR RESULT_DIR
 
 LIB is "ours" (paddle_dcp) or "paddle" (paddle.distributed's built-in); PHASE is "save" (the
 workload in its save layout), "load" (into the same layout) or "reshard" (into the reshard
 layout); TENSORS the number of tensors (:func:`build_specs`). The rank builds its state dict,
 waits ``PADDLE_DCP_BENCH_SETTLE`` seconds and a barrier, then times its own call
-(bench_worker's timed call, the garbage collector's share of it measured); after the timed region every loaded value is compared with the
-numpy oracle of scripts/bench_workload.py. With ``PADDLE_DCP_BENCH_PROFILE=1`` the call runs
+(io_worker's timed call, the garbage collector's share of it measured); after the timed region every loaded value is compared with the
+numpy oracle of bench/workload.py. With ``PADDLE_DCP_BENCH_PROFILE=1`` the call runs
 under cProfile and its statistics go to ``RESULT_DIR/rank{r}.prof`` (the time is then the
 profiled one); with ``PADDLE_DCP_BENCH_STEPS=1`` the steps of STEPS are timed (wrappers, a
 microsecond a call) and their seconds and calls reported. The rank writes ``RESULT_DIR/rank{r}.json``; on failure also its error, and it
@@ -25,9 +25,10 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_worker  # noqa: E402  (the library wrapper, the state's build, the timed call, the check)
-from bench_workload import TensorSpec  # noqa: E402
+if __package__ in (None, ""):  # run by path: this directory is the package ``bench``
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench import io_worker  # noqa: E402  (the library wrapper, the state's build, the timed call, the check)
+from bench.workload import TensorSpec  # noqa: E402
 
 PHASES = ("save", "load", "reshard")
 
@@ -169,18 +170,18 @@ class StepTimes:
 
 def run(lib_name: str, phase: str, n: int, ckpt: str, result_dir: str) -> int:
     started = time.perf_counter()
-    lib = bench_worker.PaddleLib(lib_name)
+    lib = io_worker.PaddleLib(lib_name)
     result = {"lib": lib_name, "phase": phase, "tensors": n, "rank": lib.rank, "ranks": lib.ranks, "ok": False,
               "patched_gpu_staging": lib.patched}
     status = 0
     try:
         specs = build_specs(n)
         layout_of = (lambda s: s.reshard) if phase == "reshard" else (lambda s: s.layout)
-        sd = bench_worker.build_state(lib, specs, layout_of, fill=phase != "save")
+        sd = io_worker.build_state(lib, specs, layout_of, fill=phase != "save")
         result["build_seconds"] = time.perf_counter() - started
-        bench_worker._settle(lib)
+        io_worker.settle(lib)
         if phase != "save":
-            bench_worker.read_files(ckpt, lib.rank, lib.ranks)
+            io_worker.read_files(ckpt, lib.rank, lib.ranks)
             lib.barrier()
         profile = os.environ.get("PADDLE_DCP_BENCH_PROFILE") == "1"
         if profile:
@@ -190,7 +191,7 @@ def run(lib_name: str, phase: str, n: int, ckpt: str, result_dir: str) -> int:
             prof.enable()
         steps = StepTimes() if os.environ.get("PADDLE_DCP_BENCH_STEPS") == "1" and lib_name == "ours" else None
         with GcTime() as collector:
-            bench_worker._timed_call(lib, phase, sd, ckpt, result)
+            io_worker.timed_call(lib, phase, sd, ckpt, result)
         result.update(gc_seconds=collector.seconds, gc_collections=collector.collections)
         if steps is not None:
             result["steps"] = steps.report()
@@ -199,14 +200,14 @@ def run(lib_name: str, phase: str, n: int, ckpt: str, result_dir: str) -> int:
             prof.dump_stats(os.path.join(result_dir, f"rank{lib.rank}.prof"))
         if phase != "save":
             t1 = time.perf_counter()
-            result["checked_bytes"] = bench_worker._check_all(lib, sd, specs, layout_of)
+            result["checked_bytes"] = io_worker.check_all(lib, sd, specs, layout_of)
             result["check_seconds"] = time.perf_counter() - t1
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - report, then stop this rank
         result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         traceback.print_exc()
         status = 1
-    return bench_worker.finish(lib, result, result_dir, status, "bench_many_worker")
+    return io_worker.finish(lib, result, result_dir, status, "many_worker")
 
 
 def main(argv=None) -> int:

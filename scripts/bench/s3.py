@@ -1,5 +1,5 @@
-"""The object-storage side of scripts/bench.py (``--storage s3``): a local S3 server, where the
-checkpoints go on it, and the server's own speed as the limit a library could reach.
+"""Object storage for the benchmarks (the suite s3, and compress and tiers): a local S3 server,
+where the checkpoints go on it, and the server's own speed as the limit a library could reach.
 
 The server is SeaweedFS's ``weed mini`` on 127.0.0.1 (tests/s3server.py, the one the tests
 use), with its data directory in the bench's working directory; every launch gets the standard
@@ -17,14 +17,11 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-from bench_threads import in_threads  # noqa: E402
+from bench import REPO
+from bench.report import log
+from bench.threads import in_threads
+from bench.units import GB, MiB
 
-REPO = os.path.dirname(HERE)
-GB = 1e9
-MiB = 1 << 20
 PART_BYTES = 32 * MiB  # paddle_dcp's default part size (issue 17, point 3)
 STREAMS = 4
 BUCKET = "ckpt"
@@ -44,10 +41,6 @@ PARTS_IN_FLIGHT = 4
 READS_IN_FLIGHT = 96 * MiB
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 class S3Store:
     """A ``weed mini`` server for one bench run and the checkpoints on it."""
 
@@ -56,13 +49,10 @@ class S3Store:
 
     @classmethod
     def start(cls, workdir: str) -> "S3Store":
-        sys.path.insert(0, os.path.join(REPO, "tests"))
-        from s3server import S3Server
-
         import s3fs
 
         t0 = time.perf_counter()
-        server = S3Server.start(os.path.join(workdir, "weed"), bucket=BUCKET)
+        server = _s3server().S3Server.start(os.path.join(workdir, "weed"), bucket=BUCKET)
         os.environ.update(server.env)  # every launch inherits them: the way users configure it
         os.environ[SERVER_PID_ENV] = str(server.process.pid)  # a worker measures the server's CPU
         store = cls(server, s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False))
@@ -100,14 +90,21 @@ class S3Store:
         self.server.stop()
 
 
+def _s3server():
+    """tests/s3server.py: the server the tests use."""
+    tests = os.path.join(REPO, "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import s3server
+
+    return s3server
+
+
 def _weed_version() -> str | None:
     import subprocess
 
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from s3server import weed_binary
-
     try:
-        out = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([_s3server().weed_binary(), "version"], capture_output=True, text=True, timeout=30)
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError, TypeError):
         return None
@@ -217,6 +214,13 @@ def best_server_speed(samples: list) -> dict:
         out[what] = {k: min((s[what][k] for s in samples if s[what].get(k) is not None), default=None)
                      for k in samples[0][what]}
     return out
+
+
+def speed_line(server: dict) -> str:
+    """The server's own PUT and GET (:func:`server_speed` or :func:`best_server_speed`), one line."""
+    return ("S3 server: PUT " + " / ".join(f"{v:.2f}" for v in server["put_gbps"].values()) + ", GET "
+            + " / ".join(f"{v:.2f}" for v in server["get_gbps"].values())
+            + f" GB/s from {' / '.join(server['put_gbps'])} stream(s)")
 
 
 def limit_targets(entry: dict, server: dict) -> dict | None:

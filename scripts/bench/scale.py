@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Planning and metadata at thousands of ranks, measured on one machine.
+"""The suite scale: planning and metadata at thousands of ranks, measured on one machine.
 
 For every rank of a job from ../shared/scale/workload.py (the per-rank layouts of a large
 model on a [pp, dp, tp] mesh), this runs paddle_dcp's real save and load protocols in one
@@ -8,7 +7,7 @@ replaced by an in-process world that hands each rank what the real collective wo
 its bytes with the real comm's cost functions. Nothing but planning runs: no tensors, no data
 files; the metadata is built, serialized and parsed for real.
 
-    python scripts/bench_scale.py --model llama-70b --ranks 1024,8192 [--tp 8 --pp 8] [--json-out F]
+    python scripts/bench scale --model llama-70b --ranks 1024,8192 [--tp 8 --pp 8] [--json-out F]
 
 Figures per rank count (seconds, bytes, MiB):
   coord_save_s               everything the coordinator does in a save, serialization included
@@ -38,31 +37,24 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-for candidate in (HERE.parent.parent / "shared" / "scale", HERE.parent / "shared" / "scale"):
-    if (candidate / "workload.py").exists():
-        sys.path.insert(0, str(candidate))
+from bench import REPO
+from bench.report import emit, log
+from paddle_dcp.core import metafile
+from paddle_dcp.core.metadata_parse import parse_metadata
+from paddle_dcp.tools.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of, wanted_of
+
+for candidate in (os.path.join(os.path.dirname(REPO), "shared", "scale"), os.path.join(REPO, "shared", "scale")):
+    if os.path.exists(os.path.join(candidate, "workload.py")):
+        sys.path.insert(0, candidate)
         break
-
-from paddle_dcp.core.metadata_parse import parse_metadata  # noqa: E402
-from paddle_dcp.core import metafile  # noqa: E402
-from paddle_dcp.tools.simulate import RankLayout, plan_rank, simulate_load, simulate_save, targets_of, wanted_of  # noqa: E402
-
 try:
-    from workload import Job  # noqa: E402
+    from workload import Job  # noqa: E402  (../shared/scale/workload.py: the jobs' per-rank layouts)
 except ImportError:  # pragma: no cover
     raise SystemExit("cannot find ../shared/scale/workload.py next to this repository")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def layouts_of(job: Job) -> dict[int, RankLayout]:
@@ -175,8 +167,9 @@ COLUMNS = [
 ]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list | None = None, prog: str = "bench scale") -> int:
+    """The suite scale: the table of figures per rank count on stdout."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-70b")
     ap.add_argument("--ranks", default="1024,8192", help="comma-separated rank counts")
     ap.add_argument("--tp", type=int, default=8)
@@ -188,15 +181,8 @@ def main(argv=None) -> int:
     limit = args.s3_max_ranks
     results = [measure(args.model, int(r), args.tp, args.pp, s3=limit is None or int(r) <= limit)
                for r in args.ranks.split(",")]
-    print(f"{args.model}, tp {args.tp}, pp {args.pp}, {os.cpu_count()} cores")
-    print(" | ".join(title for _, title in COLUMNS))
-    for row in results:
-        print(" | ".join("-" if row[key] is None else str(row[key]) for key, _ in COLUMNS))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"model": args.model, "tp": args.tp, "pp": args.pp, "results": results}, f, indent=1)
+    lines = [f"{args.model}, tp {args.tp}, pp {args.pp}, {os.cpu_count()} cores", " | ".join(t for _, t in COLUMNS)]
+    lines += [" | ".join("-" if row[key] is None else str(row[key]) for key, _ in COLUMNS) for row in results]
+    emit({"model": args.model, "tp": args.tp, "pp": args.pp, "results": results}, "\n".join(lines), args.json_out)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

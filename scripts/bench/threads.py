@@ -1,11 +1,12 @@
-"""One helper of the benchmark scripts: run a function in several threads and time them."""
+"""A function run in several threads at once, timed: the one thread timer of the benchmarks."""
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 
-def in_threads(fn, args_list) -> float:
+def in_threads(fn: Callable, args_list: list) -> float:
     """Run fn(*args) for each args in a thread of its own (one: inline); wall seconds; the first
     error raised."""
     errors = []

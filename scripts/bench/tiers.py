@@ -1,4 +1,4 @@
-"""Benchmark of CheckpointManager's node-local tier (issue 29, point 6): restores from each tier
+"""The suite tiers: CheckpointManager's node-local tier (issue 29, point 6): restores from each tier
 and the save with replication, against today's saves, in one run on this machine.
 
 Two "nodes" on one machine: every job is two ``python -m paddle.distributed.launch --nnodes 2
@@ -6,7 +6,7 @@ Two "nodes" on one machine: every job is two ``python -m paddle.distributed.laun
 ``nodeB``), so the relative local directory is each node's own; the global tier is a directory
 both see, or a bucket on a local S3 server (tests/s3server.py: SeaweedFS ``weed mini``). The
 state: ``--size`` bytes of float32 in 64 MiB tensors, Shard(0) over the ranks
-(bench_tiers_worker.py). Each repeat, in fresh directories:
+(tiers_worker.py). Each repeat, in fresh directories:
 
 - save-local: steps 1 and 2 saved with a local tier (``replicas=1``, async, no global step
   due): each save's blocked time (the ``save()`` call) and total (until ``wait()`` returned);
@@ -36,7 +36,7 @@ and GET. Figures: best (the least seconds) and median over ``--repeat``.
 
 Run (1 GiB, 2 nodes x 1 rank, 3 repeats; 8 to 11 minutes here)::
 
-    .venv/bin/python scripts/bench_tiers.py --size 1G --repeat 3 --json-out tiers.json
+    .venv/bin/python scripts/bench tiers --size 1G --repeat 3 --json-out tiers.json
 
 Smoke run (every path, about 3 minutes): ``--size 64M --repeat 1``.
 Prints the table, the ratios and the targets (PASS/MISS), then one JSON line on stdout.
@@ -48,20 +48,17 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "bench_tiers_worker.py")
-GB = 1e9
-MiB = 1 << 20
+from bench import launch, s3
+from bench.machine import (checksum_speed, describe, machine_info, memcpy_speed, page_cache_speed,
+                           tcp_loopback_speed)
+from bench.report import emit, log
+from bench.units import GB, MiB, parse_size
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiers_worker.py")
 NODES = ("nodeA", "nodeB")
 
 # the restores and saves measured: name -> what the table calls it
@@ -104,16 +101,6 @@ RATIOS = (
     ("local-tier async blocked / plain save (later)", "save.local-async.later.blocked", "save.sync.later.total"),
     ("local-tier async total / plain save (later)", "save.local-async.later.total", "save.sync.later.total"),
 )
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip()
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -243,59 +230,9 @@ def format_targets(summary: dict) -> list:
 
 
 # ------------------------------------------------------------------------------ machine limits
-def memcpy_speed(nbytes: int, rounds: int = 3) -> float:
-    """GB/s of one numpy copy of ``nbytes`` between buffers touched before, best of ``rounds``."""
-    import numpy as np
-
-    src = np.ones(nbytes, np.uint8)
-    dst = np.zeros(nbytes, np.uint8)
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / GB
-
-
-def tcp_loopback_speed(nbytes: int, rounds: int = 2, chunk: int = 4 * MiB) -> float:
-    """GB/s of one TCP stream over 127.0.0.1 (a sender thread, ``recv_into`` a buffer touched
-    before): the wire a copy between the two "nodes" here crosses. Best of ``rounds``."""
-    import numpy as np
-
-    data = memoryview(np.ones(chunk, np.uint8))
-    out = memoryview(np.zeros(nbytes, np.uint8))
-    best = float("inf")
-    for _ in range(rounds):
-        with socket.create_server(("127.0.0.1", 0)) as srv:
-            port = srv.getsockname()[1]
-
-            def send():
-                with socket.create_connection(("127.0.0.1", port)) as c:
-                    left = nbytes
-                    while left:
-                        n = min(left, chunk)
-                        c.sendall(data[:n])
-                        left -= n
-
-            t = threading.Thread(target=send)
-            t.start()
-            conn, _ = srv.accept()
-            with conn:
-                t0 = time.perf_counter()
-                got = 0
-                while got < nbytes:
-                    n = conn.recv_into(out[got:], min(chunk, nbytes - got))
-                    if not n:
-                        raise RuntimeError("the loopback stream ended early")
-                    got += n
-                best = min(best, time.perf_counter() - t0)
-            t.join()
-    return nbytes / best / GB
-
-
-def machine_limits(workdir: str, share: int, store) -> dict:
-    from bench_machine import checksum_speed, page_cache_speed
-
+def machine_limits(workdir: str, share: int, store: s3.S3Store | None) -> dict:
+    """The speeds that bound a restore of one rank's ``share``: memcpy, xxh3_64, loopback TCP,
+    the page cache, and (with a ``store``) the S3 server's."""
     out = {"share_bytes": share}
     log("machine limits: memcpy, xxh3_64, loopback TCP, page cache" + (", S3 server" if store else ""))
     out["memcpy_gbps"] = memcpy_speed(share)
@@ -304,52 +241,13 @@ def machine_limits(workdir: str, share: int, store) -> dict:
     out["page_cache"] = page_cache_speed(os.path.join(workdir, "pagecache"), share, 1, 1.0)
     shutil.rmtree(os.path.join(workdir, "pagecache"), ignore_errors=True)
     if store is not None:
-        import bench_s3
-
-        out["s3_server"] = bench_s3.server_speed(store, share)
+        out["s3_server"] = s3.server_speed(store, share)
     return out
 
 
 # ------------------------------------------------------------------------------ launches
-def _kill(proc: subprocess.Popen) -> None:
-    """The launcher this script started (its own process group, by id) and the workers it
-    started (each in a session of its own, found as its descendants first)."""
-    try:
-        import psutil
-
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - no psutil, or already gone
-        workers = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for w in workers:
-        try:
-            if os.getpgid(w.pid) == w.pid:
-                os.killpg(w.pid, signal.SIGKILL)
-            else:
-                w.kill()
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: str, lines: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
-
-
 class LaunchError(RuntimeError):
-    pass
+    """A job failed: a rank's error, a launcher's exit code or the timeout, and the logs' tails."""
 
 
 def two_nodes(work: str, name: str, phase: str, opts: dict, nproc: int, timeout: float) -> list:
@@ -359,61 +257,21 @@ def two_nodes(work: str, name: str, phase: str, opts: dict, nproc: int, timeout:
     results = os.path.join(work, "results", name)
     shutil.rmtree(results, ignore_errors=True)
     opts = dict(opts, results=results)
-    port = _free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([HERE, REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    procs, logs = [], []
-    try:
-        for node_rank, node in enumerate(NODES):
-            cwd = os.path.join(work, node)
-            os.makedirs(cwd, exist_ok=True)
-            log_dir = os.path.join(cwd, f"log-{name}")
-            shutil.rmtree(log_dir, ignore_errors=True)
-            cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", "2", "--rank", str(node_rank),
-                   "--nproc_per_node", str(nproc), "--master", f"127.0.0.1:{port}", "--log_dir", log_dir,
-                   WORKER, phase, json.dumps(opts)]
-            with open(os.path.join(cwd, f"launcher-{name}.out"), "w") as out:
-                procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True,
-                                              stdout=out, stderr=subprocess.STDOUT))
-            logs.append(log_dir)
-        deadline = time.monotonic() + timeout
-        why = ""
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
-                why = f"a launcher exited with {[p.poll() for p in procs]}"
-                break
-            if time.monotonic() > deadline:
-                why = f"timed out after {timeout:.0f} s"
-                break
-            time.sleep(0.2)
-        if why:
-            for p in procs:
-                if p.poll() is None:
-                    _kill(p)
-            for p in procs:
-                p.wait()
-    except BaseException:
-        for p in procs:
-            _kill(p)
-        raise
-    ranks = 2 * nproc
-    out = []
-    for r in range(ranks):
-        try:
-            with open(os.path.join(results, f"rank{r}.json")) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            out.append(None)
-    errors = [res["error"] for res in out if res and res.get("error")]
-    codes = [p.returncode for p in procs]
-    if why or errors or any(codes) or any(res is None or not res.get("ok") for res in out):
-        tails = "\n".join(f"--- {d}/{f}\n{_tail(os.path.join(d, f))}" for d in logs if os.path.isdir(d)
-                          for f in sorted(os.listdir(d)) if f.startswith("workerlog"))
-        what = why or (errors[0] if errors else f"launcher exit codes {codes}")
-        raise LaunchError(f"{name}: {what}\n{tails}")
-    return out
+    master = f"127.0.0.1:{launch.free_port()}"
+    commands, logs = [], []
+    for node_rank, node in enumerate(NODES):
+        cwd = os.path.join(work, node)
+        os.makedirs(cwd, exist_ok=True)
+        log_dir = os.path.join(cwd, f"log-{name}")
+        shutil.rmtree(log_dir, ignore_errors=True)
+        argv = launch.launcher(WORKER, [phase, json.dumps(opts)], nproc, log_dir, nnodes=2, node_rank=node_rank,
+                               master=master)
+        commands.append(launch.Command(argv, cwd, os.path.join(cwd, f"launcher-{name}.out")))
+        logs.append(log_dir)
+    job = launch.run(commands, launch.job_env(), timeout, results, 2 * nproc, logs)
+    if not job.ok:
+        raise LaunchError(f"{name}: {job.error}\n{job.tail(25)}")
+    return job.results
 
 
 LOADED_RE = re.compile(r"loaded checkpoint \d+ from \S+: \d+ bytes by this rank in ([0-9.]+) s")
@@ -464,7 +322,7 @@ def wipe(work: str, node: str, local: str) -> None:
 
 
 # ------------------------------------------------------------------------------ one repeat
-def tiers_block(work: str, args, common: dict, s3_url: str | None, runs: dict, checks: list) -> None:
+def tiers_block(work: str, args: argparse.Namespace, common: dict, s3_url: str | None, runs: dict, checks: list) -> None:
     """save-local, then the four restores, each a fresh job."""
     extra = [["global-disk", os.path.join(work, "global-disk"), "local0"]]
     if s3_url:
@@ -506,7 +364,7 @@ def _add_written(res: list, work: str, name: str, nproc: int) -> None:
             save["written"] = steps.get(save["step"])
 
 
-def one_repeat(rep: int, base: str, args, store, runs: dict, checks: list) -> None:
+def one_repeat(rep: int, base: str, args: argparse.Namespace, store: s3.S3Store | None, runs: dict, checks: list) -> None:
     work = os.path.join(base, f"rep{rep}")
     os.makedirs(work, exist_ok=True)
     common = {"size": args.size, "settle": args.settle, "expected": os.path.join(work, "expected")}
@@ -532,8 +390,9 @@ def one_repeat(rep: int, base: str, args, store, runs: dict, checks: list) -> No
                 store.remove(s3_url)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list | None = None, prog: str = "bench tiers") -> int:
+    """The suite tiers: the table, the ratios and the targets on stdout."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=parse_size, default=1 << 30, help="bytes of float32 state over all ranks (1G)")
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
@@ -544,9 +403,6 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the directories of every repeat")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, HERE)
-    from bench_machine import emit, machine_info
-
     base = args.workdir or tempfile.mkdtemp(prefix="bench_tiers_")
     os.makedirs(base, exist_ok=True)
     t_start = time.perf_counter()
@@ -558,9 +414,7 @@ def main(argv=None) -> int:
                     "machine": machine_info(base), "load_average_start": os.getloadavg()}
     try:
         if not args.no_s3:
-            import bench_s3
-
-            store = bench_s3.S3Store.start(os.path.join(base, "s3"))
+            store = s3.S3Store.start(os.path.join(base, "s3"))
             result["s3_server"] = store.info()
         share = args.size // (2 * args.nproc_per_node)
         result["limits"] = machine_limits(base, share, store)
@@ -586,10 +440,7 @@ def main(argv=None) -> int:
 
 def report(result: dict) -> str:
     m, cfg, lim = result["machine"], result["config"], result.get("limits", {})
-    out = [f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / (1 << 30):.1f} GiB RAM, disk "
-           f"{m['disk']['device']} ({m['disk']['fstype']}); python {m['python']}, paddle {m['paddlepaddle']}; "
-           f"paddle_dcp {m.get('paddle_dcp_commit')}{' (uncommitted changes)' if m.get('paddle_dcp_uncommitted') else ''}; "
-           f"{m['date']}; load average {result['load_average_start'][0]:.2f} at the start, "
+    out = [f"{describe(m)}; load average {result['load_average_start'][0]:.2f} at the start, "
            f"{result['load_average_end'][0]:.2f} at the end; {result['seconds']:.0f} s",
            f"state: {result['bytes'] / MiB:.0f} MiB of float32 over 2 nodes x {cfg['nproc_per_node']} rank(s); "
            f"{cfg['repeat']} repeat(s); every restore checked (step, tier, bytes by source, xxh3_64 of every tensor)"]
@@ -599,15 +450,9 @@ def report(result: dict) -> str:
                    f"xxh3_64 {lim['xxh3']['blocks_gbps']:.2f} GB/s; loopback TCP {lim['tcp_loopback_gbps']:.2f} GB/s; "
                    f"page cache write {pc['write_cold_gbps']:.2f} cold / {pc['write_warm_gbps']:.2f} warm, "
                    f"read {pc['read_gbps']:.2f} GB/s")
-        s3 = lim.get("s3_server")
-        if s3:
-            out.append("S3 server: PUT " + " / ".join(f"{v:.2f}" for v in s3["put_gbps"].values())
-                       + ", GET " + " / ".join(f"{v:.2f}" for v in s3["get_gbps"].values())
-                       + f" GB/s from {' / '.join(s3['put_gbps'])} stream(s)")
+        if lim.get("s3_server"):
+            out.append(s3.speed_line(lim["s3_server"]))
     out += format_table(result["summary"], result["bytes"])
     out += format_targets(result["summary"])
     return "\n".join(out)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

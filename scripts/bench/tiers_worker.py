@@ -1,10 +1,10 @@
-"""One rank of one launch of scripts/bench_tiers.py: a CheckpointManager's save or restore, timed
-inside the rank, the restored values checked.
+"""One rank of one launch of the suite tiers (bench/tiers.py): a CheckpointManager's save or
+restore, timed inside the rank, the restored values checked.
 
-Started by bench_tiers.py on every rank of a two-"node" job (two launches, each in its own
+Started by bench/tiers.py on every rank of a two-"node" job (two launches, each in its own
 working directory, so the relative local directories are each node's own)::
 
-    bench_tiers_worker.py PHASE OPTIONS_JSON
+    tiers_worker.py PHASE OPTIONS_JSON
 
 PHASE:
   save-local   a manager with a local tier (``replicas`` copies, async) and no global step due:
@@ -20,7 +20,7 @@ PHASE:
 The state: ``size`` bytes of float32, tensors of TENSOR_BYTES (64 MiB) global, Shard(0) on a 1-D
 mesh of all ranks; rank r's piece of tensor i at step s is a ramp offset by (i, r, s), so a
 restore of another step or another rank's piece has other digests. Each rank waits ``settle``
-seconds after building its state (see bench_worker.SETTLE: a VM returns memory freed seconds
+seconds after building its state (see io_worker.SETTLE: a VM returns memory freed seconds
 ago to its host), passes a barrier, then times its own call with time.perf_counter. A save's
 "blocked" time is the ``save()`` call, its "total" until ``wait()`` returned. The rank writes
 ``RESULT_DIR/rank{r}.json``; on failure also its error, and it exits 1.
@@ -35,7 +35,11 @@ import traceback
 
 import numpy as np
 
-MiB = 1 << 20
+if __package__ in (None, ""):  # run by path: this directory is the package ``bench``
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.launch import write_result  # noqa: E402
+from bench.units import MiB  # noqa: E402
+
 TENSOR_BYTES = 64 * MiB
 COLS = 1024  # float32 elements per row
 SENTINEL = -7.0  # what restore targets hold before the call
@@ -187,9 +191,7 @@ def main() -> None:
         traceback.print_exc()
         out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         code = 1
-    os.makedirs(opts["results"], exist_ok=True)
-    with open(os.path.join(opts["results"], f"rank{out.get('rank', rank_id)}.json"), "w") as f:
-        json.dump(out, f)
+    write_result(opts["results"], out.get("rank", rank_id), out)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # paddle's interpreter teardown skipped (tests/multirank/scripts/common.py)

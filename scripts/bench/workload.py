@@ -1,4 +1,4 @@
-"""The benchmark's workload and its numpy oracle: stdlib + numpy only (no paddle, no torch).
+"""The tensors of the suites io and many, and their numpy oracle: stdlib + numpy only (no paddle, no torch).
 
 The workload of issue 5 at a chosen total size: half the logical bytes in big tensors (64 MiB,
 smaller when the total is too small to hold several), half in 1 MiB tensors, plus tiny ones
@@ -16,12 +16,12 @@ it sits at the right place of the right tensor.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+from bench.units import MiB
+
 BIG_BYTES = 64 * MiB
 SMALL_BYTES = 1 * MiB
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -54,21 +54,6 @@ class TensorSpec:
     def nbytes(self) -> int:
         """Logical bytes (the global tensor's, counted once however it is laid out)."""
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
-
-
-def parse_size(text: str) -> int:
-    """'1G', '256M', '64MiB', '1048576' -> bytes (K/M/G are powers of 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.I)
-    if not m:
-        raise ValueError(f"size {text!r}: expected a number with an optional K, M or G suffix")
-    return int(m.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[m.group(2).upper()]
-
-
-def human(nbytes: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def _pow2_floor(n: int) -> int:

@@ -4,7 +4,7 @@ AdamW under emulated O2 mixed precision (scripts/compress_train.py), saved at a 
 with int8 moments and with int4 moments and derived master weights, and resumed from each for
 the next steps on the same batches. The yardstick is the uncompressed resume, which must equal
 the uninterrupted run exactly; the tolerance is the one docs/performance.md states
-(scripts/bench_compress.py ``TOLERANCE``). A control shows the tolerance is not vacuous: a resume
+(scripts/bench/compress.py ``TOLERANCE``). A control shows the tolerance is not vacuous: a resume
 whose master weights came from the wrong parameters (two of one shape swapped, what a wrong
 ``source`` would do) is far outside it."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytest.importorskip("paddleformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import paddle_dcp  # noqa: E402
-from bench_compress import TOLERANCE, curve_difference, policy  # noqa: E402
+from bench.compress import TOLERANCE, curve_difference, policy  # noqa: E402
 from compress_train import Run, resume  # noqa: E402
 
 SAVE_AT, STEPS = 100, 60

@@ -1,6 +1,6 @@
-"""The simulation of thousands of ranks (paddle_dcp.tools.simulate, scripts/bench_scale.py) predicts
-the planning traffic of a real job: a real 4-rank save and load report the bytes each rank sent
-and received; the simulation of the same layout must give the same counts within 10%."""
+"""The simulation of thousands of ranks (paddle_dcp.tools.simulate, scripts/bench/scale.py)
+predicts the planning traffic of a real job: a real 4-rank save and load report the bytes each
+rank sent and received; the simulation of the same layout must give the same counts within 10%."""
 import json
 import math
 import re

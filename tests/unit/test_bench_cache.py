@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_worker  # noqa: E402
+from bench import io_worker  # noqa: E402
 
 
 def test_cached_fraction_sees_pages_dropped_from_the_page_cache_and_read_back(tmp_path):
@@ -19,16 +19,16 @@ def test_cached_fraction_sees_pages_dropped_from_the_page_cache_and_read_back(tm
             f.flush()
             os.fsync(f.fileno())  # clean pages can be dropped
     (tmp_path / "0.metadata").write_bytes(b"")  # an empty file counts for nothing
-    assert bench_worker.cached_fraction(str(tmp_path)) == 1.0
+    assert io_worker.cached_fraction(str(tmp_path)) == 1.0
     fd = os.open(tmp_path / "1_0.distcp", os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    dropped = bench_worker.cached_fraction(str(tmp_path))
+    dropped = io_worker.cached_fraction(str(tmp_path))
     if dropped == 1.0:
         pytest.skip("this kernel kept the pages (DONTNEED is advice)")
     assert dropped <= 0.75  # most of the second file's pages are gone
     for rank in range(2):  # each rank reads its share of the files: all pages are back
-        bench_worker.read_files(str(tmp_path), rank, 2)
-    assert bench_worker.cached_fraction(str(tmp_path)) == 1.0
+        io_worker.read_files(str(tmp_path), rank, 2)
+    assert io_worker.cached_fraction(str(tmp_path)) == 1.0

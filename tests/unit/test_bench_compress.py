@@ -1,4 +1,4 @@
-"""The arithmetic of scripts/bench_compress.py: errors against originals, loss curves against
+"""The arithmetic of the suite compress (scripts/bench/compress.py): errors against originals, loss curves against
 the uncompressed resume, ratios to plain and the targets' verdicts, with hand-computed oracles."""
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_compress as bc  # noqa: E402
+from bench import compress as bc  # noqa: E402
 
 
 def test_relative_errors_per_element_skip_zeros_and_per_tensor_use_the_range_and_the_sums():

@@ -1,4 +1,4 @@
-"""The many-small-tensors benchmark (scripts/bench_many.py): its counts, its workload's mix,
+"""The suite many of the benchmarks (scripts/bench/many.py): its counts, its workload's mix,
 the best run and the ratio of the time per tensor from the smallest count to the largest."""
 import sys
 from pathlib import Path
@@ -6,19 +6,18 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_many  # noqa: E402
-import bench_many_worker  # noqa: E402
+from bench import many, many_worker  # noqa: E402
 
 
 def test_counts_take_k_for_thousands_and_come_sorted_once_each():
-    assert bench_many.parse_counts("100k, 10k,30k,10000") == [10_000, 30_000, 100_000]
+    assert many.parse_counts("100k, 10k,30k,10000") == [10_000, 30_000, 100_000]
     for bad in ("", "ten", "0", "-1k"):
         with pytest.raises(ValueError):
-            bench_many.parse_counts(bad)
+            many.parse_counts(bad)
 
 
 def test_the_workload_is_small_tensors_mostly_sharded_each_named_once():
-    specs = bench_many_worker.build_specs(1000)
+    specs = many_worker.build_specs(1000)
     assert len(specs) == 1000 and len({s.name for s in specs}) == 1000 and len({s.seed for s in specs}) == 1000
     sizes = sorted(s.nbytes for s in specs)
     assert sizes[0] == 1024 and sizes[-1] == 4096  # 1 to 4 KiB
@@ -35,7 +34,7 @@ def run(phase, n, seconds, ok=True, cpu=None):
 def test_the_summary_takes_each_best_run_and_the_ratio_of_time_per_tensor():
     runs = [run("load", 10_000, 2.0), run("load", 10_000, 1.0, cpu=0.8), run("load", 100_000, 12.0, cpu=9.6),
             run("load", 30_000, 0.1, ok=False), run("save", 10_000, 3.0)]
-    s = bench_many.summarize(runs, [10_000, 30_000, 100_000])
+    s = many.summarize(runs, [10_000, 30_000, 100_000])
     rows = {(e["phase"], e["tensors"]): e for e in s["table"]}
     assert set(rows) == {("load", 10_000), ("load", 100_000), ("save", 10_000)}  # a failed run counts for nothing
     assert rows[("load", 10_000)]["seconds"] == 1.0 and rows[("load", 10_000)]["us_per_tensor"] == pytest.approx(100)

@@ -1,4 +1,4 @@
-"""The node-local tier's benchmark (scripts/bench_tiers.py): its figures, ratios and targets,
+"""The node-local tier's benchmark, the suite tiers (scripts/bench/tiers.py): its figures, ratios and targets,
 the check that a restore took its bytes from the source meant, and the state's layout."""
 import sys
 from pathlib import Path
@@ -6,11 +6,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_tiers  # noqa: E402
-import bench_tiers_worker  # noqa: E402
+from bench import tiers, tiers_worker  # noqa: E402
 
 MiB = 1 << 20
-A, B = bench_tiers.NODES
+A, B = tiers.NODES
 SHARE = 512 * MiB
 
 
@@ -29,7 +28,7 @@ def summary_of(local, peer, s3, local_async_blocked, async_blocked):
                         "global-s3": [restore_run(*r) for r in s3]},
             "save": {"local-async": [save_run([(b, 5.0)] * 2, [(b, 4.0)] * 2) for b in local_async_blocked],
                      "async": [save_run([(b, 3.0)] * 2, [(b, 2.0)] * 2) for b in async_blocked]}}
-    return bench_tiers.summarize(runs)
+    return tiers.summarize(runs)
 
 
 def test_a_repeat_counts_its_slowest_rank_and_the_summary_is_best_and_median():
@@ -44,33 +43,33 @@ def test_a_repeat_counts_its_slowest_rank_and_the_summary_is_best_and_median():
 def test_targets_hold_on_the_best_figures_and_say_when_the_medians_disagree():
     s = summary_of(local=[(1.0,), (1.0,)], peer=[(1.5,), (2.5,)], s3=[(6.0,), (6.0,)],
                    local_async_blocked=[0.3, 0.3], async_blocked=[0.3, 0.3])
-    t = {x["target"]: x for x in bench_tiers.check_targets(s)}
+    t = {x["target"]: x for x in tiers.check_targets(s)}
     s3 = t["peer restore >= 3x faster than S3"]
     assert s3["ratio"]["best"] == pytest.approx(4.0) and s3["ok"] is True and s3["median_ok"] is True
     near = t["peer restore within 2x of local"]
     assert near["ratio"] == {"best": pytest.approx(1.5), "median": pytest.approx(2.0)} and near["ok"] and near["median_ok"]
     assert t["local-tier async save blocks <= today's async (later save)"]["ok"] is True  # equal is within
-    text = "\n".join(bench_tiers.format_targets(s))
+    text = "\n".join(tiers.format_targets(s))
     assert "PASS peer restore >= 3x faster than S3" in text and "(target >= 3x)" in text
     s = summary_of(local=[(1.0,), (1.0,)], peer=[(1.5,), (3.5,)], s3=[(5.0,), (5.0,)],
                    local_async_blocked=[0.4, 0.4], async_blocked=[0.3, 0.3])
-    t = {x["target"]: x for x in bench_tiers.check_targets(s)}
+    t = {x["target"]: x for x in tiers.check_targets(s)}
     assert t["peer restore within 2x of local"]["ok"] is True and t["peer restore within 2x of local"]["median_ok"] is False
     assert t["peer restore >= 3x faster than S3"]["ok"] is True and t["peer restore >= 3x faster than S3"]["median_ok"] is False
-    text = "\n".join(bench_tiers.format_targets(s))
+    text = "\n".join(tiers.format_targets(s))
     assert "(median: MISS)" in text and "MISS local-tier async save blocks <= today's async (later save)" in text
 
 
 def test_a_target_without_its_figures_is_not_measured():
     s = summary_of(local=[(1.0,)], peer=[(1.0,)], s3=[], local_async_blocked=[0.1], async_blocked=[0.1])
-    t = {x["target"]: x for x in bench_tiers.check_targets(s)}
+    t = {x["target"]: x for x in tiers.check_targets(s)}
     assert t["peer restore >= 3x faster than S3"]["ratio"] is None and t["peer restore >= 3x faster than S3"]["ok"] is None
-    assert "NOT MEASURED peer restore >= 3x faster than S3" in bench_tiers.format_targets(s)
+    assert "NOT MEASURED peer restore >= 3x faster than S3" in tiers.format_targets(s)
 
 
 def test_the_table_gives_seconds_and_gigabytes_per_second_at_the_best():
     s = summary_of(local=[(0.5,)], peer=[(1.0,)], s3=[(4.0,)], local_async_blocked=[0.1], async_blocked=[0.2])
-    lines = bench_tiers.format_table(s, 10**9)
+    lines = tiers.format_table(s, 10**9)
     assert "| restore, own local tier | 0.50 | 0.50 | 2.00 | - |" in lines
     assert "| save, global only (async, today), later, blocked | 0.20 | 0.20 | 5.00 | |" in lines
     assert not any("global tier on disk" in line for line in lines)
@@ -81,7 +80,7 @@ def report(tier, local=0, peer=0, glob=0):
 
 
 def test_each_restore_must_take_its_bytes_from_the_source_meant():
-    check = bench_tiers.source_check
+    check = tiers.source_check
     assert check("local", [(A, report("local", SHARE)), (B, report("local", SHARE))], SHARE) == ""
     assert "own node" in check("local", [(A, report("local", SHARE)), (B, report("local", 0, SHARE))], SHARE)
     assert check("peer", [(A, report("local", SHARE)), (B, report("local", 0, SHARE))], SHARE) == ""
@@ -99,50 +98,50 @@ def test_each_restore_must_take_its_bytes_from_the_source_meant():
 
 @pytest.mark.parametrize("size,ranks", [(1 << 30, 2), (1 << 30, 4), (64 * MiB, 2), (100 * MiB + 12345, 2)])
 def test_the_state_is_float32_in_tensors_of_at_most_64_mib_split_evenly_over_the_ranks(size, ranks):
-    shapes = [shape for _, shape in bench_tiers_worker.layout(size, ranks)]
-    row = 4 * bench_tiers_worker.COLS
-    assert all(rows % ranks == 0 and rows * row <= bench_tiers_worker.TENSOR_BYTES for rows, _ in shapes)
+    shapes = [shape for _, shape in tiers_worker.layout(size, ranks)]
+    row = 4 * tiers_worker.COLS
+    assert all(rows % ranks == 0 and rows * row <= tiers_worker.TENSOR_BYTES for rows, _ in shapes)
     total = sum(rows * row for rows, _ in shapes)
     assert size - row * ranks < total <= size
-    assert len({key for key, _ in bench_tiers_worker.layout(size, ranks)}) == len(shapes)
+    assert len({key for key, _ in tiers_worker.layout(size, ranks)}) == len(shapes)
 
 
 def test_pieces_differ_by_step_rank_and_tensor():
-    pieces = [bench_tiers_worker.piece(i, r, s, 4) for i, r, s in ((0, 0, 1), (0, 0, 2), (0, 1, 1), (1, 0, 1))]
-    digests = {bench_tiers_worker.digest(p) for p in pieces}
+    pieces = [tiers_worker.piece(i, r, s, 4) for i, r, s in ((0, 0, 1), (0, 0, 2), (0, 1, 1), (1, 0, 1))]
+    digests = {tiers_worker.digest(p) for p in pieces}
     assert len(digests) == len(pieces)
-    assert bench_tiers_worker.digest(bench_tiers_worker.piece(0, 0, 1, 4)) == bench_tiers_worker.digest(pieces[0])
+    assert tiers_worker.digest(tiers_worker.piece(0, 0, 1, 4)) == tiers_worker.digest(pieces[0])
 
 
 def test_the_load_step_is_read_from_the_workers_logs_and_summarized(tmp_path):
-    for node, seconds in zip(bench_tiers.NODES, ("0.115", "0.478")):
+    for node, seconds in zip(tiers.NODES, ("0.115", "0.478")):
         log = tmp_path / node / "log-restore-peer"
         log.mkdir(parents=True)
         (log / "workerlog.0").write_text(
             "noise\n[..] INFO api.py:275 - loaded checkpoint 2 from local: 536870912 bytes by this rank in "
             f"{seconds} s\n")
-    assert bench_tiers.load_seconds(str(tmp_path), "restore-peer", 1) == [0.115, 0.478]
-    assert bench_tiers.load_seconds(str(tmp_path), "restore-local", 1) == [None, None]
+    assert tiers.load_seconds(str(tmp_path), "restore-peer", 1) == [0.115, 0.478]
+    assert tiers.load_seconds(str(tmp_path), "restore-local", 1) == [None, None]
     runs = {"restore": {"peer": [[{"seconds": 0.7, "load_seconds": 0.1}, {"seconds": 0.75, "load_seconds": 0.5}]],
                         "local": [[{"seconds": 0.5, "load_seconds": None}, {"seconds": 0.5}]]}}
-    s = bench_tiers.summarize(runs)
+    s = tiers.summarize(runs)
     assert s["restore.peer.load"]["best"] == 0.5 and "restore.local.load" not in s
-    assert "| restore, other node's copies | 0.75 | 0.75 | 1.33 | 0.50 (0.50) |" in bench_tiers.format_table(s, 10**9)
+    assert "| restore, other node's copies | 0.75 | 0.75 | 1.33 | 0.50 (0.50) |" in tiers.format_table(s, 10**9)
 
 
 def test_a_saves_written_time_is_read_from_the_workers_logs_the_first_line_of_each_step(tmp_path):
-    for node in bench_tiers.NODES:
+    for node in tiers.NODES:
         log = tmp_path / node / "log-save-local"
         log.mkdir(parents=True)
         (log / "workerlog.0").write_text(
             "[..] INFO api.py:165 - saved checkpoint 1 to local: 536870912 bytes written by this rank in 6.534 s\n"
             "[..] INFO api.py:165 - saved checkpoint 2 to local: 536870912 bytes written by this rank in 3.231 s (plan reused)\n"
             "[..] INFO api.py:165 - saved checkpoint 2 to local0: 536870912 bytes written by this rank in 0.669 s\n")
-    assert bench_tiers.written_seconds(str(tmp_path), "save-local", 1) == [{1: 6.534, 2: 3.231}] * 2
+    assert tiers.written_seconds(str(tmp_path), "save-local", 1) == [{1: 6.534, 2: 3.231}] * 2
     res = [{"saves": [{"step": 1, "blocked": 1.0, "total": 9.0}, {"step": 2, "blocked": 0.2, "total": 5.0}]}
            for _ in range(2)]
-    bench_tiers._add_written(res, str(tmp_path), "save-local", 1)
-    s = bench_tiers.summarize({"save": {"local-async": [res]}})
+    tiers._add_written(res, str(tmp_path), "save-local", 1)
+    s = tiers.summarize({"save": {"local-async": [res]}})
     assert s["save.local-async.later.written"]["best"] == 3.231
-    line = next(x for x in bench_tiers.format_table(s, 10**9) if "later, total" in x)
+    line = next(x for x in tiers.format_table(s, 10**9) if "later, total" in x)
     assert line.endswith("| 3.23 (3.23) |")

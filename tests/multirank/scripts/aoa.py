@@ -3,7 +3,7 @@ differently named, transposed, fused, cast and tensor-parallel state dict; every
 values are compared with a numpy oracle built here, and bit for bit with paddle's built-in
 ``paddle.distributed.load_state_dict(..., aoa_config=...)`` of a checkpoint paddle's built-in
 saved from the same values (on a CPU build with its GPU staging patched out, as
-scripts/bench_worker.py does).
+scripts/bench/io_worker.py does).
 
 Usage (under paddle.distributed.launch, 2 ranks): aoa.py DIR [case ...]
 """

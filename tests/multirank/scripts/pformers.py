@@ -1,7 +1,7 @@
 """PaddleFormers as the client of paddle.distributed's checkpoints, routed to paddle_dcp.
 
 ``pformers.py ROOT LIB PHASE``: LIB is ``dcp`` (under ``paddle_dcp.patch_paddle()``) or
-``builtin`` (paddle's own functions, their GPU staging patched out as scripts/bench_worker.py
+``builtin`` (paddle's own functions, their GPU staging patched out as scripts/bench/io_worker.py
 does, to show the harness and its oracles work). Every file goes under ``ROOT/LIB``.
 
 Phases (one launch each, 2 ranks, CPU, a tiny Llama built from a config: no download):

@@ -119,7 +119,7 @@ def builtin_case():
     """paddle.distributed.load_state_dict(..., safetensors=True) fills Shard(0) targets from an
     index and 2 shards as ours do (its reader knows no I64: float tensors only; it writes an
     auto-generated metadata file into the directory, so it gets a directory of its own)."""
-    paddle.Tensor.cuda = lambda self, *a, **k: self  # its broadcasts stage through the GPU (see bench_worker)
+    paddle.Tensor.cuda = lambda self, *a, **k: self  # its broadcasts stage through the GPU (see scripts/bench/io_worker.py)
     keys = ["embed.weight", "layers.0.b"]
     theirs_dir, ours_dir = os.path.join(ROOT, "floats_paddle"), os.path.join(ROOT, "floats")
     if R == 0:

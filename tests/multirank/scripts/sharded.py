@@ -217,7 +217,7 @@ def replicas_written():
 
 def paddle_builtin_agrees():
     """paddle.distributed's own save / load of the same ShardedWeight state dicts (on CPU, its
-    GPU staging patched out as scripts/bench_worker.py does) gives the same values as ours."""
+    GPU staging patched out as scripts/bench/io_worker.py does) gives the same values as ours."""
     import paddle.distributed as pdist
 
     original = paddle.Tensor.cuda

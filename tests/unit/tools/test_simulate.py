@@ -129,7 +129,7 @@ def test_the_coordinators_part_of_a_load_barely_grows_with_the_ranks():
     bytes received and the same tensor entries parsed at 256 and at 2048 ranks, and function
     calls that grow far slower than the ranks (a coordinator's load once looked 14x slower for
     8x the ranks; that was the garbage collector landing in the timed step, see
-    scripts/bench_scale.py's settle(), but a load whose work grew with the ranks would show
+    scripts/bench/scale.py's settle(), but a load whose work grew with the ranks would show
     here)."""
     seen = {}
     for dp in (32, 256):
