@@ -10,7 +10,7 @@ Two drivers run these same generators:
   * :func:`run` for a real rank, executing each request on a :class:`~paddle_dcp.parallel.comm.Comm`;
   * :func:`paddle_dcp.parallel.simworld.SimWorld.run` for every rank of a job in one process, advancing all
     generators in lockstep, so that a simulation of thousands of ranks executes the very steps
-    and messages of a real save or load (scripts/bench_scale.py).
+    and messages of a real save or load (``python scripts/bench scale``).
 
 Every local step ends with an agreement (``Agree``): when it failed on any rank, every rank
 raises the same CollectiveError, so no rank is left waiting in the next collective.

@@ -1,5 +1,5 @@
 """Every rank of a job in one process: the second driver of the save and load protocols, for
-measuring them at scale (:mod:`paddle_dcp.tools.simulate`, scripts/bench_scale.py). Each
+measuring them at scale (:mod:`paddle_dcp.tools.simulate`, ``python scripts/bench scale``). Each
 rank's traffic is counted with the cost functions a real comm counts with
 (:mod:`paddle_dcp.parallel.comm`)."""
 from __future__ import annotations

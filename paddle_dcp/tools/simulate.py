@@ -4,7 +4,7 @@ No tensors and no files: each simulated rank holds a layout (its skeleton and th
 pieces); writing returns the checksum count a real write would produce; the metadata is built,
 serialized and parsed for real. The collectives are :class:`paddle_dcp.parallel.simworld.SimWorld`'s, which
 hand each rank what the real collective would and count its bytes with the real comm's cost
-functions, so the figures predict a real job's planning traffic (scripts/bench_scale.py; a
+functions, so the figures predict a real job's planning traffic (``python scripts/bench scale``; a
 multi-process test checks the prediction against a real 4-rank run).
 """
 from __future__ import annotations
