@@ -78,6 +78,14 @@ def cast(array: np.ndarray, source: str, target: str) -> np.ndarray:
     return values.astype(storage_dtype(target))
 
 
+def finite(array: np.ndarray, dtype: str) -> bool:
+    """Whether every value of ``array`` (the storage dtype of float ``dtype``; bfloat16 as bit
+    patterns) is finite."""
+    if dtype == "bfloat16":
+        return not ((array & np.uint16(0x7F80)) == np.uint16(0x7F80)).any()
+    return bool(np.isfinite(array).all())
+
+
 # The format's dtype names -> safetensors' dtype codes (safetensors has no complex128).
 SAFETENSORS_CODES = {
     "bool": "BOOL",

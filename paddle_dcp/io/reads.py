@@ -13,7 +13,7 @@ import numpy as np
 from ..core import quant
 from ..core.boxes import Box, c_strides, element_span
 from ..core.checksums import check_blocks
-from ..core.dtypes import as_bytes, cast, storage_dtype
+from ..core.dtypes import as_bytes, cast, finite, storage_dtype
 from ..core.load_plan import ReadOp, Segment
 from ..core.metadata import Metadata, SavedPiece, TensorEntry
 from ..errors import FormatError
@@ -67,7 +67,17 @@ def saved_region(buf: np.ndarray, buf_start: int, piece: SavedPiece, region: Box
         raise FormatError(f"{entry.key}: piece at offset {piece.box.offsets}: {exc}") from None
     strides = tuple(s * values.itemsize for s in c_strides(piece.box.shape))
     view = np.lib.stride_tricks.as_strided(values, region.shape, strides, writeable=False)
-    return cast(view, "float32", entry.dtype)
+    out = cast(view, "float32", entry.dtype)
+    if not finite(out, entry.dtype):
+        raise FormatError(f"{entry.key}: piece at offset {piece.box.offsets}: its blocks decode to values past {entry.dtype}'s range")
+    return out
+
+
+def check_values(values: np.ndarray, dtype: str, key: str, source: str) -> None:
+    """Refuse values of a ``dtype`` tensor that no tensor of it holds: a bool stored as a byte
+    other than 0 and 1 (paddle would read 2 as true and its negation as true too)."""
+    if dtype == "bool" and values.size and values.view(np.uint8).max() > 1:
+        raise FormatError(f"{source}: tensor {key!r} holds bytes other than 0 and 1 in a bool piece")
 
 
 def verify_segment(meta: Metadata, files: DataFiles, file: int, seg: Segment, data: memoryview) -> None:
@@ -148,6 +158,8 @@ def execute_op(
         fetch(op, dest)
         if verify:
             verify_segment(meta, files, op.file, seg, dest)
+        check_values(target.reshape(-1)[first : first + copy.region_in_target.volume], meta.tensors[seg.piece.key].dtype,
+                     seg.piece.key, files.name(op.file))
         return
     buf = staging.get(op.nbytes)
     fetch(op, buf.data)
@@ -164,6 +176,7 @@ def _verify_and_copy(op: ReadOp, meta: Metadata, files: DataFiles, targets, buf:
         entry = meta.tensors[seg.piece.key]
         for c in seg.copies:
             values = saved_region(buf, op.start, seg.piece, c.region_in_saved, entry)
+            check_values(values, entry.dtype, entry.key, files.name(op.file))
             if c.dtype is not None:  # a derived tensor, read from its source
                 values = cast(values, entry.dtype, c.dtype)
             targets[c.target][c.region_in_target.slices()] = values

@@ -282,6 +282,26 @@ def test_a_damaged_scale_read_without_checksums_is_a_format_error_not_a_wrong_va
         paddle_dcp.load_state_dict(sd, path, verify=False)
 
 
+@pytest.mark.parametrize("dtype, low", [("float16", 1e6), ("bfloat16", 3.4e38)])
+def test_blocks_that_decode_past_the_tensors_dtype_are_a_format_error_not_infinities(tmp_path, dtype, low):
+    """A block whose float32 decode is finite but past what the tensor's dtype holds (float16
+    above 65504; bfloat16 rounding to inf near float32's maximum), read without checksums: a
+    FormatError naming the key, never a tensor of infinities."""
+    array = values_of((4, 300), dtype, seed=3)
+    save_checkpoint(str(tmp_path), {"m": array}, {"m": dtype}, (1,), {"m": (None,)}, compress={"m": "int8"})
+    _set_scale(str(tmp_path), 1, low, 0.0)
+    if dtype == "bfloat16":  # numpy has no bfloat16: a paddle tensor holds it
+        import paddle
+
+        sd = {"model": {"m": paddle.zeros([4, 300], dtype="bfloat16")}}
+    else:
+        sd = {"model": {"m": np.zeros((4, 300), np.float16)}}
+    with pytest.raises(FormatError, match=rf"model\.m.*past {dtype}'s range"):
+        paddle_dcp.load_state_dict(sd, str(tmp_path), verify=False)
+    _set_scale(str(tmp_path), 1, 60000.0, 0.0)  # inside float16's range, and bfloat16's: loads
+    paddle_dcp.load_state_dict(sd, str(tmp_path), verify=False)
+
+
 def _doc(path):
     """The checkpoint's metadata as a version 2 JSON document (the layout a save wrote before
     version 3, which a load still reads): the cases below edit it."""

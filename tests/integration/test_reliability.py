@@ -792,3 +792,28 @@ def test_a_metadata_edited_without_its_digest_is_refused_before_any_byte_moves(c
     write_doc(ck, doc, digest=False)
     load_fails(ck, FormatError, "0.metadata", "digest")
     assert not [p for p in opened if p.endswith(".distcp")], opened
+
+
+def test_a_bool_tensor_holding_bytes_other_than_0_and_1_is_a_format_error(tmp_path):
+    """A stranger's safetensors file whose BOOL tensor holds bytes 2 and 255 (paddle would call
+    both true, and their negation true too): refused naming the key and the file; through a
+    directory checkpoint's bool piece read without checksums too."""
+    import struct
+
+    header = json.dumps({"flags": {"dtype": "BOOL", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes([0, 1, 2, 255]))
+    sd = {"flags": np.zeros(4, np.bool_)}
+    with pytest.raises(FormatError, match=r"bad\.safetensors.*'flags' holds bytes other than 0 and 1"):
+        paddle_dcp.load_state_dict(sd, str(path))
+    assert not sd["flags"].any()
+    ck = str(tmp_path / "ck")
+    os.makedirs(ck)
+    save_checkpoint(ck, {"b": np.array([True, False, True])}, {"b": "bool"}, (1,), {"b": (None,)})
+    name = os.path.join(ck, "0_0.distcp")
+    raw = bytearray(open(name, "rb").read())
+    at = raw.index(bytes([1, 0, 1]))
+    raw[at + 1] = 7
+    open(name, "wb").write(bytes(raw))
+    with pytest.raises(FormatError, match=r"0_0\.distcp.*'model\.b' holds bytes other than 0 and 1"):
+        paddle_dcp.load_state_dict({"model": {"b": np.zeros(3, np.bool_)}}, ck, verify=False)

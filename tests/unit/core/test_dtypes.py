@@ -85,3 +85,13 @@ def test_as_bytes_views_a_contiguous_array_without_a_copy():
     assert view[0] == 7  # the array's own memory
     with pytest.raises(ValueError, match="C-contiguous"):
         dtypes.as_bytes(a.T)
+
+
+def test_finite_reads_bfloat16_bit_patterns_and_numpy_floats():
+    from paddle_dcp.core.dtypes import finite
+
+    assert finite(np.array([0x3F80, 0x7F7F, 0xFF7F], np.uint16), "bfloat16")  # 1, max, -max
+    for bits in (0x7F80, 0xFF80, 0x7FC0):  # inf, -inf, nan
+        assert not finite(np.array([0x3F80, bits], np.uint16), "bfloat16")
+    assert finite(np.array([65504, -1], np.float16), "float16") and not finite(np.array([np.inf], np.float16), "float16")
+    assert finite(np.zeros(0, np.float32), "float32")
