@@ -16,7 +16,9 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
 import logging
+import os
 import queue
+import sys
 import threading
 from typing import Callable
 
@@ -115,17 +117,38 @@ def wait_async_save(timeout: float | None = None) -> None:
         raise errors[0]
 
 
+_FAILED_AT_EXIT: list[BaseException] = []
+
+
 def _finish_pending_saves() -> None:  # an interpreter exiting must not abandon a save
     for handle in list(_PENDING):
         try:
             handle.wait()
         except BaseException as exc:  # noqa: BLE001 - nobody is left to raise it to
             logger.error("an async save failed: %s", exc)
+            _FAILED_AT_EXIT.append(exc)
+
+
+def _fail_the_exit() -> None:
+    """The last exit hook: when a save the exit waited for failed, the process ends with status
+    1 (nobody was left to raise it to, and a scheduler must not take the run for a success):
+    the standard streams and logging are flushed first, the hooks after this one skipped."""
+    if not _FAILED_AT_EXIT:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced: nothing to flush
+            pass
+    os._exit(1)
 
 
 # An exiting interpreter first runs threading's exit hooks, newest first: concurrent.futures'
 # stops every thread pool from taking work (a data file's writer uses one), so the pending
 # saves must be finished by a hook registered after it, not by atexit, which runs later.
+# atexit runs its hooks newest first: _fail_the_exit, registered first, runs last.
+atexit.register(_fail_the_exit)
 atexit.register(_finish_pending_saves)
 try:
     threading._register_atexit(_finish_pending_saves)

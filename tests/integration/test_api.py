@@ -52,3 +52,34 @@ def test_a_missing_parameter_is_not_called_a_buffer(tmp_path):
     with pytest.raises(paddle_dcp.MismatchError) as info:
         paddle_dcp.load_state_dict(Rotary().state_dict(), str(tmp_path))
     assert "fc.weight" in str(info.value) and "look like buffers" not in str(info.value)
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_an_async_save_that_fails_while_the_interpreter_exits_makes_the_exit_status_one(tmp_path, fails):
+    """A script that returns while its async save is still running: the exit waits for the
+    save; when it fails, the error is logged and the process ends with status 1 (a scheduler
+    must not take the run for a success), its output flushed; when it succeeds, status 0."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import logging, sys, time
+        logging.basicConfig(level=logging.ERROR)
+        from paddle_dcp import async_save
+
+        def save():
+            time.sleep(0.3)
+            if {fails}:
+                raise OSError("the disk filled up")
+            return 1
+
+        async_save.submit(save)
+        print("script done", flush=False)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "script done" in run.stdout
+    if fails:
+        assert run.returncode == 1 and "an async save failed: the disk filled up" in run.stderr, run
+    else:
+        assert run.returncode == 0 and run.stderr == "", run
