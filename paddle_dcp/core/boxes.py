@@ -6,6 +6,7 @@ piece), ``in_target`` (relative to a rank's local piece).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from operator import add, mul, sub
@@ -223,6 +224,44 @@ def first_overlap(los: Sequence[Sequence[int]], his: Sequence[Sequence[int]]) ->
     return None
 
 
+def first_overlap_2d(offsets: np.ndarray, ends: np.ndarray) -> tuple[int, int] | None:
+    """A pair of indices of boxes [offsets, ends) of 1 or 2 dims that share an element, or
+    None, in O(p log p): a sweep along dim 0 keeps the boxes the sweep line crosses sorted by
+    where they start in dim 1. While no two of them overlap, their dim-1 intervals are
+    disjoint, so a box that joins can only meet its two neighbours in that order
+    (:func:`intervals_meet`, called at most twice per box)."""
+    p = len(offsets)
+    if offsets.shape[1] == 1:  # a vector: every box spans [0, 1) of a second dim
+        offsets = np.column_stack([offsets, np.zeros(p, np.int64)])
+        ends = np.column_stack([ends, np.ones(p, np.int64)])
+    x0, x1 = offsets[:, 0].tolist(), ends[:, 0].tolist()
+    y0, y1 = offsets[:, 1].tolist(), ends[:, 1].tolist()
+    by_start = sorted(range(p), key=x0.__getitem__)
+    by_end = sorted(range(p), key=x1.__getitem__)
+    keys: list[tuple[int, int]] = []  # (dim-1 start, index) of the open boxes, sorted
+    gone = 0
+    for i in by_start:
+        while gone < p and x1[by_end[gone]] <= x0[i]:  # half-open: a box ending here is closed
+            j = by_end[gone]
+            gone += 1
+            at = bisect.bisect_left(keys, (y0[j], j))
+            if at < len(keys) and keys[at][1] == j:
+                del keys[at]
+        at = bisect.bisect_left(keys, (y0[i], i))
+        for n in (at - 1, at):
+            if 0 <= n < len(keys):
+                j = keys[n][1]
+                if intervals_meet(y0[i], y1[i], y0[j], y1[j]):
+                    return (j, i) if j < i else (i, j)
+        keys.insert(at, (y0[i], i))
+    return None
+
+
+def intervals_meet(a0: int, a1: int, b0: int, b1: int) -> bool:
+    """Whether [a0, a1) and [b0, b1) share a point."""
+    return max(a0, b0) < min(a1, b1)
+
+
 def check_tiling(
     key: str,
     global_shape: Sequence[int],
@@ -237,7 +276,9 @@ def check_tiling(
 
     Up to ``few`` boxes are compared pair by pair in plain Python (cheaper than numpy's cost
     per call for the few pieces most tensors have). More run in O(p log p) for grid layouts
-    (the only kind a save from placements produces), falling back to a sweep along dim 0.
+    (the only kind a save from placements produces) and for any layout of 1 or 2 dims
+    (:func:`first_overlap_2d`); other layouts of 3 or more dims fall back to a sweep along dim
+    0 that compares each box with those still open.
     """
     global_shape, offsets, shapes = check_inside(key, global_shape, offsets, shapes)
     p, ndim = shapes.shape
@@ -270,7 +311,15 @@ def check_tiling(
         if require_cover and covered != total:
             raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
         return
-    # general layouts: sweep along dim 0, compare each box with those still open
+    if ndim <= 2:  # any layout of a vector or a matrix: O(p log p)
+        pair = first_overlap_2d(offsets, ends)
+        if pair is not None:
+            i, j = pair
+            raise PlanError(f"{key}: pieces at offsets {tuple(offsets[i].tolist())} and {tuple(offsets[j].tolist())} overlap")
+        if require_cover and covered != total:
+            raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
+        return
+    # other layouts of 3 or more dims: sweep along dim 0, compare each box with those still open
     order = np.lexsort(tuple(offsets[:, d] for d in reversed(range(ndim))))
     o, e = offsets[order], ends[order]
     open_idx: list[int] = []

@@ -408,3 +408,43 @@ def test_flat_range_boxes_are_the_range_in_order(shape, data):
         assert end - first == box.volume  # one contiguous run
         got.extend(range(first, end))
     assert got == list(range(start, stop))
+
+
+def staggered(rows: int, cols: int) -> tuple[tuple[int, int], np.ndarray, np.ndarray]:
+    """A (rows, 2 * cols) matrix tiled like bricks: every row cut into ``cols`` pieces, the odd
+    rows shifted by one element (a half brick at each end): no grid, every row's cuts differ
+    from its neighbours'."""
+    offsets, shapes_ = [], []
+    for r in range(rows):
+        cuts = list(range(0, 2 * cols + 1, 2)) if r % 2 == 0 else [0] + list(range(1, 2 * cols, 2)) + [2 * cols]
+        for a, b in zip(cuts, cuts[1:]):
+            offsets.append((r, a))
+            shapes_.append((1, b - a))
+    return (rows, 2 * cols), np.array(offsets, np.int64), np.array(shapes_, np.int64)
+
+
+@pytest.mark.parametrize("rows, cols", [(2, 5_000), (2, 50_000), (100, 1_000)])
+def test_a_non_grid_layout_is_checked_with_a_bounded_number_of_comparisons_per_piece(monkeypatch, rows, cols):
+    """The sweep of any matrix layout compares each piece with at most two open neighbours:
+    10k and 100k staggered pieces (the layout the old sweep compared pairwise, a row at a
+    time) cost at most 2 comparisons a piece, and a brick moved onto its neighbour is found."""
+    from paddle_dcp.core import boxes
+
+    calls = [0]
+    real = boxes.intervals_meet
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(boxes, "intervals_meet", counting)
+    shape, offsets, shapes_ = staggered(rows, cols)
+    p = len(offsets)
+    check_tiling(KEY, shape, offsets, shapes_, few=0)
+    assert calls[0] <= 2 * p, (calls[0], p)
+    shapes_[p // 2, 1] += 1  # grows into the next brick of its row
+    shapes_[p // 2 + 2, 1] -= 1  # and a brick after it shrinks: the volumes still add up
+    calls[0] = 0
+    with pytest.raises(PlanError, match="overlap"):
+        check_tiling(KEY, shape, offsets, shapes_, few=0)
+    assert calls[0] <= 2 * p
