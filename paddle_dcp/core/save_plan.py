@@ -342,6 +342,24 @@ def distinct_pieces(summaries: Sequence[SaveSummary]) -> DistinctPieces:
     )
 
 
+def gather_senders(distinct: DistinctPieces, keys: Sequence[str], root: int) -> dict[str, list[tuple[int, Box]]]:
+    """A gathered save's holder policy over the distinct pieces (where :func:`plan_save`'s is
+    the writers'): one sender per piece of each of ``keys``, in that order, the gathering rank
+    ``root`` when it holds the piece, else the holder that has sent the fewest elements so far
+    (the lowest rank on a tie)."""
+    sent: dict[int, int] = {}
+    chosen: dict[str, list[tuple[int, Box]]] = {}
+    for key in keys:
+        out = []
+        for box, who in distinct.of(distinct.position(key)):
+            r = root if root in who else min(who, key=lambda x: (sent.get(x, 0), x))
+            if r != root:
+                sent[r] = sent.get(r, 0) + box.volume
+            out.append((r, box))
+        chosen[key] = out
+    return chosen
+
+
 def _piece_nbytes(p_key: np.ndarray, p_shape: np.ndarray, nds: np.ndarray, stored: Sequence[tuple]) -> np.ndarray:
     """Stored bytes of every piece (rows of ``p_shape``, padded to the largest rank), its
     key's (dtype, encoding) in ``stored``."""

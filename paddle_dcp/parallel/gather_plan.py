@@ -117,8 +117,9 @@ def plan_gather(
 ) -> GatherPlan:
     """Plan a gathered save from every rank's summary (in group order; the summaries a save
     sends, :func:`paddle_dcp.parallel.wire.decode_summary`). Pure: no I/O. The distinct pieces
-    and their holders are a save plan's (:func:`paddle_dcp.core.save_plan.distinct_pieces`);
-    only the choice of who sends each differs.
+    and their holders are a save plan's (:func:`paddle_dcp.core.save_plan.distinct_pieces`),
+    who sends each its holder policy for a gathered save
+    (:func:`paddle_dcp.core.save_plan.gather_senders`).
 
     Raises:
         MismatchError: ranks disagree on a tensor's dtype or shape, on what is a tensor, or (for
@@ -131,7 +132,7 @@ def plan_gather(
     if "__metadata__" in distinct.keys:
         raise FormatError("the key '__metadata__' is reserved by safetensors; rename that entry of the state dict")
     tensors = _file_layout(nested.tensor_keys(skeleton), distinct)
-    chosen = _choose_senders(tensors, distinct, root)
+    chosen = save_plan.gather_senders(distinct, [t.key for t in tensors], root)
     groups = _pack_groups(tensors, chosen, root, limit)
     return GatherPlan(tensors, skeleton, groups, _header(tensors, skeleton))
 
@@ -175,22 +176,6 @@ def _file_layout(order: list[str], distinct: save_plan.DistinctPieces) -> list[T
         tensors.append(TensorLayout(key, dtype, shape, at, nbytes))
         at += nbytes
     return tensors
-
-
-def _choose_senders(tensors: list[TensorLayout], distinct: save_plan.DistinctPieces, root: int) -> dict[str, list[tuple[int, Box]]]:
-    """One sender per distinct piece: the gathering rank when it holds it, else the holder
-    that has sent the fewest elements so far (the lowest rank on a tie), in file order."""
-    sent: dict[int, int] = {}
-    chosen: dict[str, list[tuple[int, Box]]] = {}
-    for t in tensors:
-        out = []
-        for box, who in distinct.of(distinct.position(t.key)):
-            r = root if root in who else min(who, key=lambda x: (sent.get(x, 0), x))
-            if r != root:
-                sent[r] = sent.get(r, 0) + box.volume
-            out.append((r, box))
-        chosen[t.key] = out
-    return chosen
 
 
 def _pack_groups(tensors: list[TensorLayout], chosen: dict, root: int, limit: int) -> list[Group]:

@@ -477,3 +477,20 @@ def test_distinct_pieces_checks_what_a_save_plan_checks():
         save_plan.distinct_pieces([ok, summary(1, [("w", "float64", (4,), Box((2,), (2,)))])])
     with pytest.raises(PlanError, match="w"):
         save_plan.distinct_pieces([ok, summary(1, [("w", "float32", (4,), Box((1,), (3,)))])])
+
+
+def test_gather_senders_take_the_gathering_ranks_own_pieces_then_the_least_loaded_holder():
+    """A gathered save's policy over the same distinct pieces: the gathering rank sends
+    nothing it holds; each other piece goes, in the keys' order, to the holder that has sent
+    the fewest elements so far (ties to the lowest rank)."""
+    halves = [Box((0,), (4,)), Box((4,), (4,))]
+    ranks = {
+        0: [("a", "float32", (8,), halves[0])],  # the gathering rank: half of a
+        1: [("a", "float32", (8,), halves[1]), ("b", "float32", (6,), Box.whole((6,))), ("c", "int64", (2,), Box.whole((2,)))],
+        2: [("a", "float32", (8,), halves[1]), ("b", "float32", (6,), Box.whole((6,))), ("c", "int64", (2,), Box.whole((2,)))],
+    }
+    distinct = save_plan.distinct_pieces([summary(r, p) for r, p in ranks.items()])
+    chosen = save_plan.gather_senders(distinct, ["a", "b", "c"], root=0)
+    assert chosen["a"] == [(0, halves[0]), (1, halves[1])]  # its own half; the other: a tie, rank 1
+    assert chosen["b"] == [(2, Box.whole((6,)))]  # rank 1 has sent 4 elements, rank 2 none
+    assert chosen["c"] == [(1, Box.whole((2,)))]  # 4 against 6: rank 1
