@@ -53,7 +53,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+from bench.launch import kill_started  # scripts/ is this script's directory: the one way a launch is ended
 
 if TYPE_CHECKING:  # elsewhere paddle is imported, and its calls looked up, where they are used
     import paddle
@@ -450,46 +451,6 @@ def command(n: int, device: str, cases: list[str], out: Path, size_mib: float) -
         return [sys.executable, *worker]
     return [sys.executable, "-m", "paddle.distributed.launch", *launch_flags(n, device),
             "--log_dir", str(out / "log"), *worker]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children first), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_started(proc: subprocess.Popen) -> None:
-    """Kill the process this script started, in its own session, by its group id, and the
-    processes it started (paddle's launcher puts each worker in a session of its own: those
-    are killed by their own group ids). Nothing else is touched."""
-    below = descendants(proc.pid)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for pid in below:
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def run_launch(n: int, device: str, cases: list[str], out: Path, args: argparse.Namespace) -> str:

@@ -107,37 +107,54 @@ def run(commands: list, env: dict, timeout: float, result_dir: str, ranks: int, 
             time.sleep(0.05)
     except BaseException:  # ^C: stop what this job started, then stop
         for p in procs:
-            _kill(p)
+            kill_started(p)
         raise
     for p in procs:
         if p.poll() is None:
-            _kill(p)
+            kill_started(p)
         p.wait()
     wall = time.perf_counter() - t0
     codes = [None if why.startswith("timed out") else p.returncode for p in procs]
     return Job(read_results(result_dir, ranks), codes, why, wall, list(log_dirs))
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """A launcher this module started (its own process group, by id) and the workers below it
-    (each in a session of its own, found as its descendants first)."""
-    try:
-        import psutil
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - no psutil, or already gone
-        workers = []
+
+def kill_started(proc: subprocess.Popen) -> None:
+    """Kill a launch the caller started in a session of its own, by its group id, and the
+    processes below it (paddle's launcher puts each worker in a session of its own: those are
+    killed by their own group ids). Nothing else is touched. Shared with scripts/gpu_check.py."""
+    below = descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for w in workers:
+    for pid in below:
         try:
-            if os.getpgid(w.pid) == w.pid:
-                os.killpg(w.pid, signal.SIGKILL)
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
             else:
-                w.kill()
-        except Exception:  # noqa: BLE001 - already gone
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
 
 
