@@ -154,12 +154,12 @@ def execute_op(
         copy = seg.copies[0]
         target = targets[copy.target]
         first = element_span(target.shape, copy.region_in_target)[0] if target.ndim else 0
-        dest = as_bytes(target.reshape(-1)[first : first + copy.region_in_target.volume])
+        region = target.reshape(-1)[first : first + copy.region_in_target.volume]
+        dest = as_bytes(region)
         fetch(op, dest)
         if verify:
             verify_segment(meta, files, op.file, seg, dest)
-        check_values(target.reshape(-1)[first : first + copy.region_in_target.volume], meta.tensors[seg.piece.key].dtype,
-                     seg.piece.key, files.name(op.file))
+        check_values(region, meta.tensors[seg.piece.key].dtype, seg.piece.key, files.name(op.file))
         return
     buf = staging.get(op.nbytes)
     fetch(op, buf.data)
