@@ -12,7 +12,20 @@ METADATA_RE = re.compile(r"^([0-9]+)\.metadata\Z")
 DATA_RE = re.compile(r"^([0-9]+)_([0-9]+)(?:\.([0-9]+))?\.(?:distcp|safetensors)\Z")
 DATA_SUFFIXES = ("distcp", "safetensors")
 TMP_MARK = ".tmp."
-TMP_RE = re.compile(r"^(?:([0-9]+)_)?([0-9]+)(?:\.[0-9]+)?\.(?:distcp|safetensors|metadata)\.tmp\.[0-9a-f]+\Z")
+# {id}.{generation}.claim: a save's claim of the id and generation it writes (docs/format.md),
+# created exclusively before any of its files: two saves never write under the same names
+CLAIM_RE = re.compile(r"^([0-9]+)\.([0-9]+)\.claim\Z")
+TMP_RE = re.compile(r"^(?:([0-9]+)_)?([0-9]+)(?:\.([0-9]+))?\.(?:distcp|safetensors|metadata)\.tmp\.[0-9a-f]+\Z")
+
+
+def claim_name(unique_id: int, generation: int) -> str:
+    return f"{unique_id}.{generation}.claim"
+
+
+def parse_claim_name(name: str) -> tuple[int, int] | None:
+    """(unique id, generation) of a claim's name, or None."""
+    m = CLAIM_RE.match(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
 
 
 def metadata_name(unique_id: int) -> str:

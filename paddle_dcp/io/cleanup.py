@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..core.naming import TMP_RE, parse_data_name
+from ..core.naming import TMP_RE, claim_name, parse_data_name
 from .storage import Listing, Storage, list_checkpoints
 
 
@@ -32,17 +32,23 @@ def remove_temporary(store: Storage, unique_id: int | None = None, rank: int | N
     return store.remove(temporary_names(list_checkpoints(store), unique_id, rank))
 
 
-def remove_data(
-    store: Storage, unique_id: int, rank: int | None, keep_generation: int | None = None, listing: Listing | None = None
+def remove_older(
+    store: Storage, unique_id: int, rank: int | None, generation: int, listing: Listing | None = None,
+    claims: bool = False,
 ) -> list[str]:
-    """Remove ``rank``'s (None: every rank's) data files of ``unique_id`` but the generation
-    ``keep_generation`` (``listing``: the store's, when the caller has one; else it is listed)."""
+    """Remove ``rank``'s (None: every rank's) data files of older generations of ``unique_id``
+    than ``generation``, and with ``claims`` their claims (a save's tidy step, once its
+    metadata replaced theirs; ``listing``: the store's, when the caller has one). Newer
+    generations, and every temporary file, may be another save's, still running: they stay
+    (retention and ``clean`` remove what crashed saves left)."""
     listing = listing or list_checkpoints(store)
     names = []
     for name in listing.data_names(unique_id):
-        writer, _, generation = parse_data_name(name) or (-1, -1, -1)
-        if (rank is None or writer == rank) and generation != keep_generation:
+        writer, _, gen = parse_data_name(name) or (-1, -1, -1)
+        if (rank is None or writer == rank) and gen < generation:
             names.append(name)
+    if claims:
+        names += [claim_name(unique_id, g) for g in listing.claimed(unique_id) if g < generation]
     return store.remove(names)
 
 
@@ -55,6 +61,7 @@ def remove_steps(store: Storage, unique_ids: Iterable[int], rank: int | None = N
     for uid in unique_ids:
         names += [n for n in listing.data_names(uid) if rank is None or (parse_data_name(n) or (-1,))[0] == rank]
         names += temporary_names(listing, uid, rank)
+        names += [claim_name(uid, g) for g in listing.claimed(uid)]  # where they are: the coordinator's directory
     return store.remove(names)
 
 
@@ -63,4 +70,5 @@ def remove_incomplete(store: Storage) -> list[str]:
     node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
     listing = list_checkpoints(store)
     names = [n for uid in sorted(listing.data) if uid not in listing.complete for n in listing.data_names(uid)]
+    names += [claim_name(uid, g) for uid, g in sorted(listing.claims) if uid not in listing.complete]
     return store.remove(names)

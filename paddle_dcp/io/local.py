@@ -64,6 +64,9 @@ class LocalStorage:
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         write_atomic(self.path, name, data, durable)
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        return create_exclusive(self.path, name, data)
+
     def read_file(self, name: str, limit: int | None = None) -> bytes | None:
         full = os.path.join(self.path, name)
         try:
@@ -277,6 +280,26 @@ def write_atomic(path: str, name: str, data: bytes, durable: bool = False) -> No
     except StorageError:  # only an I/O failure: a process that dies leaves its files as they are
         out.abort()
         raise
+
+
+def create_exclusive(path: str, name: str, data: bytes) -> bool:
+    """Create ``path/name`` holding ``data`` unless it exists (O_EXCL: atomic on local file
+    systems and NFS 3 and later, never through a link); True when this call created it. Its
+    content is written after the creation: a reader may find it shorter for a moment."""
+    full = os.path.join(path, check_member_name(name))
+    try:
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise StorageError(f"cannot create {full}: {exc}", full) from exc
+    try:
+        os.write(fd, data)
+    except OSError as exc:
+        raise StorageError(f"cannot write {full}: {exc}", full) from exc
+    finally:
+        os.close(fd)
+    return True
 
 
 class FileStream:

@@ -26,7 +26,7 @@ from ..core.metadata import FileEntry, check_member_name
 from ..core.naming import TMP_MARK
 from ..errors import ArgumentError, FormatError, StorageError, UnsupportedError
 from .object_reads import ObjectFiles, ObjectRangeReader
-from .retry import RetryPolicy, retrying
+from .retry import RetryPolicy, http_status, retrying
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,34 @@ class ObjectStorage:
         completed PUT is durable)."""
         full = self.full(name)
         self.call(f"PUT {self.resolve(name)}", lambda: self.fs.pipe_file(full, bytes(data), **self.limit))
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """A conditional PUT (``If-None-Match: *``): the store creates the object only when
+        there is none, atomically (AWS S3, SeaweedFS, MinIO and others). A store that answers
+        501 Not Implemented, or a protocol other than S3, is asked whether the object exists
+        first, then written: two writers in the same moment may both succeed
+        (docs/reliability.md)."""
+        full, url = self.full(name), self.resolve(name)
+        if self.is_s3:
+            def put() -> bool:
+                try:
+                    self.fs.pipe_file(full, bytes(data), mode="create", **self.limit)
+                    return True
+                except OSError as exc:
+                    if http_status(exc) in (409, 412):  # there is one / another conditional PUT of it is under way
+                        return False
+                    raise
+
+            try:
+                return self.call(f"PUT {url} (if absent)", put)
+            except StorageError as exc:
+                if http_status(exc) != 501:
+                    raise
+                logger.warning("%s: the store has no conditional PUT; the claim is checked, then written", url)
+        if self.size(name) is not None:
+            return False
+        self.write_atomic(name, data)
+        return True
 
     def read_file(self, name: str, limit: int | None = None) -> bytes | None:
         """One GET of a small object (a metadata file, a manager's manifest), cut one byte

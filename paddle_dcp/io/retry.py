@@ -77,6 +77,17 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a failed request behind ``exc`` (through its causes), or None."""
+    for e in _causes(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+    return None
+
+
 def describe_failure(exc: BaseException) -> tuple[bool, str]:
     """(whether ``exc`` is transient, what it was: "HTTP 503 SlowDown" or the connection
     error), looking through the exception's causes (s3fs raises an OSError caused by

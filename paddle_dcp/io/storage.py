@@ -21,7 +21,9 @@ import numpy as np
 from ..errors import FormatError, StorageError
 from ..core.metadata import MAX_METADATA_BYTES, FileEntry, Metadata
 from ..core.metadata_parse import parse_metadata
-from ..core.naming import DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, data_file_name, metadata_name, parse_data_name  # noqa: F401 - re-exported
+from ..core.naming import (  # noqa: F401 - re-exported
+    DATA_RE, METADATA_RE, TMP_MARK, TMP_RE, claim_name, data_file_name, metadata_name, parse_claim_name, parse_data_name,
+)
 
 
 def metadata_from_bytes(data: bytes, unique_id: int, source: str, lazy: bool = False) -> Metadata:
@@ -44,6 +46,8 @@ class Listing:
         names: every data file's name (``.distcp`` or ``.safetensors``); for a directory of
             safetensors files loaded as a checkpoint, the files it holds.
         files: the name of every file the directory holds, of any kind.
+        claims: (id, generation) of every claim present: saves in progress, saves that
+            crashed, and the generations of checkpoints present (a claim goes with its files).
     """
 
     complete: frozenset[int]
@@ -51,6 +55,11 @@ class Listing:
     temporary: tuple[str, ...] = ()
     names: frozenset[str] = frozenset()
     files: frozenset[str] = frozenset()
+    claims: frozenset[tuple[int, int]] = frozenset()
+
+    def claimed(self, unique_id: int) -> list[int]:
+        """The generations of ``unique_id`` claimed, ascending."""
+        return sorted(g for u, g in self.claims if u == unique_id)
 
     def data_names(self, unique_id: int) -> list[str]:
         """The names of ``unique_id``'s data files present, sorted."""
@@ -70,7 +79,7 @@ class Listing:
 
 def listing_of(names: Iterable[str]) -> Listing:
     """The listing of a directory that holds the files ``names``."""
-    complete, temporary, found, every = set(), [], [], []
+    complete, temporary, found, every, claims = set(), [], [], [], set()
     data: dict[int, set[tuple[int, int]]] = {}
     for name in names:
         every.append(name)
@@ -84,8 +93,12 @@ def listing_of(names: Iterable[str]) -> Listing:
             found.append(name)
         elif TMP_RE.match(name):
             temporary.append(name)
+        elif (claim := parse_claim_name(name)) is not None:
+            claims.add(claim)
     data_sets = {k: frozenset(v) for k, v in data.items()}
-    return Listing(frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found), frozenset(every))
+    return Listing(
+        frozenset(complete), data_sets, tuple(sorted(temporary)), frozenset(found), frozenset(every), frozenset(claims)
+    )
 
 
 class FileRanges:
@@ -211,6 +224,10 @@ class Storage(Protocol):
 
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         """Write ``data`` as file ``name``: it appears whole or not at all."""
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Write ``data`` as file ``name`` unless a file of that name exists, in one atomic
+        step: True when this call created it, False when it existed (a save's claim)."""
 
     def read_file(self, name: str, limit: int | None = None) -> bytes | None:
         """The whole content of a small file ``name`` (a metadata file, a manager's manifest);

@@ -176,9 +176,12 @@ class SaveRankProtocol(_Protocol):
         directory's listing it was chosen from (None when the caller gave the id)."""
 
     def prepare_id(self, uid: int, listing: Any) -> tuple[int, Any]:
-        """The highest generation of ``uid``'s data files this rank sees (-1: none), after
-        removing its own temporary files of crashed saves of it; and the listing it used
+        """The highest generation of ``uid`` this rank sees (-1: none), and the listing it used
         (``listing`` when given: the coordinator's from ``choose_id``)."""
+
+    def claim_id(self, uid: int, generation: int, listing: Any) -> tuple[int, int]:
+        """The coordinator claims (``uid``, ``generation``) or, when another save holds it, the
+        next free one (:mod:`paddle_dcp.io.claims`); returns what it claimed."""
 
     def can_stage(self, described: Described, leaves: np.ndarray) -> bool:
         """True when this rank has staging memory for the pieces of ``leaves`` already (asked
@@ -271,7 +274,10 @@ def _written(side: SaveRankProtocol) -> Protocol:
     # a save to an id whose files exist writes the next generation beside them: the old
     # checkpoint stays loadable until the new metadata replaces its metadata
     (_, listing), (seen,) = yield from local_max("prepare id", lambda: side.prepare_id(uid, listing), lambda r: (r[0],), 1)
-    generation = seen + 1
+    # the coordinator claims the id and generation (the next free ones when another save holds
+    # them): no two saves write under the same names
+    claimed = yield from local("claim id", (lambda: side.claim_id(uid, seen + 1, listing)) if is_coord else (lambda: None))
+    uid, generation = map(int, (yield Broadcast(b"%d %d" % claimed if is_coord else b"", side.coordinator)).split())
     if changed:
         blobs = yield Gather(summary, side.coordinator)
         plan, parts = yield from local(

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..core import checksums, derive, quant
 from ..core.compress import Policy
-from ..io import cleanup
+from ..io import claims, cleanup
 from ..core.dtypes import as_bytes
 from . import exchange, protocol, wire
 from .comm import Comm
@@ -147,22 +147,18 @@ class LocalSaveRank:
         return next_id(self.store, listing), listing
 
     def prepare_id(self, uid: int, listing: storage.Listing | None) -> tuple[int, storage.Listing | None]:
-        """Remove what crashed saves of ``uid`` left; (the newest generation of ``uid`` seen,
-        the listing made for it, which the tidy step reuses). On storage every rank sees
-        alike, the coordinator alone lists it (one LIST per save, not one per rank) and
-        removes every rank's leftovers."""
+        """(the newest generation of ``uid`` this rank sees: of its data files, and of the
+        claims on the coordinator's storage, -1 for none; the listing made for it). On storage
+        every rank sees alike, the coordinator alone lists it (one LIST per save, not one per
+        rank). Nothing is removed here: what a crashed save left may be another save's, still
+        running (``tidy`` removes older generations once this save is committed)."""
         if self.store.seen_by_all and self.rank != self.coordinator:
             return -1, None
         listing = listing or storage.list_checkpoints(self.store)
-        if self.store.seen_by_all:
-            stale = cleanup.temporary_names(listing, uid)
-        else:
-            stale = cleanup.temporary_names(listing, uid, self.rank)
-            if self.rank == self.coordinator:
-                stale += cleanup.temporary_names(listing, uid, -1)
-        self.store.remove(stale)
-        gens = listing.generations(uid)  # temporary files are no generation
-        return (max(gens) if gens else -1), listing
+        return claims.first_free(listing, uid) - 1, listing
+
+    def claim_id(self, uid: int, generation: int, listing: storage.Listing | None) -> tuple[int, int]:
+        return claims.claim(self.store, uid, generation, listing, fresh=self.unique_id is None)
 
     def can_stage(self, described: protocol.Described, leaves: np.ndarray) -> bool:
         pieces: PieceSources = described.sources
@@ -188,6 +184,7 @@ class LocalSaveRank:
         return replace(described, sources=replace(pieces, held=tuple(held)))
 
     def write(self, described: protocol.Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
+        self.generation = generation  # what publish checks no later save claimed past
         name = storage.data_file_name(self.rank, uid, generation, self.options.file_kind)
         pieces: PieceSources = described.sources
         o = self.options
@@ -197,17 +194,19 @@ class LocalSaveRank:
         return prepared.flat.values
 
     def publish(self, meta: Metadata) -> None:
+        claims.check_latest(self.store, meta.unique_id, self.generation)
         if self.options.safetensors:
             meta = hf_dir.rename_files(meta)
         storage.commit_metadata(self.store, meta.unique_id, metafile.encode(meta), self.options.durable)
 
     def tidy(self, uid: int, generation: int, listing: storage.Listing | None) -> None:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
-        coordinator alone, on storage every rank sees alike), found in ``listing`` when given."""
+        coordinator alone, on storage every rank sees alike), found in ``listing`` when given,
+        with their claims and the temporary files crashed saves of them left."""
         if not self.store.seen_by_all:
-            cleanup.remove_data(self.store, uid, self.rank, keep_generation=generation, listing=listing)
+            cleanup.remove_older(self.store, uid, self.rank, generation, listing, claims=self.rank == self.coordinator)
         elif self.rank == self.coordinator:
-            cleanup.remove_data(self.store, uid, None, keep_generation=generation, listing=listing)
+            cleanup.remove_older(self.store, uid, None, generation, listing, claims=True)
 
 
 def write_pieces(

@@ -91,6 +91,9 @@ class _SimSaveRank:
     def prepare_id(self, uid: int, listing) -> tuple[int, None]:
         return -1, None
 
+    def claim_id(self, uid: int, generation: int, listing) -> tuple[int, int]:
+        return uid, generation
+
     def can_stage(self, described, leaves: np.ndarray) -> bool:
         return False  # never asked: the simulation does not stage (``staged`` False)
 

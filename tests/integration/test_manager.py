@@ -72,7 +72,7 @@ def test_leftovers_of_a_crash_are_removed_when_a_manager_opens(tmp_path):
     paddle_dcp.save_state_dict(state(9), str(path), unique_id=9)  # not the manager's: kept
     with CheckpointManager(path, max_to_keep=2) as m:
         assert m.all_steps() == [3]
-        assert names(path) == ["0_3.distcp", "0_9.distcp", "3.metadata", "9.metadata"]
+        assert names(path) == ["0_3.distcp", "0_9.distcp", "3.0.claim", "3.metadata", "9.0.claim", "9.metadata"]
         assert restored(m)[0] == 3
 
 
@@ -83,8 +83,8 @@ def test_object_storage(tmp_path):
             m.save(s, state(s), metrics={"loss": 1 / s})
         m.wait()
         assert m.all_steps() == [10, 20, 25] and m.metrics(25) == {"loss": 0.04}
-        assert sorted(m.store.sizes()) == sorted(["0_10.distcp", "0_20.distcp", "0_25.distcp", "10.metadata",
-                                                  "20.metadata", "25.metadata", MANIFEST_NAME])
+        assert sorted(m.store.sizes()) == sorted(["0_10.distcp", "0_20.distcp", "0_25.distcp", "10.0.claim", "10.metadata",
+                                                  "20.0.claim", "20.metadata", "25.0.claim", "25.metadata", MANIFEST_NAME])
     with CheckpointManager(url) as m:
         assert restored(m)[0] == 25
 

@@ -12,6 +12,8 @@ paddle = pytest.importorskip("paddle")
 import paddle_dcp as dcp  # noqa: E402
 
 PINNED = {
+    "0.0.claim": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",  # empty
+    "1.0.claim": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
     "0.metadata": "b9d8fffd6120132e78841d7b66abbd902734eaf34ba95eec7c36ef024a8b5ffd",
     "0_0.distcp": "710e23588a8dc5172c3bf9db620ec28b984c432b35e1cc2361af1589d22ce273",
     "1.metadata": "d17b8f6a9169bb4f3ed649f20fb5f0c0aec4dadcea6ecac3f3edbfc12256e830",

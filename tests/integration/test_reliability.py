@@ -111,17 +111,17 @@ def test_data_files_exist_only_under_temporary_names_until_renamed_and_the_metad
     assert meta_final == "1.metadata" and meta_tmp.startswith("1.metadata.tmp."), renames
     # before the commit: the old checkpoint whole, the new data file in place, the metadata
     # still temporary
-    assert before_meta == sorted(["0_1.distcp", "0_1.1.distcp", "1.metadata", meta_tmp]), before_meta
+    assert before_meta == sorted(["0_1.distcp", "0_1.1.distcp", "1.0.claim", "1.1.claim", "1.metadata", meta_tmp]), before_meta
     assert "0_1.1.distcp" not in before_data
-    # after it: the old generation removed, no temporary file left
-    assert listdir(path) == ["0_1.1.distcp", "1.metadata"]
+    # after it: the old generation removed with its claim, no temporary file left
+    assert listdir(path) == ["0_1.1.distcp", "1.1.claim", "1.metadata"]
     assert_variant(load_values(path), 1)
 
 
 def test_a_checkpoint_without_metadata_is_never_picked(tmp_path, monkeypatch):
     """A save whose metadata never lands (its write fails) leaves data files of an incomplete
     id: load(unique_id=None) takes the previous complete id, asking for the incomplete one is a
-    clear error, and the next save of that id replaces its files."""
+    clear error, and the next save without an id takes an id the directory shows nothing of."""
     path = str(tmp_path / "ck")
     paddle_dcp.save_state_dict(sd_of(0), path)
     real = local.write_atomic
@@ -136,28 +136,30 @@ def test_a_checkpoint_without_metadata_is_never_picked(tmp_path, monkeypatch):
     # an incomplete id higher still, written by hand
     with open(os.path.join(path, "0_9.distcp"), "wb") as f:
         f.write(b"\xff" * 100)
-    assert listdir(path) == ["0.metadata", "0_0.distcp", "0_1.distcp", "0_9.distcp"]
+    assert listdir(path) == ["0.0.claim", "0.metadata", "0_0.distcp", "0_1.distcp", "0_9.distcp", "1.0.claim"]
     assert_variant(load_values(path), 0)
     assert paddle_dcp.read_metadata(path).unique_id == 0
     for uid in (1, 9):
         err = load_fails(path, StorageError, f"{uid}.metadata", "not complete", unique_id=uid)
         assert "complete checkpoints this rank sees: [0]" in str(err), err
-    # the next save without an id takes 1 again (one more than the highest complete id), writes
-    # the next generation beside the incomplete files, and removes them once it is complete
+    # the next save without an id takes 2: the failed save's files and claim of 1 could be a
+    # save still running (issue 38); they stay for ``clean``
     paddle_dcp.save_state_dict(sd_of(2), path)
-    assert listdir(path) == ["0.metadata", "0_0.distcp", "0_1.1.distcp", "0_9.distcp", "1.metadata"]
+    assert listdir(path) == ["0.0.claim", "0.metadata", "0_0.distcp", "0_1.distcp", "0_2.distcp", "0_9.distcp",
+                             "1.0.claim", "2.0.claim", "2.metadata"]
     assert_variant(load_values(path), 2)
     assert_variant(load_values(path, 0), 0)
 
 
-def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_the_next_save_of_that_id(
+def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_left_for_clean_by_the_next_save_of_that_id(
     tmp_path, monkeypatch, opened
 ):
     """A save that dies while writing its data file (id 1), and one that dies after writing
     the metadata to its temporary name but before the rename (id 2): both leave ``*.tmp.*``
-    files. A load ignores them (never opens one) and takes the previous checkpoint; the next
-    save of an id removes this rank's and the coordinator's temporary files of that id, and no
-    other (another id's; another rank's, which that rank removes when it saves the id)."""
+    files and their claims. A load ignores them (never opens one) and takes the previous
+    checkpoint. The next save of an id writes the next generation (the crashed one's claim
+    stays taken) and removes no temporary file: one could be another save's, still running
+    (issue 38); ``clean`` removes them."""
     path = str(tmp_path / "ck")
     paddle_dcp.save_state_dict(sd_of(0), path)
 
@@ -197,7 +199,7 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
     tmp1 = [n for n in names if n.startswith("0_1.distcp.tmp.")]
     tmp2 = [n for n in names if n.startswith("2.metadata.tmp.")]
     assert len(tmp1) == 1 and len(tmp2) == 1, names
-    assert names == sorted(["0.metadata", "0_0.distcp", "0_2.distcp"] + tmp1 + tmp2), names
+    assert names == sorted(["0.0.claim", "0.metadata", "0_0.distcp", "0_2.distcp", "1.0.claim", "2.0.claim"] + tmp1 + tmp2), names
     assert os.path.getsize(os.path.join(path, tmp1[0])) > 0 and os.path.getsize(os.path.join(path, tmp2[0])) > 0
     assert storage.list_checkpoints(local.LocalStorage(path)).complete == {0}
     # others' temporary files: another id's, another rank's of id 1 (garbage bytes)
@@ -212,12 +214,12 @@ def test_temporary_files_of_a_crashed_save_are_ignored_by_load_and_removed_by_th
     for uid in (1, 2):
         load_fails(path, StorageError, "not complete", unique_id=uid)
 
-    paddle_dcp.save_state_dict(sd_of(3), path, unique_id=1)
-    assert listdir(path) == sorted(["0.metadata", "0_0.distcp", "0_1.distcp", "1.metadata", "0_2.distcp"]
-                                   + tmp2 + others)  # fmt: skip
+    paddle_dcp.save_state_dict(sd_of(3), path, unique_id=1)  # generation 1: the crashed save claimed 0
+    assert listdir(path) == sorted(["0.0.claim", "0.metadata", "0_0.distcp", "0_1.1.distcp", "1.1.claim", "1.metadata",
+                                    "0_2.distcp", "2.0.claim"] + tmp1 + tmp2 + others)  # fmt: skip
     paddle_dcp.save_state_dict(sd_of(4), path, unique_id=2)  # beside 0_2.distcp, then removes it
-    assert listdir(path) == sorted(["0.metadata", "0_0.distcp", "0_1.distcp", "1.metadata", "0_2.1.distcp",
-                                    "2.metadata"] + others)  # fmt: skip
+    assert listdir(path) == sorted(["0.0.claim", "0.metadata", "0_0.distcp", "0_1.1.distcp", "1.1.claim", "1.metadata",
+                                    "0_2.1.distcp", "2.1.claim", "2.metadata"] + tmp1 + tmp2 + others)  # fmt: skip
     assert_variant(load_values(path), 4)
     assert_variant(load_values(path, 1), 3)
     assert_variant(load_values(path, 0), 0)
@@ -235,7 +237,7 @@ def test_the_cli_removes_temporary_files(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "paddle_dcp", "clean", path], timeout=120,
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert listdir(path) == ["0.metadata", "0_0.distcp"]
+    assert listdir(path) == ["0.0.claim", "0.metadata", "0_0.distcp"]
     assert_variant(load_values(path), 0)
 
 
@@ -257,7 +259,7 @@ def test_durable_fsyncs_every_data_file_the_metadata_and_the_directory(tmp_path,
         at = events.index(("rename", src, dst))
         assert ("fsync", src) in events[:at], (src, events)  # the file's bytes before its name
         assert ("fsync", path) in events[at + 1 :], (dst, events)  # the name after
-    assert listdir(path) == ["0.metadata", "0_0.1.distcp"]
+    assert listdir(path) == ["0.1.claim", "0.metadata", "0_0.1.distcp"]
     assert_variant(load_values(path), 1)
 
 

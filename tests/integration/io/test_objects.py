@@ -70,7 +70,7 @@ def test_round_trip_numbering_and_generations_on_memory(url):
     paddle_dcp.save_state_dict(state(1), url)  # unique_id=None: 1
     paddle_dcp.save_state_dict(state(2), url, unique_id=1)  # replaces 1 by a new generation
     store = open_storage(url)
-    assert sorted(store.sizes()) == ["0.metadata", "0_0.distcp", "0_1.1.distcp", "1.metadata"]
+    assert sorted(store.sizes()) == ["0.0.claim", "0.metadata", "0_0.distcp", "0_1.1.distcp", "1.1.claim", "1.metadata"]
     for uid, variant in ((0, 0), (1, 2), (None, 2)):
         sd = empty()
         paddle_dcp.load_state_dict(sd, url, unique_id=uid)
@@ -120,4 +120,4 @@ def test_remove_and_resolve_on_memory(url):
     assert store.size("0_0.distcp") == paddle_dcp.read_metadata(url).files[0].nbytes
     assert store.size("9_9.distcp") is None
     assert store.remove(["0_0.distcp", "9_9.distcp"]) == ["0_0.distcp"]
-    assert sorted(store.sizes()) == ["0.metadata"]
+    assert sorted(store.sizes()) == ["0.0.claim", "0.metadata"]

@@ -50,7 +50,8 @@ def test_save_and_load_through_an_in_memory_storage_match_the_local_disk_byte_fo
             assert f.read() == data, name
     # a second save of the same id replaces the data files by generation, then tidies
     paddle_dcp.save_state_dict(state(), mem, unique_id=0, safetensors=safetensors)
-    assert len([n for n in blobs if not n.endswith(".metadata")]) == 1, sorted(blobs)
+    assert len([n for n in blobs if not n.endswith((".metadata", ".claim"))]) == 1, sorted(blobs)
+    assert [n for n in blobs if n.endswith(".claim")] == ["0.1.claim"], sorted(blobs)
     loads_the_state(mem)
 
 

@@ -3,6 +3,7 @@
 :func:`memory_storage` is typed as returning a Storage; tests/integration/test_types.py)."""
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Sequence
 
@@ -79,6 +80,9 @@ class MemoryRanges:
         pass
 
 
+_CREATING = threading.Lock()
+
+
 class MemoryStorage:
     """Every file a bytes value in a dict: a second implementation of ``storage.Storage``
     (mypy checks that it is one: :func:`memory_storage`)."""
@@ -105,6 +109,13 @@ class MemoryStorage:
 
     def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
         self.blobs[name] = bytes(data)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        with _CREATING:  # ranks in threads share the blobs
+            if name in self.blobs:
+                return False
+            self.blobs[name] = bytes(data)
+            return True
 
     def open_stream(self, name: str, depth: int = 2) -> MemoryStream:
         return MemoryStream(self.blobs, name)

@@ -8,17 +8,21 @@ from paddle_dcp.io.storage import listing_of
 
 def test_removing_temporary_and_stale_files_touches_only_what_it_names(tmp_path):
     names = ["3.metadata", "0_3.distcp", "1_3.distcp", "0_3.1.distcp", "0_3.distcp.tmp.ab", "1_3.1.distcp.tmp.cd",
-             "3.metadata.tmp.ef", "0_4.distcp", "0_4.distcp.tmp.aa", "notes.txt"]  # fmt: skip
+             "3.metadata.tmp.ef", "0_4.distcp", "0_4.distcp.tmp.aa", "notes.txt", "3.0.claim", "3.1.claim", "3.2.claim",
+             "0_3.2.distcp", "0_3.2.distcp.tmp.01", "4.0.claim"]  # fmt: skip
     for name in names:
         (tmp_path / name).write_bytes(b"")
     path = str(tmp_path)
     store = local.LocalStorage(path)
-    assert cleanup.remove_temporary(store, 3, 0) == ["0_3.distcp.tmp.ab"]
+    # older generations go with their claims; generation 2 and every temporary file may be a
+    # save still running: they stay
+    assert sorted(cleanup.remove_older(store, 3, 0, 1, claims=True)) == ["0_3.distcp", "3.0.claim"]
+    assert sorted(cleanup.remove_temporary(store, 3, 0)) == ["0_3.2.distcp.tmp.01", "0_3.distcp.tmp.ab"]
     assert cleanup.remove_temporary(store, 3, -1) == ["3.metadata.tmp.ef"]
-    assert cleanup.remove_data(store, 3, 0, keep_generation=1) == ["0_3.distcp"]
-    assert cleanup.remove_incomplete(store) == ["0_4.distcp"]
+    assert cleanup.remove_incomplete(store) == ["0_4.distcp", "4.0.claim"]
     assert sorted(cleanup.remove_temporary(store)) == ["0_4.distcp.tmp.aa", "1_3.1.distcp.tmp.cd"]
-    assert sorted(os.listdir(path)) == ["0_3.1.distcp", "1_3.distcp", "3.metadata", "notes.txt"]
+    assert sorted(os.listdir(path)) == ["0_3.1.distcp", "0_3.2.distcp", "1_3.distcp", "3.1.claim", "3.2.claim",
+                                        "3.metadata", "notes.txt"]
 
 
 def test_temporary_names_by_id_and_rank():

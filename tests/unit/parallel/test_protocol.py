@@ -73,6 +73,11 @@ class FakeSaveRank:
         self._step("prepare id")
         return -1, f"listing of {self.rank}"
 
+    def claim_id(self, uid, generation, listing):
+        assert self.rank == self.coordinator and listing == f"listing of {self.rank}"
+        self._step("claim id")
+        return uid, generation
+
     def stage(self, described, leaves):
         self._step("stage")
         return protocol.Described(described.skeleton, described.pieces, "staged")
