@@ -149,18 +149,7 @@ def _columns(rows: Rows, sel: np.ndarray, lay: Layout, files: np.ndarray, byte_o
 
 def _check_pieces(rows: Rows, cols: TensorColumns, files: Sequence[FileEntry], head: Head, source: str) -> None:
     """Every piece in a listed file, inside it; the explicit layouts tiling their tensors."""
-    n = len(cols.files)
-    if n and ((cols.files < 0) | (cols.files >= len(files))).any():
-        raise FormatError(f"{source}: a piece names a file index outside the file list")
-    if n:
-        owner = np.repeat(np.arange(len(cols.keys)), np.diff(cols.piece_start))
-        nbytes = stored_bytes(rows.col("dtype")[owner], rows.col("encoding")[owner], cols.extents, rows.col("ndim")[owner])
-        sizes = np.array([f.nbytes for f in files], dtype=np.int64)
-        bad = (cols.byte_offsets < 0) | (cols.byte_offsets > sizes[cols.files] - nbytes)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise FormatError(f"{source}: tensor {cols.keys[int(owner[i])]!r}: a piece reads {int(nbytes[i])} bytes from "
-                              f"offset {int(cols.byte_offsets[i])}, past the end of its file ({int(sizes[cols.files[i]])} bytes)")
+    _check_places(cols, files, source)
     replicas = bool(head.doc.get("replicas", False))
     for t in np.flatnonzero(rows.col("layout") == EXPLICIT).tolist():
         if cols.encodings[t] == "derived":
@@ -171,6 +160,26 @@ def _check_pieces(rows: Rows, cols: TensorColumns, files: Sequence[FileEntry], h
                                cols.files[p0:p1], replicas)
         except PlanError as exc:
             raise FormatError(f"{source}: {exc}") from None
+
+
+def _check_places(cols: TensorColumns, files: Sequence[FileEntry], source: str) -> None:
+    """Every piece of ``cols`` in a listed file, its stored bytes inside it."""
+    n = len(cols.files)
+    if not n:
+        return
+    if ((cols.files < 0) | (cols.files >= len(files))).any():
+        raise FormatError(f"{source}: a piece names a file index outside the file list")
+    owner = np.repeat(np.arange(len(cols.keys)), np.diff(cols.piece_start))
+    code = np.array([DTYPES.index(d) for d in cols.dtypes], dtype=np.int64)
+    enc = np.array([ENCODINGS.index(e) for e in cols.encodings], dtype=np.int64)
+    ndim = np.array([len(s) for s in cols.shapes], dtype=np.int64)
+    nbytes = stored_bytes(code[owner], enc[owner], cols.extents, ndim[owner])
+    sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+    bad = (cols.byte_offsets < 0) | (cols.byte_offsets > sizes[cols.files] - nbytes)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise FormatError(f"{source}: tensor {cols.keys[int(owner[i])]!r}: a piece reads {int(nbytes[i])} bytes from "
+                          f"offset {int(cols.byte_offsets[i])}, past the end of its file ({int(sizes[cols.files[i]])} bytes)")
 
 
 def _structure(head: Head, fetch: Fetch, source: str, lookup: Mapping[str, int]) -> dict:
@@ -230,9 +239,11 @@ def part_rounds(start: Start, wanted: Mapping[str, Sequence[Box]], source: str =
     keys = sorted(found)
     plan = _PiecePlan(head, found, keys, boxes)
     got = yield from _read(plan.ranges())
+    cols = plan.columns(got, source)
+    _check_places(cols, start.files, source)
     return Metadata(
         unique_id=head.doc["unique_id"], world_size=head.doc["world_size"], files=start.files,
-        tensors=ColumnTensors(plan.columns(got, source), head.block_bytes), structure=head.doc["outline"],
+        tensors=ColumnTensors(cols, head.block_bytes), structure=head.doc["outline"],
         block_bytes=head.block_bytes, checksum_algorithm=head.doc["checksum"]["algorithm"],
         created_by=head.doc.get("created_by", ""), format_version=VERSION, subset=True,
         replicas=head.doc.get("replicas", False), digest=head.digest,

@@ -219,3 +219,29 @@ def test_any_byte_changed_is_refused_by_a_whole_read_and_by_every_part_read_that
     whole = metafile.decode(metafile.encode(meta))
     for key in part.tensors:
         assert set(entry_of(part, key)[4]) <= set(entry_of(whole, key)[4])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("file", 5, "file index outside the file list"),
+    ("offset", -1, "past the end of its file"),
+])
+def test_a_part_read_refuses_a_piece_outside_the_files_as_the_whole_read_does(field, value, message):
+    """Found by the fuzz (tests/integration/test_fuzz_v3.py): a record naming a file the list
+    does not have (or a byte range past its file's end), under valid digests, was taken by a
+    part read, and the load failed later with an IndexError."""
+    import metafields
+
+    raw = metafile.encode(hand_meta(rows=5))
+    f = metafields.split(raw)
+    wf, w = f.head["widths"]["file"], f.record_width
+    rec = bytearray(f.records)  # record 0: m.b's first piece (keys in order)
+    if field == "file":
+        rec[0:wf] = value.to_bytes(wf, "little")
+    else:
+        rec[wf:w] = b"\xff" * (w - wf)
+    f.records = bytes(rec)
+    bad = metafields.join(f, raw)
+    with pytest.raises(FormatError, match=message):
+        metafile.decode(bad)
+    with pytest.raises(FormatError, match=message):
+        metafile.read_part(_fetch(bad), len(bad), {"m.b": [Box((0,), (5,))]})
