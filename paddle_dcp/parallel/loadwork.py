@@ -119,11 +119,13 @@ class LocalLoadWork:
         reads.execute_op(op, self.plan.meta, self.files, self.arrays, staging, self.plan.verify, fetch)
 
     def open_local(self) -> None:
-        """Open every file this rank reads itself (its size checked) before any byte moves."""
+        """Open every file this rank reads itself (its size checked) before any byte moves;
+        none stays open when one cannot be."""
         for f in sorted({op.file for op in self.plan.local}):
             try:
                 self.files.open(f)
             except DcpError as exc:
+                self.files.close()
                 keys = sorted({seg.piece.key for op in self.plan.local if op.file == f for seg in op.segments})
                 raise type(exc)(f"{exc}; it holds {keys}") from None
 
@@ -135,8 +137,12 @@ class LocalLoadWork:
         if not self.plan.verify:
             return
         ops = self.plan.local if share is None else load_plan.plan_shared_checks(self.plan.meta, self.plan.read_keys(), *share)
-        for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
-            reads.execute_op(op, self.plan.meta, self.files, [], self.staging, check_only=True, again=True)
+        try:
+            for op in reads.read_ahead(self.files, ops, again=True):  # copied next (shared checks: in part)
+                reads.execute_op(op, self.plan.meta, self.files, [], self.staging, check_only=True, again=True)
+        except BaseException:  # the load ends here: its files are not read again (nor left open)
+            self.files.close()
+            raise
 
     def verify_remote(self, comm: Comm, clients) -> None:
         """The same for the blocks other ranks will send: their servers hash them first."""
