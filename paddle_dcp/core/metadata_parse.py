@@ -95,7 +95,34 @@ def parse_metadata(
         raise FormatError(f"{source}: malformed metadata ({type(exc).__name__}: {exc})") from None
 
 
-def _decode_column(value: Any, count: int, what: str, hex_digits: bool = False) -> np.ndarray:
+# the packed ("z:") columns of one metadata file decode to at most this many times its size,
+# plus PACKED_FLOOR bytes (docs/reliability.md, "Memory while refusing hostile metadata")
+PACKED_RATIO = 64
+PACKED_FLOOR = 4 << 20
+
+
+class PackedBudget:
+    """The bytes the packed columns of one metadata file may still decode to: every column is
+    charged its length before it is decompressed (an entry that fails gets its charge back:
+    its arrays are freed)."""
+
+    def __init__(self, size: int):
+        self.limit = PACKED_RATIO * size + PACKED_FLOOR
+        self.left = self.limit
+        self.size = size
+
+    def take(self, nbytes: int, what: str) -> None:
+        if nbytes > self.left:
+            raise FormatError(
+                f"{what}: {nbytes} bytes of packed columns would pass the bound of a {self.size}-byte metadata file "
+                f"({PACKED_RATIO} times its size plus {PACKED_FLOOR >> 20} MiB, {self.limit - self.left} bytes used)"
+            )
+        self.left -= nbytes
+
+
+def _decode_column(
+    value: Any, count: int, what: str, hex_digits: bool = False, budget: PackedBudget | None = None
+) -> np.ndarray:
     dtype = np.dtype("<u8") if hex_digits else np.dtype("<i8")
     if count < 0 or count > _MAX_INT // 8:
         raise FormatError(f"{what}: impossible length {count}")
@@ -111,6 +138,8 @@ def _decode_column(value: Any, count: int, what: str, hex_digits: bool = False) 
         return np.array(value, dtype=dtype)
     if isinstance(value, str) and value.startswith("z:"):
         expected = count * 8
+        if budget is not None:
+            budget.take(expected, what)
         try:
             packed = base64.b64decode(value[2:], validate=True)
         except (binascii.Error, ValueError):
@@ -126,7 +155,7 @@ def _decode_column(value: Any, count: int, what: str, hex_digits: bool = False) 
             raise FormatError(f"{what}: packed column does not decompress ({exc})") from None
         if len(raw) != expected:
             raise FormatError(f"{what}: packed column holds {len(raw) // 8} entries, expected {count}")
-        return np.frombuffer(raw, dtype=dtype).copy()
+        return np.frombuffer(raw, dtype=dtype)  # read-only, as every entry's arrays: no second copy
     raise FormatError(f"{what}: a column must be a list or a 'z:' packed string")
 
 
@@ -168,15 +197,20 @@ def _parse(
     ):
         raise FormatError(f"{source}: holders must be a list of paths, in a part of the metadata only")
 
+    budget = PackedBudget(size)
+
     def parse_tensor(key: str, t: Any) -> TensorEntry:
+        left = budget.left
         try:
             return _parse_tensor(
                 key, t, file_sizes, block_bytes, tiling=full, require_cover=not subset, size=size, replicas=replicas,
-                version=version, docs=tensors_doc,
+                version=version, docs=tensors_doc, budget=budget,
             )
         except (FormatError, PlanError) as exc:  # pieces that do not tile: a bad checkpoint
+            budget.left = left  # a refused entry keeps nothing it decoded
             raise FormatError(f"{source}: {exc}") from None
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            budget.left = left
             raise FormatError(f"{source}: tensor {key!r}: malformed entry ({type(exc).__name__}: {exc})") from None
 
     def parse_many(keys: list[str]) -> dict[str, TensorEntry]:
@@ -501,8 +535,9 @@ def _parse_tensor(
     replicas: bool = False,
     version: int = 1,
     docs: Mapping[str, Any] | None = None,
+    budget: PackedBudget | None = None,
 ) -> TensorEntry:
-    """One tensor entry, validated. With ``tiling`` off (a load's lazy parse) the pieces are
+    """One tensor entry, validated (its packed columns charged to ``budget``). With ``tiling`` off (a load's lazy parse) the pieces are
     checked to lie inside the tensor but not to tile it: a load then checks that the pieces it
     uses cover each of its boxes exactly, which is all it relies on. With ``replicas``, rows
     with exactly equal boxes are copies of one piece (each in another file); the distinct
@@ -518,10 +553,10 @@ def _parse_tensor(
     source = _source(key, t, shape, count, encoding, docs or {})
     ndim = len(shape)
     what = f"tensor {key!r}"
-    offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets").reshape(count, ndim)
-    shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes").reshape(count, ndim)
-    files = _decode_column(t["file"], count, f"{what}: file")
-    byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset")
+    offsets = _decode_column(t["offsets"], count * ndim, f"{what}: offsets", budget=budget).reshape(count, ndim)
+    shapes = _decode_column(t["shapes"], count * ndim, f"{what}: shapes", budget=budget).reshape(count, ndim)
+    files = _decode_column(t["file"], count, f"{what}: file", budget=budget)
+    byte_offsets = _decode_column(t["byte_offset"], count, f"{what}: byte_offset", budget=budget)
     if tiling and source is None:
         check_entry_tiling(key, shape, offsets, shapes, files, replicas, require_cover)
     else:
@@ -539,7 +574,7 @@ def _parse_tensor(
                 f"past the end of its file ({int(file_sizes[files[i]])} bytes)"
             )
     nblocks = int(blocks_of(nbytes, block_bytes).sum()) if count else 0
-    checksums = _decode_column(t["checksums"], nblocks, f"{what}: checksums", hex_digits=True)
+    checksums = _decode_column(t["checksums"], nblocks, f"{what}: checksums", hex_digits=True, budget=budget)
     pieces = PieceTable(
         offsets=_frozen(offsets),
         shapes=_frozen(shapes),

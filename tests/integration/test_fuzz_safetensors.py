@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -258,7 +257,8 @@ def load(path: Path, files: dict[str, bytes], outcomes: fuzzcheck.Outcomes) -> N
     check(sd, files, error)
 
 
-FUZZ = settings(max_examples=fuzzcheck.examples(300), deadline=timedelta(seconds=5), database=None,
+# no deadline: the watchdog (20 s) catches a hang, and a busy machine is no failure
+FUZZ = settings(max_examples=fuzzcheck.examples(300), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])  # fmt: skip
 
