@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -220,13 +222,30 @@ def read_header(path: str) -> Header:
 
     Raises:
         FormatError: a malformed or truncated file.
-        StorageError: the file cannot be read.
+        StorageError: the file cannot be read, or is not a regular file (a FIFO, a device).
     """
+    with _open_regular(path) as f:
+        return _header_of(f, os.fspath(path))
+
+
+@contextmanager
+def _open_regular(path: str) -> Iterator[BinaryIO]:
+    """``path`` opened for reading, checked to be a regular file (O_NONBLOCK: a FIFO is
+    refused at once, never waited on); what is read and mapped is the file checked."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            file_bytes = os.fstat(f.fileno()).st_size
-            return header_from(lambda start, n: os.pread(f.fileno(), n, start), file_bytes, path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc}", path) from exc
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StorageError(f"{path} is not a regular file: refused", path)
+        yield f
+
+
+def _header_of(f: BinaryIO, path: str) -> Header:
+    try:
+        return header_from(lambda start, n: os.pread(f.fileno(), n, start), os.fstat(f.fileno()).st_size, path)
     except OSError as exc:
         raise StorageError(f"cannot read {path}: {exc}", path) from exc
 
@@ -260,16 +279,17 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
         FormatError: a malformed header, or a dtype paddle_dcp does not load.
         StorageError: the file cannot be read.
     """
-    header = read_header(path)
-    out = {}
-    for key, e in header.entries.items():
-        if e.dtype is None:
-            raise FormatError(f"{path}: tensor {key!r} has dtype {e.code}, which paddle_dcp does not load")
-        dtype = storage_dtype(e.dtype)
-        if e.nbytes == 0:
-            out[key] = np.zeros(e.shape, dtype=dtype)
-            continue
-        out[key] = np.memmap(path, dtype=dtype, mode="r", offset=e.begin, shape=(e.nbytes // dtype.itemsize,)).reshape(e.shape)
+    with _open_regular(path) as f:
+        header = _header_of(f, os.fspath(path))
+        out = {}
+        for key, e in header.entries.items():
+            if e.dtype is None:
+                raise FormatError(f"{path}: tensor {key!r} has dtype {e.code}, which paddle_dcp does not load")
+            dtype = storage_dtype(e.dtype)
+            if e.nbytes == 0:
+                out[key] = np.zeros(e.shape, dtype=dtype)
+                continue
+            out[key] = np.memmap(f, dtype=dtype, mode="r", offset=e.begin, shape=(e.nbytes // dtype.itemsize,)).reshape(e.shape)
     return out
 
 

@@ -5,6 +5,7 @@ by it: neither side is the code under test."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from paddle_dcp.format import safetensors
-from paddle_dcp.errors import FormatError
+from paddle_dcp.errors import FormatError, StorageError
 
 
 def raw_file(path, header, data: bytes = b"") -> str:
@@ -87,3 +88,26 @@ def test_writer_output_opens_in_the_safetensors_package(tmp_path):
     (tmp_path / "w.safetensors").write_bytes(header + a.tobytes() + b.tobytes())
     got = load_file(str(tmp_path / "w.safetensors"))
     assert np.array_equal(got["a"], a) and np.array_equal(got["b"], b)
+
+
+def test_a_fifo_in_place_of_a_safetensors_file_is_refused_at_once(tmp_path):
+    """The command line's reader (import-paddle, consolidate) opens without waiting for a
+    writer and reads regular files only: a FIFO is a StorageError naming it, not a hang."""
+    import threading
+
+    fifo = tmp_path / "0_0.safetensors"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def read():
+        for fn in (safetensors.read_header, safetensors.read_arrays):
+            try:
+                fn(str(fifo))
+            except StorageError as exc:
+                outcome.append(str(exc))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "reading a FIFO blocked"
+    assert len(outcome) == 2 and all("not a regular file" in m and str(fifo) in m for m in outcome), outcome
