@@ -203,8 +203,8 @@ class LocalSaveRank:
         """Remove this rank's data files of older generations of ``uid`` (every rank's, by the
         coordinator alone, on storage every rank sees alike), found in ``listing`` when given,
         with their claims and the temporary files crashed saves of them left."""
-        if not self.store.seen_by_all:
-            cleanup.remove_older(self.store, uid, self.rank, generation, listing, claims=self.rank == self.coordinator)
+        if not self.store.seen_by_all:  # every rank: a claim of a crashed save may be on any node
+            cleanup.remove_older(self.store, uid, self.rank, generation, listing, claims=True)
         elif self.rank == self.coordinator:
             cleanup.remove_older(self.store, uid, None, generation, listing, claims=True)
 

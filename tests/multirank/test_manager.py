@@ -60,4 +60,4 @@ def test_exit_with_an_async_save_in_flight_finishes_it(tmp_path):
     with open(work / "ck" / "paddle_dcp_manager.json") as f:
         assert [(e["step"], e["state"]) for e in json.load(f)["steps"]] == [(5, "complete")]
     assert sorted(p.name for p in (work / "ck").iterdir() if not p.name.startswith("paddle_dcp_manager")) == [
-        "0_5.distcp", "1_5.distcp", "5.metadata"]
+        "0_5.distcp", "1_5.distcp", "5.0.claim", "5.metadata"]

@@ -48,5 +48,5 @@ def test_reshard_across_world_sizes(tmp_path):
     assert_passed(logs, ["load_2_into_2d", "load_2_into_1d_s1", "load_2_into_replicate", "save_on_4"], 4)
     logs = run_launch(script("reshard.py"), 2, tmp_path, args=[work, "ws_load4"])
     assert_passed(logs, ["load_4_into_s0", "load_4_into_s1", "load_4_into_plain"], 2)
-    assert sorted(p.name for p in (work / "ws2").iterdir()) == ["0.metadata", "0_0.distcp", "1_0.distcp"]
-    assert sorted(p.name for p in (work / "ws4").iterdir()) == ["0.metadata"] + [f"{r}_0.distcp" for r in range(4)]
+    assert sorted(p.name for p in (work / "ws2").iterdir()) == ["0.0.claim", "0.metadata", "0_0.distcp", "1_0.distcp"]
+    assert sorted(p.name for p in (work / "ws4").iterdir()) == ["0.0.claim", "0.metadata"] + [f"{r}_0.distcp" for r in range(4)]

@@ -42,4 +42,4 @@ def test_resume_across_layouts_and_world_sizes(tmp_path):
     for name, writers in [("two", 2), ("dt_s0", 2), ("train2", 2), ("dt_2d", 4), ("four", 4),
                           ("train4", 4), ("four_two", 2)]:
         files = sorted(p.name for p in (work / name).iterdir())
-        assert files == ["0.metadata"] + [f"{r}_0.distcp" for r in range(writers)], (name, files)
+        assert files == ["0.0.claim", "0.metadata"] + [f"{r}_0.distcp" for r in range(writers)], (name, files)

@@ -52,7 +52,7 @@ def test_s3_objects_equal_the_local_files_and_no_local_directory_appears(tmp_pat
     paddle_dcp.save_state_dict(_state(), str(tmp_path / "disk"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]  # no "s3:" directory
     store = open_storage(url)
-    assert sorted(store.sizes()) == ["0.metadata", "0_0.distcp"]
+    assert sorted(store.sizes()) == ["0.0.claim", "0.metadata", "0_0.distcp"]
     data = store.fs.cat_file(store.full("0_0.distcp"))
     assert data == (tmp_path / "disk" / "0_0.distcp").read_bytes()
     assert paddle_dcp.read_metadata(url).files == paddle_dcp.read_metadata(str(tmp_path / "disk")).files

@@ -163,12 +163,20 @@ def crash_and_resume(tmp_path, nproc: int, point: str, mode: str = "sync") -> tu
 def test_a_rank_killed_while_a_local_step_is_saved(tmp_path, nproc, point, mode):
     """The newest step complete before the kill restores, later saves work (crash_and_resume),
     and each node keeps only the two newest steps' files: no temporary file, no older step,
-    no second generation of step 3."""
+    one generation of step 3 (the first when the crash left no claim of it, else the next)
+    and the claims beside the coordinator's files."""
     crash_and_resume(tmp_path, nproc, point, mode)
     ranks = 2 * nproc
-    want = sorted([f"{s}.metadata" for s in (3, 4)] + [f"{r}_{s}.distcp" for s in (3, 4) for r in range(ranks)])
+    files = {node: checkpoint_files(tmp_path, node) for node in NODES}
+    third = {n.split("_", 1)[1].rsplit(".", 1)[0] for f in files.values() for n in f if n.endswith(".distcp") and "_3" in n}
+    assert len(third) == 1, files  # one generation of step 3: "3", or "3.1" when the crash left a claim of 3.0
+    gen = third.pop().partition(".")[2] or "0"
+    want = sorted([f"{s}.metadata" for s in (3, 4)] + [f"{r}_{s}.distcp" for s in (f"3.{gen}" if gen != "0" else "3", 4)
+                                                        for r in range(ranks)])  # fmt: skip
+    claims = sorted(n for f in files.values() for n in f if n.endswith(".claim"))
+    assert set(claims) == {f"3.{gen}.claim", "4.0.claim"}, files  # the coordinator's, on its node
     for node in NODES:
-        assert checkpoint_files(tmp_path, node) == want, (node, checkpoint_files(tmp_path, node))
+        assert [n for n in files[node] if not n.endswith(".claim")] == want, (node, files[node])
 
 
 def test_a_step_published_on_one_node_before_a_kill_survives_the_loss_of_that_node(tmp_path):

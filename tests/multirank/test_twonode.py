@@ -15,5 +15,5 @@ def test_two_nodes_node_local_checkpoints(tmp_path):
     first = [n for n in NODES if "0.metadata" in listing[n]]
     assert len(first) == 1, listing
     second = [n for n in NODES if n != first[0]][0]
-    assert listing[first[0]] == ["0.metadata", "0_0.distcp", "1_0.distcp"], listing
+    assert listing[first[0]] == ["0.0.claim", "0.metadata", "0_0.distcp", "1_0.distcp"], listing
     assert listing[second] == ["2_0.distcp", "3_0.distcp"], listing

@@ -124,7 +124,7 @@ def load_while_saving():
         datafile.DataFileWriter.write = original
         os.chdir(home)
     assert sorted(os.listdir(os.path.join(root, f"local{R}", "bg"))) == sorted(
-        [f"{R}_0.distcp"] + (["0.metadata"] if R == 0 else [])), os.listdir(os.path.join(root, f"local{R}", "bg"))
+        [f"{R}_0.distcp"] + (["0.0.claim", "0.metadata"] if R == 0 else [])), os.listdir(os.path.join(root, f"local{R}", "bg"))
 
 
 c.run_cases(

@@ -144,7 +144,7 @@ def load_phase(phase: str) -> None:
     saved = leaves(mesh, (("S", 0),))
     paddle_dcp.save_state_dict(c.build(saved, 0, variant_values(0)), "ck")
     c.dist.barrier()
-    assert sorted(os.listdir("ck")) == (["0.metadata", "0_0.distcp"] if r == 0 else ["1_0.distcp"]), os.listdir("ck")
+    assert sorted(os.listdir("ck")) == (["0.0.claim", "0.metadata", "0_0.distcp"] if r == 0 else ["1_0.distcp"]), os.listdir("ck")
     if r == 1:
         if phase == "verify":
             real = local.RangeReader.read_into
@@ -224,8 +224,9 @@ def check_one(scenario: str) -> None:
 
 
 def recover(scenarios) -> None:
-    """Under the launcher, 3 ranks: the next save of the crashed id (durable) completes, removes
-    the crash's temporary files and every older generation of that id, and loads exactly."""
+    """Under the launcher, 3 ranks: the next save of the crashed id (durable) completes in the
+    next generation, removes every older generation of that id with its claim, leaves the
+    crash's temporary files (``clean`` removes them), and loads exactly."""
     c.init([None, ROOT])
     cases = {s: (lambda s=s: recover_one(s)) for s in scenarios}
     c.run_cases(cases, list(scenarios))
@@ -271,9 +272,13 @@ def recover_one(scenario: str) -> None:
             assert "ck" in fsynced, (q, fsynced)  # the directory
     names = sorted(os.listdir(path))
     gen = 2 if scenario.endswith("_same") else 1
-    want = ["0.metadata"] + [f"{q}_0.distcp" for q in range(SAVE_RANKS)] + ["1.metadata"]
+    want = ["0.0.claim", "0.metadata"] + [f"{q}_0.distcp" for q in range(SAVE_RANKS)] + ["1.metadata", f"1.{gen}.claim"]
     want += [f"{q}_1.{gen}.distcp" for q in range(SAVE_RANKS)]
-    assert names == sorted(want), (names, sorted(want))
+    # the crash's temporary files stay: a save never removes one (it could be another save's)
+    crashed = ".1" if gen == 2 else ""
+    left = [n for n in names if storage.TMP_MARK in n]
+    assert left and all(n.startswith((f"1_1{crashed}.distcp.tmp.", "1.metadata.tmp.")) for n in left), left
+    assert names == sorted(want + left), (names, sorted(want + left))
     for uid, variant in ((None, 3), (1, 3), (0, 0)):
         sd = c.build(saved, 0, {"step": 0, "name": ""}, target=True)
         paddle_dcp.load_state_dict(sd, path, unique_id=uid)

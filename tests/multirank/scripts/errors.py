@@ -144,7 +144,7 @@ def bad_unique_id():
     for bad in (-1, "0", 1.0):
         load_fails(target(), p, [0, 1], "unique_id", unique_id=bad)
         expect(lambda: paddle_dcp.save_state_dict(target(), p, unique_id=bad), [0, 1], "unique_id")
-    assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
+    assert files(p) == ["0.0.claim", "0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
 
 
 def truncated_shard():
@@ -348,7 +348,7 @@ def object_on_one_rank():
     assert files(p) == [], files(p)
     # the failed save used no id: the next one is 0
     good_save("object1")
-    assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
+    assert files(p) == ["0.0.claim", "0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
 
 
 def object_on_coordinator():
@@ -392,7 +392,7 @@ def async_save_completes(leaves, name):
     assert isinstance(handle, paddle_dcp.AsyncSave), handle
     assert handle.wait(timeout=60) == 0
     c.dist.barrier()
-    assert files(p) == ["0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
+    assert files(p) == ["0.0.claim", "0.metadata", "0_0.distcp", "1_0.distcp"], files(p)
     sd = c.build(leaves, 0, {k: copy.deepcopy(v) for k, v in BLANK_VALUES.items()}, target=True)
     paddle_dcp.load_state_dict(sd, p)
     c.check_state(sd, leaves, 0, R)

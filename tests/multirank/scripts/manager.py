@@ -57,7 +57,8 @@ def files(path: str) -> list[str]:
 
 
 def expect_files(path: str, steps, ranks=(0, 1), metadata: bool = True) -> None:
-    want = [f"{r}_{s}.distcp" for s in steps for r in ranks] + ([f"{s}.metadata" for s in steps] if metadata else [])
+    want = [f"{r}_{s}.distcp" for s in steps for r in ranks]
+    want += [f"{s}.metadata" for s in steps] + [f"{s}.0.claim" for s in steps] if metadata else []
     assert files(path) == sorted(want), (files(path), sorted(want))
 
 
@@ -251,7 +252,8 @@ def object_storage() -> None:
             else:
                 assert lists == 0 and deletes == 0, wire.seen
             names = sorted(n for n in open_storage(ROOT).sizes() if not n.startswith("paddle_dcp_manager"))
-            assert names == sorted([f"{r}_{s}.distcp" for s in (3, 4) for r in (0, 1)] + ["3.metadata", "4.metadata"]), names
+            assert names == sorted([f"{r}_{s}.distcp" for s in (3, 4) for r in (0, 1)]
+                                   + ["3.0.claim", "3.metadata", "4.0.claim", "4.metadata"]), names
             check_restore(m, 4)
     with CheckpointManager(ROOT, max_to_keep=2) as m:  # reopened: the record is read back
         assert m.all_steps() == [3, 4] and m.latest_step() == 4

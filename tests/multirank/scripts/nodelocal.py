@@ -45,7 +45,7 @@ def save():
     c.dist.barrier()
     mine = sorted(os.listdir("ck"))
     node_ranks = [r for r in range(N) if r // PER_NODE == NODE]
-    want = [f"{r}_0.distcp" for r in node_ranks] + (["0.metadata"] if NODE == 0 else [])
+    want = [f"{r}_0.distcp" for r in node_ranks] + (["0.0.claim", "0.metadata"] if NODE == 0 else [])
     assert mine == sorted(want), (mine, want)
 
 

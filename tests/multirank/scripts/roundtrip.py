@@ -142,7 +142,7 @@ def fixture_layout():
 def save_first():
     paddle_dcp.save_state_dict(source(0), CK)
     files = sorted(os.listdir(CK))
-    assert files == sorted(["0.metadata"] + [f"{r}_0.distcp" for r in range(NRANKS)]), files
+    assert files == sorted(["0.0.claim", "0.metadata"] + [f"{r}_0.distcp" for r in range(NRANKS)]), files
 
 
 def load_same_layout():
@@ -161,7 +161,7 @@ def pieces():
 def save_second_gets_id_1():
     paddle_dcp.save_state_dict(source(1), CK)
     files = sorted(os.listdir(CK))
-    want = sorted(["0.metadata", "1.metadata"] + [f"{r}_{i}.distcp" for r in range(NRANKS) for i in (0, 1)])
+    want = sorted(["0.0.claim", "0.metadata", "1.0.claim", "1.metadata"] + [f"{r}_{i}.distcp" for r in range(NRANKS) for i in (0, 1)])
     assert files == want, files
 
 
@@ -183,7 +183,7 @@ def explicit_id_and_coordinator_1():
     path = os.path.join(ROOT, "coord1")
     paddle_dcp.save_state_dict(source(1), path, coordinator_rank=1, unique_id=5)
     files = sorted(os.listdir(path))
-    assert files == sorted(["5.metadata"] + [f"{r}_5.distcp" for r in range(NRANKS)]), files
+    assert files == sorted(["5.0.claim", "5.metadata"] + [f"{r}_5.distcp" for r in range(NRANKS)]), files
     sd = target()
     paddle_dcp.load_state_dict(sd, path, coordinator_rank=1)
     c.check_state(sd, LEAVES, 1, R)

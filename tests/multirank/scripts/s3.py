@@ -57,7 +57,8 @@ def numbering(leaves):
     load(leaves, "num", variant=0, unique_id=0)
     load(leaves, "num", variant=2)
     names = sorted(open_storage(f"{URL}/num", OPTIONS).sizes())
-    assert names == sorted(["0.metadata", "0_0.distcp", "1_0.distcp", "1.metadata", "0_1.1.distcp", "1_1.1.distcp"]), names
+    assert names == sorted(["0.0.claim", "0.metadata", "0_0.distcp", "1_0.distcp", "1.1.claim", "1.metadata", "0_1.1.distcp",
+                           "1_1.1.distcp"]), names
 
 
 class Wire:
@@ -145,7 +146,8 @@ def listings(mesh):
 
     names = sorted(storage_of(f"{URL}/lists", OPTIONS).sizes())
     # ids 0 and 1, both replaced: generation 1 of both ranks' files, nothing of generation 0 left
-    assert names == ["0.metadata", "0_0.1.distcp", "0_1.1.distcp", "1.metadata", "1_0.1.distcp", "1_1.1.distcp"], names
+    assert names == ["0.1.claim", "0.metadata", "0_0.1.distcp", "0_1.1.distcp", "1.1.claim", "1.metadata", "1_0.1.distcp",
+                     "1_1.1.distcp"], names
 
 
 def hf_directory(mesh):

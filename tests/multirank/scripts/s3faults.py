@@ -161,7 +161,7 @@ def retries_succeed():
 
 def save_past_the_limit():
     url = f"{BASE}/save_limit"
-    plan([{"fault": "slowdown", "count": -1, "method": "PUT"}])
+    plan([{"fault": "slowdown", "count": -1, "method": "PUT", "path": r"\.distcp"}])  # the data objects' uploads
     bucket, prefix = bucket_prefix(url)
     seconds = storage_failure(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), url, storage_options=LIMIT),
                               f"s3://{bucket}/{prefix}", "503")
@@ -177,7 +177,7 @@ def save_past_the_limit():
 
 def deadline_bounds_the_retries():
     url = f"{BASE}/deadline"
-    plan([{"fault": "slowdown", "count": -1, "method": "PUT"}])
+    plan([{"fault": "slowdown", "count": -1, "method": "PUT", "path": r"\.distcp"}])  # the data objects' uploads
     options = {"retries": 1000, "retry_deadline": 2.0, "part_size": PART}
     seconds = storage_failure(lambda: paddle_dcp.save_state_dict(c.build(LEAVES, 0), url, storage_options=options),
                               f"s3://{bucket_prefix(url)[0]}/{bucket_prefix(url)[1]}", "503")

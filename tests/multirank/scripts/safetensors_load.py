@@ -148,7 +148,7 @@ def save_case():
           "layers": {"0": {k: c.make(oracle(f"layers.0.{k}"), TENSORS[f"layers.0.{k}"][1], MESH, LAYOUTS["s0"]) for k in ("w", "b")}},
           "step": 9}
     paddle_dcp.save_state_dict(sd, path, safetensors=True)
-    assert sorted(os.listdir(path)) == ["0.metadata", "0_0.safetensors", "1_0.safetensors"], os.listdir(path)
+    assert sorted(os.listdir(path)) == ["0.0.claim", "0.metadata", "0_0.safetensors", "1_0.safetensors"], os.listdir(path)
     mine = load_file(os.path.join(path, f"{R}_0.safetensors"))  # the package opens the rank's file
     for key in TENSORS:
         shape, dtype = TENSORS[key]

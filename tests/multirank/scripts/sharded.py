@@ -179,7 +179,7 @@ def node_local_replicas():
             paddle_dcp.save_state_dict(build(REPLICATED, 1, value=name), name, save_replicas=replicas)
             c.dist.barrier()
             mine = sorted(os.listdir(name))
-            assert mine == sorted([f"{R}_0.distcp"] + (["0.metadata"] if R == 0 else [])), mine
+            assert mine == sorted([f"{R}_0.distcp"] + (["0.0.claim", "0.metadata"] if R == 0 else [])), mine
             sd = build(REPLICATED, 1, target=True)
             paddle_dcp.load_state_dict(sd, name)
             check(sd, REPLICATED, 1, f"node-local {name}")

@@ -65,7 +65,7 @@ def save():
     paddle_dcp.save_state_dict(c.build(SAVED, 0, {"step": 11, "name": "two nodes"}), CK)
     dist.barrier()
     mine = sorted(os.listdir(CK))
-    want = [f"{r}_0.distcp" for r in NODE_RANKS] + (["0.metadata"] if 0 in NODE_RANKS else [])
+    want = [f"{r}_0.distcp" for r in NODE_RANKS] + (["0.0.claim", "0.metadata"] if 0 in NODE_RANKS else [])
     assert mine == sorted(want), (mine, want)
     print(f"rank {R}: node ranks {NODE_RANKS}, files here {mine}", flush=True)
 
