@@ -117,3 +117,27 @@ def test_a_summary_claiming_other_rows_than_it_holds_is_refused_before_allocatin
     blob[12:20] = rows.to_bytes(8, "little")  # the row count, after the tag and header length
     with pytest.raises(FormatError, match="rank 0: a save summary"):
         wire.decode_summaries([0], [bytes(blob)])
+
+
+def _header_edited(blob: bytes, index: int, value: int) -> bytes:
+    """A summary whose header's integer ``index`` (dtype codes, then ndims, then shapes) is
+    ``value``, the header compressed again (what a rank running other code could send)."""
+    import struct
+    import zlib
+
+    hlen, rows, width = struct.unpack_from("<QQQ", blob, 4)
+    raw = bytearray(zlib.decompress(blob[28 : 28 + hlen]))
+    (text_len,) = struct.unpack_from("<Q", raw, 0)
+    struct.pack_into("<q", raw, 24 + text_len + 8 * index, value)
+    packed = zlib.compress(bytes(raw))
+    return blob[:4] + struct.pack("<QQQ", len(packed), rows, width) + packed + blob[28 + hlen :]
+
+
+@pytest.mark.parametrize("index, value", [(1, -1), (1, 65), (2, -8), (2, 2**62 + 1)])
+def test_a_summary_with_shapes_out_of_range_is_refused(index, value):
+    """ndims (index 1 of a one-tensor summary) in [0, width], shape entries (from index 2) in
+    [0, 2**62]: anything else is a FormatError naming the rank, never a value planned with."""
+    blob = wire.encode_summary(make_summary(0, [Box((0, 0), (8, 8))]))
+    assert wire.decode_summary(_header_edited(blob, index, 2 if index == 1 else 8), 0).global_shapes
+    with pytest.raises(FormatError, match="rank 0: a save summary's shapes are out of range"):
+        wire.decode_summaries([0], [_header_edited(blob, index, value)])
