@@ -226,3 +226,29 @@ def test_objects_are_deleted_in_batches_and_a_refused_key_is_named(s3_env, monke
     monkeypatch.setattr(store, "s3", lambda method, **kwargs: refused)
     with pytest.raises(StorageError, match=r"batches/0_9.distcp: AccessDenied no \(1 of 2 objects not deleted\)"):
         store.remove(["0_8.distcp", "0_9.distcp"])
+
+
+def test_a_claim_is_a_conditional_put_that_one_of_two_racing_claimers_wins(s3_env):
+    """On the S3 server, create_exclusive is a PUT with If-None-Match: the first creates the
+    claim, a second (the same name) is told it exists, even from eight threads at once."""
+    import threading
+
+    from paddle_dcp.io import open_storage
+
+    store = open_storage(s3_env.url("claims"), OPTIONS)
+    assert store.create_exclusive("3.0.claim", b"") and not store.create_exclusive("3.0.claim", b"")
+    won, start = [], threading.Barrier(8)
+
+    def race(i):
+        other = open_storage(s3_env.url("claims"), OPTIONS)
+        start.wait()
+        if other.create_exclusive("4.0.claim", b""):
+            won.append(i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(won) == 1, won
+    assert sorted(store.sizes()) == ["3.0.claim", "4.0.claim"]
