@@ -25,6 +25,7 @@ SUITES = {
     "many": ("many", {}, "save and load of 10k to 100k small tensors: the time per tensor"),
     "compress": ("compress", {}, "compressed moments and derived master weights: bytes, time, error, resume"),
     "p2p": ("p2p", {}, "bytes between two ranks: our TCP, a gloo pair, the job's communicator"),
+    "layouts": ("layouts", {}, "verify, metadata check and load of one tensor in 1k to 64k non-grid pieces: time per piece"),
     "scale": ("scale", {}, "planning and metadata of a save and a load at thousands of simulated ranks"),
     "tiers": ("tiers", {}, "CheckpointManager's node-local tier: restores from each tier, replicated saves"),
 }

@@ -21,7 +21,9 @@ from bench.units import GB, GiB, MiB
 IO_BUFFER = 64 * MiB  # the page cache's writes and reads, a buffer at a time
 
 
-def machine_info(workdir: str) -> dict:
+def machine_info(workdir: str, library: str = REPO) -> dict:
+    """The machine, the versions installed, and the commit of the paddle_dcp checkout at
+    ``library`` (default this one) with its uncommitted changes."""
     cpu = "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -59,14 +61,14 @@ def machine_info(workdir: str) -> dict:
         "torch": version("torch"),
         "paddle_dcp": version("paddle_dcp") or version("paddle-dcp"),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "paddle_dcp_commit": _git("rev-parse", "--short", "HEAD"),
-        "paddle_dcp_uncommitted": _git("status", "--porcelain", "--", "paddle_dcp"),
+        "paddle_dcp_commit": _git("rev-parse", "--short", "HEAD", repo=library),
+        "paddle_dcp_uncommitted": _git("status", "--porcelain", "--", "paddle_dcp", repo=library),
     }
 
 
-def _git(*args) -> str | None:
+def _git(*args, repo: str = REPO) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

@@ -36,12 +36,11 @@ import pstats
 import shutil
 import tempfile
 
-from bench import launch, many_worker
+from bench import launch, many_worker, units
 from bench.io import launch_phase
 from bench.io_config import LIB_TITLE
 from bench.machine import machine_info
 from bench.report import emit, log
-from bench.units import parse_count
 
 WORKER = os.path.abspath(many_worker.__file__)
 PHASES = many_worker.PHASES
@@ -50,15 +49,7 @@ RANKS = 2
 
 def parse_counts(text: str) -> list[int]:
     """'10k,30k,100k' -> [10000, 30000, 100000] (k = 1000), sorted, each at least 1."""
-    out = set()
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        n = parse_count(item)
-        if n < 1:
-            raise ValueError(f"tensor count {item!r}: at least 1")
-        out.add(n)
-    if not out:
-        raise ValueError("give at least one tensor count, e.g. 10k,30k,100k")
-    return sorted(out)
+    return units.parse_counts(text, "tensor count")
 
 
 def per_tensor_us(seconds: float, n: int) -> float:

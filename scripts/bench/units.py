@@ -37,6 +37,24 @@ def parse_count(text: str) -> int:
     return _scaled(text, _COUNT, (10**3, 10**6, 10**9), "count")
 
 
+def parse_counts(text: str, what: str = "count", example: str = "10k,30k,100k") -> list[int]:
+    """'10k,30k,100k' -> [10000, 30000, 100000] (k = 1000), sorted, each at least 1 (``what``
+    and ``example`` word the errors).
+
+    Raises:
+        ValueError: an item is no count or below 1, or ``text`` lists none.
+    """
+    out = set()
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        n = parse_count(item)
+        if n < 1:
+            raise ValueError(f"{what} {item!r}: at least 1")
+        out.add(n)
+    if not out:
+        raise ValueError(f"give at least one {what}, e.g. {example}")
+    return sorted(out)
+
+
 def human(nbytes: float) -> str:
     """Bytes as printed: '1 GiB', '64 MiB', '192 B'."""
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
