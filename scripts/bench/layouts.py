@@ -10,7 +10,8 @@ written with the library's own parts (:func:`write_checkpoint`): its data files 
 ``core.metafile.encode`` and committed by ``io.storage.commit_metadata``, as a save's
 coordinator does. The values are the float32 arange of the global shape.
 
-Then, in this process, each timed apart (best and median of ``--repeat``, wall and CPU time):
+Then, in this process, each timed apart (best and median of ``--repeat``, wall and CPU time,
+and the seconds Python's garbage collector took inside the best call):
 
 - verify: ``paddle_dcp.tools.verify.verify_checkpoint``, what ``python -m paddle_dcp verify DIR``
   runs (in-process: the import and the command line's parsing are outside the time); any
@@ -182,25 +183,39 @@ class Overtime(BaseException):
     library takes it for its own error)."""
 
 
-def timed(call, timeout: float) -> tuple[float, float]:
-    """(wall, CPU) seconds of ``call()``: time.perf_counter and time.process_time (every thread
-    of this process); raises Overtime after ``timeout`` seconds (0: none)."""
+def timed(call, timeout: float) -> tuple[float, float, float]:
+    """(wall, CPU, garbage collector) seconds of ``call()``: time.perf_counter, time.process_time
+    (every thread of this process), and the collections inside the call (gc.callbacks); raises
+    Overtime after ``timeout`` seconds (0: none)."""
 
     def expire(signum, frame):
         raise Overtime()
 
+    collecting = [0.0, 0.0]  # seconds so far, start of the collection under way
+
+    def count(phase, info):
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collecting[0] += time.perf_counter() - collecting[1]
+
     gc.collect()
     old = signal.signal(signal.SIGALRM, expire) if timeout else None
+    gc.callbacks.append(count)
     try:
         if timeout:
             signal.setitimer(signal.ITIMER_REAL, timeout)
         w0, c0 = time.perf_counter(), time.process_time()
         call()
-        return time.perf_counter() - w0, time.process_time() - c0
+        wall = time.perf_counter() - w0
+        if timeout and wall > timeout:  # the alarm came in a gc callback, which swallows what it raises
+            raise Overtime()
+        return wall, time.process_time() - c0, collecting[0]
     finally:
         if timeout:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+        gc.callbacks.remove(count)
 
 
 def measure_one(measure: str, built: Built, timeout: float) -> dict:
@@ -209,9 +224,9 @@ def measure_one(measure: str, built: Built, timeout: float) -> dict:
     call = {"verify": lambda: run_verify(built), "metadata": lambda: run_metadata(built),
             "load": lambda: run_load(built, target)}[measure]
     out = {"measure": measure, "pieces": built.pieces, "ok": False, "over": False, "error": None,
-           "seconds": None, "cpu_seconds": None}
+           "seconds": None, "cpu_seconds": None, "gc_seconds": None}
     try:
-        out["seconds"], out["cpu_seconds"] = timed(call, timeout)
+        out["seconds"], out["cpu_seconds"], out["gc_seconds"] = timed(call, timeout)
         if target is not None:
             check_loaded(target, built.shape)
         out["ok"] = True
@@ -225,7 +240,7 @@ def measure_one(measure: str, built: Built, timeout: float) -> dict:
 # ---------------------------------------------------------------------------- the run
 def summarize(runs: list[dict]) -> dict:
     """Per (measure, pieces): best and median wall and CPU seconds of its good runs (or
-    "over"), and per measure the ratio of the best time per piece at the largest count
+    "over"), the garbage collector's seconds inside the best run, and per measure the ratio of the best time per piece at the largest count
     measured to that at the smallest (None with fewer than two)."""
     table = []
     for measure in MEASURES:
@@ -236,8 +251,10 @@ def summarize(runs: list[dict]) -> dict:
             row = {"measure": measure, "pieces": n, "runs": len(good), "over": over}
             if good:
                 wall, cpu = [r["seconds"] for r in good], [r["cpu_seconds"] for r in good]
+                best = min(good, key=lambda r: r["seconds"])
                 row.update(best=min(wall), median=statistics.median(wall), cpu_best=min(cpu), cpu_median=statistics.median(cpu),
-                           us_per_piece=min(wall) / n * 1e6, cpu_us_per_piece=min(cpu) / n * 1e6)
+                           us_per_piece=min(wall) / n * 1e6, cpu_us_per_piece=min(cpu) / n * 1e6,
+                           gc_seconds=best.get("gc_seconds") or 0.0)
             table.append(row)
     ratios = {}
     for measure in MEASURES:
@@ -258,16 +275,16 @@ def format_report(res: dict) -> str:
              f"library: paddle_dcp from {lib['path']} (commit {res['machine'].get('paddle_dcp_commit') or '?'})",
              describe(res["machine"]), "",
              "| measure | pieces | shape | best (s) | median (s) | CPU best (s) | CPU median (s) | µs per piece "
-             "| CPU µs per piece |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| CPU µs per piece | of best, garbage collector (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     shapes = {b["pieces"]: b["shape"] for b in res["built"]}
     for e in res["summary"]["table"]:
         shape = "x".join(map(str, shapes.get(e["pieces"], ())))
         if "best" in e:
             lines.append(f"| {e['measure']} | {e['pieces']:,} | {shape} | {e['best']:.4f} | {e['median']:.4f} | "
-                         f"{e['cpu_best']:.4f} | {e['cpu_median']:.4f} | {e['us_per_piece']:.2f} | {e['cpu_us_per_piece']:.2f} |")
+                         f"{e['cpu_best']:.4f} | {e['cpu_median']:.4f} | {e['us_per_piece']:.2f} | {e['cpu_us_per_piece']:.2f} | {e['gc_seconds']:.3f} |")
         else:
-            lines.append(f"| {e['measure']} | {e['pieces']:,} | {shape} | {e['over'] or 'failed'} | | | | | |")
+            lines.append(f"| {e['measure']} | {e['pieces']:,} | {shape} | {e['over'] or 'failed'} | | | | | | |")
     lines.append("")
     for name, r in res["summary"]["ratios"].items():
         if r is not None:
@@ -322,7 +339,8 @@ def run_benchmark(args: argparse.Namespace, library: str) -> dict:
                     run["repeat"] = rep
                     runs.append(run)
                     if run["ok"]:
-                        what = f"{run['seconds']:.4f} s (CPU {run['cpu_seconds']:.4f} s)"
+                        what = (f"{run['seconds']:.4f} s (CPU {run['cpu_seconds']:.4f} s, "
+                                f"garbage collector {run['gc_seconds']:.4f} s)")
                     else:
                         what = run["error"] if run["over"] else f"FAILED: {run['error']}"
                     log(f"[{rep + 1}/{args.repeat}] {built.pieces:>7,} pieces {m:8s}: {what}")
