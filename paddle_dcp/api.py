@@ -146,8 +146,8 @@ def run_save(
     over the group's background comm. Returns the SaveResult, or the AsyncSave handle."""
     started = time.perf_counter()
     run = protocol.save(rank, after)
-    if not rank.staged:
-        result = protocol.run(comm, run)
+    if not rank.staged:  # the collector paused on the caller's thread only, never under the training's feet
+        result = protocol.quiet_collector(protocol.run, comm, run)
         STATE.traffic["save"] = comm.traffic
         _log_saved(result, path, started)
         return result

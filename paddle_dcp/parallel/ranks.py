@@ -289,7 +289,9 @@ class LocalLoadRank:
         ``STATE.traffic["load"]``, the bytes and time logged; returns (the checkpoint id, the
         work done). The one driver of a load: the api's, the manager's, the local tier's."""
         started = time.perf_counter()
-        uid, work = protocol.run(self.comm, protocol.load(self))
+        # the collector paused, as for a save's planning: a load of many tensors makes a few
+        # objects per piece, each allocation burst woke it to traverse everything alive
+        uid, work = protocol.quiet_collector(protocol.run, self.comm, protocol.load(self))
         STATE.traffic["load"] = self.comm.traffic
         nbytes = sum(op.nbytes for op in work.plan.ops)
         logger.info("loaded checkpoint %d from %s: %d bytes by this rank in %.3f s", uid, self.path, nbytes,

@@ -124,7 +124,9 @@ def _header(raw: bytes, rank: int) -> tuple:
     doc = parse_json(raw[24 : 24 + text_len], f"rank {rank}", "a save summary's header")
     ints = np.frombuffer(raw, dtype="<i8", offset=24 + text_len).astype(np.int64)
     ndims, shapes = ints[n : 2 * n], ints[2 * n :].reshape(n, width)
-    if width > 64 or (n and (ndims.min() < 0 or ndims.max() > width or shapes.min() < 0 or shapes.max() > _MAX_INT)):
+    if width > 64 or (n and (ndims.min() < 0 or ndims.max() > width)) or (
+        shapes.size and (shapes.min() < 0 or shapes.max() > _MAX_INT)
+    ):
         raise FormatError(f"rank {rank}: a save summary's shapes are out of range (at most 64 dims, entries in [0, 2**62])")
     derived = tuple((str(m), str(p)) for m, p in doc.get("v", ()))
     return doc["o"], tuple(doc["k"]), ints[:n], shapes, ndims, derived

@@ -141,3 +141,8 @@ def test_a_summary_with_shapes_out_of_range_is_refused(index, value):
     assert wire.decode_summary(_header_edited(blob, index, 2 if index == 1 else 8), 0).global_shapes
     with pytest.raises(FormatError, match="rank 0: a save summary's shapes are out of range"):
         wire.decode_summaries([0], [_header_edited(blob, index, value)])
+
+
+def test_a_summary_of_scalars_only_has_no_shape_entries_to_check():
+    back = wire.decode_summary(wire.encode_summary(make_summary(2, [Box((), ())])), 2)
+    assert back.global_shapes == ((),) and back.ndims.tolist() == [0] and back.shapes.shape == (1, 0)
