@@ -7,6 +7,7 @@ piece), ``in_target`` (relative to a rank's local piece).
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from operator import add, mul, sub
@@ -257,6 +258,51 @@ def first_overlap_2d(offsets: np.ndarray, ends: np.ndarray) -> tuple[int, int] |
     return None
 
 
+UNDECIDED = "undecided"  # first_overlap_nd's answer when its split cannot tell
+SPLITS = 16  # pairs of dimensions first_overlap_nd tries as the leading two
+
+
+def first_overlap_nd(offsets: np.ndarray, ends: np.ndarray) -> "tuple[int, int] | None | str":
+    """A pair of indices of boxes [offsets, ends) of any number of dims that share an element,
+    None, or :data:`UNDECIDED`, in O(p log p) for each of at most :data:`SPLITS` tries.
+    Dimensions every box spans alike are left out (they tell no box from another); with 2 or
+    fewer left, :func:`first_overlap_2d` decides. Else two dimensions lead and the others trail:
+    when the distinct trailing boxes are pairwise disjoint (decided the same way, recursively),
+    boxes of different trailing boxes never meet and those of one trailing box meet exactly when
+    their leading two dims do. UNDECIDED: no pair of leading dims made the trailing boxes
+    disjoint (the caller falls back to comparing boxes that are open together)."""
+    p = len(offsets)
+    same = (offsets == offsets[0]).all(axis=0) & (ends == ends[0]).all(axis=0)
+    varying = np.flatnonzero(~same)
+    if not len(varying):
+        return (0, 1) if p > 1 else None
+    o, e = offsets[:, varying], ends[:, varying]
+    if len(varying) <= 2:
+        return first_overlap_2d(o, e)
+    for lead in itertools.islice(itertools.combinations(range(len(varying)), 2), SPLITS):
+        found = _split_overlap(o, e, list(lead))
+        if found is not UNDECIDED:
+            return found
+    return UNDECIDED
+
+
+def _split_overlap(offsets: np.ndarray, ends: np.ndarray, lead: list) -> "tuple[int, int] | None | str":
+    """:func:`first_overlap_nd` with dims ``lead`` leading, the rest trailing."""
+    rest = [d for d in range(offsets.shape[1]) if d not in lead]
+    tails, inverse = np.unique(np.concatenate([offsets[:, rest], ends[:, rest]], axis=1), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if len(tails) > 1 and first_overlap_nd(tails[:, : len(rest)], tails[:, len(rest) :]) is not None:
+        return UNDECIDED  # two trailing boxes meet (or cannot be told apart): this split cannot decide
+    order = np.argsort(inverse, kind="stable")
+    for group in np.split(order, np.flatnonzero(np.diff(inverse[order])) + 1):
+        if len(group) > 1:
+            pair = first_overlap_2d(offsets[group][:, lead], ends[group][:, lead])
+            if pair is not None:
+                i, j = int(group[pair[0]]), int(group[pair[1]])
+                return (min(i, j), max(i, j))
+    return None
+
+
 def intervals_meet(a0: int, a1: int, b0: int, b1: int) -> bool:
     """Whether [a0, a1) and [b0, b1) share a point."""
     return max(a0, b0) < min(a1, b1)
@@ -277,8 +323,9 @@ def check_tiling(
     Up to ``few`` boxes are compared pair by pair in plain Python (cheaper than numpy's cost
     per call for the few pieces most tensors have). More run in O(p log p) for grid layouts
     (the only kind a save from placements produces) and for any layout of 1 or 2 dims
-    (:func:`first_overlap_2d`); other layouts of 3 or more dims fall back to a sweep along dim
-    0 that compares each box with those still open.
+    (:func:`first_overlap_2d`) and for layouts of more dims that two of them split into
+    disjoint trailing boxes (:func:`first_overlap_nd`); the others fall back to a sweep along
+    dim 0 that compares each box with those still open.
     """
     global_shape, offsets, shapes = check_inside(key, global_shape, offsets, shapes)
     p, ndim = shapes.shape
@@ -311,8 +358,8 @@ def check_tiling(
         if require_cover and covered != total:
             raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
         return
-    if ndim <= 2:  # any layout of a vector or a matrix: O(p log p)
-        pair = first_overlap_2d(offsets, ends)
+    pair = first_overlap_2d(offsets, ends) if ndim <= 2 else first_overlap_nd(offsets, ends)
+    if pair is not UNDECIDED:  # any layout of a vector or a matrix, and most of more dims: O(p log p)
         if pair is not None:
             i, j = pair
             raise PlanError(f"{key}: pieces at offsets {tuple(offsets[i].tolist())} and {tuple(offsets[j].tolist())} overlap")

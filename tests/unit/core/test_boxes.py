@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paddle_dcp.core.boxes import (
@@ -448,3 +448,65 @@ def test_a_non_grid_layout_is_checked_with_a_bounded_number_of_comparisons_per_p
     with pytest.raises(PlanError, match="overlap"):
         check_tiling(KEY, shape, offsets, shapes_, few=0)
     assert calls[0] <= 2 * p
+
+
+def staggered_3d(layers: int, rows: int, cols: int) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
+    """``layers`` copies of :func:`staggered` stacked along a first dim, each layer cut into
+    two slabs along it (no grid in any two dims: the bricks of the second and third dims)."""
+    shape2, o2, s2 = staggered(rows, cols)
+    offsets, shapes_ = [], []
+    for layer in range(layers):
+        for half in (0, 1):
+            offsets.append(np.column_stack([np.full(len(o2), 2 * layer + half), o2]))
+            shapes_.append(np.column_stack([np.ones(len(o2), np.int64), s2]))
+    return (2 * layers,) + shape2, np.concatenate(offsets), np.concatenate(shapes_)
+
+
+@pytest.mark.parametrize("layers, rows, cols", [(5, 2, 500), (50, 2, 500)])
+def test_a_non_grid_layout_of_three_dims_is_checked_with_a_bounded_number_of_comparisons(monkeypatch, layers, rows, cols):
+    """10k and 100k pieces of a 3-dim layout that is no grid: split into leading dims and
+    disjoint trailing boxes, each piece costs a bounded number of interval comparisons (the
+    old sweep compared every open pair); an overlap made in one layer is found."""
+    from paddle_dcp.core import boxes
+
+    calls = [0]
+    real = boxes.intervals_meet
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(boxes, "intervals_meet", counting)
+    shape, offsets, shapes_ = staggered_3d(layers, rows, cols)
+    p = len(offsets)
+    assert boxes.first_overlap_nd(offsets, offsets + shapes_) is None
+    check_tiling(KEY, shape, offsets, shapes_, few=0)
+    assert calls[0] <= 8 * p, (calls[0], p)
+    shapes_[p // 2, 2] += 1
+    shapes_[p // 2 + 2, 2] -= 1
+    calls[0] = 0
+    with pytest.raises(PlanError, match="overlap"):
+        check_tiling(KEY, shape, offsets, shapes_, few=0)
+    assert calls[0] <= 8 * p
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_first_overlap_nd_agrees_with_comparing_every_pair(data):
+    """Random boxes of 3 or 4 dims on a small grid of coordinates: a pair it names meets, it
+    says None only when no two boxes meet (UNDECIDED is allowed: the caller then compares)."""
+    from paddle_dcp.core import boxes
+
+    ndim = data.draw(st.integers(3, 4))
+    p = data.draw(st.integers(2, 12))
+    lo = np.array(data.draw(st.lists(st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim), min_size=p, max_size=p)))
+    ext = np.array(data.draw(st.lists(st.lists(st.integers(1, 2), min_size=ndim, max_size=ndim), min_size=p, max_size=p)))
+    hi = lo + ext
+    found = boxes.first_overlap_nd(lo, hi)
+    truth = boxes.first_overlap(lo.tolist(), hi.tolist())
+    if found is None:
+        assert truth is None, truth
+    elif found is not boxes.UNDECIDED:
+        i, j = found
+        assert i != j and boxes.meet(lo[i], hi[i], lo[j], hi[j])
+        assert truth is not None
