@@ -82,7 +82,8 @@ def read(data: bytes) -> dict:
         at += part_len[p]
         tensors.update(_read_part(raw, area, widths))
     values = _values(head["outline"])
-    doc = {k: head[k] for k in ("unique_id", "world_size", "created_by", "checksum")}
+    doc = {k: head[k] for k in ("unique_id", "world_size", "checksum")}
+    doc["created_by"] = head.get("created_by", "")  # optional, as the reader takes it
     doc.update(format="paddle_dcp", format_version=3, files=[{"name": n, "bytes": s} for n, s in zip(names, sizes)],
                structure=_fill(json.loads(section("structure")), values), tensors=tensors)
     if head.get("replicas"):

@@ -358,10 +358,10 @@ def check_tiling(
         if require_cover and covered != total:
             raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
         return
-    pair = first_overlap_2d(offsets, ends) if ndim <= 2 else first_overlap_nd(offsets, ends)
-    if pair is not UNDECIDED:  # any layout of a vector or a matrix, and most of more dims: O(p log p)
-        if pair is not None:
-            i, j = pair
+    found = first_overlap_2d(offsets, ends) if ndim <= 2 else first_overlap_nd(offsets, ends)
+    if found != UNDECIDED:  # any layout of a vector or a matrix, and most of more dims: O(p log p)
+        if isinstance(found, tuple):
+            i, j = found
             raise PlanError(f"{key}: pieces at offsets {tuple(offsets[i].tolist())} and {tuple(offsets[j].tolist())} overlap")
         if require_cover and covered != total:
             raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
