@@ -423,11 +423,9 @@ def staggered(rows: int, cols: int) -> tuple[tuple[int, int], np.ndarray, np.nda
     return (rows, 2 * cols), np.array(offsets, np.int64), np.array(shapes_, np.int64)
 
 
-@pytest.mark.parametrize("rows, cols", [(2, 5_000), (2, 50_000), (100, 1_000)])
-def test_a_non_grid_layout_is_checked_with_a_bounded_number_of_comparisons_per_piece(monkeypatch, rows, cols):
-    """The sweep of any matrix layout compares each piece with at most two open neighbours:
-    10k and 100k staggered pieces (the layout the old sweep compared pairwise, a row at a
-    time) cost at most 2 comparisons a piece, and a brick moved onto its neighbour is found."""
+def counted_meets(monkeypatch) -> list:
+    """A one-item list counting the calls of boxes.intervals_meet from now on (the work the
+    sweeps do per piece)."""
     from paddle_dcp.core import boxes
 
     calls = [0]
@@ -438,6 +436,15 @@ def test_a_non_grid_layout_is_checked_with_a_bounded_number_of_comparisons_per_p
         return real(*args)
 
     monkeypatch.setattr(boxes, "intervals_meet", counting)
+    return calls
+
+
+@pytest.mark.parametrize("rows, cols", [(2, 5_000), (2, 50_000), (100, 1_000)])
+def test_a_non_grid_layout_is_checked_with_a_bounded_number_of_comparisons_per_piece(monkeypatch, rows, cols):
+    """The sweep of any matrix layout compares each piece with at most two open neighbours:
+    10k and 100k staggered pieces (the layout the old sweep compared pairwise, a row at a
+    time) cost at most 2 comparisons a piece, and a brick moved onto its neighbour is found."""
+    calls = counted_meets(monkeypatch)
     shape, offsets, shapes_ = staggered(rows, cols)
     p = len(offsets)
     check_tiling(KEY, shape, offsets, shapes_, few=0)
@@ -469,14 +476,7 @@ def test_a_non_grid_layout_of_three_dims_is_checked_with_a_bounded_number_of_com
     old sweep compared every open pair); an overlap made in one layer is found."""
     from paddle_dcp.core import boxes
 
-    calls = [0]
-    real = boxes.intervals_meet
-
-    def counting(*args):
-        calls[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(boxes, "intervals_meet", counting)
+    calls = counted_meets(monkeypatch)
     shape, offsets, shapes_ = staggered_3d(layers, rows, cols)
     p = len(offsets)
     assert boxes.first_overlap_nd(offsets, offsets + shapes_) is None
