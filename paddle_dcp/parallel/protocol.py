@@ -200,8 +200,9 @@ class SaveRankProtocol(_Protocol):
     def values(self, prepared: Any) -> dict:
         """The coordinator's plain values, flat key -> value."""
 
-    def publish(self, meta: Metadata) -> None:
-        """The coordinator writes the metadata (the :func:`publish` step)."""
+    def publish(self, meta: Metadata, generation: int) -> None:
+        """The coordinator writes the metadata of the save that wrote ``generation`` (the
+        :func:`publish` step)."""
 
     def tidy(self, uid: int, generation: int, listing: Any) -> None:
         """Remove this rank's data files of older generations of ``uid``, once the new
@@ -314,7 +315,7 @@ def publish(side: SaveRankProtocol, result: SaveResult) -> Protocol:
     """The coordinator builds the metadata of a written save and writes it (one step, the
     commit); then every rank removes its data files of older generations of the id, which the
     metadata replaced."""
-    yield from local("commit", (lambda: side.publish(result.built())) if side.rank == side.coordinator else (lambda: None))
+    yield from local("commit", (lambda: side.publish(result.built(), result.generation)) if side.rank == side.coordinator else (lambda: None))
     yield from tidy(side, result)
 
 

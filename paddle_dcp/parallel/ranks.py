@@ -184,7 +184,6 @@ class LocalSaveRank:
         return replace(described, sources=replace(pieces, held=tuple(held)))
 
     def write(self, described: protocol.Described, uid: int, generation: int, leaves: np.ndarray) -> tuple[int, list[int]]:
-        self.generation = generation  # what publish checks no later save claimed past
         name = storage.data_file_name(self.rank, uid, generation, self.options.file_kind)
         pieces: PieceSources = described.sources
         o = self.options
@@ -193,8 +192,8 @@ class LocalSaveRank:
     def values(self, prepared: Prepared) -> dict:
         return prepared.flat.values
 
-    def publish(self, meta: Metadata) -> None:
-        claims.check_latest(self.store, meta.unique_id, self.generation)
+    def publish(self, meta: Metadata, generation: int) -> None:
+        claims.check_latest(self.store, meta.unique_id, generation)
         if self.options.safetensors:
             meta = hf_dir.rename_files(meta)
         storage.commit_metadata(self.store, meta.unique_id, metafile.encode(meta), self.options.durable)

@@ -114,7 +114,7 @@ class _SimSaveRank:
     def values(self, prepared) -> dict:
         return self._values
 
-    def publish(self, meta: Metadata) -> None:
+    def publish(self, meta: Metadata, generation: int) -> None:
         self.published.append(meta)
 
     def tidy(self, uid, generation, listing) -> None:

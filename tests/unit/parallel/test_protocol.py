@@ -98,7 +98,7 @@ class FakeSaveRank:
         assert prepared == "prepared"
         return {}
 
-    def publish(self, meta):
+    def publish(self, meta, generation):
         self._step("publish")
         self.published.append(meta)
 
