@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import stat
+import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -455,6 +456,12 @@ def map_range(fd: int, start: int, stop: int, name: str) -> Iterator[np.ndarray]
         raise StorageError(f"cannot map {name}: {exc}", name) from exc
     try:
         yield np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start - base)
+    except BaseException as exc:
+        # the finished frames of the error's traceback hold views of the mapping, which keep it
+        # (and the descriptor mmap duplicated) open until a collection: a refused load would
+        # leave its files open
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         unmap(mm)
 

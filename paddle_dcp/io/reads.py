@@ -146,8 +146,10 @@ def execute_op(
     """
     if fetch is None:
         with files.mapped(op.file, op.start, op.stop, again) as buf:
-            _verify_and_copy(op, meta, files, targets, buf, verify, check_only)
-            del buf  # no view may outlive the mapping
+            try:
+                _verify_and_copy(op, meta, files, targets, buf, verify, check_only)
+            finally:
+                del buf  # no view may outlive the mapping (nor an error's traceback keep one)
         return
     if op.direct:
         seg = op.segments[0]
