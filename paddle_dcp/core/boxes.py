@@ -303,6 +303,108 @@ def _split_overlap(offsets: np.ndarray, ends: np.ndarray, lead: list) -> "tuple[
     return None
 
 
+CORNER_DIMS = 8  # untiled_point's cost per box is 2**dims (its corners): beyond, the caller sweeps
+CORNER_ROWS = 1 << 22  # corners untiled_point tallies at once, about (dims + 2) * 8 bytes each
+
+
+def untiled_point(offsets: np.ndarray, ends: np.ndarray, global_shape: Sequence[int]) -> "np.ndarray | None | str":
+    """For boxes [offsets, ends) inside a tensor of ``global_shape``: None when they tile it
+    exactly, else an index that not exactly one box covers; :data:`UNDECIDED` when the boxes
+    vary in more than :data:`CORNER_DIMS` dims. O(p 2**d log p) for boxes varying in d dims.
+
+    The indicator of a half-open box is the signed sum, over its 2**d corners, of the indicator
+    of the orthant at the corner (every index at or above it); the sign is -1 for each
+    coordinate taken from the box's end. Orthants of distinct corners are linearly independent
+    (one contains another's corner only when that corner is above it), so the boxes tile the
+    tensor exactly when their signed corners, added up, are the tensor's own. Where they are
+    not, the sum's lowest corner (least coordinate sum) is an index it covers 0 or 2+ times.
+    Dimensions every box spans alike are left out: they cannot tell boxes apart."""
+    same = (offsets == offsets[0]).all(axis=0) & (ends == ends[0]).all(axis=0)
+    varying = np.flatnonzero(~same)
+    shape = np.asarray(global_shape, dtype=np.int64)
+    point = offsets[0].copy()
+    outside = np.flatnonzero(same & ((offsets[0] != 0) | (ends[0] != shape)))
+    if len(outside):  # the boxes all leave out the same part of this dim
+        d = int(outside[0])
+        point[d] = 0 if offsets[0, d] > 0 else ends[0, d]
+        return point
+    if len(varying) > CORNER_DIMS:
+        return UNDECIDED
+    if not len(varying):
+        return None if len(offsets) == 1 else point
+    cuts, lo, hi = [], [], []
+    for d in varying.tolist():  # each dim's coordinates as ranks among its distinct ones
+        c = np.unique(np.concatenate([offsets[:, d], ends[:, d], [0, shape[d]]]))
+        cuts.append(c)
+        lo.append(np.searchsorted(c, np.append(offsets[:, d], 0)))  # the tensor itself last,
+        hi.append(np.searchsorted(c, np.append(ends[:, d], shape[d])))  # counted with sign -1
+    sign = np.ones(len(offsets) + 1, np.int64)
+    sign[-1] = -1
+    left = _odd_corners(np.stack(lo, axis=1), np.stack(hi, axis=1), sign)
+    if left is None:
+        return None
+    point[varying] = [c[i] for c, i in zip(cuts, left.tolist())]
+    return point
+
+
+def _odd_corners(lo: np.ndarray, hi: np.ndarray, sign: np.ndarray) -> np.ndarray | None:
+    """The lowest corner (as ranks) whose signed count over boxes [lo, hi) with signs ``sign``
+    is not zero, or None. Corners of different dim-0 ranks never cancel, so the boxes are
+    tallied a run of dim-0 ranks at a time (their low corners where they start, their high
+    ones where they end), each run within :data:`CORNER_ROWS` corners where it can be."""
+    n, k = lo.shape
+    per_box = 1 << (k - 1)
+    by_lo, by_hi = np.argsort(lo[:, 0], kind="stable"), np.argsort(hi[:, 0], kind="stable")
+    los, his = lo[by_lo, 0], hi[by_hi, 0]
+    ranks = np.unique(np.concatenate([los, his]))
+    load = (np.searchsorted(los, ranks, "right") + np.searchsorted(his, ranks, "right")) * per_box
+    best, start = None, 0
+    while start < len(ranks):
+        stop = max(start + 1, int(np.searchsorted(load, load[start - 1] + CORNER_ROWS if start else CORNER_ROWS, "right")))
+        first, last = ranks[start], ranks[stop - 1]
+        rows = [(by_lo[np.searchsorted(los, first):np.searchsorted(los, last, "right")], lo, 1),
+                (by_hi[np.searchsorted(his, first):np.searchsorted(his, last, "right")], hi, -1)]
+        corners, weights = _corners(rows, lo, hi, sign)
+        found = _lowest_nonzero(corners, weights)
+        if found is not None and (best is None or found.sum() < best.sum()):
+            best = found
+        start = stop
+    return best
+
+
+def _corners(rows: list, lo: np.ndarray, hi: np.ndarray, sign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The signed corners of boxes ``rows`` (each list: the boxes, the dim-0 end taken, its
+    sign), every choice of start or end in the other dims."""
+    k = lo.shape[1]
+    corners, weights = [], []
+    for which, first, s0 in rows:
+        for m in range(1 << (k - 1)):
+            c = np.empty((len(which), k), np.int64)
+            c[:, 0] = first[which, 0]
+            flips = 0
+            for d in range(1, k):
+                end = (m >> (d - 1)) & 1
+                c[:, d] = (hi if end else lo)[which, d]
+                flips += end
+            corners.append(c)
+            weights.append(sign[which] * (s0 if flips % 2 == 0 else -s0))
+    return np.concatenate(corners), np.concatenate(weights)
+
+
+def _lowest_nonzero(corners: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+    """Of the corners whose weights do not add up to zero, the one of least coordinate sum."""
+    if not len(corners):
+        return None
+    rows = np.ascontiguousarray(corners).view(np.dtype((np.void, corners.itemsize * corners.shape[1]))).ravel()
+    _, first, group = np.unique(rows, return_index=True, return_inverse=True)
+    total = np.bincount(group.reshape(-1), weights=weights, minlength=len(first))  # exact: sums of +-1 under 2**53
+    odd = np.flatnonzero(total)
+    if not len(odd):
+        return None
+    found = corners[first[odd]]
+    return found[int(np.argmin(found.sum(axis=1)))]
+
+
 def intervals_meet(a0: int, a1: int, b0: int, b1: int) -> bool:
     """Whether [a0, a1) and [b0, b1) share a point."""
     return max(a0, b0) < min(a1, b1)
@@ -324,8 +426,11 @@ def check_tiling(
     per call for the few pieces most tensors have). More run in O(p log p) for grid layouts
     (the only kind a save from placements produces) and for any layout of 1 or 2 dims
     (:func:`first_overlap_2d`) and for layouts of more dims that two of them split into
-    disjoint trailing boxes (:func:`first_overlap_nd`); the others fall back to a sweep along
-    dim 0 that compares each box with those still open.
+    disjoint trailing boxes (:func:`first_overlap_nd`); the others whose volumes add up to the
+    whole are decided by counting corners (:func:`untiled_point`, O(p 2**d log p) for boxes
+    varying in d <= :data:`CORNER_DIMS` dims). Only a subset's boxes (``require_cover`` False
+    and volumes short of the whole) of 3 or more dims that no split decides, or boxes varying
+    in more dims, fall back to a sweep along dim 0 that compares each box with those open.
     """
     global_shape, offsets, shapes = check_inside(key, global_shape, offsets, shapes)
     p, ndim = shapes.shape
@@ -366,7 +471,26 @@ def check_tiling(
         if require_cover and covered != total:
             raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
         return
-    # other layouts of 3 or more dims: sweep along dim 0, compare each box with those still open
+    if covered > total:  # disjoint boxes inside the tensor cover at most all of it
+        raise PlanError(f"{key}: pieces cover {covered} elements of a tensor of {total}: some overlap")
+    if covered == total:  # any layout of up to CORNER_DIMS varying dims: counting corners decides
+        point = untiled_point(offsets, ends, global_shape)
+        if point is None:
+            return
+        if point is not UNDECIDED:
+            _untiled(key, offsets, ends, point)
+    elif require_cover:
+        raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
+    # left: boxes of a subset (no cover to count) or varying in more than CORNER_DIMS dims
+    _sweep_open(key, offsets, ends)
+    if require_cover and covered != total:
+        raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
+
+
+def _sweep_open(key: str, offsets: np.ndarray, ends: np.ndarray) -> None:
+    """Raise PlanError naming two boxes that overlap: a sweep along dim 0 that compares each box
+    with those still open (pairwise where many are open at once)."""
+    p, ndim = offsets.shape
     order = np.lexsort(tuple(offsets[:, d] for d in reversed(range(ndim))))
     o, e = offsets[order], ends[order]
     open_idx: list[int] = []
@@ -383,8 +507,16 @@ def check_tiling(
                     f"{key}: pieces at offsets {tuple(o[j].tolist())} and {tuple(o[i].tolist())} overlap"
                 )
         open_idx.append(i)
-    if require_cover and covered != total:
-        raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
+
+
+def _untiled(key: str, offsets: np.ndarray, ends: np.ndarray, point: np.ndarray) -> None:
+    """Raise the PlanError of an index that not exactly one piece covers."""
+    at = tuple(point.tolist())
+    holders = np.flatnonzero(((offsets <= point) & (point < ends)).all(axis=1))
+    if len(holders) >= 2:
+        i, j = holders[:2].tolist()
+        raise PlanError(f"{key}: pieces at offsets {tuple(offsets[i].tolist())} and {tuple(offsets[j].tolist())} overlap (at {at})")
+    raise PlanError(f"{key}: no piece covers the element at {at}, though the pieces' sizes add up to the tensor's: some overlap")
 
 
 def check_inside(

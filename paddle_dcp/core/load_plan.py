@@ -132,7 +132,8 @@ def pick_replicas(entry: TensorEntry, rows: np.ndarray, readable: np.ndarray | N
 def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
     """Raise PlanError when two of the pieces ``rows`` overlap inside ``box``. With their
     volumes inside the box adding up to the box's, this proves they cover it exactly, whether
-    or not the whole tensor's tiling was checked (lazily parsed metadata)."""
+    or not the whole tensor's tiling was checked (lazily parsed metadata); pieces short of the
+    box are left to the caller, which refuses them for their cover."""
     if len(rows) < 2 or box.ndim == 0:
         return
     p = entry.pieces
@@ -148,6 +149,8 @@ def _check_disjoint(entry: TensorEntry, box: Box, rows: np.ndarray) -> None:
         return
     lo = np.maximum(p.offsets[rows], np.asarray(box.offsets, dtype=np.int64))
     hi = np.minimum(p.offsets[rows] + p.shapes[rows], np.asarray(box.end, dtype=np.int64))
+    if int(np.prod(np.maximum(hi - lo, 0), axis=1, dtype=np.int64).sum()) < box.volume:
+        return  # short of the box: the caller refuses the load (their cover) without a search
     try:  # O(p log p) for the grids placements make (a load onto far fewer ranks meets thousands)
         check_tiling(entry.key, box.shape, lo - np.asarray(box.offsets, dtype=np.int64), hi - lo, require_cover=False)
         return

@@ -22,6 +22,9 @@ and the seconds Python's garbage collector took inside the best call):
   process, no launcher), every value then compared with the numpy oracle: a wrong one fails
   the run.
 
+``--layout guillotine`` writes instead a 3-dim cube cut at random (:func:`guillotine`), a layout
+no split of its dims into leading and trailing ones decides: the tiling check counts corners.
+
 The summary gives, per measure, the ratio of the time per piece at the largest count to that at
 the smallest (and of the CPU time): about 1 when the cost is linear in the number of pieces.
 A call over ``--timeout`` seconds is stopped (SIGALRM) and reported as "over N s"; that
@@ -84,6 +87,37 @@ def bricks_for(pieces: int, rows: int) -> tuple[int, int]:
     return rows, max(1, -(-(pieces - rows // 2) // rows))
 
 
+def guillotine(pieces: int, seed: int = 0) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
+    """A cube of about 8 elements a piece cut into ``pieces`` boxes: each cut halves a random
+    box (of two elements or more in the dim) at a random place in a random dim. Its intervals
+    nest and overlap in every dim, so no choice of leading dims splits it into disjoint
+    trailing boxes (core.boxes.first_overlap_nd is undecided): what a crafted 3-dim file can
+    hold. The global shape, the pieces' offsets and shapes."""
+    rng = np.random.default_rng(seed)
+    side = max(2, round((8 * pieces) ** (1 / 3)))
+    lo, hi = [[0, 0, 0]], [[side] * 3]
+    while len(lo) < pieces:
+        i, d = int(rng.integers(len(lo))), int(rng.integers(3))
+        if hi[i][d] - lo[i][d] < 2:
+            continue
+        at = int(rng.integers(lo[i][d] + 1, hi[i][d]))
+        lo.append(list(lo[i]))
+        hi.append(list(hi[i]))
+        hi[i][d] = lo[-1][d] = at
+    offsets = np.array(lo, np.int64)
+    return (side,) * 3, offsets, np.array(hi, np.int64) - offsets
+
+
+LAYOUTS = ("staggered", "guillotine")
+
+
+def layout_for(kind: str, pieces: int, rows: int) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """The layout ``kind`` of (at least) ``pieces`` pieces: its shape, offsets and shapes."""
+    if kind == "guillotine":
+        return guillotine(pieces)
+    return staggered(*bricks_for(pieces, rows))
+
+
 def oracle(shape: tuple[int, ...]) -> np.ndarray:
     """The tensor's values: the float32 arange of its global shape (exact up to 2**24 elements)."""
     return np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
@@ -95,26 +129,26 @@ class Built:
 
     path: str
     unique_id: int
-    shape: tuple[int, int]  # the tensor's, in elements
+    shape: tuple[int, ...]  # the tensor's, in elements
     pieces: int
     files: int
     data_bytes: int  # of all data files
     metadata_bytes: int  # of the metadata file
 
 
-def write_checkpoint(path: str, rows: int, cols: int, files: int = 1, unique_id: int = 0,
+def write_checkpoint(path: str, layout: tuple, files: int = 1, unique_id: int = 0,
                      block_bytes: int | None = None) -> Built:
     """Write into ``path`` a checkpoint of the one tensor ``bricks`` (:func:`oracle`'s values)
-    in the :func:`staggered` layout of ``rows`` x ``cols``: its pieces in ``files`` data files
-    (consecutive runs of pieces, as ranks hold them), written by the library's data file writer,
-    then its metadata, encoded and committed as a save's coordinator does."""
+    in ``layout`` (shape, offsets, shapes: :func:`layout_for`): its pieces in ``files`` data
+    files (consecutive runs of pieces, as ranks hold them), written by the library's data file
+    writer, then its metadata, encoded and committed as a save's coordinator does."""
     from paddle_dcp.core import checksums, metafile
     from paddle_dcp.core.metadata import DEFAULT_BLOCK_BYTES, FileEntry, Metadata, PieceTable, TensorEntry
     from paddle_dcp.core.naming import data_file_name
     from paddle_dcp.io import datafile, open_storage, storage
 
     block_bytes = block_bytes or DEFAULT_BLOCK_BYTES
-    shape, offsets, shapes = staggered(rows, cols)
+    shape, offsets, shapes = layout
     p = len(offsets)
     files = max(1, min(files, p))
     values = oracle(shape)
@@ -128,9 +162,10 @@ def write_checkpoint(path: str, rows: int, cols: int, files: int = 1, unique_id:
         name = data_file_name(f, unique_id)
         writer = datafile.data_writer(store, name, block_bytes)
         for i in np.flatnonzero(owner == f).tolist():
-            (r, c), (h, w) = offsets[i].tolist(), shapes[i].tolist()
-            piece = np.ascontiguousarray(values[r : r + h, c : c + w]).reshape(-1).view(np.uint8)
-            seed = checksums.piece_seed(KEY, DTYPE, (r, c), (h, w))
+            at, extent = tuple(offsets[i].tolist()), tuple(shapes[i].tolist())
+            region = values[tuple(slice(a, a + n) for a, n in zip(at, extent))]
+            piece = np.ascontiguousarray(region).reshape(-1).view(np.uint8)
+            seed = checksums.piece_seed(KEY, DTYPE, at, extent)
             sums += writer.write(memoryview(piece), keep=piece, seed=seed)
             byte_offsets[i] = writer.offset - piece.nbytes  # the writer aligned its start
         entries.append(FileEntry(name, writer.commit()))
@@ -270,7 +305,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def format_report(res: dict) -> str:
     lib = res["library"]
-    lines = [f"A staggered (non-grid) layout of one float32 tensor: {', '.join(MEASURES)}; "
+    lines = [f"A {res['args']['layout']} (non-grid) layout of one float32 tensor: {', '.join(MEASURES)}; "
              f"best and median of {res['args']['repeat']}, wall and CPU seconds",
              f"library: paddle_dcp from {lib['path']} (commit {res['machine'].get('paddle_dcp_commit') or '?'})",
              describe(res["machine"]), "",
@@ -310,24 +345,24 @@ def run_benchmark(args: argparse.Namespace, library: str) -> dict:
     notes = [f"verify measured {VERIFY_HOW}",
              "each measure ran once untimed first, on 65 pieces (the imports it does on first use, paddle's by the load)",
              "the data files were just written: their reads come from the page cache"]
-    log(f"workdir {root}; pieces {counts}; rows {args.rows}; files {args.files}; repeat {args.repeat}; library {library}")
+    log(f"workdir {root}; layout {args.layout}; pieces {counts}; rows {args.rows}; files {args.files}; "
+        f"repeat {args.repeat}; library {library}")
     runs: list[dict] = []
     built_all: list[dict] = []
     stopped: dict[str, int] = {}  # measure -> the count it went over --timeout at
     try:
-        warm = write_checkpoint(os.path.join(root, "warmup"), *bricks_for(64, args.rows), args.files)
+        warm = write_checkpoint(os.path.join(root, "warmup"), layout_for(args.layout, 64, args.rows), args.files)
         for m in measures:
             run = measure_one(m, warm, args.timeout)
             if not run["ok"]:
                 raise RuntimeError(f"{m} of the warm-up checkpoint failed: {run['error']}")
         for n in counts:
-            rows, cols = bricks_for(n, args.rows)
             t0 = time.perf_counter()
-            built = write_checkpoint(os.path.join(root, f"p{n}"), rows, cols, args.files)
+            built = write_checkpoint(os.path.join(root, f"p{n}"), layout_for(args.layout, n, args.rows), args.files)
             build_s = time.perf_counter() - t0
             built_all.append({"asked": n, "pieces": built.pieces, "shape": built.shape, "files": built.files,
                               "data_bytes": built.data_bytes, "metadata_bytes": built.metadata_bytes, "build_seconds": build_s})
-            log(f"{built.pieces:>7,} pieces ({rows} x {cols} bricks): written in {build_s:.2f} s, data "
+            log(f"{built.pieces:>7,} pieces ({'x'.join(map(str, built.shape))}): written in {build_s:.2f} s, data "
                 f"{human(built.data_bytes)} in {built.files} files, metadata {human(built.metadata_bytes)}")
             for rep in range(args.repeat):
                 for m in measures:
@@ -381,6 +416,9 @@ def main(argv: list | None = None, prog: str = "bench layouts") -> int:
     p = argparse.ArgumentParser(prog=prog, description="A non-grid (staggered) layout: verify, metadata and load "
                                 "time per piece count.", epilog="Smoke run: scripts/bench layouts --pieces 1k,4k --repeat 1")
     p.add_argument("--pieces", default="1k,4k,16k,64k", help="piece counts, k = 1000 (default 1k,4k,16k,64k)")
+    p.add_argument("--layout", default="staggered", choices=LAYOUTS,
+                   help="staggered: 2-dim bricks (default); guillotine: a 3-dim cube cut at random, "
+                        "which no split of its dims decides")
     p.add_argument("--rows", type=int, default=2,
                    help="rows of the brick layout (default 2: pieces per row grow with the count, as in issue 38)")
     p.add_argument("--files", type=int, default=4, help="data files the pieces are spread over (default 4)")

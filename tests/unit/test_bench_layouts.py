@@ -1,5 +1,5 @@
-"""The suite layouts of the benchmarks (scripts/bench/layouts.py): the staggered layout it
-writes tiles its tensor and is no grid; the checkpoint its builder writes with the library's own
+"""The suite layouts of the benchmarks (scripts/bench/layouts.py): the staggered and guillotine
+layouts it writes tile their tensor and are no grid (the guillotine one undecided by any split); the checkpoint its builder writes with the library's own
 parts verifies, reads and loads exactly, and a damaged one fails each measure; the summary's
 best, median and ratio; a call over its timeout is stopped."""
 import gc
@@ -32,6 +32,18 @@ def test_staggered_bricks_tile_the_matrix_once_and_are_no_grid(rows, cols):
     assert [r * c + r // 2 for r, c in (layouts.bricks_for(n, 3) for n in (1, 64, 1000))] == [1, 64, 1000]
 
 
+def test_the_guillotine_cube_tiles_once_and_no_split_decides_it():
+    from paddle_dcp.core import boxes
+
+    shape, offsets, shapes = layouts.layout_for("guillotine", 500, rows=2)
+    assert len(offsets) == 500 and len(shape) == 3
+    cover = np.zeros(shape, np.int64)
+    for at, extent in zip(offsets.tolist(), shapes.tolist()):
+        cover[tuple(slice(a, a + n) for a, n in zip(at, extent))] += 1
+    assert (cover == 1).all()
+    assert boxes.first_overlap_nd(offsets, offsets + shapes) is boxes.UNDECIDED
+
+
 @pytest.fixture
 def without_paddle(monkeypatch):
     """paddle unimportable: a load is a world of one (parallel.comm.make_comm), as the suite's
@@ -40,7 +52,7 @@ def without_paddle(monkeypatch):
 
 
 def test_the_checkpoint_written_verifies_and_loads_exactly(tmp_path, without_paddle):
-    built = layouts.write_checkpoint(str(tmp_path), 2, 32, files=3)
+    built = layouts.write_checkpoint(str(tmp_path), layouts.staggered(2, 32), files=3)
     assert (built.pieces, built.shape, built.files) == (65, (2, 64), 3)
     problems, counts = verify_checkpoint(str(tmp_path), built.unique_id)
     assert problems == [] and counts["pieces"] == 65 and counts["files"] == 3
@@ -54,8 +66,17 @@ def test_the_checkpoint_written_verifies_and_loads_exactly(tmp_path, without_pad
         assert run["ok"] and run["seconds"] >= 0 and run["cpu_seconds"] >= 0, run
 
 
+def test_a_guillotine_checkpoint_verifies_and_loads_exactly(tmp_path, without_paddle):
+    built = layouts.write_checkpoint(str(tmp_path), layouts.guillotine(300), files=2)
+    assert built.pieces == 300
+    target = np.full(built.shape, np.nan, np.float32)
+    paddle_dcp.load_state_dict({layouts.KEY: target}, str(tmp_path))
+    layouts.check_loaded(target, built.shape)
+    assert verify_checkpoint(str(tmp_path), built.unique_id)[0] == []
+
+
 def test_a_damaged_checkpoint_fails_every_measure_that_reads_it(tmp_path, without_paddle):
-    built = layouts.write_checkpoint(str(tmp_path), 2, 32, files=1)
+    built = layouts.write_checkpoint(str(tmp_path), layouts.staggered(2, 32), files=1)
     data = tmp_path / "0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[4] ^= 0xFF  # a value of the first brick

@@ -510,3 +510,114 @@ def test_first_overlap_nd_agrees_with_comparing_every_pair(data):
         i, j = found
         assert i != j and boxes.meet(lo[i], hi[i], lo[j], hi[j])
         assert truth is not None
+
+
+def covered_counts(shape, lo, hi) -> np.ndarray:
+    """How many boxes cover each element of a tensor of ``shape`` (the oracle, box by box)."""
+    counter = np.zeros(shape, dtype=np.int64)
+    for a, b in zip(lo.tolist(), hi.tolist()):
+        counter[tuple(slice(x, y) for x, y in zip(a, b))] += 1
+    return counter
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(guillotine_tilings(), st.tuples(shapes(max_ndim=4, max_side=4, min_ndim=1, allow_zero=False), st.none())), st.data())
+def test_untiled_point_agrees_with_counting_every_element(case, data):
+    """Exact tilings, tilings with one piece moved, grown or doubled, and random boxes of 1 to 4
+    dims: None exactly when every element is covered once, else an element covered 0 or 2+
+    times."""
+    from paddle_dcp.core import boxes
+
+    shape, tiling = case
+    if tiling is None:
+        p = data.draw(st.integers(1, 10))
+        lo = np.array([[data.draw(st.integers(0, n - 1)) for n in shape] for _ in range(p)], np.int64)
+        hi = np.array([[data.draw(st.integers(a + 1, n)) for a, n in zip(row, shape)] for row in lo.tolist()], np.int64)
+    else:
+        lo = np.array([b.offsets for b in tiling], np.int64).reshape(len(tiling), len(shape))
+        hi = lo + np.array([b.shape for b in tiling], np.int64).reshape(len(tiling), len(shape))
+        i, d = data.draw(st.integers(0, len(lo) - 1)), data.draw(st.integers(0, len(shape) - 1))
+        how = data.draw(st.sampled_from(["keep", "shift", "grow", "double"]))
+        if how == "shift" and lo[i, d] > 0:
+            lo[i, d] -= 1
+            hi[i, d] -= 1
+        elif how == "grow" and hi[i, d] < shape[d]:
+            hi[i, d] += 1
+        elif how == "double":
+            lo, hi = np.concatenate([lo, lo[i : i + 1]]), np.concatenate([hi, hi[i : i + 1]])
+    counts = covered_counts(shape, lo, hi)
+    point = boxes.untiled_point(lo, hi, shape)
+    if point is None:
+        assert (counts == 1).all()
+    else:
+        assert counts[tuple(point.tolist())] != 1, (point, counts)
+
+
+def guillotine_3d(cuts: int, seed: int = 0) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
+    """An exact tiling of a 3-dim tensor by ``cuts`` cuts of random boxes in random dims: its
+    distinct intervals are nested or overlapping in every dim, so no split into leading dims and
+    disjoint trailing boxes decides it (first_overlap_nd: UNDECIDED)."""
+    rng = np.random.default_rng(seed)
+    shape = (1 << 20,) * 3
+    lo, hi = [[0, 0, 0]], [list(shape)]
+    for _ in range(cuts):
+        i = int(rng.integers(len(lo)))
+        d = int(rng.integers(3))
+        if hi[i][d] - lo[i][d] < 2:
+            continue
+        at = int(rng.integers(lo[i][d] + 1, hi[i][d]))
+        lo.append(list(lo[i]))
+        hi.append(list(hi[i]))
+        hi[i][d] = lo[-1][d] = at
+    offsets = np.array(lo, np.int64)
+    return shape, offsets, np.array(hi, np.int64) - offsets
+
+
+@pytest.mark.parametrize("cuts", [10_000, 100_000])
+def test_a_layout_no_split_decides_is_checked_with_a_bounded_number_of_corners_per_piece(monkeypatch, cuts):
+    """10k and 100k pieces of a 3-dim guillotine tiling (the layout no choice of leading dims
+    decides, which the old sweep compared pairwise): every piece adds its 8 corners once, no
+    pair is compared, and a piece moved by one element is found."""
+    from paddle_dcp.core import boxes
+
+    shape, offsets, shapes_ = guillotine_3d(cuts)
+    p = len(offsets)
+    assert boxes.first_overlap_nd(offsets, offsets + shapes_) is boxes.UNDECIDED
+    tallied = [0]
+    real = boxes._corners
+
+    def counting(rows, *args):
+        out = real(rows, *args)
+        tallied[0] += len(out[0])
+        return out
+
+    monkeypatch.setattr(boxes, "_corners", counting)
+    monkeypatch.setattr(boxes, "_sweep_open", lambda *a: pytest.fail("compared open pieces pairwise"))
+    check_tiling(KEY, shape, offsets, shapes_, few=0)
+    assert tallied[0] == 8 * (p + 1)  # the tensor's own corners too
+    offsets[p // 2, 1] += 1 if offsets[p // 2, 1] + shapes_[p // 2, 1] < shape[1] else -1
+    with pytest.raises(PlanError, match="overlap"):
+        check_tiling(KEY, shape, offsets, shapes_, few=0)
+
+
+def test_boxes_varying_in_more_dims_than_corners_are_counted_in_are_swept(monkeypatch):
+    """Past CORNER_DIMS varying dims (2**dims corners a piece) the check compares open pieces:
+    still exact, for a tiling that is no grid and for an overlap."""
+    from paddle_dcp.core import boxes
+
+    ndim = boxes.CORNER_DIMS + 1
+    shape = (2,) * ndim
+    lo = np.array([[(k >> d) & 1 for d in range(ndim)] for k in range(1 << ndim)], np.int64)  # every unit cell
+    hi = lo + 1
+    hi[0, 0] = 2  # cells 0 and 1 (apart in dim 0 only) as one piece: no grid
+    lo, hi = np.delete(lo, 1, axis=0), np.delete(hi, 1, axis=0)
+    assert boxes.untiled_point(lo, hi, shape) is boxes.UNDECIDED
+    monkeypatch.setattr(boxes, "first_overlap_nd", lambda *a: boxes.UNDECIDED)  # as if no split decided
+    swept = []
+    real = boxes._sweep_open
+    monkeypatch.setattr(boxes, "_sweep_open", lambda *a: swept.append(1) or real(*a))
+    check_tiling(KEY, shape, lo, hi - lo, few=0)
+    lo[3], hi[3] = lo[5], hi[5]  # two pieces of one cell (and a cell of none)
+    with pytest.raises(PlanError, match="overlap"):
+        check_tiling(KEY, shape, lo, hi - lo, few=0)
+    assert len(swept) == 2
