@@ -477,7 +477,7 @@ def check_tiling(
         point = untiled_point(offsets, ends, global_shape)
         if point is None:
             return
-        if point is not UNDECIDED:
+        if isinstance(point, np.ndarray):  # else UNDECIDED
             _untiled(key, offsets, ends, point)
     elif require_cover:
         raise PlanError(f"{key}: pieces cover {covered} of {total} elements, leaving a gap")
