@@ -303,8 +303,8 @@ def _split_overlap(offsets: np.ndarray, ends: np.ndarray, lead: list) -> "tuple[
     return None
 
 
-CORNER_DIMS = 8  # untiled_point's cost per box is 2**dims (its corners): beyond, the caller sweeps
-CORNER_ROWS = 1 << 22  # corners untiled_point tallies at once, about (dims + 2) * 8 bytes each
+CORNER_DIMS = 9  # untiled_point's cost per box is 2**dims (its corners): paddle's most dims; beyond, a sweep
+CORNER_ROWS = 1 << 18  # corners untiled_point tallies at once, about (dims + 2) * 8 bytes each
 
 
 def untiled_point(offsets: np.ndarray, ends: np.ndarray, global_shape: Sequence[int]) -> "np.ndarray | None | str":
@@ -350,9 +350,12 @@ def untiled_point(offsets: np.ndarray, ends: np.ndarray, global_shape: Sequence[
 def _odd_corners(lo: np.ndarray, hi: np.ndarray, sign: np.ndarray) -> np.ndarray | None:
     """The lowest corner (as ranks) whose signed count over boxes [lo, hi) with signs ``sign``
     is not zero, or None. Corners of different dim-0 ranks never cancel, so the boxes are
-    tallied a run of dim-0 ranks at a time (their low corners where they start, their high
-    ones where they end), each run within :data:`CORNER_ROWS` corners where it can be."""
+    tallied a run of dim-0 ranks at a time (a box's low corners where it starts, its high ones
+    where it ends), each run within :data:`CORNER_ROWS` corners; a single rank with more is
+    the same question one dim down, about the faces of the boxes that start or end there."""
     n, k = lo.shape
+    if k == 1:
+        return _lowest_nonzero(np.concatenate([lo, hi]), np.concatenate([sign, -sign]))
     per_box = 1 << (k - 1)
     by_lo, by_hi = np.argsort(lo[:, 0], kind="stable"), np.argsort(hi[:, 0], kind="stable")
     los, his = lo[by_lo, 0], hi[by_hi, 0]
@@ -360,35 +363,38 @@ def _odd_corners(lo: np.ndarray, hi: np.ndarray, sign: np.ndarray) -> np.ndarray
     load = (np.searchsorted(los, ranks, "right") + np.searchsorted(his, ranks, "right")) * per_box
     best, start = None, 0
     while start < len(ranks):
-        stop = max(start + 1, int(np.searchsorted(load, load[start - 1] + CORNER_ROWS if start else CORNER_ROWS, "right")))
+        base = int(load[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(load, base + CORNER_ROWS, "right")))
         first, last = ranks[start], ranks[stop - 1]
-        rows = [(by_lo[np.searchsorted(los, first):np.searchsorted(los, last, "right")], lo, 1),
-                (by_hi[np.searchsorted(his, first):np.searchsorted(his, last, "right")], hi, -1)]
-        corners, weights = _corners(rows, lo, hi, sign)
-        found = _lowest_nonzero(corners, weights)
+        a = by_lo[np.searchsorted(los, first) : np.searchsorted(los, last, "right")]
+        b = by_hi[np.searchsorted(his, first) : np.searchsorted(his, last, "right")]
+        at = np.concatenate([lo[a, 0], hi[b, 0]])
+        rest_lo, rest_hi = np.concatenate([lo[a, 1:], lo[b, 1:]]), np.concatenate([hi[a, 1:], hi[b, 1:]])
+        signs = np.concatenate([sign[a], -sign[b]])
+        if stop - start == 1 and len(at) * per_box > CORNER_ROWS:
+            face = _odd_corners(rest_lo, rest_hi, signs)
+            found = None if face is None else np.concatenate([[first], face])
+        else:
+            found = _lowest_nonzero(*_corners(at, rest_lo, rest_hi, signs))
         if found is not None and (best is None or found.sum() < best.sum()):
             best = found
         start = stop
     return best
 
 
-def _corners(rows: list, lo: np.ndarray, hi: np.ndarray, sign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The signed corners of boxes ``rows`` (each list: the boxes, the dim-0 end taken, its
-    sign), every choice of start or end in the other dims."""
-    k = lo.shape[1]
-    corners, weights = [], []
-    for which, first, s0 in rows:
-        for m in range(1 << (k - 1)):
-            c = np.empty((len(which), k), np.int64)
-            c[:, 0] = first[which, 0]
-            flips = 0
-            for d in range(1, k):
-                end = (m >> (d - 1)) & 1
-                c[:, d] = (hi if end else lo)[which, d]
-                flips += end
-            corners.append(c)
-            weights.append(sign[which] * (s0 if flips % 2 == 0 else -s0))
-    return np.concatenate(corners), np.concatenate(weights)
+def _corners(first: np.ndarray, lo: np.ndarray, hi: np.ndarray, sign: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The signed corners of boxes whose dim-0 coordinate is ``first`` and whose other dims
+    span [lo, hi) (signs ``sign``): every choice of start or end in those dims."""
+    n, r = lo.shape
+    corners = np.empty((n << r, r + 1), np.int64)
+    weights = np.empty(n << r, np.int64)
+    for m in range(1 << r):
+        block = slice(m * n, (m + 1) * n)
+        corners[block, 0] = first
+        for d in range(r):
+            corners[block, d + 1] = (hi if (m >> d) & 1 else lo)[:, d]
+        weights[block] = -sign if bin(m).count("1") % 2 else sign
+    return corners, weights
 
 
 def _lowest_nonzero(corners: np.ndarray, weights: np.ndarray) -> np.ndarray | None:

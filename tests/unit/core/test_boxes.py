@@ -525,7 +525,7 @@ def covered_counts(shape, lo, hi) -> np.ndarray:
 def test_untiled_point_agrees_with_counting_every_element(case, data):
     """Exact tilings, tilings with one piece moved, grown or doubled, and random boxes of 1 to 4
     dims: None exactly when every element is covered once, else an element covered 0 or 2+
-    times."""
+    times, whether the corners are tallied at once or in runs."""
     from paddle_dcp.core import boxes
 
     shape, tiling = case
@@ -546,11 +546,14 @@ def test_untiled_point_agrees_with_counting_every_element(case, data):
         elif how == "double":
             lo, hi = np.concatenate([lo, lo[i : i + 1]]), np.concatenate([hi, hi[i : i + 1]])
     counts = covered_counts(shape, lo, hi)
-    point = boxes.untiled_point(lo, hi, shape)
-    if point is None:
-        assert (counts == 1).all()
-    else:
-        assert counts[tuple(point.tolist())] != 1, (point, counts)
+    for rows in (boxes.CORNER_ROWS, 4):  # 4: tallied a dim-0 rank at a time, and one dim down
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(boxes, "CORNER_ROWS", rows)
+            point = boxes.untiled_point(lo, hi, shape)
+        if point is None:
+            assert (counts == 1).all()
+        else:
+            assert counts[tuple(point.tolist())] != 1, (point, counts)
 
 
 def guillotine_3d(cuts: int, seed: int = 0) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
