@@ -67,7 +67,9 @@ class CheckpointManager:
             ``/dev/shm`` or a local SSD; the same path string on every rank). Steps that are
             multiples of ``local_interval_steps`` are saved there, the newest
             ``local_max_to_keep`` kept, and each rank's data copied to ranks of ``replicas``
-            other nodes; :meth:`restore` takes each file from the nearest intact copy (see
+            other nodes (to every other node when there are fewer, as after the loss of a
+            node: the manager opens with a warning on every rank, and files saved then have
+            fewer copies); :meth:`restore` takes each file from the nearest intact copy (see
             :mod:`paddle_dcp.tiers`). A step due for both tiers is staged once: the global
             tier's files are the local step's, copied. None (the default): no local tier.
         local_interval_steps / local_max_to_keep / replicas: see ``local_directory``.
@@ -75,8 +77,9 @@ class CheckpointManager:
             quantized, in both tiers (e.g. ``paddle_dcp.ADAMW_MOMENTS_INT8``).
 
     Raises:
-        ArgumentError: a bad argument, or another manager already uses ``directory`` (a lock
-            file the coordinator holds while the manager is open; local directories only).
+        ArgumentError: a bad argument (``replicas`` below 0, for one), or another manager
+            already uses ``directory`` (a lock file the coordinator holds while the manager is
+            open; local directories only).
     """
 
     def __init__(

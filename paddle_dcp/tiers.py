@@ -31,7 +31,7 @@ import xxhash
 
 from .core.compress import Policy
 from .core import metafile
-from .core.replica_plan import copy_holders, nodes_of
+from .core.replica_plan import check_replicas, copies_per_file, copies_warning, copy_holders, nodes_of
 from .core.retention import Manifest, StepEntry, to_delete
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
@@ -78,6 +78,7 @@ class LocalTier:
     def __init__(self, directory: str, comm: Comm, replicas: int, max_to_keep: int, durable: bool = False):
         if is_url(directory):
             raise ArgumentError(f"local_directory must be a path each node has for itself, not a URL: {directory}")
+        check_replicas(replicas)  # refused before any rank waits for another
         self.directory, self.comm, self.replicas, self.max_to_keep = os.fspath(directory), comm, replicas, max_to_keep
         self.durable = durable
         self.store = open_storage(self.directory)
@@ -86,13 +87,16 @@ class LocalTier:
     # ------------------------------------------------------------------ open
     def open(self) -> None:
         """Learn the nodes (every rank writes a marker holding a token of this job, then lists
-        the markers it sees), refuse ``replicas`` the nodes cannot hold, and remove what
-        crashed saves left (data of steps no node has the metadata of; temporary files) and
-        the markers of earlier jobs."""
+        the markers it sees), warn when they cannot hold ``replicas`` copies (a job restarted
+        on the nodes left: its saves keep as many as they can), and remove what crashed saves
+        left (data of steps no node has the metadata of; temporary files) and the markers of
+        earlier jobs."""
         self.nodes, stale = protocol.run(self.comm, self._discover())
-        copy_holders(self.nodes, self.replicas)  # raises on every rank alike
+        shortfall = copies_warning(self.replicas, len(self.nodes))
+        if shortfall is not None:
+            logger.warning("local tier %s: %s", self.directory, shortfall)
         logger.info("local tier %s: %d nodes %s, %d copies of each rank's data", self.directory,
-                    len(self.nodes), [list(n) for n in self.nodes], self.replicas)
+                    len(self.nodes), [list(n) for n in self.nodes], copies_per_file(self.replicas, len(self.nodes)))
         steps = protocol.run(self.comm, self._complete_everywhere())
 
         def tidy() -> None:

@@ -5,6 +5,7 @@ that verifies, never an older step than it must. Two nodes, copies and node loss
 tests/multirank/test_tiers.py."""
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -120,9 +121,20 @@ def test_a_step_asked_for_that_nothing_verifies_is_an_error_naming_every_source(
     m.close()
 
 
-def test_copies_need_another_node(tmp_path):
-    with pytest.raises(ArgumentError, match="every rank sees the same local directory"):
-        CheckpointManager(tmp_path / "g", local_directory=str(tmp_path / "l"), replicas=1)
+def test_copies_with_no_other_node_are_a_warning_and_a_replicas_no_job_can_meet_an_error(tmp_path, caplog):
+    """One node cannot hold copies on another: the manager opens, warns once, and its steps
+    save and restore without copies. A negative replicas is refused before anything is written."""
+    with caplog.at_level(logging.WARNING, logger="paddle_dcp"):
+        with CheckpointManager(tmp_path / "g", local_directory=str(tmp_path / "l"), replicas=1) as m:
+            assert m.save(1, state(1))
+            assert restore(m) == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "replicas=1 asks for a copy of each file on another node, but this job has 1 node" in warned[0], warned
+    assert "files saved now have no copy on another node (0 copies)" in warned[0], warned
+    for bad in (-1, 0.5):
+        with pytest.raises(ArgumentError, match=f"replicas must be a non-negative int, got {bad!r}"):
+            CheckpointManager(tmp_path / "g2", local_directory=str(tmp_path / "l2"), replicas=bad)
+    assert not (tmp_path / "l2").exists()
     with pytest.raises(ArgumentError, match="local_interval_steps"):
         CheckpointManager(tmp_path / "g", local_directory=str(tmp_path / "l"), local_interval_steps=0)
     with pytest.raises(ArgumentError, match="URL"):

@@ -2,13 +2,19 @@
 working directory: the relative ``local`` is a directory of that node alone) and a global tier
 in a directory both see.
 
-Usage (run by launcher.run_two_nodes; one_node by launcher.run_launch): tiers.py GLOBAL PHASE REPLICAS [STEP TIER]
+Usage (run by launcher.run_two_nodes, or by launcher.run_launch for one node): tiers.py GLOBAL PHASE REPLICAS [STEP TIER]
   save: steps 1..4, the local tier every step (the newest 2 kept), the global every 3 steps;
         each step's values are the oracle's variant ``step``.
-  one_node: one launch, every rank seeing the same local directory: replicas must be refused.
   restore: the manager's restore; it must give STEP from TIER, every tensor bit-exact against
         the numpy oracle of that step; each rank prints its last_restore as one JSON line.
+  train: a training script, the same on any number of nodes: restore the newest step if there
+        is one (bit-exact against the oracle, on whatever layout this job has), save the next 4
+        steps, then restore into a new state dict (the last step saved, bit-exact); each rank
+        prints one "TRAIN {json}" line. The library's log records go to the rank's log, each
+        line "LOG rank=R LEVEL logger: message".
 """
+import json
+import logging
 import sys
 
 import paddle.distributed as dist
@@ -22,6 +28,7 @@ N = dist.get_world_size()
 GLOBAL, PHASE, REPLICAS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 LEAVES = c.tier_leaves(N)
+logging.basicConfig(level=logging.WARNING, format=f"LOG rank={R} %(levelname)s %(name)s: %(message)s", force=True)
 
 
 def manager() -> paddle_dcp.CheckpointManager:
@@ -46,21 +53,31 @@ def restore(step: int, tier: str) -> None:
         assert sd["step"] == step, sd["step"]
 
 
-def refused_on_one_node() -> None:
-    """Every rank sees the same local directory: one node, so copies have nowhere to go; every
-    rank raises the same error, and none waits for another."""
-    try:
-        manager()
-    except paddle_dcp.ArgumentError as exc:
-        assert "every rank sees the same local directory" in str(exc), str(exc)
-    else:
-        raise AssertionError(f"replicas={REPLICAS} on one node was accepted")
+def train() -> None:
+    """Resume from the newest step there is (none: start at step 0), save 4 more, and load
+    the last one back into a new state dict."""
+    with manager() as m:
+        start, restored = m.latest_step(), None
+        if start is not None:
+            got, report, sd = c.restore_reported(m, LEAVES, R)
+            assert got == start, (got, start)
+            c.check_state(sd, LEAVES, start, R)
+            assert sd["step"] == start, sd["step"]
+            restored = {"step": got, "tier": report.tier, "bytes": report.bytes, "refused": [list(x) for x in report.refused]}
+        first = (start or 0) + 1
+        for step in range(first, first + 4):
+            assert m.save(step, c.build(LEAVES, step, {"step": step}))
+        got, report, sd = c.restore_reported(m, LEAVES, R)
+        c.check_state(sd, LEAVES, first + 3, R)
+        assert sd["step"] == first + 3, sd["step"]
+        print("TRAIN " + json.dumps({"rank": R, "world": N, "restored": restored, "saved": list(range(first, first + 4)),
+                                     "reloaded": [got, report.tier], "global": m.all_steps()}), flush=True)
 
 
 if PHASE == "save":
     CASES = {f"save_{REPLICAS}": save}
-elif PHASE == "one_node":
-    CASES = {"refused_on_one_node": refused_on_one_node}
+elif PHASE == "train":
+    CASES = {f"train_{REPLICAS}": train}
 else:
     want_step, want_tier = int(sys.argv[4]), sys.argv[5]
     CASES = {f"restore_{want_step}_{want_tier}": lambda: restore(want_step, want_tier)}
