@@ -216,6 +216,9 @@ def plan_reads(
     return _coalesce(segments, coalesce_gap, max_read_bytes)
 
 
+_FIRST = np.zeros(1, dtype=np.int64)
+_FIRST.flags.writeable = False
+
 # a segment found: (file, start, stop, segment, exact, alone); ``exact``: one contiguous
 # region into a contiguous region; ``alone``: exact and large enough to be read by itself
 _Found = Tuple[int, int, int, Segment, bool, bool]
@@ -237,7 +240,9 @@ def _target_segments(
     entry = meta.tensors[t.key]
     tbox = t.box
     isz = entry.itemsize
-    hits = overlapping_pieces(entry, tbox)
+    # a tensor saved whole (most of a many-tensor checkpoint): its one piece, whether or not it
+    # meets the target (the cover check below refuses one that does not)
+    hits = _FIRST if entry.pieces.count == 1 else overlapping_pieces(entry, tbox)
     if meta.replicas:
         hits = pick_replicas(entry, hits, readable)
     plain = entry.encoding is None and cast_to is None  # its bytes are the target's

@@ -80,10 +80,6 @@ def check_values(values: np.ndarray, dtype: str, key: str, source: str) -> None:
         raise FormatError(f"{source}: tensor {key!r} holds bytes other than 0 and 1 in a bool piece")
 
 
-def verify_segment(meta: Metadata, files: DataFiles, file: int, seg: Segment, data: memoryview) -> None:
-    """Check the checksums of the whole blocks of ``seg`` held in ``data``, read from file
-    ``file`` of ``files``."""
-    check_blocks(meta, seg, data, files.name(file))
 
 
 def read_ahead(files: DataFiles, ops: Sequence, window: int = 128 << 20, again: bool = False) -> Iterator:
@@ -160,7 +156,7 @@ def execute_op(
         dest = as_bytes(region)
         fetch(op, dest)
         if verify:
-            verify_segment(meta, files, op.file, seg, dest)
+            check_blocks(meta, seg, dest, files.name(op.file))
         check_values(region, meta.tensors[seg.piece.key].dtype, seg.piece.key, files.name(op.file))
         return
     buf = staging.get(op.nbytes)
@@ -169,16 +165,17 @@ def execute_op(
 
 
 def _verify_and_copy(op: ReadOp, meta: Metadata, files: DataFiles, targets, buf: np.ndarray, verify: bool, check_only: bool) -> None:
+    where = files.name(op.file)  # what an error names
     if verify or check_only:
         for seg in op.segments:
-            verify_segment(meta, files, op.file, seg, buf[seg.start - op.start : seg.stop - op.start].data)
+            check_blocks(meta, seg, buf[seg.start - op.start : seg.stop - op.start].data, where)
     if check_only:
         return
     for seg in op.segments:
         entry = meta.tensors[seg.piece.key]
         for c in seg.copies:
             values = saved_region(buf, op.start, seg.piece, c.region_in_saved, entry)
-            check_values(values, entry.dtype, entry.key, files.name(op.file))
+            check_values(values, entry.dtype, entry.key, where)
             if c.dtype is not None:  # a derived tensor, read from its source
                 values = cast(values, entry.dtype, c.dtype)
             targets[c.target][c.region_in_target.slices()] = values

@@ -152,7 +152,8 @@ class PaddleLib:
         return t._local_value().numpy()  # bfloat16 comes out as its uint16 bits
 
     def barrier(self):
-        self.dist.barrier()
+        if self.ranks > 1:  # a job of one rank has no global group to wait on
+            self.dist.barrier()
 
     def save(self, sd, path, **options):
         return self.save_fn(sd, path, **options)
@@ -227,7 +228,8 @@ class TorchLib:
         return local.numpy()
 
     def barrier(self):
-        self.dist.barrier()
+        if self.ranks > 1:  # a job of one rank has no global group to wait on
+            self.dist.barrier()
 
     def save(self, sd, path, async_save=False):
         """A save; with ``async_save``, DCP's async_save (its default: staging in the caller,

@@ -44,7 +44,7 @@ from bench.report import emit, log
 
 WORKER = os.path.abspath(many_worker.__file__)
 PHASES = many_worker.PHASES
-RANKS = 2
+RANKS = 2  # the default of --ranks
 
 
 def parse_counts(text: str) -> list[int]:
@@ -86,7 +86,7 @@ def summarize(runs: list[dict], counts: list[int]) -> dict:
 
 
 def format_report(res: dict) -> str:
-    lines = [f"Many small tensors, {RANKS} ranks ({res['machine']['cores']} cores): time of the slowest rank's call",
+    lines = [f"Many small tensors, {res['args']['ranks']} ranks ({res['machine']['cores']} cores): time of the slowest rank's call",
              "", "| library | phase | tensors | seconds | µs per tensor | CPU µs per tensor | of it, garbage collector (s) |",
              "|---|---|---|---|---|---|---|"]
     for e in res["summary"]["table"]:
@@ -201,7 +201,7 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str, 
     loads need); its record (the slowest rank's seconds, and per rank the seconds, CPU seconds,
     the garbage collector's seconds and collections, and with --steps the steps' seconds)."""
     run_dir = os.path.join(root, "runs", f"r{rep}_{n}_{phase}_{lib}")
-    run = launch_phase(lib, phase, RANKS, n, ckpt, run_dir, args.timeout or 120 + n / 100, rep, args.settle,
+    run = launch_phase(lib, phase, args.ranks, n, ckpt, run_dir, args.timeout or 120 + n / 100, rep, args.settle,
                        worker=WORKER)
     if phase == "save":
         os.sync()  # its dirty pages are not written back during the loads
@@ -220,20 +220,20 @@ def _launch(args, root: str, rep: int, n: int, lib: str, phase: str, ckpt: str, 
     log(f"[{rep + 1}/{args.repeat}] {n:>7,} tensors {phase:8s} {lib:6s}: {what}{untimed} (launch {run.wall:.1f} s)")
     if not run.ok:
         log(launch.logs_tail([run_dir]))
-    _keep_profiles(args.profile, run_dir, f"{lib}_{n}_{phase}_r{rep}")
+    _keep_profiles(args.profile, run_dir, f"{lib}_{n}_{phase}_r{rep}", args.ranks)
     if run.ok and not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
 
-def _keep_profiles(profile_dir: str | None, run_dir: str, name: str) -> None:
+def _keep_profiles(profile_dir: str | None, run_dir: str, name: str, ranks: int = RANKS) -> None:
     """Copy a launch's cProfile statistics into ``profile_dir``, with rank 0's top functions
     as text beside them."""
     if not profile_dir:
         return
     result = os.path.join(run_dir, "result")
     kept = []
-    for r in range(RANKS):
+    for r in range(ranks):
         src = os.path.join(result, f"rank{r}.prof")
         if os.path.exists(src):
             kept.append(os.path.join(profile_dir, f"{name}_rank{r}.prof"))
@@ -245,8 +245,9 @@ def _keep_profiles(profile_dir: str | None, run_dir: str, name: str) -> None:
 
 def main(argv: list | None = None, prog: str = "bench many") -> int:
     """The suite many: the table on stdout; 1 when a run failed."""
-    p = argparse.ArgumentParser(prog=prog, description="Save/load of many small tensors on 2 ranks: time per tensor.",
+    p = argparse.ArgumentParser(prog=prog, description="Save/load of many small tensors on 2 ranks (--ranks): time per tensor.",
                                 epilog="Smoke run: scripts/bench many --tensors 1k,2k --libs ours,paddle")
+    p.add_argument("--ranks", type=int, default=RANKS, help=f"ranks of each launch (default {RANKS}; 1: the tensors whole)")
     p.add_argument("--tensors", default="10k,30k,100k", help="tensor counts, k = 1000 (default 10k,30k,100k)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)} (default all)")
     p.add_argument("--libs", default="ours", help="ours, or ours,paddle (paddle's built-in too; default ours)")
@@ -261,8 +262,8 @@ def main(argv: list | None = None, prog: str = "bench many") -> int:
     p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (checkpoints, logs)")
     args = p.parse_args(argv)
-    if args.repeat < 1:
-        p.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.ranks < 1:
+        p.error("--repeat and --ranks must be at least 1")
     try:
         res = run_benchmark(args)
     except ValueError as exc:

@@ -813,12 +813,12 @@ SIGBUS_SCRIPT = textwrap.dedent("""
     import paddle_dcp
     from paddle_dcp.io import local, reads
     ck = sys.argv[1]
-    real = reads.verify_segment
-    def truncate_while_mapped(meta, files, file, seg, data):
+    real = reads.check_blocks
+    def truncate_while_mapped(meta, seg, data, where):
         for name in ("0_0.distcp", "1_0.distcp"):
             os.truncate(os.path.join(ck, name), 0)
-        return real(meta, files, file, seg, data)
-    reads.verify_segment = truncate_while_mapped
+        return real(meta, seg, data, where)
+    reads.check_blocks = truncate_while_mapped
     sd = {"model": {"w": np.zeros((8, 5), np.float32), "b": np.zeros(600, np.int64)}, "step": 0}
     try:
         paddle_dcp.load_state_dict(sd, ck)
