@@ -69,6 +69,7 @@ RESTORES = {
     "global-s3": "restore, global tier on S3",
     "global-disk-all": "restore, global tier on disk, both nodes' local directories deleted",
     "global-s3-all": "restore, global tier on S3, both nodes' local directories deleted",
+    "survivor": "restore, other node lost, resumed on the node left (another rank count)",
 }
 SAVES = {
     "local-async": "save, local tier + copy (async)",
@@ -82,6 +83,10 @@ TARGETS = (
      "restore from S3 / restore from the other node's copies"),
     ("peer restore within 2x of local", "restore.peer", "restore.local", 2.0, "max",
      "restore from the other node's copies / restore from the own local tier"),
+    ("resume on the node left within 1.5x of local", "restore.survivor", "restore.local", 1.5, "max",
+     "restore on the node left, another rank count / restore from the own local tier, same layout"),
+    ("resume on the node left >= 3x faster than S3", "restore.global-s3", "restore.survivor", 3.0, "min",
+     "restore from S3 / restore on the node left, another rank count"),
     ("local-tier async save blocks <= today's async (later save)", "save.local-async.later.blocked",
      "save.async.later.blocked", 1.0, "max", "blocked: local tier + copy / global only"),
     ("local-tier async save blocks <= today's async (first save)", "save.local-async.first.blocked",
@@ -92,6 +97,8 @@ RATIOS = (
     ("S3 / peer restore", "restore.global-s3", "restore.peer"),
     ("disk global / peer restore", "restore.global-disk", "restore.peer"),
     ("peer / local restore", "restore.peer", "restore.local"),
+    ("node left / local restore", "restore.survivor", "restore.local"),
+    ("S3 / node left restore", "restore.global-s3", "restore.survivor"),
     ("S3 / local restore", "restore.global-s3", "restore.local"),
     ("S3, no local copy left / peer restore", "restore.global-s3-all", "restore.peer"),
     ("disk global, no local copy left / peer restore", "restore.global-disk-all", "restore.peer"),
@@ -140,7 +147,15 @@ def source_check(kind: str, reports: list, share: int) -> str:
     global-*: the wiped node's from the global tier, none from the other node (the intact
     node's from the global tier too, or from its own node when the library repairs the lost
     files alone: tier "local" with global bytes); global-*-all (both nodes' local directories
-    deleted): every byte of every rank from the global tier, tier "global"."""
+    deleted): every byte of every rank from the global tier, tier "global"; survivor (a job of
+    NODES[0] alone, ``share`` the whole state): tier "local", no byte from the global tier."""
+    if kind == "survivor":  # one node's ranks, every byte from that node (its files and the copies)
+        nodes = sorted({node for node, _ in reports})
+        total = sum(sum(b["bytes"].values()) for _, b in reports)
+        ok = (nodes == [NODES[0]] and all(b["tier"] == "local" and not b["bytes"].get("global") for _, b in reports)
+              and total == share)
+        return "" if ok else (f"{[(n, b) for n, b in reports]}: expected {NODES[0]}'s ranks alone to restore all "
+                              f"{share} bytes from their node")
     if kind.endswith("-all"):
         tiers = sorted({b["tier"] for _, b in reports})
         ok = tiers == ["global"] and all(b["bytes"].get("global") == share and not b["bytes"].get("peer")
@@ -250,25 +265,27 @@ class LaunchError(RuntimeError):
     """A job failed: a rank's error, a launcher's exit code or the timeout, and the logs' tails."""
 
 
-def two_nodes(work: str, name: str, phase: str, opts: dict, nproc: int, timeout: float) -> list:
-    """One job of two nodes running the worker's ``phase``; the ranks' results, rank order.
-    Raises LaunchError (with the tails of the logs) when a rank fails or the job outlives
-    ``timeout`` seconds (then both launchers and their workers are killed, by their ids)."""
+def two_nodes(work: str, name: str, phase: str, opts: dict, nproc: int, timeout: float,
+              nodes: tuple = NODES) -> list:
+    """One job of ``nodes`` (two by default) running the worker's ``phase``; the ranks'
+    results, rank order. Raises LaunchError (with the tails of the logs) when a rank fails or
+    the job outlives ``timeout`` seconds (then the launchers and their workers are killed, by
+    their ids)."""
     results = os.path.join(work, "results", name)
     shutil.rmtree(results, ignore_errors=True)
     opts = dict(opts, results=results)
     master = f"127.0.0.1:{launch.free_port()}"
     commands, logs = [], []
-    for node_rank, node in enumerate(NODES):
+    for node_rank, node in enumerate(nodes):
         cwd = os.path.join(work, node)
         os.makedirs(cwd, exist_ok=True)
         log_dir = os.path.join(cwd, f"log-{name}")
         shutil.rmtree(log_dir, ignore_errors=True)
-        argv = launch.launcher(WORKER, [phase, json.dumps(opts)], nproc, log_dir, nnodes=2, node_rank=node_rank,
-                               master=master)
+        argv = launch.launcher(WORKER, [phase, json.dumps(opts)], nproc, log_dir, nnodes=len(nodes),
+                               node_rank=node_rank, master=master)
         commands.append(launch.Command(argv, cwd, os.path.join(cwd, f"launcher-{name}.out")))
         logs.append(log_dir)
-    job = launch.run(commands, launch.job_env(), timeout, results, 2 * nproc, logs)
+    job = launch.run(commands, launch.job_env(), timeout, results, len(nodes) * nproc, logs)
     if not job.ok:
         raise LaunchError(f"{name}: {job.error}\n{job.tail(25)}")
     return job.results
@@ -277,12 +294,12 @@ def two_nodes(work: str, name: str, phase: str, opts: dict, nproc: int, timeout:
 LOADED_RE = re.compile(r"loaded checkpoint \d+ from \S+: \d+ bytes by this rank in ([0-9.]+) s")
 
 
-def load_seconds(work: str, name: str, nproc: int) -> list:
+def load_seconds(work: str, name: str, nproc: int, nodes: tuple = NODES) -> list:
     """Per rank, the seconds the library's load step took inside its restore (its INFO line
     "loaded checkpoint ... in X s"; None when absent): the rest of a restore is the tier's
     check of its files and the agreement on the step."""
     out = []
-    for node in NODES:
+    for node in nodes:
         for local_rank in range(nproc):
             found = None
             path = os.path.join(work, node, f"log-{name}", f"workerlog.{local_rank}")
@@ -340,7 +357,11 @@ def tiers_block(work: str, args: argparse.Namespace, common: dict, s3_url: str |
     if s3_url:
         restores.append(("global-s3-all", s3_url, "local0s3", 0, "local0s3"))
     restores.insert(3, ("global-disk-all", os.path.join(work, "global-disk"), "local0", 0, "local0"))
+    restores.insert(2, ("survivor", os.path.join(work, "global-none"), "local", 1, "local"))
     for kind, directory, local, replicas, doomed in restores:
+        if kind == "survivor":
+            survivor_restore(work, args, common, runs, checks)
+            continue
         wiped = NODES if kind.endswith("-all") else NODES[1:]
         for node in wiped if doomed else ():
             wipe(work, node, doomed)
@@ -358,6 +379,27 @@ def tiers_block(work: str, args: argparse.Namespace, common: dict, s3_url: str |
         runs["restore"][kind].append(res)
 
 
+def survivor_restore(work: str, args: argparse.Namespace, common: dict, runs: dict, checks: list) -> None:
+    """The job restarted with the same arguments on NODES[0] alone, NODES[1]'s local directory
+    lost, on one node's worth of ranks (half the saving job's): step 2 from the files and the
+    copies NODES[0] holds, resharded to the new rank count."""
+    wipe(work, NODES[1], "local")
+    log(f"  restore on {NODES[0]} alone ({NODES[1]}/local deleted), {args.nproc_per_node} rank(s) "
+        f"instead of {2 * args.nproc_per_node}")
+    nodes = NODES[:1]
+    res = two_nodes(work, "restore-survivor", "restore", dict(common, directory=os.path.join(work, "global-none"),
+                    local="local", replicas=1, step=2, tiers=["local"]), args.nproc_per_node, args.timeout, nodes)
+    share = sum(r["share_bytes"] for r in res)
+    why = source_check("survivor", [(os.path.basename(r["cwd"]), r["report"]) for r in res], share)
+    if why:
+        raise LaunchError(f"restore on the node left: not the source meant: {why}")
+    checks.append({"kind": "survivor", "reports": [dict(r["report"], node=os.path.basename(r["cwd"])) for r in res],
+                   "checked_bytes": sum(r["checked_bytes"] for r in res)})
+    for r, seconds in zip(res, load_seconds(work, "restore-survivor", args.nproc_per_node, nodes)):
+        r["load_seconds"] = seconds
+    runs["restore"]["survivor"].append(res)
+
+
 def _add_written(res: list, work: str, name: str, nproc: int) -> None:
     for r, steps in zip(res, written_seconds(work, name, nproc)):
         for save in r["saves"]:
@@ -367,7 +409,7 @@ def _add_written(res: list, work: str, name: str, nproc: int) -> None:
 def one_repeat(rep: int, base: str, args: argparse.Namespace, store: s3.S3Store | None, runs: dict, checks: list) -> None:
     work = os.path.join(base, f"rep{rep}")
     os.makedirs(work, exist_ok=True)
-    common = {"size": args.size, "settle": args.settle, "expected": os.path.join(work, "expected")}
+    common = {"size": args.size, "settle": args.settle, "layout_ranks": 2 * args.nproc_per_node}
     s3_url = store.path(f"tiers-rep{rep}") if store else None
     blocks = ["tiers", "async", "sync"]
     blocks = blocks[rep % 3:] + blocks[: rep % 3]

@@ -3,6 +3,7 @@ the check that a restore took its bytes from the source meant, and the state's l
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -106,11 +107,28 @@ def test_the_state_is_float32_in_tensors_of_at_most_64_mib_split_evenly_over_the
     assert len({key for key, _ in tiers_worker.layout(size, ranks)}) == len(shapes)
 
 
-def test_pieces_differ_by_step_rank_and_tensor():
-    pieces = [tiers_worker.piece(i, r, s, 4) for i, r, s in ((0, 0, 1), (0, 0, 2), (0, 1, 1), (1, 0, 1))]
+def test_pieces_differ_by_step_rows_and_tensor():
+    pieces = [tiers_worker.piece(i, r, s, 4) for i, r, s in ((0, 0, 1), (0, 0, 2), (0, 4, 1), (1, 0, 1))]
     digests = {tiers_worker.digest(p) for p in pieces}
     assert len(digests) == len(pieces)
     assert tiers_worker.digest(tiers_worker.piece(0, 0, 1, 4)) == tiers_worker.digest(pieces[0])
+
+
+def test_the_pieces_of_any_rank_count_are_rows_of_one_tensor():
+    """A job resumed on another rank count checks its pieces against the same global values."""
+    whole = tiers_worker.piece(3, 0, 2, 8)
+    halves = [tiers_worker.piece(3, r * 4, 2, 4) for r in range(2)]
+    assert np.array_equal(np.concatenate(halves), whole)
+
+
+def test_a_resume_on_the_node_left_takes_every_byte_from_that_node():
+    check = tiers.source_check
+    both = 2 * SHARE
+    assert check("survivor", [(A, report("local", both))], both) == ""
+    assert check("survivor", [(A, report("local", SHARE, SHARE))], both) == ""  # the lost node's files: its copies
+    assert "alone" in check("survivor", [(A, report("local", SHARE)), (B, report("local", SHARE))], both)
+    assert "alone" in check("survivor", [(A, report("local", SHARE, glob=SHARE))], both)
+    assert "alone" in check("survivor", [(A, report("local", SHARE))], both)  # bytes missing
 
 
 def test_the_load_step_is_read_from_the_workers_logs_and_summarized(tmp_path):
