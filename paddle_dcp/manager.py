@@ -28,13 +28,15 @@ from . import async_save as background_saves
 from .parallel.state import STATE
 from .api import run_save
 from .core.compress import policy_of
+from .core.job_layout import JobLayout
 from .parallel.options import SaveOptions
 from .parallel.ranks import LocalLoadRank, LocalSaveRank
 from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
 from .parallel import protocol
 from .parallel.comm import Comm, make_comm
-from .tiers import LocalTier, RestoreReport
+from .parallel.meshes import meshes_of
+from .tiers import LocalTier, RestoreReport, Restored
 from .errors import ArgumentError, DcpError, FormatError, StorageError
 from .io import is_url, open_storage, storage
 
@@ -155,15 +157,16 @@ class CheckpointManager:
         if not due_global and not due_local:
             return False
         self.wait()
+        layout = self._layout(state_dict)
         if due_global:
             if step in self._manifest.complete():
                 raise ArgumentError(f"step {step} is already saved in {self.directory}")
-            entry = StepEntry(step, "writing", metrics)
+            entry = StepEntry(step, "writing", metrics, layout)
             self._decide(self.comm, "record step", lambda m: (m.with_entry(entry), None))
         background_saves.wait_async_save()  # every save of the process before it, as save_state_dict does
         if due_local:
             rank = self.local.save_rank(step, state_dict, self.async_save, self.compress)
-            after = self.local.after_save(rank)
+            after = self.local.after_save(rank, layout)
             if due_global:  # the local step's files are the global tier's
                 after += (self.local.upload_step(step, self.store), self._recorded(step))
             path = self.local.directory
@@ -213,33 +216,42 @@ class CheckpointManager:
                 except DcpError as exc:
                     got, why = None, str(exc).replace("\n", " ")
                 if got is not None:
-                    return self._restored(s, "local", got, refused)
+                    return self._restored(s, "local", got, refused, state_dict)
                 self._refuse(refused, "local", s, why)
             if s in held:
                 try:
-                    nbytes = self._load_global(state_dict, s)
+                    got = self._load_global(state_dict, s)
                 except DcpError as exc:
                     self._refuse(refused, "global", s, str(exc).replace("\n", " "))
                     continue
-                return self._restored(s, "global", {"local": 0, "peer": 0, "global": nbytes}, refused)
+                return self._restored(s, "global", got, refused, state_dict)
         if not candidates:
             raise FormatError(f"no complete checkpoint of a CheckpointManager in {self.directory}")
         raise FormatError(
             f"no restorable step in {self.directory}: " + "; ".join(f"{src} step {s}: {why}" for src, s, why in refused)
         )
 
-    def _load_global(self, state_dict: dict, step: int) -> int:
+    def _load_global(self, state_dict: dict, step: int) -> Restored:
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step)
         _, work = rank.run()
-        return sum(op.nbytes for op in work.plan.ops)
+        recorded = self._manifest.steps[step].layout
+        saved_on = recorded if recorded is not None else JobLayout(work.plan.meta.world_size)
+        return Restored({"local": 0, "peer": 0, "global": sum(op.nbytes for op in work.plan.ops)}, saved_on)
+
+    def _layout(self, state_dict: dict) -> JobLayout:
+        """This job's layout, with ``state_dict``'s meshes on this rank."""
+        return JobLayout(self.comm.size, meshes_of(state_dict), None if self.local is None else self.local.nodes)
 
     def _refuse(self, refused: list, source: str, step: int, why: str) -> None:
         logger.warning("CheckpointManager: step %d of the %s tier cannot be restored: %s", step, source, why)
         refused.append((source, step, why))
 
-    def _restored(self, step: int, tier: str, nbytes: dict, refused: list) -> int:
-        self.last_restore = RestoreReport(step, tier, nbytes, tuple(refused))
-        logger.info("CheckpointManager: restored step %d from the %s tier (%s)", step, tier, nbytes)
+    def _restored(self, step: int, tier: str, got: Restored, refused: list, state_dict: dict) -> int:
+        into = self._layout(state_dict)
+        self.last_restore = RestoreReport(step, tier, got.bytes, tuple(refused), got.saved_on, into, got.from_lost_nodes)
+        logger.info("CheckpointManager: restored step %d from the %s tier (%s), saved on %d ranks, restored into %d%s",
+                    step, tier, got.bytes, got.saved_on.world_size, into.world_size,
+                    f"; files of lost nodes, from copies: {list(got.from_lost_nodes)}" if got.from_lost_nodes else "")
         return step
 
     def latest_step(self) -> int | None:

@@ -17,7 +17,15 @@ work); the step is restorable when every data file has an intact copy on some no
 then reads nothing from a file found damaged (it is left out of that node's listing): the bytes
 come from the node itself, else from a rank of another node that holds an intact copy (the
 load's own transfer between ranks). Every byte it reads has just been checked, so the load
-does not hash them again.
+does not hash them again. None of this depends on the job that restores having the layout of
+the one that saved: any number of ranks, on any nodes and meshes, restores a step, each rank
+planning its reads from the metadata as any load does.
+
+Each node keeps a record of the steps it published (``paddle_dcp_tier.json``, written by its
+first rank just before the step's metadata): the layout the step was saved on
+(:class:`paddle_dcp.core.job_layout.JobLayout`) and which ranks' originals the node holds. A
+restore reads it to report that layout and the files whose original node is gone
+(:class:`RestoreReport`).
 """
 from __future__ import annotations
 
@@ -30,12 +38,14 @@ from dataclasses import dataclass, field
 import xxhash
 
 from .core.compress import Policy
+from .core.job_layout import JobLayout
 from .core import metafile
 from .core.replica_plan import check_replicas, copies_per_file, copies_warning, copy_holders, nodes_of
 from .core.retention import Manifest, StepEntry, to_delete
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
-from .errors import ArgumentError, IntegrityError
+from .core.json_text import parse_json
+from .errors import ArgumentError, DcpError, FormatError, IntegrityError
 from .io import cleanup, is_url, open_storage, storage
 from .io.file_transfer import copy_file
 from .io.storage import Storage, metadata_from_bytes
@@ -49,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 MARKER = "paddle_dcp_node.{rank}"  # a rank's marker file in the local directory
 _MARKER_RE = re.compile(r"^paddle_dcp_node\.([0-9]+)\Z")
+RECORD = "paddle_dcp_tier.json"  # a node's record of the local steps it published (docs/format.md)
+RECORD_FORMAT, RECORD_VERSION = "paddle_dcp_tier", 1
 
 
 @dataclass(frozen=True)
@@ -62,12 +74,42 @@ class RestoreReport:
             directory), ``"peer"`` (a copy on another node, received from a rank there) and
             ``"global"`` (the global tier).
         refused: (source, step, reason) of every source tried before, newest first.
+        saved_on: the layout the step was saved on: its number of ranks (the metadata's), and
+            the meshes and nodes recorded with it (None when the step has no such record: saved
+            by an older paddle_dcp, or, for nodes, without a local tier). The meshes are those
+            of the state dict of the rank that recorded them (a node's first rank; the global
+            tier's coordinator): the same on every rank unless ranks hold tensors of different
+            meshes, as pipeline stages do.
+        restored_into: this job's layout: its number of ranks, the meshes of the state dict
+            restored into on this rank, and its nodes (None without a local tier).
+        from_lost_nodes: the data files the step's record places on a node that no node of
+            this job is (the node was lost or replaced), all taken from copies: on another
+            node, or from the global tier (sorted; empty when no node was lost, or the step
+            has no record).
     """
 
     step: int
     tier: str
     bytes: dict = field(default_factory=dict)
     refused: tuple[tuple[str, int, str], ...] = ()
+    saved_on: JobLayout | None = None
+    restored_into: JobLayout | None = None
+    from_lost_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What the restore of one step did on this rank, as far as the tier read it.
+
+    Attributes:
+        bytes: bytes by source, as :attr:`RestoreReport.bytes`.
+        saved_on: the layout the step was saved on.
+        from_lost_nodes: as :attr:`RestoreReport.from_lost_nodes`.
+    """
+
+    bytes: dict
+    saved_on: JobLayout
+    from_lost_nodes: tuple[str, ...] = ()
 
 
 class LocalTier:
@@ -224,16 +266,17 @@ class LocalTier:
             self.comm, state_dict, self.store, step, SaveOptions(durable=self.durable, staged=staged, compress=compress)
         )
 
-    def after_save(self, rank: LocalSaveRank) -> tuple[protocol.Step, ...]:
+    def after_save(self, rank: LocalSaveRank, layout: JobLayout) -> tuple[protocol.Step, ...]:
         """The steps that follow the local save of ``rank`` (see
         :func:`paddle_dcp.parallel.protocol.save`): copies of every data file on ranks of
-        other nodes, then the metadata on every node, last, then retention."""
-        return (lambda result: self._replicate(rank, result),)
+        other nodes, then ``layout`` recorded and the metadata on every node, last, then
+        retention."""
+        return (lambda result: self._replicate(rank, result, layout),)
 
-    def _replicate(self, rank: LocalSaveRank, result: protocol.SaveResult) -> protocol.Protocol:
-        """Copies of every data file on ranks of other nodes, then the metadata on every
-        node, last; then ``rank``'s older generations of the id, and the steps past
-        ``max_to_keep``, removed."""
+    def _replicate(self, rank: LocalSaveRank, result: protocol.SaveResult, layout: JobLayout) -> protocol.Protocol:
+        """Copies of every data file on ranks of other nodes, then the node's record of the
+        step (``layout``) and the metadata on every node, last; then ``rank``'s older
+        generations of the id, and the steps past ``max_to_keep``, removed."""
         comm = self.comm
         data = yield from protocol.local("commit", lambda: metafile.encode(result.built()) if comm.is_coordinator else b"")
         data = yield protocol.Broadcast(data, comm.coordinator)
@@ -248,11 +291,43 @@ class LocalTier:
 
         def publish() -> None:
             if self.is_leader:
+                self._record(result.unique_id, layout, _digest(data))
                 storage.commit_metadata(self.store, result.unique_id, data, self.durable)
 
         yield from protocol.local("local tier: publish", publish)
         yield from protocol.tidy(rank, result)
         yield from self._retain(keep=result.unique_id)
+
+    def _record(self, step: int, layout: JobLayout, digest: int) -> None:
+        """Record, in this node's RECORD, ``step``'s layout, this node's ranks (whose originals
+        it holds) and ``digest`` (of the metadata it goes with); the entries of steps whose
+        metadata the node no longer holds are dropped."""
+        complete = storage.list_checkpoints(self.store, temporary=False).complete
+        steps = {s: e for s, e in self._records().items() if s in complete and s != step}
+        steps[step] = {"layout": layout.to_json(), "node": list(self.node), "digest": digest}
+        doc = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "steps": {str(s): steps[s] for s in sorted(steps)}}
+        self.store.write_atomic(RECORD, json.dumps(doc).encode(), self.durable)
+
+    def _records(self) -> dict[int, dict]:
+        """step -> this node's record of it (none when the node has no readable RECORD: a
+        record is what a restore reports, never what it needs)."""
+        try:
+            data = self.store.read_file(RECORD)
+            if data is None:
+                return {}
+            doc = parse_json(data, self.store.resolve(RECORD), "the local tier's record")
+            if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (RECORD_FORMAT, RECORD_VERSION):
+                raise FormatError(f"{self.store.resolve(RECORD)}: not a record of version {RECORD_VERSION}")
+            steps = {}
+            for s, e in doc["steps"].items():
+                JobLayout.from_json(e["layout"], self.store.resolve(RECORD))  # checked: it goes into reports
+                if not (isinstance(e["node"], list) and all(type(r) is int for r in e["node"]) and type(e["digest"]) is int):
+                    raise FormatError(f"{self.store.resolve(RECORD)}: bad entry of step {s}")
+                steps[int(s)] = e
+            return steps
+        except (DcpError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            logger.warning("local tier %s: its record of steps is unreadable, not used: %s", self.directory, exc)
+            return {}
 
     def _copies(self, me: int, data: bytes) -> tuple[dict[int, str], dict[int, str]]:
         """(holder -> this rank's file to send it, writer -> the file to receive from it)."""
@@ -323,29 +398,34 @@ class LocalTier:
         yield from protocol.local("global tier: publish", publish)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state_dict: dict, step: int, fallback: Storage | None = None) -> tuple[dict | None, str]:
-        """Load local ``step`` into ``state_dict``, each file from the nearest intact copy: its
-        own node, another node, else (when no node has one) the global tier ``fallback``
-        holding the same step, from which the file's writer copies it back into its node
-        first. Returns (bytes by source, "") or (None, why the step cannot be restored from
-        this tier), the same on every rank."""
-        why, exclude, lost, digest = protocol.run(self.comm, self._check(step))
-        repaired: dict[int, tuple[str, int]] = {}
+    def restore(self, state_dict: dict, step: int, fallback: Storage | None = None) -> tuple[Restored | None, str]:
+        """Load local ``step`` into ``state_dict`` (whatever the ranks, nodes and meshes of
+        the job that saved it), each file from the nearest intact copy: its own node, another
+        node, else (when no node has one) the global tier ``fallback`` holding the same step,
+        from which a rank of this job copies it back into its node first (the file's writer
+        when it is one). Returns (what it did, "") or (None, why the step cannot be restored
+        from this tier), the same on every rank."""
+        why, exclude, lost, digest, record, gone = protocol.run(self.comm, self._check(step))
+        repaired: dict[int, list] = {}
         if lost:
             if fallback is None:
                 return None, why
             repaired = protocol.run(self.comm, self._repair(step, lost, digest, fallback))
-            exclude = exclude - {name for r, (name, _) in repaired.items() if r in self.node}
+            exclude = exclude - {name for r, got in repaired.items() if r in self.node for name, _ in got}
         # every byte it reads was checked just now, by its own node's ranks or the serving
         # node's: the load does not hash them a second time
         options = LoadOptions(verify=False, exclude=frozenset(exclude))
         rank = LocalLoadRank(self.comm, state_dict, self.directory, self.store, step, options)
         _, work = rank.run()
-        return {
+        meta = work.plan.meta
+        nbytes = {
             "local": sum(op.nbytes for op in work.plan.local),
             "peer": sum(op.nbytes for ops in work.plan.remote.values() for op in ops),
-            "global": repaired.get(self.comm.rank, ("", 0))[1],
-        }, ""
+            "global": sum(n for _, n in repaired.get(self.comm.rank, ())),
+        }
+        saved_on = JobLayout(meta.world_size) if record is None else JobLayout.from_json(record, f"{RECORD} of step {step}")
+        lost_files = tuple(sorted(f.name for f in meta.files if (parse_data_name(f.name) or (-1,))[0] in gone))
+        return Restored(nbytes, saved_on, lost_files), ""
 
     def _check(self, step: int) -> protocol.Protocol:
         """The step's files checked, node by node (its ranks share them). First every node
@@ -354,14 +434,17 @@ class LocalTier:
         node holds; only for a writer whose original failed its check are that writer's
         copies checked after. Returns (why the step is not whole on the nodes, or ""; the
         files this rank must not read: damaged ones and copies left unchecked; the writers
-        whose file has no intact copy on any node; the digest of the nodes' metadata). What
-        crosses the ranks is a few runs of ranks each."""
-        look, copies = yield from protocol.local(f"local tier: look at step {step}", lambda: self._survey(step))
+        whose file has no intact copy on any node; the digest of the nodes' metadata; the
+        layout the step's record holds, or None; the writers whose node no node of this job is,
+        by the records). What crosses the ranks is a few runs of ranks each, and one record.
+        """
+        look, copies, mine = yield from protocol.local(f"local tier: look at step {step}", lambda: self._survey(step))
         every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(look)))]
         known = next((r for r in every if r["meta"]), None)
         if known is None:
             bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
-            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0
+            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0, None, frozenset()
+        record, gone = yield from self._saved_on(every, mine, wire.from_runs(known["need"]))
         need = wire.from_runs(known["need"])
         absent = need - {w for r in every for w in wire.from_runs(r["good"])}
         lost, bad, usable = need, set(), set()
@@ -377,31 +460,47 @@ class LocalTier:
                 passes.append((f"local tier: check copies of step {step}", lost - absent, False))
         bad |= {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
         why = f"no intact copy of the data files of ranks {wire.rle(lost)} on any node" if lost else ""
-        return why, frozenset(bad | (copies - usable)), tuple(sorted(lost)), known["digest"]
+        return why, frozenset(bad | (copies - usable)), tuple(sorted(lost)), known["digest"], record, gone
+
+    def _saved_on(self, every: list[dict], mine: dict | None, need: set) -> protocol.Protocol:
+        """(the layout the step's record holds, broadcast from the first rank whose node has
+        a record of it, or None when none has; the writers of ``need`` that no node with a
+        record held the originals of: their node is gone, or frozenset() without records)."""
+        holder = next((r for r, doc in zip(self.comm.ranks, every) if doc["recorded"] is not None), None)
+        if holder is None:
+            return None, frozenset()
+        data = yield protocol.Broadcast(wire.encode_json(mine) if self.comm.rank == holder else b"", holder)
+        present = {w for doc in every if doc["recorded"] is not None for w in wire.from_runs(doc["recorded"])}
+        return wire.decode_json(data), frozenset(need - present)
 
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
-        """The writers of the ``lost`` files copy them from the global tier's same step (the
-        same metadata, ``digest``) into their node, checked; returns writer -> (name, bytes)."""
+        """The ``lost`` files copied from the global tier's same step (the same metadata,
+        ``digest``) into a node, checked, each by its writer when that is a rank of this job,
+        else by the rank its writer's number picks (a job with fewer ranks than the saving
+        one); returns rank -> [(name, bytes)] of the files it copied."""
         from .io.file_check import check_files
 
+        ranks = self.comm.ranks
+        mine = [w for w in lost if (w if w in ranks else ranks[w % len(ranks)]) == self.comm.rank]
+
         def fetch() -> bytes:
-            if self.comm.rank not in lost:
+            if not mine:
                 return b""
             data = storage.metadata_bytes(fallback, step)
             if _digest(data) != digest:
                 raise IntegrityError(f"step {step} of the global tier is another save than the local tier's")
             meta = parse_metadata(data, source=fallback.resolve(metadata_name(step)), lazy=True)
-            name = next(f.name for f in meta.files if (parse_data_name(f.name) or (-1,))[0] == self.comm.rank)
-            size = copy_file(fallback, self.store, name)
-            problem = check_files(self.store, meta, [name])[name]
-            if problem is not None:
-                self.store.remove([name])
-                raise IntegrityError(f"the global tier's copy fails its check too: {problem}")
-            return json.dumps([name, size]).encode()
+            names = [f.name for f in meta.files if (parse_data_name(f.name) or (-1,))[0] in mine]
+            got = [(name, copy_file(fallback, self.store, name)) for name in names]
+            problems = {n: p for n, p in check_files(self.store, meta, names).items() if p is not None}
+            if problems:
+                self.store.remove(sorted(problems))
+                raise IntegrityError(f"the global tier's copy fails its check too: {'; '.join(problems.values())}")
+            return json.dumps(got).encode()
 
-        mine = yield from protocol.local("local tier: files from the global tier", fetch)
-        every = yield protocol.AllGather(mine)
-        return {r: tuple(json.loads(b)) for r, b in zip(self.comm.ranks, every) if b}
+        done = yield from protocol.local("local tier: files from the global tier", fetch)
+        every = yield protocol.AllGather(done)
+        return {r: [tuple(x) for x in json.loads(b)] for r, b in zip(self.comm.ranks, every) if b}
 
     def _step_files(self, step: int):
         """(the node's metadata of ``step`` and its bytes, writer of each data file, the
@@ -420,20 +519,27 @@ class LocalTier:
         writer = {f.name: (parse_data_name(f.name) or (-1,))[0] for f in meta.files}
         return (meta, data, writer, sorted(n for n in listing.data_names(step) if n in writer)), []
 
-    def _survey(self, step: int) -> tuple[dict, set]:
+    def _survey(self, step: int) -> tuple[dict, set, dict | None]:
         """What this node holds of ``step``, before any byte is hashed: ({"meta": its metadata
         is intact, "need": the writers of the data files (runs), "good": writers whose
         original is here at its size (runs), "bad": names to keep away from, "digest": the
-        metadata's}, the names of the copies here)."""
+        metadata's, "recorded": the writers whose originals the node's record of the step
+        places here (runs; None without a record of this metadata; the node's first rank
+        alone says)}, the names of the copies here, the layout the record holds)."""
         found, bad = self._step_files(step)
         if found is None:
-            return {"meta": False, "need": [], "good": [], "bad": bad, "digest": 0}, set()
+            return {"meta": False, "need": [], "good": [], "bad": bad, "digest": 0, "recorded": None}, set(), None
         meta, data, writer, present = found
         size = {f.name: f.nbytes for f in meta.files}
         here = [writer[n] for n in present if writer[n] in self.node and self.store.size(n) == size[n]]
         copies = {n for n in present if writer[n] not in self.node}
-        return {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(here), "bad": [],
-                "digest": _digest(data)}, copies
+        digest = _digest(data)
+        record = self._records().get(step) if self.is_leader else None
+        if record is not None and record.get("digest") != digest:
+            record = None  # a record of another save of this step
+        doc = {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(here), "bad": [], "digest": digest,
+               "recorded": None if record is None else wire.rle(record["node"])}
+        return doc, copies, None if record is None else record["layout"]
 
     def _check_files(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
         """This rank's share of its node's check of ``step``: the originals (with

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import ArgumentError, FormatError
+from .job_layout import JobLayout
 from .json_text import parse_json
 
 MANIFEST_NAME = "paddle_dcp_manager.json"
@@ -30,11 +31,14 @@ class StepEntry:
         step: the training step; the checkpoint's unique id in the directory.
         state: ``writing``, ``complete`` or ``deleting``.
         metrics: the metrics given with the save (JSON values), or None.
+        layout: the layout the step was saved on (None: not recorded, as by versions before
+            it was).
     """
 
     step: int
     state: str
     metrics: Mapping[str, Any] | None = None
+    layout: JobLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,8 @@ class Manifest:
 
     def to_json(self) -> bytes:
         entries = [
-            {"step": e.step, "state": e.state, "metrics": None if e.metrics is None else dict(e.metrics)}
+            {"step": e.step, "state": e.state, "metrics": None if e.metrics is None else dict(e.metrics),
+             **({} if e.layout is None else {"layout": e.layout.to_json()})}
             for e in sorted(self.steps.values(), key=lambda e: e.step)
         ]
         return json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "steps": entries}, indent=1).encode()
@@ -78,7 +83,8 @@ class Manifest:
                 step, state, metrics = item["step"], item["state"], item["metrics"]
                 if type(step) is not int or step < 0 or state not in STATES or not (metrics is None or isinstance(metrics, dict)):
                     raise FormatError(f"{source}: bad entry {item!r}")
-                steps[step] = StepEntry(step, state, metrics)
+                layout = None if item.get("layout") is None else JobLayout.from_json(item["layout"], source)
+                steps[step] = StepEntry(step, state, metrics, layout)
             return Manifest(steps)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{source} is not a readable manager manifest: {exc}") from exc

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paddle_dcp import ArgumentError, CheckpointManager, FormatError
+from paddle_dcp.core.job_layout import JobLayout
 from paddle_dcp.tiers import RestoreReport
 
 
@@ -292,4 +293,32 @@ def test_a_step_due_in_both_tiers_reads_its_local_metadata_once_for_the_upload(t
     m = CheckpointManager(tmp_path / "global", save_interval_steps=2, local_directory=str(tmp_path / "local"), replicas=0)
     assert m.save(2, state(2))
     assert steps_in(tmp_path / "global") == [2] and len(reads) == 1, reads  # parsed and committed from one read
+    m.close()
+
+
+def test_last_restore_names_the_layout_saved_on_and_the_one_restored_into(saved, caplog):
+    """Issue 39, point 3, in one process: a local step and a global one report the layout
+    they were saved on (1 rank, no dist tensor, one node), recorded at save, and this job's;
+    a step without its node's record (as an older paddle_dcp saved it, or the record
+    unreadable) reports the metadata's number of ranks alone, and restores all the same."""
+    m, local, _ = saved
+    one = JobLayout(1, (), ((0,),))
+    assert restore(m) == 5
+    r = m.last_restore
+    assert (r.tier, r.saved_on, r.restored_into, r.from_lost_nodes) == ("local", one, one, ())
+    assert restore(m, 2) == 2  # step 2, on the global tier alone: its layout from the manifest
+    r = m.last_restore
+    assert (r.tier, r.saved_on, r.restored_into, r.from_lost_nodes) == ("global", one, one, ())
+    m.close()
+
+    record = os.path.join(local, "paddle_dcp_tier.json")
+    with open(record, "w") as f:
+        f.write("{not json")
+    m = CheckpointManager(os.path.dirname(local) + "/global", save_interval_steps=2, local_directory=local, replicas=0)
+    with caplog.at_level(logging.WARNING, logger="paddle_dcp"):
+        assert restore(m) == 5
+    assert m.last_restore.saved_on == JobLayout(1) and m.last_restore.restored_into == one
+    assert any("record of steps is unreadable" in rec.getMessage() for rec in caplog.records), caplog.text
+    os.remove(record)
+    assert restore(m) == 5 and m.last_restore.saved_on == JobLayout(1)
     m.close()

@@ -155,7 +155,7 @@ def node_of(tmp_path, rank: int) -> str:
 
 
 def checkpoint_files(tmp_path, node: str) -> list[str]:
-    return sorted(n for n in os.listdir(tmp_path / node / "local") if not n.startswith("paddle_dcp_node."))
+    return sorted(n for n in os.listdir(tmp_path / node / "local") if not n.startswith(("paddle_dcp_node.", "paddle_dcp_tier.")))
 
 
 def crash_and_resume(tmp_path, nproc: int, point: str, mode: str = "sync") -> tuple[str, str]:
@@ -238,3 +238,133 @@ def test_a_step_published_on_one_node_before_a_kill_survives_the_loss_of_that_no
     wipe(tmp_path, there)
     logs = run(tmp_path, 1, "restore", 3, name="tiers_crash.py", timeout=120)
     assert_passed(logs, ["restore_3"], 2)
+
+
+# ------------------------------------------------------------------------------ elastic restores (issue 39, points 2 and 3)
+ELASTIC = "elastic.py"
+
+
+def job_from(saved, dst, nodes: dict) -> "os.PathLike":
+    """A job directory ``dst`` made of what the saved job left: a copy of its global tier, and
+    for each (node of the new job: node of the saved job, or None for a new empty node) a copy
+    of that node's local directory."""
+    shutil.copytree(saved / "global", dst / "global")
+    for new, old in nodes.items():
+        (dst / new).mkdir(parents=True)
+        if old is not None:
+            shutil.copytree(saved / old / "local", dst / new / "local")
+    return dst
+
+
+def reports(logs: str) -> dict[int, dict]:
+    """rank -> its last_restore (dataclasses.asdict), as elastic.py printed it."""
+    docs = [json.loads(line[len("REPORT "):]) for line in logs.splitlines() if line.startswith("REPORT ")]
+    out = {d.pop("rank"): d for d in docs}
+    assert len(out) == len(docs), docs
+    return out
+
+
+def flip(path) -> None:
+    with open(path, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def layout(world: int, mesh: tuple[int, int], nodes) -> dict:
+    """A JobLayout as asdict gives it: ``world`` ranks, one mesh of that shape over them in C
+    order (elastic.py's), the ranks of each node."""
+    return {"world_size": world, "meshes": [{"shape": list(mesh), "process_ids": list(range(world)),
+                                             "dim_names": ["x", "y"]}], "nodes": [list(n) for n in nodes]}
+
+
+def elastic_restore(job, nproc: int, mesh: str, step: int, tier: str, two_nodes: bool = False) -> dict[int, dict]:
+    """elastic.py's restore on ``job`` (its "nodeA" and "nodeB" as two nodes, or its "node"
+    alone); returns rank -> last_restore."""
+    args = (job / "global", "restore", mesh, step, tier)
+    if two_nodes:
+        logs = run_two_nodes(script(ELASTIC), nproc, job, args=args, timeout=240)
+    else:
+        logs = run_launch(script(ELASTIC), nproc, job / "node", args=args, timeout=180)
+    ranks = (2 if two_nodes else 1) * nproc
+    assert_passed(logs, [f"restore_{step}_{tier}"], ranks)
+    done = reports(logs)
+    assert sorted(done) == list(range(ranks)), done
+    return done
+
+
+def test_a_step_saved_on_2x2_restores_onto_other_layouts(tmp_path):
+    """Issue 39, points 2 and 3: one job of 2 nodes x 2 ranks on a (2, 2) mesh saves steps
+    1..4 (local 3, 4; global 2, 4; replicas=1); then copies of what it left restore, into
+    meshes of other shapes, checked against the numpy oracle in the workers:
+    - node a lost, the job restarted on node b alone as 1 node x 2 ranks, mesh (1, 2): step 4
+      from b's originals and its copies of a's files;
+    - node b lost and replaced by an empty node, 2 nodes x 1 rank, mesh (2, 1): step 4, the
+      new node's rank taking every byte from the other node;
+    - node b lost and a's copies of b's files damaged, 1 node x 1 rank: step 4, b's files
+      (only those) from the global tier;
+    - the same, and the global tier's copy of one of b's files damaged, mesh (2, 1) on one
+      node: the older step 3, whole on node a.
+    Each last_restore names the layout saved on (4 ranks, the (2, 2) mesh, its nodes), the
+    one restored into, and the lost node's files."""
+    saved = tmp_path / "saved"
+    logs = run_two_nodes(script(ELASTIC), 2, saved, args=(saved / "global", "save", "2x2"), timeout=240)
+    assert_passed(logs, ["save"], 4)
+    a, b = node_of(saved, 0), node_of(saved, 2)
+    assert a != b
+    saved_on = layout(4, (2, 2), [(0, 1), (2, 3)])
+    of_a, of_b = [f"{r}_4.distcp" for r in (0, 1)], [f"{r}_4.distcp" for r in (2, 3)]
+
+    done = elastic_restore(job_from(saved, tmp_path / "1x2", {"node": b}), 2, "1x2", 4, "local")
+    for d in done.values():
+        assert (d["refused"], d["bytes"]["peer"], d["bytes"]["global"]) == ([], 0, 0), d
+        assert d["saved_on"] == saved_on and d["restored_into"] == layout(2, (1, 2), [(0, 1)]), d
+        assert d["from_lost_nodes"] == of_a, d
+
+    done = elastic_restore(job_from(saved, tmp_path / "2x1", {"nodeA": a, "nodeB": None}), 1, "2x1", 4, "local",
+                           two_nodes=True)
+    # the rank on the kept node reads its own node's files, the new node's rank takes them from it
+    assert sorted((d["bytes"]["local"] > 0, d["bytes"]["peer"] > 0) for d in done.values()) == [(False, True), (True, False)]
+    for d in done.values():
+        assert (d["refused"], d["bytes"]["global"]) == ([], 0), d
+        assert d["saved_on"] == saved_on and d["restored_into"] == layout(2, (2, 1), [(0,), (1,)]), d
+        assert d["from_lost_nodes"] == of_b, d
+
+    job = job_from(saved, tmp_path / "1x1", {"node": a})
+    for name in of_b:  # node a's copies of node b's files
+        flip(job / "node" / "local" / name)
+    done = elastic_restore(job, 1, "1x1", 4, "local")
+    d = done[0]
+    assert d["refused"] == [] and d["bytes"]["peer"] == 0 and d["bytes"]["local"] > 0, d
+    assert d["bytes"]["global"] == sum(os.path.getsize(saved / "global" / n) for n in of_b), d  # b's files, no other
+    assert d["saved_on"] == saved_on and d["restored_into"] == layout(1, (1, 1), [(0,)]), d
+    assert d["from_lost_nodes"] == of_b, d
+
+    job = job_from(saved, tmp_path / "older", {"node": a})
+    for name in of_b:
+        flip(job / "node" / "local" / name)
+    flip(job / "global" / of_b[0])
+    done = elastic_restore(job, 2, "2x1", 3, "local")
+    for d in done.values():
+        assert [r[:2] for r in d["refused"]] == [["local", 4], ["global", 4]], d
+        assert (d["bytes"]["peer"], d["bytes"]["global"]) == (0, 0), d
+        assert d["saved_on"] == saved_on and d["restored_into"] == layout(2, (2, 1), [(0, 1)]), d
+        assert d["from_lost_nodes"] == [f"{r}_3.distcp" for r in (2, 3)], d
+
+
+def test_a_step_saved_on_1x2_restores_onto_2x2(tmp_path):
+    """Issue 39, point 2: 1 node x 2 ranks on a (1, 2) mesh saves (no copies: one node); the
+    job restarts on 2 nodes x 2 ranks, mesh (2, 2), the second node new: step 4, the new
+    node's ranks taking every byte from the first; no node was lost."""
+    saved = tmp_path / "saved"
+    (saved / "node").mkdir(parents=True)
+    logs = run_launch(script(ELASTIC), 2, saved / "node", args=(saved / "global", "save", "1x2"), timeout=180)
+    assert_passed(logs, ["save"], 2)
+    done = elastic_restore(job_from(saved, tmp_path / "2x2", {"nodeA": "node", "nodeB": None}), 2, "2x2", 4, "local",
+                           two_nodes=True)
+    got = sorted((d["bytes"]["local"] > 0, d["bytes"]["peer"] > 0) for d in done.values())
+    assert got == [(False, True)] * 2 + [(True, False)] * 2, done
+    for d in done.values():
+        assert (d["refused"], d["bytes"]["global"], d["from_lost_nodes"]) == ([], 0, []), d
+        assert d["saved_on"] == layout(2, (1, 2), [(0, 1)]), d
+        assert d["restored_into"] == layout(4, (2, 2), [(0, 1), (2, 3)]), d

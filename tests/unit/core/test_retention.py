@@ -4,6 +4,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from paddle_dcp.core.job_layout import JobLayout, Mesh
 from paddle_dcp.core.retention import Manifest, StepEntry, check_metrics, score, to_delete
 from paddle_dcp.errors import ArgumentError, FormatError
 
@@ -87,6 +88,20 @@ def test_manifest_round_trips_through_json_without_pickle():
     assert back.steps.keys() == m.steps.keys() and back.complete() == [3]
     assert back.steps[3].metrics["loss"] == 0.25 and back.steps[4].state == "writing"
     assert json.loads(m.to_json())["format"] == "paddle_dcp.manager"
+
+
+def test_a_step_s_layout_round_trips_and_a_manifest_without_one_reads_as_before():
+    layout = JobLayout(4, (Mesh((2, 2), (0, 1, 2, 3), ("dp", "mp")),), ((0, 1), (2, 3)))
+    m = Manifest().with_entry(StepEntry(2, "complete", None, layout)).with_entry(StepEntry(3, "complete"))
+    doc = json.loads(m.to_json())
+    assert doc["steps"][0]["layout"] == {"world_size": 4, "nodes": [[0, 1], [2, 3]],
+                                         "meshes": [{"shape": [2, 2], "process_ids": [0, 1, 2, 3], "dim_names": ["dp", "mp"]}]}
+    assert "layout" not in doc["steps"][1]  # an entry without one is written as before it existed
+    back = Manifest.from_json(m.to_json())
+    assert back.steps[2].layout == layout and back.steps[3].layout is None
+    doc["steps"][0]["layout"] = {"world_size": 0}
+    with pytest.raises(FormatError, match="world_size"):
+        Manifest.from_json(json.dumps(doc).encode())
 
 
 @pytest.mark.parametrize("data", [b"{", b'{"format": "x"}', b'{"format": "paddle_dcp.manager", "version": 9, "steps": []}',
