@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 MARKER = "paddle_dcp_node.{rank}"  # a rank's marker file in the local directory
 _MARKER_RE = re.compile(r"^paddle_dcp_node\.([0-9]+)\Z")
+# what a crash while writing a marker or the record leaves (io.local's temporary names)
+_TIER_TMP_RE = re.compile(r"^(?:paddle_dcp_node\.[0-9]+|paddle_dcp_tier\.json)\.tmp\.[0-9a-f]+\Z")
 RECORD = "paddle_dcp_tier.json"  # a node's record of the local steps it published (docs/format.md)
 RECORD_FORMAT, RECORD_VERSION = "paddle_dcp_tier", 1
 
@@ -190,7 +192,7 @@ class LocalTier:
 
         yield from protocol.local("local tier: mark node", mark)
 
-        stale: list[str] = []  # markers of earlier jobs, removed by the node's leader at open
+        stale: list[str] = []  # markers of earlier jobs and temporary files of crashed writes, removed by the node's leader at open
 
         def seen() -> bytes:
             ranks = []
@@ -198,7 +200,7 @@ class LocalTier:
                 m = _MARKER_RE.match(name)
                 if m and self.store.read_file(name) == token:
                     ranks.append(int(m.group(1)))
-                elif m:
+                elif m or _TIER_TMP_RE.match(name):
                     stale.append(name)
             return json.dumps(sorted(ranks)).encode()
 

@@ -278,6 +278,16 @@ def test_markers_of_earlier_jobs_are_removed_when_the_tier_opens(tmp_path):
     assert (local / "paddle_dcp_node.0").read_bytes() != b"an earlier token"
 
 
+def test_temporary_files_of_a_crashed_marker_or_record_write_are_removed_when_the_tier_opens(tmp_path):
+    local = tmp_path / "local"
+    local.mkdir()
+    left = ["paddle_dcp_node.3.tmp.0a1b2c3d", "paddle_dcp_tier.json.tmp.deadbeef"]
+    for name in left + ["paddle_dcp_tier.json.tmp.notours"]:
+        (local / name).write_bytes(b"half")
+    CheckpointManager(tmp_path / "global", local_directory=str(local), replicas=0)
+    assert sorted(n for n in os.listdir(local) if ".tmp." in n) == ["paddle_dcp_tier.json.tmp.notours"]
+
+
 def test_a_step_due_in_both_tiers_reads_its_local_metadata_once_for_the_upload(tmp_path, monkeypatch):
     from paddle_dcp.io import local as local_io
 
