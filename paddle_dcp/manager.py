@@ -35,7 +35,7 @@ from .core.naming import metadata_name
 from .core.retention import MANIFEST_NAME, Manifest, StepEntry, check_metrics, score, to_delete
 from .parallel import protocol
 from .parallel.comm import Comm, make_comm
-from .parallel.meshes import meshes_of
+from .parallel.placements import meshes_of
 from .tiers import LocalTier, RestoreReport, Restored
 from .errors import ArgumentError, DcpError, FormatError, StorageError
 from .io import is_url, open_storage, storage

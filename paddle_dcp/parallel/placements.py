@@ -16,7 +16,9 @@ import numpy as np
 from ..core.boxes import Box, flat_range_boxes, shard_box
 from .device import dtype_name
 from ..core.dtypes import name_of_numpy
-from ..errors import PlanError, UnsupportedError
+from ..core.job_layout import Mesh
+from ..core.nested import flatten
+from ..errors import DcpError, PlanError, UnsupportedError
 from ..core.save_plan import LocalPiece
 from .requests import Reduction
 
@@ -313,3 +315,28 @@ def held_of(tensors: dict[str, Any], reduced: dict[str, Any], rank: int, flat_ok
     return [
         replace(h, local=reduced[h.piece.key]) if h.piece.key in reduced and h.local is not None else h for h in held
     ]
+
+
+def meshes_of(state_dict: dict) -> tuple[Mesh, ...] | None:
+    """The distinct process meshes of ``state_dict``'s dist tensors, reduced to ints and
+    names, in the order of the first tensor on each (flat key order): the meshes of the layouts
+    a CheckpointManager records and reports (:mod:`paddle_dcp.core.job_layout`); None when the
+    state dict cannot be taken apart (the save or load it goes with says why)."""
+    try:
+        flat = flatten(state_dict, is_tensor, keep_values=False)
+    except DcpError:
+        return None
+    seen: dict[Mesh, None] = {}
+    for key in sorted(flat.tensors):
+        mesh = _mesh(flat.tensors[key])
+        if mesh is not None:
+            seen.setdefault(mesh, None)
+    return tuple(seen)
+
+
+def _mesh(value: Any) -> Mesh | None:
+    if isinstance(value, np.ndarray) or is_sharded_weight(value) or not value.is_dist():
+        return None
+    mesh = value.process_mesh
+    return Mesh(tuple(int(s) for s in mesh.shape), tuple(int(i) for i in mesh.process_ids),
+                tuple(str(n) for n in mesh.dim_names))

@@ -1,11 +1,11 @@
-"""The meshes of a state dict's dist tensors (parallel/meshes.py), in one process: a mesh of
+"""The meshes of a state dict's dist tensors (parallel/placements.meshes_of), in one process: a mesh of
 one rank, as a one-process job has."""
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
 from paddle_dcp.core.job_layout import Mesh
-from paddle_dcp.parallel.meshes import meshes_of
+from paddle_dcp.parallel.placements import meshes_of
 
 
 def test_each_mesh_once_in_the_order_of_its_first_key_and_none_for_plain_tensors():
