@@ -1,6 +1,8 @@
 """Dtype names of the format and their numpy storage types (bfloat16 included)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..errors import FormatError
@@ -42,7 +44,11 @@ def itemsize(name: str) -> int:
 
 def name_of_numpy(dtype: np.dtype) -> str:
     """The format's name for a numpy array's dtype (uint16 is never read as bfloat16)."""
-    dtype = np.dtype(dtype)
+    return _name_of_kind(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def _name_of_kind(dtype: np.dtype) -> str:
     for name, storage in _STORAGE.items():
         if name != "bfloat16" and storage.kind == dtype.kind and storage.itemsize == dtype.itemsize:
             return name

@@ -211,17 +211,22 @@ class TensorColumns:
     grid: Any = None
     static: dict | None = None
 
+    def __post_init__(self) -> None:
+        for column in (self.piece_start, self.offsets, self.extents, self.files, self.byte_offsets, self.block_start,
+                       self.checksums):
+            _frozen(column)  # so every entry's views are read-only as they are taken
+
     def entry(self, t: int, block_bytes: int) -> TensorEntry:
         """Tensor ``t``'s entry: views of the columns, its checksum starts known."""
         p0, p1 = int(self.piece_start[t]), int(self.piece_start[t + 1])
         nd = len(self.shapes[t])
         b0, b1 = int(self.block_start[p0]), int(self.block_start[p1])
         pieces = PieceTable(
-            offsets=_frozen(self.offsets[p0:p1, :nd]),
-            shapes=_frozen(self.extents[p0:p1, :nd]),
-            files=_frozen(self.files[p0:p1]),
-            byte_offsets=_frozen(self.byte_offsets[p0:p1]),
-            checksums=_frozen(self.checksums[b0:b1]),
+            offsets=self.offsets[p0:p1, :nd],
+            shapes=self.extents[p0:p1, :nd],
+            files=self.files[p0:p1],
+            byte_offsets=self.byte_offsets[p0:p1],
+            checksums=self.checksums[b0:b1],
         )
         entry = TensorEntry(
             self.keys[t], self.dtypes[t], self.shapes[t], pieces, block_bytes, self.encodings[t], self.sources[t]

@@ -35,6 +35,8 @@ def piece_view(buf: np.ndarray, buf_start: int, piece: SavedPiece, region: Box, 
     """A strided view of ``region`` (in_saved) of ``piece`` inside ``buf``, which holds the
     file's bytes from offset ``buf_start`` on. numpy checks that the view stays inside."""
     isz = dtype.itemsize
+    if region.shape == piece.box.shape:  # the whole piece (a load into the layout saved): C order
+        return np.ndarray(shape=region.shape, dtype=dtype, buffer=buf, offset=piece.byte_offset - buf_start)
     first = element_span(piece.box.shape, region)[0] if region.ndim else 0
     strides = tuple(s * isz for s in c_strides(piece.box.shape))
     return np.ndarray(
