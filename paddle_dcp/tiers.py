@@ -407,7 +407,7 @@ class LocalTier:
         from which a rank of this job copies it back into its node first (the file's writer
         when it is one). Returns (what it did, "") or (None, why the step cannot be restored
         from this tier), the same on every rank."""
-        why, exclude, lost, digest, record, gone = protocol.run(self.comm, self._check(step))
+        why, exclude, lost, digest, record, lost_files = protocol.run(self.comm, self._check(step))
         repaired: dict[int, list] = {}
         if lost:
             if fallback is None:
@@ -426,7 +426,6 @@ class LocalTier:
             "global": sum(n for _, n in repaired.get(self.comm.rank, ())),
         }
         saved_on = JobLayout(meta.world_size) if record is None else JobLayout.from_json(record, f"{RECORD} of step {step}")
-        lost_files = tuple(sorted(f.name for f in meta.files if (parse_data_name(f.name) or (-1,))[0] in gone))
         return Restored(nbytes, saved_on, lost_files), ""
 
     def _check(self, step: int) -> protocol.Protocol:
@@ -437,16 +436,16 @@ class LocalTier:
         copies checked after. Returns (why the step is not whole on the nodes, or ""; the
         files this rank must not read: damaged ones and copies left unchecked; the writers
         whose file has no intact copy on any node; the digest of the nodes' metadata; the
-        layout the step's record holds, or None; the writers whose node no node of this job is,
-        by the records). What crosses the ranks is a few runs of ranks each, and one record.
+        layout the step's record holds, or None; the data files of writers whose node no node of
+        this job is, by the records). What crosses the ranks is a few runs of ranks each, and one record.
         """
         look, copies, mine = yield from protocol.local(f"local tier: look at step {step}", lambda: self._survey(step))
         every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(look)))]
         known = next((r for r in every if r["meta"]), None)
         if known is None:
             bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
-            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0, None, frozenset()
-        record, gone = yield from self._saved_on(every, mine, wire.from_runs(known["need"]))
+            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0, None, ()
+        record, gone = yield from self._saved_on(every, mine, wire.from_runs(known["need"]))  # gone: file names
         need = wire.from_runs(known["need"])
         absent = need - {w for r in every for w in wire.from_runs(r["good"])}
         lost, bad, usable = need, set(), set()
@@ -465,15 +464,21 @@ class LocalTier:
         return why, frozenset(bad | (copies - usable)), tuple(sorted(lost)), known["digest"], record, gone
 
     def _saved_on(self, every: list[dict], mine: dict | None, need: set) -> protocol.Protocol:
-        """(the layout the step's record holds, broadcast from the first rank whose node has
-        a record of it, or None when none has; the writers of ``need`` that no node with a
-        record held the originals of: their node is gone, or frozenset() without records)."""
+        """(the layout the step's record holds, or None when no node has a record of it; the
+        data files of the writers of ``need`` that no node with a record held the originals
+        of: their node is gone, or () without records), broadcast from the first rank whose
+        node has a record: it holds the whole metadata, which a rank of a new node may not
+        (a load sends it only the part it reads)."""
         holder = next((r for r, doc in zip(self.comm.ranks, every) if doc["recorded"] is not None), None)
         if holder is None:
-            return None, frozenset()
-        data = yield protocol.Broadcast(wire.encode_json(mine) if self.comm.rank == holder else b"", holder)
-        present = {w for doc in every if doc["recorded"] is not None for w in wire.from_runs(doc["recorded"])}
-        return wire.decode_json(data), frozenset(need - present)
+            return None, ()
+        said = b""
+        if self.comm.rank == holder:
+            present = {w for doc in every if doc["recorded"] is not None for w in wire.from_runs(doc["recorded"])}
+            names = {int(w): n for w, n in mine["names"].items()}
+            said = wire.encode_json({"layout": mine["layout"], "lost": sorted(names[w] for w in need - present)})
+        doc = wire.decode_json((yield protocol.Broadcast(said, holder)))
+        return doc["layout"], tuple(doc["lost"])
 
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
         """The ``lost`` files copied from the global tier's same step (the same metadata,
@@ -527,7 +532,8 @@ class LocalTier:
         original is here at its size (runs), "bad": names to keep away from, "digest": the
         metadata's, "recorded": the writers whose originals the node's record of the step
         places here (runs; None without a record of this metadata; the node's first rank
-        alone says)}, the names of the copies here, the layout the record holds)."""
+        alone says)}, the names of the copies here, and with a record: {"layout": the layout it
+        holds, "names": each writer's data file})."""
         found, bad = self._step_files(step)
         if found is None:
             return {"meta": False, "need": [], "good": [], "bad": bad, "digest": 0, "recorded": None}, set(), None
@@ -541,7 +547,8 @@ class LocalTier:
             record = None  # a record of another save of this step
         doc = {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(here), "bad": [], "digest": digest,
                "recorded": None if record is None else wire.rle(record["node"])}
-        return doc, copies, None if record is None else record["layout"]
+        names = {w: n for n, w in writer.items()}  # to name the files of lost nodes, if this rank says
+        return doc, copies, None if record is None else {"layout": record["layout"], "names": names}
 
     def _check_files(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
         """This rank's share of its node's check of ``step``: the originals (with
