@@ -330,6 +330,11 @@ def test_a_step_saved_on_2x2_restores_onto_other_layouts(tmp_path):
         assert d["saved_on"] == saved_on and d["restored_into"] == layout(2, (2, 1), [(0,), (1,)]), d
         assert d["from_lost_nodes"] == of_b, d
 
+    done = elastic_restore(job_from(saved, tmp_path / "1x1-whole", {"node": a}), 1, "1x1", 4, "local")
+    d = done[0]  # one rank: every byte from node a, its originals and its copies of b's files
+    assert (d["refused"], d["bytes"]["peer"], d["bytes"]["global"]) == ([], 0, 0) and d["bytes"]["local"] > 0, d
+    assert d["restored_into"] == layout(1, (1, 1), [(0,)]) and d["from_lost_nodes"] == of_b, d
+
     job = job_from(saved, tmp_path / "1x1", {"node": a})
     for name in of_b:  # node a's copies of node b's files
         flip(job / "node" / "local" / name)
