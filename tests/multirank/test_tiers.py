@@ -301,8 +301,9 @@ def test_a_step_saved_on_2x2_restores_onto_other_layouts(tmp_path):
       from b's originals and its copies of a's files;
     - node b lost and replaced by an empty node, 2 nodes x 1 rank, mesh (2, 1): step 4, the
       new node's rank taking every byte from the other node;
-    - node b lost and a's copies of b's files damaged, 1 node x 1 rank: step 4, b's files
-      (only those) from the global tier;
+    - node b lost, the job restarted on node a as 1 rank: step 4, every byte from node a;
+    - the same with a's copies of b's files damaged: step 4, b's files (only those) from the
+      global tier;
     - the same, and the global tier's copy of one of b's files damaged, mesh (2, 1) on one
       node: the older step 3, whole on node a.
     Each last_restore names the layout saved on (4 ranks, the (2, 2) mesh, its nodes), the
