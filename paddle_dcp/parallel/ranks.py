@@ -431,23 +431,30 @@ def metadata_from_helpers(comm: Comm, readers, meta, flat, held, mw: bool, part_
         request = wire.encode_summary(save_plan.SaveSummary.from_pieces(comm.rank, flat.skeleton, pieces))
 
     def answer(client: int, question: bytes) -> bytes:
-        summary = wire.decode_summary(question, client)
-        keys = nested.tensor_keys(summary.skeleton)
-        if meta.subset:
-            return part_for(meta.unique_id, _wanted_of(summary, keys, mw)).to_json()
-        match = match_keys(keys, list(meta.tensors), mw)
-        targets = []
-        for row, i in enumerate(summary.leaves_of_rows().tolist()):
-            key, box = keys[i], summary.piece_box(row)
-            if box is not None and key in match.source:
-                targets.append(load_plan.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
-        plain = reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
-        return load_plan.restrict(meta, targets, list(match.source.values()), [p for p, _ in plain]).to_json()
+        return helper_answer(meta, wire.decode_summary(question, client), mw, part_for)
 
     reply = exchange.ask_for_metadata(comm, my_helper, request, my_clients, answer)
     if reply is not None:
         meta = parse_metadata(reply, source=f"part of the metadata sent by rank {my_helper}", allow_subset=True)
     return meta
+
+
+def helper_answer(meta: Metadata, summary: save_plan.SaveSummary, mw: bool, part_for=None) -> bytes:
+    """What a helper that has ``meta`` sends the client that described its state dict in
+    ``summary``: the part of the metadata it needs, as one JSON document (format version 1 or
+    2, whatever version the file is: a client parses no packed file)."""
+    keys = nested.tensor_keys(summary.skeleton)
+    if meta.subset:
+        part = part_for(meta.unique_id, _wanted_of(summary, keys, mw))
+        return replace(part, format_version=1).to_json()  # to_json says 2 when it must
+    match = match_keys(keys, list(meta.tensors), mw)
+    targets = []
+    for row, i in enumerate(summary.leaves_of_rows().tolist()):
+        key, box = keys[i], summary.piece_box(row)
+        if box is not None and key in match.source:
+            targets.append(load_plan.TargetPiece(match.source[key], summary.dtypes[i], summary.global_shapes[i], box))
+    plain = reconcile(keys, summary.skeleton, list(meta.tensors), meta.structure, mw).plain
+    return load_plan.restrict(meta, targets, list(match.source.values()), [p for p, _ in plain]).to_json()
 
 
 def _wanted_of(summary: save_plan.SaveSummary, keys: list[str], mw: bool) -> dict[str, list[Box]]:

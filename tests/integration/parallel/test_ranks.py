@@ -232,3 +232,28 @@ def test_a_load_rank_s_inspection_is_a_value_it_keeps_nothing_of():
 
 def paddle_dcp_save(state: dict, store) -> None:
     protocol.run(SoloComm(), protocol.save(LocalSaveRank(SoloComm(), state, store, None, {})))
+
+
+def test_a_helper_that_read_its_part_of_a_packed_file_sends_a_part_the_client_parses():
+    """A node without the metadata gets its part from a helper; when the helper read only its
+    own part of a large version 3 file, the part it reads for the client was sent as a JSON
+    document still saying version 3, which every client refused."""
+    from paddle_dcp.core import metafile
+    from paddle_dcp.core.metadata_parse import parse_metadata
+    from paddle_dcp.core.save_plan import SaveSummary
+    from paddle_dcp.parallel.ranks import helper_answer
+    from paddle_dcp.tools.simulate import RankLayout, simulate_save, wanted_of
+
+    layouts = {r: RankLayout.flat([("w", (8, 4), "float32", (2 * r, 0), (2, 4)), ("b", (4,), "float32", (0,), (4,))])
+               for r in range(4)}
+    data = simulate_save(layouts, unique_id=5).metadata_json
+    assert metafile.is_packed(data)
+    view = memoryview(data)
+    fetch = lambda ranges: [view[a:b] for a, b in ranges]  # noqa: E731
+    helper_meta = metafile.read_part(fetch, len(data), wanted_of(layouts[0]))
+    client = layouts[3]
+    summary = SaveSummary.from_pieces(3, client.skeleton, client.pieces)
+    reply = helper_answer(helper_meta, summary, False, lambda uid, wanted: metafile.read_part(fetch, len(data), wanted))
+    part = parse_metadata(reply, source="the helper's reply", allow_subset=True)
+    assert part.subset and part.unique_id == 5
+    assert [6, 0] in part.tensors["w"].pieces.offsets.tolist() and part.tensors["b"].pieces.count == 1  # rank 3 reads these
