@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Sequence
 
-from .requests import Agree, AllGather, AllMax, Broadcast, Gather, ReduceAmong, Scatter, combine
+from .requests import Agree, AllGather, AllMax, Broadcast, Gather, Pairwise, ReduceAmong, Scatter, combine
 from .comm import Traffic, cost_all_gather, cost_all_max, cost_gather, cost_scatter
 
 
@@ -20,7 +20,9 @@ class SimWorld:
     :meth:`run` advances all ranks' protocol generators in lockstep; each collective receives
     all ranks' requests at once, hands every rank the result the real collective would, and
     counts every rank's traffic with the same cost functions as a real comm. Agreements see no
-    failure. Pairwise (node-local) steps are not simulated.
+    failure. A Pairwise (node-local) step runs each rank's function with no comm (None), then
+    its agreement: a simulated rank's pairwise work moves no bytes between ranks (it may count
+    the bytes a real one would send point to point).
     """
 
     def __init__(self, ranks: Sequence[int], coordinator: int):
@@ -38,6 +40,10 @@ class SimWorld:
         self.kernel_seconds: dict[int, float] = {r: 0.0 for r in self.ranks}
         # Python and C function calls made in each timed rank's steps (run(count_calls=True))
         self.calls: dict[int, int] = {r: 0 for r in self.ranks}
+        self._timed: tuple[int, ...] = ()  # the ranks run() times
+        # every collective run, in order: (its index, kind and step; the most bytes any rank but
+        # the coordinator received in it; the coordinator's)
+        self.log: list[tuple[str, int, int]] = []
 
     def run(self, protocols: dict[int, "object"], timed: Sequence[int] = (), count_calls: bool = False):
         """Drive ``protocols`` (rank -> generator) to the end; returns rank -> value. Ranks in
@@ -47,6 +53,7 @@ class SimWorld:
         machine; profiling slows the steps, so their seconds mean little then)."""
         results = {r: None for r in self.ranks}
         done: dict[int, object] = {}
+        self._timed = tuple(timed)
         timing: list = [None, 0.0]  # the timed rank whose step runs, when the collector started
 
         def collector(phase: str, info: dict) -> None:
@@ -74,12 +81,22 @@ class SimWorld:
                 kinds = {type(q) for q in requests.values()}
                 if len(kinds) != 1:
                     raise RuntimeError(f"ranks disagree on the next collective: {sorted(k.__name__ for k in kinds)}")
-                results = self._execute(requests, kinds.pop())
+                results = self._logged(requests, kinds.pop())
         finally:
             if count_calls:
                 sys.setprofile(None)
             gc.callbacks.remove(collector)
         return done
+
+    def _logged(self, requests: dict, kind) -> dict:
+        """Execute one collective and log it (``log``)."""
+        before = {r: self.traffic[r].received for r in requests}
+        results = self._execute(requests, kind)
+        got = {r: self.traffic[r].received - before[r] for r in requests}
+        first = next(iter(requests.values()))
+        name = f"{len(self.log)} {kind.__name__}" + (f" {first.step}" if hasattr(first, "step") else "")
+        self.log.append((name, max((n for r, n in got.items() if r != self.coordinator), default=0), got.get(self.coordinator, 0)))
+        return results
 
     def _step(self, protocols, results, done, timed, timing) -> dict:
         """Advance every unfinished rank to its next collective; returns rank -> request."""
@@ -140,6 +157,15 @@ class SimWorld:
                 self._add(r, cost_all_max(1 + len(q.values), size))
             out = [max(v) for v in zip(*(q.values for q in requests.values()))]
             return {r: list(out) for r in requests}
+        if kind is Pairwise:  # each rank's function in turn, timed as its steps are; then its agreement
+            out = {}
+            for r, q in requests.items():
+                t0 = time.perf_counter()
+                out[r] = q.fn(None)
+                if r in self._timed:
+                    self.seconds[r] += time.perf_counter() - t0
+                self._add(r, cost_all_max(1, size))
+            return out
         if kind is ReduceAmong:  # the reductions of each group of members, then an agreement
             self._reduce({r: q.reductions for r, q in requests.items()})
             for r in requests:

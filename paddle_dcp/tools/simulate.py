@@ -176,11 +176,12 @@ class LoadSim:
     metadata_read: dict[int, int] = field(default_factory=dict)  # bytes of the metadata file each planning rank read
 
 
-class _NoWork:
-    """A rank's load work when only its messages matter: it reads nothing itself."""
+class NoWork:
+    """A rank's load work when only its messages matter: it reads nothing itself, and asks its
+    servers (``remote``: server rank -> ops on files of ``meta``) for nothing."""
 
-    def __init__(self, ops=()):
-        self.plan = LoadPlan(ops=tuple(ops))
+    def __init__(self, ops=(), remote=None, meta=None):
+        self.plan = LoadPlan(meta=meta, ops=tuple(ops), remote=remote or {})
 
     def open_local(self):
         pass
@@ -189,6 +190,12 @@ class _NoWork:
         pass
 
     def read_local(self):
+        pass
+
+    def verify_remote(self, comm, clients):
+        pass
+
+    def exchange(self, comm, clients):
         pass
 
     def finish(self):
@@ -206,7 +213,7 @@ def targets_of(layout: RankLayout) -> list[load_plan.TargetPiece]:
     return [load_plan.TargetPiece(p.key, p.dtype, p.global_shape, p.box) for p in layout.pieces if p.box is not None]
 
 
-class _SimLoadRank:
+class SimLoadRank:
     """A rank of a simulated load (a protocol.LoadRankProtocol) on a shared file system, or on
     object storage (``lists_for_all``: the coordinator alone lists and reads the metadata, whose
     bytes it broadcasts). With a ``layout``, it parses the metadata and plans its reads for
@@ -274,9 +281,9 @@ class _SimLoadRank:
 
     def plan(self, view, meta, uid, listing, statuses, every_target):
         if self.layout is None:
-            return _NoWork()
+            return NoWork()
         self.parsed[self.rank] = meta
-        return _NoWork(plan_rank(meta, targets_of(self.layout)))
+        return NoWork(plan_rank(meta, targets_of(self.layout)))
 
     def targets(self, view) -> bytes:
         return b""
@@ -316,7 +323,7 @@ def simulate_load(
         real = r == coordinator or r in plan_ranks
         # on object storage every rank asks the coordinator for its part of a large file
         wanted = wanted_of(layouts[r]) if real or object_storage else None
-        return _SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
+        return SimLoadRank(r, ranks, coordinator, listing, metadata_json, shared, layouts[r] if real else None, parsed,
                             object_storage, wanted, read_bytes, starts)
 
     world.run({r: protocol.load(side_of(r)) for r in ranks}, timed=(coordinator,), count_calls=count_calls)

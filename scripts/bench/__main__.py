@@ -27,6 +27,7 @@ SUITES = {
     "p2p": ("p2p", {}, "bytes between two ranks: our TCP, a gloo pair, the job's communicator"),
     "layouts": ("layouts", {}, "verify, metadata check and load of one tensor in 1k to 64k non-grid pieces: time per piece"),
     "scale": ("scale", {}, "planning and metadata of a save and a load at thousands of simulated ranks"),
+    "scale-elastic": ("elastic", {}, "the node-local tier's restore after a lost node, at thousands of simulated ranks"),
     "tiers": ("tiers", {}, "CheckpointManager's node-local tier: restores from each tier, replicated saves"),
 }
 

@@ -81,3 +81,20 @@ def test_timed_ranks_count_the_kernels_time_in_their_own_steps():
     spent = os.times().system - before
     assert 0.0 < world.kernel_seconds[0] <= spent  # its own step's share of the process's
     assert world.kernel_seconds[1] == 0.0 and world.kernel_seconds[0] <= world.seconds[0] + 0.02
+
+
+def test_a_pairwise_step_runs_each_ranks_function_without_a_comm_then_its_agreement_and_is_logged():
+    seen = []
+
+    def pairwise(rank: int) -> protocol.Protocol:
+        got = yield protocol.Pairwise("exchange", lambda comm: seen.append((rank, comm)) or rank * 2)
+        yield AllGather(b"ab")
+        return got
+
+    world = SimWorld(tuple(range(SIZE)), 0)
+    assert world.run({r: pairwise(r) for r in range(SIZE)}) == {r: 2 * r for r in range(SIZE)}
+    assert seen == [(r, None) for r in range(SIZE)]
+    assert [name for name, _, _ in world.log] == ["0 Pairwise exchange", "1 AllGather"]
+    # the agreement: one integer each way; the all-gather: the width agreed (one integer), then
+    # (SIZE - 1) messages of 2 bytes and their lengths
+    assert [(other, coord) for _, other, coord in world.log] == [(8, 8), (8 + (SIZE - 1) * 10, 8 + (SIZE - 1) * 10)]
