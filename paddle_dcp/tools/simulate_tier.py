@@ -200,7 +200,8 @@ class TierRestoreSim:
         excluded: per rank of the job, how many data files the check kept it from reading.
         remote_servers: per rank, how many ranks serve it bytes.
         plans: per rank, its load plan (its ops and servers), kept with ``keep_plans``.
-        lost / gone / why: as ``LocalTier._check`` returns them (the coordinator's).
+        lost / why: as ``LocalTier._check`` returns them (the coordinator's); gone: the writers
+            of the files it names as from lost nodes.
         log: every collective of the check, then of the load, as ``SimWorld.log`` has it.
     """
 
@@ -271,7 +272,7 @@ def simulate_tier_restore(
         excluded={r: len(checked[r][1]) for r in ranks},
         remote_servers={r: len(results[r][1].plan.remote) for r in ranks},
         lost=tuple(lost),
-        gone=frozenset(gone),
+        gone=frozenset((parse_data_name(name) or (-1,))[0] for name in gone),  # the check names files
         why=why,
         log=[("check " + n, a, b) for n, a, b in check.log] + [("load " + n, a, b) for n, a, b in load.log],
         plans={r: results[r][1].plan for r in ranks} if keep_plans else {},
