@@ -147,7 +147,7 @@ class LocalTier:
             if self.is_leader:
                 listing = storage.list_checkpoints(self.store)
                 orphans = [n for uid in listing.data if uid not in steps for n in listing.data_names(uid)]
-                orphans += [storage.claim_name(u, g) for u, g in sorted(listing.claims) if u not in steps]
+                orphans += listing.claim_names(lambda u, g: u not in steps)
                 self.store.remove(orphans + cleanup.temporary_names(listing) + stale)
 
         protocol.run(self.comm, protocol.local("local tier: tidy", tidy))

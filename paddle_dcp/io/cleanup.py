@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..core.naming import TMP_RE, claim_name, parse_data_name
+from ..core.naming import TMP_RE, parse_data_name
 from .storage import Listing, Storage, list_checkpoints
 
 
@@ -48,7 +48,7 @@ def remove_older(
         if (rank is None or writer == rank) and gen < generation:
             names.append(name)
     if claims:
-        names += [claim_name(unique_id, g) for g in listing.claimed(unique_id) if g < generation]
+        names += listing.claim_names(lambda u, g: u == unique_id and g < generation)
     return store.remove(names)
 
 
@@ -58,10 +58,12 @@ def remove_steps(store: Storage, unique_ids: Iterable[int], rank: int | None = N
     retention of a manager and of its node-local tier, once the ids' metadata is gone)."""
     listing = list_checkpoints(store)
     names = []
-    for uid in unique_ids:
+    ids = list(unique_ids)
+    for uid in ids:
         names += [n for n in listing.data_names(uid) if rank is None or (parse_data_name(n) or (-1,))[0] == rank]
         names += temporary_names(listing, uid, rank)
-        names += [claim_name(uid, g) for g in listing.claimed(uid)]  # where they are: the coordinator's directory
+    wanted = set(ids)
+    names += listing.claim_names(lambda u, g: u in wanted)  # where they are: the coordinator's directory
     return store.remove(names)
 
 
@@ -70,5 +72,5 @@ def remove_incomplete(store: Storage) -> list[str]:
     node without the metadata holds complete checkpoints' files too: only for shared storage.)"""
     listing = list_checkpoints(store)
     names = [n for uid in sorted(listing.data) if uid not in listing.complete for n in listing.data_names(uid)]
-    names += [claim_name(uid, g) for uid, g in sorted(listing.claims) if uid not in listing.complete]
+    names += listing.claim_names(lambda u, g: u not in listing.complete)
     return store.remove(names)

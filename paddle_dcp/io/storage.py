@@ -14,7 +14,7 @@ the checksum scheme is in the core (``core/checksums.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ContextManager, Iterable, Protocol, Sequence
+from typing import Callable, ContextManager, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -60,6 +60,10 @@ class Listing:
     def claimed(self, unique_id: int) -> list[int]:
         """The generations of ``unique_id`` claimed, ascending."""
         return sorted(g for u, g in self.claims if u == unique_id)
+
+    def claim_names(self, which: Callable[[int, int], bool]) -> list[str]:
+        """The names of the claims (id, generation) that ``which`` takes, in order."""
+        return [claim_name(u, g) for u, g in sorted(self.claims) if which(u, g)]
 
     def data_names(self, unique_id: int) -> list[str]:
         """The names of ``unique_id``'s data files present, sorted."""

@@ -52,7 +52,7 @@ def cmd_clean(args) -> int:
     planned = list(listing.temporary)
     if args.incomplete:
         planned += [n for uid in incomplete_ids(listing) for n in listing.data_names(uid)]
-        planned += [storage.claim_name(u, g) for u, g in sorted(listing.claims) if u not in listing.complete]
+        planned += listing.claim_names(lambda u, g: u not in listing.complete)
         planned += _superseded(path, listing)
     sizes = _sizes(path, planned)
     if args.dry_run:
