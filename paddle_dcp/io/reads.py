@@ -14,7 +14,7 @@ from ..core import quant
 from ..core.boxes import Box, c_strides, element_span
 from ..core.checksums import check_blocks
 from ..core.dtypes import as_bytes, cast, finite, storage_dtype
-from ..core.load_plan import ReadOp, Segment
+from ..core.load_plan import ReadOp
 from ..core.metadata import Metadata, SavedPiece, TensorEntry
 from ..errors import FormatError
 from .storage import DataFiles, Storage
@@ -80,8 +80,6 @@ def check_values(values: np.ndarray, dtype: str, key: str, source: str) -> None:
     other than 0 and 1 (paddle would read 2 as true and its negation as true too)."""
     if dtype == "bool" and values.size and values.view(np.uint8).max() > 1:
         raise FormatError(f"{source}: tensor {key!r} holds bytes other than 0 and 1 in a bool piece")
-
-
 
 
 def read_ahead(files: DataFiles, ops: Sequence, window: int = 128 << 20, again: bool = False) -> Iterator:
