@@ -87,14 +87,15 @@ def bricks_for(pieces: int, rows: int) -> tuple[int, int]:
     return rows, max(1, -(-(pieces - rows // 2) // rows))
 
 
-def guillotine(pieces: int, seed: int = 0) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
-    """A cube of about 8 elements a piece cut into ``pieces`` boxes: each cut halves a random
-    box (of two elements or more in the dim) at a random place in a random dim. Its intervals
+def guillotine(pieces: int, seed: int = 0, side: int | None = None) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
+    """A cube (of ``side`` elements a side; default about 8 elements a piece) cut into
+    ``pieces`` boxes: each cut halves a random box (of two elements or more in the dim) at a
+    random place in a random dim. Its intervals
     nest and overlap in every dim, so no choice of leading dims splits it into disjoint
     trailing boxes (core.boxes.first_overlap_nd is undecided): what a crafted 3-dim file can
     hold. The global shape, the pieces' offsets and shapes."""
     rng = np.random.default_rng(seed)
-    side = max(2, round((8 * pieces) ** (1 / 3)))
+    side = side or max(2, round((8 * pieces) ** (1 / 3)))
     lo, hi = [[0, 0, 0]], [[side] * 3]
     while len(lo) < pieces:
         i, d = int(rng.integers(len(lo))), int(rng.integers(3))

@@ -4,6 +4,8 @@ Oracles: numpy marker arrays (which elements a box covers) and paddle's chunking
 from its definition, never the functions under test.
 """
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from paddle_dcp.core.boxes import (
 from paddle_dcp.errors import PlanError
 
 from ..helpers import coords, fast, mesh_dims_of, meshes, placements_for, ref_box, ref_chunk, shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # the layouts of scripts/bench
 
 KEY = "layer.w"
 
@@ -556,34 +560,17 @@ def test_untiled_point_agrees_with_counting_every_element(case, data):
             assert counts[tuple(point.tolist())] != 1, (point, counts)
 
 
-def guillotine_3d(cuts: int, seed: int = 0) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
-    """An exact tiling of a 3-dim tensor by ``cuts`` cuts of random boxes in random dims: its
-    distinct intervals are nested or overlapping in every dim, so no split into leading dims and
-    disjoint trailing boxes decides it (first_overlap_nd: UNDECIDED)."""
-    rng = np.random.default_rng(seed)
-    shape = (1 << 20,) * 3
-    lo, hi = [[0, 0, 0]], [list(shape)]
-    for _ in range(cuts):
-        i = int(rng.integers(len(lo)))
-        d = int(rng.integers(3))
-        if hi[i][d] - lo[i][d] < 2:
-            continue
-        at = int(rng.integers(lo[i][d] + 1, hi[i][d]))
-        lo.append(list(lo[i]))
-        hi.append(list(hi[i]))
-        hi[i][d] = lo[-1][d] = at
-    offsets = np.array(lo, np.int64)
-    return shape, offsets, np.array(hi, np.int64) - offsets
-
-
-@pytest.mark.parametrize("cuts", [10_000, 100_000])
-def test_a_layout_no_split_decides_is_checked_with_a_bounded_number_of_corners_per_piece(monkeypatch, cuts):
+@pytest.mark.parametrize("pieces", [10_000, 100_000])
+def test_a_layout_no_split_decides_is_checked_with_a_bounded_number_of_corners_per_piece(monkeypatch, pieces):
     """10k and 100k pieces of a 3-dim guillotine tiling (the layout no choice of leading dims
     decides, which the old sweep compared pairwise): every piece adds its 8 corners once, no
     pair is compared, and a piece moved by one element is found."""
     from paddle_dcp.core import boxes
 
-    shape, offsets, shapes_ = guillotine_3d(cuts)
+    from bench.layouts import guillotine  # the benchmark's layout: its intervals nest and overlap in every dim
+
+    shape, offsets, shapes_ = guillotine(pieces, side=1 << 20)
+    assert len(offsets) == pieces
     p = len(offsets)
     assert boxes.first_overlap_nd(offsets, offsets + shapes_) is boxes.UNDECIDED
     tallied = [0]
