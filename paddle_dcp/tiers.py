@@ -42,6 +42,7 @@ from .core.job_layout import JobLayout
 from .core import metafile
 from .core.replica_plan import check_replicas, copies_per_file, copies_warning, copy_holders, nodes_of
 from .core.retention import Manifest, StepEntry, to_delete
+from .core.tier_check import Survey, TierCheck
 from .core.naming import metadata_name, parse_data_name
 from .core.metadata_parse import parse_metadata
 from .core.json_text import parse_json
@@ -425,7 +426,7 @@ class LocalTier:
             "peer": sum(op.nbytes for ops in work.plan.remote.values() for op in ops),
             "global": sum(n for _, n in repaired.get(self.comm.rank, ())),
         }
-        saved_on = JobLayout(meta.world_size) if record is None else JobLayout.from_json(record, f"{RECORD} of step {step}")
+        saved_on = JobLayout(meta.world_size) if record is None else record
         return Restored(nbytes, saved_on, lost_files), ""
 
     def _check(self, step: int) -> protocol.Protocol:
@@ -436,49 +437,77 @@ class LocalTier:
         copies checked after. Returns (why the step is not whole on the nodes, or ""; the
         files this rank must not read: damaged ones and copies left unchecked; the writers
         whose file has no intact copy on any node; the digest of the nodes' metadata; the
-        layout the step's record holds, or None; the data files of writers whose node no node of
-        this job is, by the records). What crosses the ranks is a few runs of ranks each, and one record.
-        """
-        look, copies, mine = yield from protocol.local(f"local tier: look at step {step}", lambda: self._survey(step))
-        every = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(look)))]
-        known = next((r for r in every if r["meta"]), None)
-        if known is None:
-            bad = {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
-            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0, None, ()
-        record, gone = yield from self._saved_on(every, mine, wire.from_runs(known["need"]))  # gone: file names
-        need = wire.from_runs(known["need"])
-        absent = need - {w for r in every for w in wire.from_runs(r["good"])}
-        lost, bad, usable = need, set(), set()
-        passes = [(f"local tier: check step {step}", absent, True)]
-        while passes:
-            what, writers, originals = passes.pop()
-            doc, ok = yield from protocol.local(what, lambda: self._check_files(step, writers, originals))
-            more = [wire.decode_json(b) for b in (yield protocol.AllGather(wire.encode_json(doc)))]
-            lost = lost - {w for r in more for w in wire.from_runs(r["good"])}
-            bad |= {n for r, d in zip(self.comm.ranks, more) if r in self.node for n in d["bad"]}
-            usable |= ok
-            if originals and lost - absent:  # originals that failed: their copies, checked now
-                passes.append((f"local tier: check copies of step {step}", lost - absent, False))
-        bad |= {n for r, doc in zip(self.comm.ranks, every) if r in self.node for n in doc["bad"]}
-        why = f"no intact copy of the data files of ranks {wire.rle(lost)} on any node" if lost else ""
-        return why, frozenset(bad | (copies - usable)), tuple(sorted(lost)), known["digest"], record, gone
+        layout the step's record holds, or None; the data files of writers whose node no
+        node of this job is, by the records). Each pass's findings go to the coordinator
+        (:class:`~paddle_dcp.core.tier_check.TierCheck`), which answers each rank with a few
+        runs of ranks and the names its node must not read."""
+        found, copies, mine = yield from protocol.local(f"local tier: look at step {step}", lambda: self._survey(step))
+        book = TierCheck(self.nodes) if self.comm.is_coordinator else None
 
-    def _saved_on(self, every: list[dict], mine: dict | None, need: set) -> protocol.Protocol:
+        def survey(blobs: list[bytes]) -> list[bytes]:
+            return self._answers(*book.survey(self.comm.ranks, [_decode_survey(b) for b in blobs]))
+
+        told = yield from self._ask(f"local tier: survey of step {step}", _encode_survey(found), survey)
+        bad = set(told["bad"])
+        if not told["known"]:
+            return f"no node holds an intact {metadata_name(step)}", frozenset(bad), (), 0, None, ()
+        digest = told["digest"]
+        saved_on, gone = yield from self._saved_on(told, mine)
+        writers, originals, usable = wire.from_runs(told["absent"]), True, set()
+        while True:
+            what = f"local tier: check step {step}" if originals else f"local tier: check copies of step {step}"
+            doc, ok = yield from protocol.local(what, lambda: self._check_files(step, writers, originals))
+
+            def checked(blobs: list[bytes], originals: bool = originals) -> list[bytes]:
+                docs = [wire.decode_json(b) for b in blobs]
+                good = [frozenset(wire.from_runs(d["good"])) for d in docs]
+                return self._answers(*book.checked(self.comm.ranks, good, [d["bad"] for d in docs], originals))
+
+            told = yield from self._ask(what + ": findings", wire.encode_json(doc), checked)
+            bad |= set(told["bad"])
+            usable |= ok
+            if told["next"] is None:
+                break
+            writers, originals = wire.from_runs(told["next"]), False
+        lost = wire.from_runs(told["lost"])
+        why = f"no intact copy of the data files of ranks {wire.rle(lost)} on any node" if lost else ""
+        return why, frozenset(bad | (copies - usable)), tuple(sorted(lost)), digest, saved_on, gone
+
+    def _ask(self, step: str, data: bytes, answer) -> protocol.Protocol:
+        """``data`` of every rank to the coordinator, which answers (``answer``, its parts);
+        returns this rank's part, decoded."""
+        part = yield from protocol.ask_coordinator(self.comm.rank, self.comm.coordinator, step, data, answer)
+        return wire.decode_json(part)
+
+    def _answers(self, common: dict, per_node: list[dict]) -> list[bytes]:
+        """Each rank's answer: ``common`` and its node's part, encoded once a node (sets of
+        ranks as runs)."""
+        shared = {k: wire.rle(v) if isinstance(v, (set, frozenset)) else v for k, v in common.items()}
+        blobs = [wire.encode_json(dict(shared, **part)) for part in per_node]
+        node = {r: i for i, n in enumerate(self.nodes) for r in n}
+        return [blobs[node[r]] for r in self.comm.ranks]
+
+    def _saved_on(self, told: dict, mine: dict | None) -> protocol.Protocol:
         """(the layout the step's record holds, or None when no node has a record of it; the
-        data files of the writers of ``need`` that no node with a record held the originals
-        of: their node is gone, or () without records), broadcast from the first rank whose
-        node has a record: it holds the whole metadata, which a rank of a new node may not
-        (a load sends it only the part it reads)."""
-        holder = next((r for r, doc in zip(self.comm.ranks, every) if doc["recorded"] is not None), None)
+        data files of the writers the coordinator found no record placing on a node of this
+        job (``told["gone"]``): their node is gone, or () without records), broadcast from the
+        first rank whose node has a record (``told["holder"]``): it holds the whole metadata,
+        which a rank of a new node may not (a load sends it only the part it reads)."""
+        holder = told["holder"]
         if holder is None:
             return None, ()
-        said = b""
-        if self.comm.rank == holder:
-            present = {w for doc in every if doc["recorded"] is not None for w in wire.from_runs(doc["recorded"])}
+
+        def say() -> bytes:
+            if self.comm.rank != holder:
+                return b""
+            layout = JobLayout.from_json(mine["layout"], RECORD)
             names = {int(w): n for w, n in mine["names"].items()}
-            said = wire.encode_json({"layout": mine["layout"], "lost": sorted(names[w] for w in need - present)})
+            return wire.encode_json({"layout": wire.encode_layout(layout),
+                                     "lost": sorted(names[w] for w in wire.from_runs(told["gone"]))})
+
+        said = yield from protocol.local("local tier: the step's record", say)
         doc = wire.decode_json((yield protocol.Broadcast(said, holder)))
-        return doc["layout"], tuple(doc["lost"])
+        return wire.decode_layout(doc["layout"]), tuple(doc["lost"])
 
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
         """The ``lost`` files copied from the global tier's same step (the same metadata,
@@ -526,17 +555,14 @@ class LocalTier:
         writer = {f.name: (parse_data_name(f.name) or (-1,))[0] for f in meta.files}
         return (meta, data, writer, sorted(n for n in listing.data_names(step) if n in writer)), []
 
-    def _survey(self, step: int) -> tuple[dict, set, dict | None]:
-        """What this node holds of ``step``, before any byte is hashed: ({"meta": its metadata
-        is intact, "need": the writers of the data files (runs), "good": writers whose
-        original is here at its size (runs), "bad": names to keep away from, "digest": the
-        metadata's, "recorded": the writers whose originals the node's record of the step
-        places here (runs; None without a record of this metadata; the node's first rank
-        alone says)}, the names of the copies here, and with a record: {"layout": the layout it
-        holds, "names": each writer's data file})."""
+    def _survey(self, step: int) -> tuple[Survey, set, dict | None]:
+        """What this node holds of ``step``, before any byte is hashed: its
+        :class:`~paddle_dcp.core.tier_check.Survey` (the node's first rank alone says what the
+        node's record of this metadata places here), the names of the copies here, and with a
+        record: {"layout": the layout it holds, "names": each writer's data file}."""
         found, bad = self._step_files(step)
         if found is None:
-            return {"meta": False, "need": [], "good": [], "bad": bad, "digest": 0, "recorded": None}, set(), None
+            return Survey(False, bad=tuple(bad)), set(), None
         meta, data, writer, present = found
         size = {f.name: f.nbytes for f in meta.files}
         here = [writer[n] for n in present if writer[n] in self.node and self.store.size(n) == size[n]]
@@ -545,10 +571,10 @@ class LocalTier:
         record = self._records().get(step) if self.is_leader else None
         if record is not None and record.get("digest") != digest:
             record = None  # a record of another save of this step
-        doc = {"meta": True, "need": wire.rle(writer.values()), "good": wire.rle(here), "bad": [], "digest": digest,
-               "recorded": None if record is None else wire.rle(record["node"])}
+        survey = Survey(True, frozenset(writer.values()), frozenset(here), (), digest,
+                        None if record is None else frozenset(record["node"]))
         names = {w: n for n, w in writer.items()}  # to name the files of lost nodes, if this rank says
-        return doc, copies, None if record is None else {"layout": record["layout"], "names": names}
+        return survey, copies, None if record is None else {"layout": record["layout"], "names": names}
 
     def _check_files(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
         """This rank's share of its node's check of ``step``: the originals (with
@@ -572,6 +598,19 @@ class LocalTier:
             logger.warning("local tier %s: %s", self.directory, result[n])
         doc = {"good": wire.rle(writer[n] for n in mine if n not in failed), "bad": failed}
         return doc, {n for n in names if writer[n] not in self.node} - set(failed)
+
+
+def _encode_survey(s: Survey) -> bytes:
+    """A survey as it goes to the coordinator: sets of writers as runs."""
+    return wire.encode_json({"meta": s.meta, "need": wire.rle(s.need), "good": wire.rle(s.good), "bad": list(s.bad),
+                             "digest": s.digest, "recorded": None if s.recorded is None else wire.rle(s.recorded)})
+
+
+def _decode_survey(blob: bytes) -> Survey:
+    d = wire.decode_json(blob)
+    recorded = None if d["recorded"] is None else frozenset(wire.from_runs(d["recorded"]))
+    return Survey(d["meta"], frozenset(wire.from_runs(d["need"])), frozenset(wire.from_runs(d["good"])),
+                  tuple(d["bad"]), d["digest"], recorded)
 
 
 def _digest(data: bytes) -> int:

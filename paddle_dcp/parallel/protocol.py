@@ -678,6 +678,17 @@ def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
     return out
 
 
+def ask_coordinator(rank: int, coordinator: int, step: str, data: bytes,
+                    answer: Callable[[list[bytes]], list[bytes]]) -> Protocol:
+    """Every rank's ``data`` gathered at the coordinator, which answers each rank with its own
+    part (``answer(every rank's data)``, parts in group order, computed in the local step
+    ``step``, agreed on by all): a rank receives its part alone (every part padded to the
+    longest), whatever the job's size. Returns this rank's part."""
+    asked = yield Gather(data, coordinator)
+    parts = yield from local(step, (lambda: answer(asked)) if rank == coordinator else (lambda: None))
+    return (yield Scatter(parts, coordinator))
+
+
 def route(side: LoadRankProtocol, remote: dict, any_remote: int) -> Protocol:
     """Tell every server which ranks will ask it for bytes; None when no rank needs any
     (``any_remote`` 0, agreed by all ranks). The coordinator alone sees every rank's servers;

@@ -15,6 +15,7 @@ pipeline stage, so a save at thousands of ranks parses each distinct layout once
 """
 from __future__ import annotations
 
+import base64
 import json
 import struct
 import zlib
@@ -24,6 +25,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CollectiveError, FormatError
+from ..core.job_layout import JobLayout, Mesh
 from ..core.metadata import _MAX_INT
 from ..core.metafile_layout import deflate, inflate, most_inflated
 from ..core.save_plan import SaveSummary
@@ -214,6 +216,57 @@ def from_runs(runs) -> set[int]:
 def in_runs(runs, value: int) -> bool:
     """Whether ``value`` lies in one of the [first, last] ``runs``."""
     return any(int(first) <= value <= int(last) for first, last in runs)
+
+
+_MAX_PACKED_INTS = 1 << 24
+
+
+def pack_ints(values: Sequence[int]) -> str:
+    """Ints as text of a few bytes when they follow a pattern (consecutive ranks, equal
+    sizes): their differences, deflated, in base64."""
+    deltas = np.diff(np.asarray(values, dtype="<i8"), prepend=np.int64(0))
+    return base64.b64encode(zlib.compress(deltas.tobytes(), 9)).decode("ascii")
+
+
+def unpack_ints(text: str) -> list[int]:
+    """The ints :func:`pack_ints` packed; FormatError when ``text`` is not such a packing."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(base64.b64decode(text.encode("ascii"), validate=True), 8 * _MAX_PACKED_INTS)
+        if d.unconsumed_tail or not d.eof or len(raw) % 8:
+            raise ValueError("not a whole list of ints")
+    except (ValueError, TypeError, AttributeError, zlib.error) as exc:
+        raise FormatError(f"a peer's packed ints do not unpack: {exc}") from None
+    return np.cumsum(np.frombuffer(raw, dtype="<i8")).tolist()
+
+
+def encode_layout(layout: JobLayout) -> dict:
+    """A job's layout as JSON values whose rank lists are packed (:func:`pack_ints`): a few
+    hundred bytes for thousands of ranks on regular nodes and meshes."""
+    meshes = None if layout.meshes is None else [
+        [list(m.shape), pack_ints(m.process_ids), list(m.dim_names)] for m in layout.meshes
+    ]
+    nodes = None if layout.nodes is None else [
+        pack_ints([len(n) for n in layout.nodes]), pack_ints([r for n in layout.nodes for r in n])
+    ]
+    return {"w": layout.world_size, "m": meshes, "n": nodes}
+
+
+def decode_layout(doc: dict) -> JobLayout:
+    """The layout :func:`encode_layout` encoded."""
+    try:
+        meshes = None if doc["m"] is None else tuple(
+            Mesh(tuple(int(x) for x in shape), tuple(unpack_ints(ids)), tuple(str(n) for n in names))
+            for shape, ids, names in doc["m"]
+        )
+        nodes = None
+        if doc["n"] is not None:
+            lengths, flat = (unpack_ints(t) for t in doc["n"])
+            starts = np.cumsum([0] + lengths).tolist()
+            nodes = tuple(tuple(flat[a:b]) for a, b in zip(starts, starts[1:]))
+        return JobLayout(int(doc["w"]), meshes, nodes)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"a peer's layout does not decode: {exc}") from None
 
 
 # ------------------------------------------------------------------ framing
