@@ -141,8 +141,7 @@ class _FileBatchRank(LocalLoadRank):
     def read_metadata(self, view: Inspected, uid: int) -> Metadata:
         return self.batch.meta
 
-    def plan(self, view: Inspected, meta: Metadata, uid: int, listing: Listing, statuses: list[dict],
-             every_target: Any) -> LocalLoadWork:
+    def plan(self, view: Inspected, meta: Metadata, uid: int, listing: Listing, every_target: Any) -> LocalLoadWork:
         b = self.batch
         plan = plan_work(self.state_dict, b.flat, list(b.held), meta, b.matched, self.path, self.store, b.offload, False,
                          plain=b.plain)

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -20,7 +20,7 @@ import xxhash
 
 from ..core import checksums
 from ..io import reads
-from . import exchange, wire
+from . import exchange, servers, wire
 from .comm import Comm
 from .options import LoadOptions
 from .device import PinnedStage
@@ -44,14 +44,17 @@ def visible_files(listing, uid: int) -> set[str]:
 
 @dataclass(frozen=True, eq=False)
 class LoadPlan:
-    """One rank's load as data, complete when planning ends: no file is opened to make it
-    and nothing is set on it afterwards. :class:`LocalLoadWork` carries it out.
+    """One rank's load as data: no file is opened to make it. It is complete when planning
+    ends but for the servers of the ops on files this rank cannot read (``elsewhere``), which
+    the coordinator names afterwards (:meth:`served`: a new plan with ``remote``).
+    :class:`LocalLoadWork` carries it out.
 
     Attributes:
         meta: the checkpoint's metadata (this rank's part of it).
         ops: every read op, as planned.
         local: the ops on files this rank reads itself.
-        remote: server rank -> the ops on files that rank reads for this one.
+        elsewhere: the ops on files this rank cannot read: other ranks read them for it.
+        remote: server rank -> the ops of ``elsewhere`` that rank reads for this one.
         targets: per state-dict tensor, what it fills (a :class:`LoadTarget`).
         fills: per state-dict tensor, the value it is filled with instead of read (or None).
         views: the arrays the ops' copies name (one per target box, views of the targets'
@@ -67,6 +70,7 @@ class LoadPlan:
     meta: Any = None
     ops: tuple = ()
     local: tuple = ()
+    elsewhere: tuple = ()
     remote: Mapping[int, list] = field(default_factory=dict)
     targets: tuple = ()
     fills: tuple = ()
@@ -75,6 +79,25 @@ class LoadPlan:
     plain: tuple = ()
     verify: bool = False
     state_dict: dict = field(default_factory=dict)
+
+    def served(self, answer: servers.Answer) -> "LoadPlan":
+        """This plan with the servers the coordinator named (:func:`paddle_dcp.parallel.servers.
+        assign`) for the ops ``elsewhere``; StorageError naming the file and the keys when no
+        rank can read one."""
+        remote: dict[int, list] = {}
+        for op in self.elsewhere:
+            name = self.meta.files[op.file].name
+            server = answer.servers.get(servers.file_key(name))
+            if server is None:
+                keys = sorted({seg.piece.key for seg in op.segments})
+                raise StorageError(f"no rank can read data file {name} of checkpoint {self.meta.unique_id}, needed for {keys}")
+            remote.setdefault(server, []).append(op)
+        return replace(self, remote=remote)
+
+    @property
+    def unreadable(self) -> list[str]:
+        """The files of the ops ``elsewhere``, sorted."""
+        return sorted({self.meta.files[op.file].name for op in self.elsewhere})
 
     def read_keys(self) -> list[str]:
         """The checkpoint's tensors this rank reads from its own files, sorted."""
@@ -117,6 +140,9 @@ class LocalLoadWork:
         if staging is None:
             staging = self._lanes.staging = reads.Staging()
         reads.execute_op(op, self.plan.meta, self.files, self.arrays, staging, self.plan.verify, fetch)
+
+    def serve_from(self, answer: servers.Answer) -> None:
+        self.plan = self.plan.served(answer)
 
     def open_local(self) -> None:
         """Open every file this rank reads itself (its size checked) before any byte moves;
@@ -197,39 +223,28 @@ class LocalLoadWork:
 
 @dataclass(frozen=True)
 class Sources:
-    """Which rank reads which file: this rank, its place among ``ranks``, the files it sees
-    (``visible``) and every rank's status (the files each sees, on node-local disks), the
-    ranks it prefers as servers (``near``)."""
+    """Which files this rank reads itself: the files it sees (``visible``) of checkpoint
+    ``uid``."""
 
-    rank: int
-    ranks: tuple
     uid: int
     visible: frozenset
-    statuses: tuple = ()
-    near: frozenset = frozenset()
 
 
-def split_ops(ops, meta: Metadata, sources: Sources) -> tuple[list, dict]:
-    """Ops on files this rank can read, and the others by the rank that will serve them (one
-    of the ranks ``near``, the worker groups', when one can)."""
+def split_ops(ops, meta: Metadata, sources: Sources) -> tuple[list, list]:
+    """(the ops on files this rank can read, the ops on the others: their servers are the
+    coordinator's to name, :func:`paddle_dcp.parallel.servers.assign`)."""
     local: list = []
-    remote: dict = {}
+    elsewhere: list = []
     for op in ops:
         name = meta.files[op.file].name
         if name in sources.visible:
             local.append(op)
-            continue
-        writer, _, gen = storage.parse_data_name(name) or (-1, -1, -1)
-        servers = [  # no "f": every rank sees the same files as this one
-            r for r, s in zip(sources.ranks, sources.statuses)
-            if r != sources.rank and wire.in_runs(s.get("f", {}).get(str(gen), ()), writer)
-        ]
-        if not servers:
+        elif servers.file_key(name) is None:  # not a data file of ours: no other rank lists it
             keys = sorted({seg.piece.key for seg in op.segments})
             raise StorageError(f"no rank can read data file {name} of checkpoint {sources.uid}, needed for {keys}")
-        servers = [r for r in servers if r in sources.near] or servers
-        remote.setdefault(servers[sources.rank % len(servers)], []).append(op)
-    return local, remote
+        else:
+            elsewhere.append(op)
+    return local, elsewhere
 
 
 @dataclass(frozen=True)
@@ -334,9 +349,9 @@ def plan_work(
             views.append(view)
     reads = aoa.plan(meta, remapped, first_slot=len(views))
     ops = _plan_ops(meta, targets + reads.pieces, slots + reads.slots, path, sources)
-    local, remote = split_ops(ops, meta, sources) if sources is not None else (ops, {})
-    return LoadPlan(meta, tuple(ops), tuple(local), remote, tuple(buffers), tuple(fills), tuple(views), tuple(reads.staged),
-                    matched.plain if plain else (), verify, state_dict)
+    local, elsewhere = split_ops(ops, meta, sources) if sources is not None else (ops, [])
+    return LoadPlan(meta, tuple(ops), tuple(local), tuple(elsewhere), {}, tuple(buffers), tuple(fills), tuple(views),
+                    tuple(reads.staged), matched.plain if plain else (), verify, state_dict)
 
 
 def _plan_ops(meta: Metadata, targets: list, slots: list, path: str, sources: Sources | None) -> list:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Generator, Mapping, Protocol as _Protocol, Seq
 import numpy as np
 import xxhash
 
-from . import wire
+from . import servers, wire
 from .requests import (  # noqa: F401 - protocol.Gather...
     Agree, AllGather, AllMax, Broadcast, Detach, Gather, Pairwise, ReduceAmong, Reduction, Scatter,
 )
@@ -376,9 +376,13 @@ class LoadPlanView(_Protocol):
     """What the protocol reads of a rank's load plan (:class:`~paddle_dcp.parallel.loadwork.LoadPlan`).
 
     Attributes:
-        remote: server rank -> the read ops this rank needs from files it cannot read.
+        unreadable: the data files this rank needs but cannot read (other ranks serve it).
+        remote: server rank -> the read ops on those files (once the servers are named).
         share_key: (digest of the tensors it reads, whether it may share their checks).
     """
+
+    @property
+    def unreadable(self) -> Sequence[str]: ...
 
     @property
     def remote(self) -> Mapping[int, Sequence[load_plan.ReadOp]]: ...
@@ -393,6 +397,10 @@ class LoadWork(_Protocol):
 
     @property
     def plan(self) -> LoadPlanView: ...
+
+    def serve_from(self, answer: servers.Answer) -> None:
+        """Take the servers the coordinator named for the files this rank cannot read
+        (StorageError when no rank can read one)."""
 
     def open_local(self) -> None:
         """Open the files this rank reads itself (the first step after planning)."""
@@ -428,6 +436,7 @@ class LoadRankProtocol(_Protocol):
         lists_for_all: every rank sees the same files (object storage): only the coordinator's
             ``inspect`` lists them (for the latest id) and reads the metadata (its bytes are
             broadcast), and there are no per-rank file lists to compare.
+        near: the ranks this one prefers as servers of the files it cannot read.
     """
 
     rank: int
@@ -437,6 +446,7 @@ class LoadRankProtocol(_Protocol):
     path: str
     shares_targets: bool
     lists_for_all: bool
+    near: frozenset
 
     def inspect(self) -> tuple[Any, Any]:
         """Flatten the state dict, describe its pieces, list the directory: (what the rank
@@ -468,8 +478,9 @@ class LoadRankProtocol(_Protocol):
     def metadata_from_helpers(self, view: Any, readers: list[int], meta: Metadata | None) -> Pairwise:
         """Pairwise work giving this rank the part of the metadata it needs (node-local disks)."""
 
-    def plan(self, view: Any, meta: Metadata, uid: int, listing: Any, statuses: list[dict], every_target: Any) -> LoadWork:
-        """The rank's load work, complete (``every_target``: ``all_targets``' value, or None)."""
+    def plan(self, view: Any, meta: Metadata, uid: int, listing: Any, every_target: Any) -> LoadWork:
+        """The rank's load work, complete but for the servers of the files it cannot read
+        (``every_target``: ``all_targets``' value, or None)."""
 
     def targets(self, view: Any) -> bytes:
         """This rank's targets, encoded (when ``shares_targets``)."""
@@ -490,27 +501,35 @@ def load(side: LoadRankProtocol) -> Protocol:
         mine = yield from local("describe targets", lambda: side.targets(view))
         every_target = side.all_targets((yield AllGather(mine)))
 
+    lists = None  # at the coordinator, when ranks see different files: every rank's list
     if side.lists_for_all:
         meta = yield from _metadata_from_coordinator(side, view, uid)
-        statuses = [{"m": True, "h": 0}] * len(side.ranks)
     else:
-        meta, statuses = yield from _metadata_of_each(side, view, uid, listing)
+        meta, lists = yield from _metadata_of_each(side, view, uid, listing)
 
     # with the plan's agreement: does any rank need bytes from another, and do all ranks read
     # the same tensors of a checkpoint they all see (then they share the checksum work)
     def plan_key(work):
         digest, can_share = work.plan.share_key
-        return 1 if work.plan.remote else 0, digest, -digest, 0 if can_share else 1
+        return 1 if work.plan.unreadable else 0, digest, -digest, 0 if can_share else 1
 
     work, (any_remote, high, neg_low, cannot) = yield from local_max(
-        "plan", lambda: side.plan(view, meta, uid, listing, statuses, every_target), plan_key, 4
+        "plan", lambda: side.plan(view, meta, uid, listing, every_target), plan_key, 4
     )
     shared = len(side.ranks) > 1 and not any_remote and not cannot and high == -neg_low
     share = (side.ranks.index(side.rank), len(side.ranks)) if shared else None
-    clients = yield from route(side, work.plan.remote, any_remote)
+    answer = yield from route(side, work, lists, any_remote)
+    clients = None if answer is None else list(answer.clients)
+
     # the plan opened nothing: this rank's files are opened here, and every block is checked
     # before any target changes (a damaged file leaves the state dict as it was on every rank)
-    yield from local("verify", lambda: (work.open_local(), work.verify_local(share)))
+    def verify():
+        if answer is not None:
+            work.serve_from(answer)
+        work.open_local()
+        work.verify_local(share)
+
+    yield from local("verify", verify)
     if clients is None:  # copying and finishing: one step, one agreement
         yield from local("read", lambda: (work.read_local(), work.finish()))
         return uid, work
@@ -627,7 +646,8 @@ def _advance(rounds: Any, got: list, last: bool) -> Any:
 
 def _metadata_of_each(side: LoadRankProtocol, view: Any, uid: int, listing) -> Protocol:
     """Every rank reads the metadata if it sees it; ranks that do not (node-local disks) get
-    their part from one that does. Returns (metadata, every rank's status)."""
+    their part from one that does. Returns (metadata, at the coordinator every rank's list of
+    the files it sees when they differ, else None)."""
     def find_metadata():
         _check_found(uid, side.path)
         meta = side.read_metadata(view, uid) if uid in listing.complete else None
@@ -638,18 +658,25 @@ def _metadata_of_each(side: LoadRankProtocol, view: Any, uid: int, listing) -> P
     # which ranks read the metadata and which files each sees. On a shared file system all
     # see the same: one all-reduce proves it (every rank has the metadata, the digests of the
     # file lists agree), a few bytes per rank however large the job. Only when they differ
-    # (node-local disks) are the statuses, and then the lists, gathered.
+    # (node-local disks) are the statuses and lists gathered, at the coordinator alone.
     (meta, files, digest), (no_meta, high, neg_low) = yield from local_max(
         "read metadata", find_metadata, lambda found: (0 if found[0] is not None else 1, found[2], -found[2]), 3
     )
+    lists = None
     if no_meta == 0 and high == -neg_low:
-        statuses = [{"m": True, "h": digest}] * len(side.ranks)
-    else:
-        statuses = _decode_statuses((yield AllGather(wire.encode_json({"m": meta is not None, "h": digest}))))
-        if len({s["h"] for s in statuses}) > 1:
-            lists = _decode_statuses((yield AllGather(wire.encode_json(files))))
-            statuses = [dict(s, f=f) for s, f in zip(statuses, lists)]
-    readers = [r for r, s in zip(side.ranks, statuses) if s["m"]]
+        readers = list(side.ranks)
+    else:  # the coordinator keeps every rank's list (for :func:`route`); every rank learns the readers
+        statuses: list[dict] = []
+
+        def readers_of(blobs: list[bytes]) -> list[bytes]:
+            statuses.extend(_decode_statuses(blobs))
+            told = wire.encode_json(wire.rle(r for r, s in zip(side.ranks, statuses) if s["m"]))
+            return [told] * len(side.ranks)
+
+        told = yield from ask_coordinator(side.rank, side.coordinator, "readers",
+                                          wire.encode_json({"m": meta is not None, "f": files}), readers_of)
+        readers = sorted(wire.from_runs(wire.decode_json(told)))
+        lists = [s["f"] for s in statuses]
 
     def check():
         if not readers:
@@ -663,7 +690,7 @@ def _metadata_of_each(side: LoadRankProtocol, view: Any, uid: int, listing) -> P
         yield from local("check", check)
     if len(readers) < len(side.ranks):
         meta = yield side.metadata_from_helpers(view, readers, meta)
-    return meta, statuses
+    return meta, lists
 
 
 def _decode_statuses(blobs: Sequence[bytes]) -> list[dict]:
@@ -689,20 +716,14 @@ def ask_coordinator(rank: int, coordinator: int, step: str, data: bytes,
     return (yield Scatter(parts, coordinator))
 
 
-def route(side: LoadRankProtocol, remote: dict, any_remote: int) -> Protocol:
-    """Tell every server which ranks will ask it for bytes; None when no rank needs any
-    (``any_remote`` 0, agreed by all ranks). The coordinator alone sees every rank's servers;
-    each rank receives its own clients."""
-    if len(side.ranks) == 1 or not any_remote:
+def route(side: LoadRankProtocol, work: LoadWork, lists: list[dict] | None, any_remote: int) -> Protocol:
+    """Name the server of every file a rank cannot read and tell every server its clients
+    (:mod:`paddle_dcp.parallel.servers`): each rank asks the coordinator, which alone holds
+    every rank's file list (``lists``), and receives its own answer. None when no rank needs
+    another's bytes (``any_remote`` 0, agreed by all ranks)."""
+    if not any_remote:
         return None
-    asked = yield Gather(wire.encode_json(sorted(remote)), side.coordinator)
-
-    def invert():
-        clients: dict[int, list[int]] = {r: [] for r in side.ranks}
-        for client, blob in zip(side.ranks, asked):
-            for server in wire.decode_json(blob):
-                clients[int(server)].append(client)
-        return [wire.encode_json(clients[r]) for r in side.ranks]
-
-    parts = yield from local("route", invert if side.rank == side.coordinator else (lambda: None))
-    return [int(c) for c in wire.decode_json((yield Scatter(parts, side.coordinator)))]
+    question = servers.asking(work.plan.unreadable, side.near)
+    answer = yield from ask_coordinator(side.rank, side.coordinator, "route", question,
+                                        lambda asks: servers.assign(side.ranks, lists, asks))
+    return servers.answered(answer)

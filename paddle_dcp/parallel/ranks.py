@@ -282,6 +282,7 @@ class LocalLoadRank:
         # one store every rank sees alike (object storage): the coordinator alone lists it, to
         # find the latest id or, with safetensors, whether it is a directory of safetensors files
         self.lists_for_all = bool(store.seen_by_all)
+        self.near = options.near
 
     def run(self) -> tuple[int, LocalLoadWork]:
         """The whole load on this rank's comm (:func:`protocol.load`): the traffic kept in
@@ -393,9 +394,7 @@ class LocalLoadRank:
             lambda c: metadata_from_helpers(c, readers, meta, view.flat, view.held, self.options.mw_name_compatibility, part_for),
         )
 
-    def plan(
-        self, view: Inspected, meta: Metadata, uid: int, listing: storage.Listing, statuses: list[dict], every_target: Any
-    ) -> LocalLoadWork:
+    def plan(self, view: Inspected, meta: Metadata, uid: int, listing: storage.Listing, every_target: Any) -> LocalLoadWork:
         if self.lists_for_all:  # every file the metadata names is there for every rank
             names = [f.name for f in meta.files]
             directory = meta.checksum_algorithm == hf_dir.NO_CHECKSUMS  # safetensors files, no metadata of ours
@@ -405,8 +404,7 @@ class LocalLoadRank:
             from .aoa_paddle import Remap
 
             remap = Remap(self.options.aoa_config, aoa.source_shards(meta), every_target)
-        sources = Sources(self.comm.rank, tuple(self.comm.ranks), uid, frozenset(visible_files(listing, uid)),
-                          tuple(statuses), self.options.near)
+        sources = Sources(uid, frozenset(visible_files(listing, uid)))
         plan = plan_load(self.state_dict, view.flat, list(view.held), meta, self.path, self.store, self.options, sources, remap)
         return LocalLoadWork(plan, self.store)
 

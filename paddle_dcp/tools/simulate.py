@@ -177,11 +177,15 @@ class LoadSim:
 
 
 class NoWork:
-    """A rank's load work when only its messages matter: it reads nothing itself, and asks its
-    servers (``remote``: server rank -> ops on files of ``meta``) for nothing."""
+    """A rank's load work when only its messages matter: it reads nothing itself, and asks the
+    servers the coordinator names for ``elsewhere`` (ops on files of ``meta`` it cannot read)
+    for nothing."""
 
-    def __init__(self, ops=(), remote=None, meta=None):
-        self.plan = LoadPlan(meta=meta, ops=tuple(ops), remote=remote or {})
+    def __init__(self, ops=(), elsewhere=(), meta=None):
+        self.plan = LoadPlan(meta=meta, ops=tuple(ops), elsewhere=tuple(elsewhere))
+
+    def serve_from(self, answer):
+        self.plan = self.plan.served(answer)
 
     def open_local(self):
         pass
@@ -222,6 +226,7 @@ class SimLoadRank:
     unique_id: int | None = None
     path = "<simulated>"
     shares_targets = False
+    near: frozenset = frozenset()
 
     def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, parsed, lists_for_all,
                  wanted, read_bytes, starts):
@@ -279,7 +284,7 @@ class SimLoadRank:
     def metadata_from_helpers(self, view, readers, meta):
         return None
 
-    def plan(self, view, meta, uid, listing, statuses, every_target):
+    def plan(self, view, meta, uid, listing, every_target):
         if self.layout is None:
             return NoWork()
         self.parsed[self.rank] = meta

@@ -144,16 +144,15 @@ class _NodeLoadRank(SimLoadRank):
     def read_metadata(self, view, uid: int) -> Metadata:
         return super().read_metadata(view, uid) if self.rank == self.coordinator else self.shared
 
-    def plan(self, view, meta, uid, listing, statuses, every_target):
+    def plan(self, view, meta, uid, listing, every_target):
         """As :func:`paddle_dcp.parallel.loadwork.plan_work` plans: the reads, on the files
-        this rank sees first, then split between this rank and its servers."""
+        this rank sees first, then split between this rank and the ranks that will serve it."""
         targets = targets_of(self.layout)
         meta.prefetch(t.key for t in targets)
-        sources = loadwork.Sources(self.rank, tuple(self.ranks), uid, frozenset(loadwork.visible_files(listing, uid)),
-                                   tuple(statuses))
+        sources = loadwork.Sources(uid, frozenset(loadwork.visible_files(listing, uid)))
         ops = loadwork._plan_ops(meta, targets, list(range(len(targets))), self.path, sources)
-        _, remote = loadwork.split_ops(ops, meta, sources)
-        return NoWork(ops, remote, meta)
+        _, elsewhere = loadwork.split_ops(ops, meta, sources)
+        return NoWork(ops, elsewhere, meta)
 
     def metadata_from_helpers(self, view, readers, meta):
         """The helpers as :func:`paddle_dcp.parallel.ranks.metadata_from_helpers` picks them;

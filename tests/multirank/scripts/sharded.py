@@ -164,14 +164,18 @@ def node_local_replicas():
     os.makedirs(node, exist_ok=True)
     here = os.getcwd()
     remote = []
-    original = loadwork.split_ops
+    original = loadwork.LoadPlan.served
 
-    def split_ops(*args):
-        local, found = original(*args)
-        remote.append({server: len(ops) for server, ops in found.items()})
-        return local, found
+    def served(self, answer):  # the servers named for the files this rank cannot read
+        plan = original(self, answer)
+        remote[-1] = {server: len(ops) for server, ops in plan.remote.items()}
+        return plan
 
-    loadwork.split_ops = split_ops
+    def load_state_dict(sd, name):
+        remote.append({})  # no file it cannot read: no servers
+        paddle_dcp.load_state_dict(sd, name)
+
+    loadwork.LoadPlan.served = served
     os.chdir(node)
     try:
         for replicas in (True, False):
@@ -181,7 +185,7 @@ def node_local_replicas():
             mine = sorted(os.listdir(name))
             assert mine == sorted([f"{R}_0.distcp"] + (["0.0.claim", "0.metadata"] if R == 0 else [])), mine
             sd = build(REPLICATED, 1, target=True)
-            paddle_dcp.load_state_dict(sd, name)
+            load_state_dict(sd, name)
             check(sd, REPLICATED, 1, f"node-local {name}")
             assert sd["step"] == name, sd["step"]
             if replicas:
@@ -190,7 +194,7 @@ def node_local_replicas():
                 assert remote[-1], f"rank {R} read everything locally without replicas: the check proves nothing"
     finally:
         os.chdir(here)
-        loadwork.split_ops = original
+        loadwork.LoadPlan.served = original
 
 
 def replicas_written():

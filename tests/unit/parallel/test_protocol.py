@@ -3,7 +3,7 @@ ranks implementing SaveRankProtocol / LoadRankProtocol / LoadWork: on a world of
 real comms (tests/unit/parallel/fakes.py) and on the in-process SimWorld, which must agree."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from paddle_dcp.core import save_plan
 from paddle_dcp.core.boxes import Box
 from paddle_dcp.core.dtypes import itemsize
 from paddle_dcp.core.metadata import Metadata
-from paddle_dcp.parallel import protocol, requests
+from paddle_dcp.parallel import protocol, requests, servers
 from paddle_dcp.parallel.simworld import SimWorld
 from paddle_dcp.errors import CollectiveError, FormatError, StorageError
 from paddle_dcp.io import storage
@@ -228,15 +228,27 @@ def test_a_composed_step_failing_on_one_rank_raises_on_every_rank_and_no_later_s
 # ---------------------------------------------------------------------------- load
 @dataclass(frozen=True)
 class FakePlan:
-    remote: dict
+    unreadable: tuple = ()
+    remote: dict = dataclass_field(default_factory=dict)
     share_key: tuple = (12345, True)
 
 
 class FakeWork:
     """A LoadWork recording the order of its steps."""
 
-    def __init__(self, log: list, remote: dict | None = None):
-        self.log, self.plan = log, FakePlan(remote or {})
+    def __init__(self, log: list, unreadable: tuple = ()):
+        self.log, self.plan = log, FakePlan(unreadable)
+
+    def serve_from(self, answer):
+        remote: dict = {}
+        for name in self.plan.unreadable:
+            server = answer.servers.get(servers.file_key(name))
+            if server is None:
+                raise StorageError(f"no rank can read {name}")
+            remote.setdefault(server, []).append(name)
+        if remote:
+            self.log.append(("servers", remote))
+        self.plan = FakePlan(self.plan.unreadable, remote)
 
     def open_local(self):
         self.log.append("open")
@@ -262,10 +274,11 @@ class FakeLoadRank:
     path = "<test>"
     shares_targets = False
     lists_for_all = False
+    near: frozenset = frozenset()
 
-    def __init__(self, rank: int, meta: Metadata, listing: storage.Listing, remote: dict | None = None):
+    def __init__(self, rank: int, meta: Metadata, listing: storage.Listing, unreadable: tuple = ()):
         self.rank, self.ranks, self.coordinator = rank, tuple(range(SIZE)), 0
-        self.meta, self.listing, self.remote = meta, listing, remote
+        self.meta, self.listing, self.unreadable = meta, listing, unreadable
         self.log: list = []
         self.asked: list = []
 
@@ -280,9 +293,9 @@ class FakeLoadRank:
     def metadata_from_helpers(self, view, readers, meta):
         raise AssertionError("every rank reads the metadata")
 
-    def plan(self, view, meta, uid, listing, statuses, every_target):
-        assert meta is self.meta and len(statuses) == SIZE and view == f"view of {self.rank}"
-        return FakeWork(self.log, self.remote)
+    def plan(self, view, meta, uid, listing, every_target):
+        assert meta is self.meta and view == f"view of {self.rank}"
+        return FakeWork(self.log, self.unreadable)
 
     def wanted(self, view):
         return {}
@@ -306,9 +319,10 @@ def saved_metadata() -> Metadata:
     return ranks[0].published[0]
 
 
-def listing_of(meta: Metadata) -> storage.Listing:
+def listing_of(meta: Metadata, without: int | None = None) -> storage.Listing:
     writers = [storage.parse_data_name(f.name) for f in meta.files]
-    return storage.Listing(frozenset({meta.unique_id}), {meta.unique_id: frozenset((r, g) for r, _, g in writers)})
+    held = frozenset((r, g) for r, _, g in writers if r != without)
+    return storage.Listing(frozenset({meta.unique_id}), {meta.unique_id: held})
 
 
 def test_load_reads_the_latest_checkpoint_and_runs_the_steps_in_order():
@@ -324,11 +338,25 @@ def test_load_reads_the_latest_checkpoint_and_runs_the_steps_in_order():
 
 def test_load_routes_clients_to_their_servers():
     meta = saved_metadata()
-    # rank 2 needs bytes from rank 0: rank 0 learns its client, rank 2 its server's work is remote
-    ranks = {r: FakeLoadRank(r, meta, listing_of(meta), remote={0: ["op"]} if r == 2 else None) for r in range(SIZE)}
+    # rank 2 does not see rank 1's file, ranks 0 and 1 do: the coordinator names rank 0 (2 % 2)
+    # its server; rank 0 learns its client, rank 2 its server's work is remote
+    name = next(f.name for f in meta.files if storage.parse_data_name(f.name)[0] == 1)
+    ranks = {r: FakeLoadRank(r, meta, listing_of(meta, 1 if r == 2 else None), (name,) if r == 2 else ())
+             for r in range(SIZE)}
     ThreadWorld(SIZE).run(lambda comm: protocol.run(comm, protocol.load(ranks[comm.rank])))
     assert ranks[0].log == ["open", "verify", ("verify remote", [2]), ("exchange", [2]), "finish"]
     assert ranks[1].log == ["open", "verify", ("verify remote", []), ("exchange", []), "finish"]
+    assert ranks[2].log[0] == ("servers", {0: [name]})
+
+
+def test_a_file_no_other_rank_sees_fails_the_load_on_every_rank_naming_it():
+    meta = saved_metadata()
+    name = next(f.name for f in meta.files if storage.parse_data_name(f.name)[0] == 1)
+    ranks = {r: FakeLoadRank(r, meta, listing_of(meta, 1), (name,) if r == 2 else ()) for r in range(SIZE)}
+    results = ThreadWorld(SIZE).run(lambda comm: protocol.run(comm, protocol.load(ranks[comm.rank])))
+    assert {type(e) for e in results.values()} == {CollectiveError}
+    assert {e.step for e in results.values()} == {"verify"}
+    assert all(name in str(e) and sorted(e.failures) == [2] for e in results.values())
 
 
 def test_load_of_an_empty_directory_fails_the_same_on_every_rank():
