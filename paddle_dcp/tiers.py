@@ -161,15 +161,19 @@ class LocalTier:
             listing = storage.list_checkpoints(self.store)
             return wire.encode_json({"complete": sorted(listing.complete), "data": sorted(listing.data)})
 
+        def plan(blobs: list[bytes]) -> list[bytes]:
+            by_rank = {r: wire.decode_json(b) for r, b in zip(self.comm.ranks, blobs)}
+            steps = sorted({s for doc in by_rank.values() for s in doc["complete"]})
+            todo = []  # (step, the rank whose node has its metadata, the first ranks of nodes lacking it)
+            for step in steps:
+                lacking = [n[0] for n in self.nodes if step not in by_rank[n[0]]["complete"] and step in by_rank[n[0]]["data"]]
+                if lacking:
+                    todo.append([step, min(r for r, doc in by_rank.items() if step in doc["complete"]), lacking])
+            return [wire.encode_json({"steps": steps, "todo": todo})] * len(blobs)
+
         mine = yield from protocol.local("local tier: list steps", look)
-        every = [wire.decode_json(b) for b in (yield protocol.AllGather(mine))]
-        by_rank = dict(zip(self.comm.ranks, every))
-        steps = sorted({s for doc in every for s in doc["complete"]})
-        for step in steps:
-            lacking = [n[0] for n in self.nodes if step not in by_rank[n[0]]["complete"] and step in by_rank[n[0]]["data"]]
-            if not lacking:
-                continue
-            source = min(r for r, doc in by_rank.items() if step in doc["complete"])
+        told = wire.decode_json((yield from self._tell("local tier: steps on the nodes", mine, plan)))
+        for step, source, lacking in told["todo"]:
             data = yield from protocol.local(
                 "local tier: read metadata", lambda: storage.metadata_bytes(self.store, step) if self.comm.rank == source else b""
             )
@@ -181,7 +185,7 @@ class LocalTier:
 
             yield from protocol.local("local tier: publish", publish)
             logger.info("local tier %s: step %d's metadata written again on the nodes of ranks %s", self.directory, step, lacking)
-        return frozenset(steps)
+        return frozenset(told["steps"])
 
     def _discover(self) -> protocol.Protocol:
         token = os.urandom(8).hex().encode() if self.comm.is_coordinator else b""
@@ -205,9 +209,18 @@ class LocalTier:
                     stale.append(name)
             return json.dumps(sorted(ranks)).encode()
 
+        def nodes(blobs: list[bytes]) -> list[bytes]:
+            try:
+                found = {"nodes": wire.pack_nodes(nodes_of({r: json.loads(b) for r, b in zip(self.comm.ranks, blobs)}))}
+            except ArgumentError as exc:  # raised on every rank, as it is
+                found = {"error": str(exc)}
+            return [wire.encode_json(found)] * len(blobs)
+
         mine = yield from protocol.local("local tier: find node", seen)
-        every = yield protocol.AllGather(mine)
-        return nodes_of({r: json.loads(b) for r, b in zip(self.comm.ranks, every)}), stale
+        told = wire.decode_json((yield from self._tell("local tier: nodes", mine, nodes)))
+        if "error" in told:
+            raise ArgumentError(told["error"])
+        return wire.unpack_nodes(told["nodes"]), stale
 
     @property
     def node(self) -> tuple[int, ...]:
@@ -220,11 +233,13 @@ class LocalTier:
 
     def _all_steps(self) -> protocol.Protocol:
         """The local steps complete on some node (every rank gets the same set)."""
+        def union(blobs: list[bytes]) -> list[bytes]:
+            return [wire.encode_json(sorted({s for b in blobs for s in json.loads(b)}))] * len(blobs)
+
         mine = yield from protocol.local(
             "local tier: list steps", lambda: json.dumps(sorted(storage.list_checkpoints(self.store).complete)).encode()
         )
-        every = yield protocol.AllGather(mine)
-        return frozenset(s for b in every for s in json.loads(b))
+        return frozenset(wire.decode_json((yield from self._tell("local tier: steps", mine, union))))
 
     def steps(self, comm: Comm | None = None) -> frozenset:
         return protocol.run(comm or self.comm, self._all_steps())
@@ -250,15 +265,17 @@ class LocalTier:
                 found[step] = {"need": wire.rle(w for w, _ in writer.values()), "have": wire.rle(here)}
             return wire.encode_json(found)
 
+        def whole(blobs: list[bytes]) -> list[bytes]:
+            need: dict[int, set] = {}
+            have: dict[int, set] = {}
+            for doc in map(wire.decode_json, blobs):
+                for step, d in doc.items():
+                    need.setdefault(int(step), wire.from_runs(d["need"]))
+                    have.setdefault(int(step), set()).update(wire.from_runs(d["have"]))
+            return [wire.encode_json(sorted(s for s in need if need[s] <= have[s]))] * len(blobs)
+
         mine = yield from protocol.local("local tier: find whole steps", look)
-        every = [wire.decode_json(b) for b in (yield protocol.AllGather(mine))]
-        need: dict[int, set] = {}
-        have: dict[int, set] = {}
-        for doc in every:
-            for step, d in doc.items():
-                need.setdefault(int(step), wire.from_runs(d["need"]))
-                have.setdefault(int(step), set()).update(wire.from_runs(d["have"]))
-        return frozenset(s for s in need if need[s] <= have[s])
+        return frozenset(wire.decode_json((yield from self._tell("local tier: whole steps", mine, whole))))
 
     # ------------------------------------------------------------------ save
     def save_rank(self, step: int, state_dict: dict, staged: bool, compress: Policy | None = None) -> LocalSaveRank:
@@ -476,8 +493,11 @@ class LocalTier:
     def _ask(self, step: str, data: bytes, answer) -> protocol.Protocol:
         """``data`` of every rank to the coordinator, which answers (``answer``, its parts);
         returns this rank's part, decoded."""
-        part = yield from protocol.ask_coordinator(self.comm.rank, self.comm.coordinator, step, data, answer)
-        return wire.decode_json(part)
+        return wire.decode_json((yield from self._tell(step, data, answer)))
+
+    def _tell(self, step: str, data: bytes, answer) -> protocol.Protocol:
+        """The same, this rank's part as bytes."""
+        return (yield from protocol.ask_coordinator(self.comm.rank, self.comm.coordinator, step, data, answer))
 
     def _answers(self, common: dict, per_node: list[dict]) -> list[bytes]:
         """Each rank's answer: ``common`` and its node's part, encoded once a node (sets of
@@ -513,7 +533,8 @@ class LocalTier:
         """The ``lost`` files copied from the global tier's same step (the same metadata,
         ``digest``) into a node, checked, each by its writer when that is a rank of this job,
         else by the rank its writer's number picks (a job with fewer ranks than the saving
-        one); returns rank -> [(name, bytes)] of the files it copied."""
+        one); returns rank -> [(name, bytes)] of the files each rank of this rank's node
+        copied."""
         from .io.file_check import check_files
 
         ranks = self.comm.ranks
@@ -534,9 +555,13 @@ class LocalTier:
                 raise IntegrityError(f"the global tier's copy fails its check too: {'; '.join(problems.values())}")
             return json.dumps(got).encode()
 
+        def by_node(blobs: list[bytes]) -> list[bytes]:  # each rank learns what its node's ranks copied
+            parts = [{str(r): json.loads(b) for r, b in zip(self.comm.ranks, blobs) if b and r in node} for node in self.nodes]
+            return self._answers({}, [{"got": p} for p in parts])
+
         done = yield from protocol.local("local tier: files from the global tier", fetch)
-        every = yield protocol.AllGather(done)
-        return {r: [tuple(x) for x in json.loads(b)] for r, b in zip(self.comm.ranks, every) if b}
+        told = yield from self._ask("local tier: files copied on each node", done, by_node)
+        return {int(r): [tuple(x) for x in got] for r, got in told["got"].items()}
 
     def _step_files(self, step: int):
         """(the node's metadata of ``step`` and its bytes, writer of each data file, the

@@ -246,10 +246,21 @@ def encode_layout(layout: JobLayout) -> dict:
     meshes = None if layout.meshes is None else [
         [list(m.shape), pack_ints(m.process_ids), list(m.dim_names)] for m in layout.meshes
     ]
-    nodes = None if layout.nodes is None else [
-        pack_ints([len(n) for n in layout.nodes]), pack_ints([r for n in layout.nodes for r in n])
-    ]
-    return {"w": layout.world_size, "m": meshes, "n": nodes}
+    return {"w": layout.world_size, "m": meshes, "n": None if layout.nodes is None else pack_nodes(layout.nodes)}
+
+
+def pack_nodes(nodes: Sequence[Sequence[int]]) -> list[str]:
+    """The ranks of each node, packed (:func:`pack_ints`): their counts, then every rank."""
+    return [pack_ints([len(n) for n in nodes]), pack_ints([r for n in nodes for r in n])]
+
+
+def unpack_nodes(packed: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The nodes :func:`pack_nodes` packed."""
+    lengths, flat = (unpack_ints(t) for t in packed)
+    if any(n < 0 for n in lengths) or sum(lengths) != len(flat):
+        raise FormatError(f"a peer's nodes do not add up: {len(lengths)} nodes, {len(flat)} ranks")
+    starts = np.cumsum([0] + lengths).tolist()
+    return tuple(tuple(flat[a:b]) for a, b in zip(starts, starts[1:]))
 
 
 def decode_layout(doc: dict) -> JobLayout:
@@ -259,12 +270,7 @@ def decode_layout(doc: dict) -> JobLayout:
             Mesh(tuple(int(x) for x in shape), tuple(unpack_ints(ids)), tuple(str(n) for n in names))
             for shape, ids, names in doc["m"]
         )
-        nodes = None
-        if doc["n"] is not None:
-            lengths, flat = (unpack_ints(t) for t in doc["n"])
-            starts = np.cumsum([0] + lengths).tolist()
-            nodes = tuple(tuple(flat[a:b]) for a, b in zip(starts, starts[1:]))
-        return JobLayout(int(doc["w"]), meshes, nodes)
+        return JobLayout(int(doc["w"]), meshes, None if doc["n"] is None else unpack_nodes(doc["n"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"a peer's layout does not decode: {exc}") from None
 
