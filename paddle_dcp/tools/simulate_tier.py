@@ -1,7 +1,8 @@
 """Every rank of a job in one process: the node-local tier's restore, run on layouts alone.
 
 The restore of :meth:`paddle_dcp.tiers.LocalTier.restore` after a save of a job on some nodes,
-into a job on other nodes (fewer, a new one, another mesh): its survey and checks
+into a job on other nodes (fewer, a new one, another mesh): the tier's open (the real
+discovery of the nodes from each rank's marker, the steps on the nodes), its survey and checks
 (``LocalTier._check``, the real generator on a real :class:`~paddle_dcp.tiers.LocalTier` per
 rank), then its load (:func:`paddle_dcp.parallel.protocol.load` with each node's listing less
 the files the check left out, every rank planning its reads and choosing its servers with the
@@ -58,6 +59,13 @@ class NodeFiles:
 
     def resolve(self, name: str) -> str:
         return f"{self.path}/{name}"
+
+    def create(self) -> None:
+        pass
+
+    def write_atomic(self, name: str, data: bytes, durable: bool = False) -> None:
+        """A small file written (the tier's node markers): listed and read back."""
+        self.sizes[name], self.small[name] = len(data), bytes(data)
 
 
 def saved_nodes(metadata_json: bytes, nodes: Sequence[Sequence[int]], replicas: int,
@@ -117,6 +125,17 @@ class _SimTier(LocalTier):
         if key not in self.memo:
             self.memo[key] = super()._step_files(step)
         return self.memo[key]
+
+
+def _open_and_list(tier: LocalTier) -> protocol.Protocol:
+    """What a restarted job's tier does before its restore checks a step: learn the nodes
+    (each rank's marker, written into its node's listing), the steps complete on some node
+    (:meth:`LocalTier.open`), then the steps a restore chooses from (:meth:`LocalTier.steps`).
+    Returns (the nodes found, the newest step)."""
+    nodes, _ = yield from tier._discover()
+    yield from tier._complete_everywhere()
+    steps = yield from tier._all_steps()
+    return nodes, max(steps, default=-1)
 
 
 @contextlib.contextmanager
@@ -194,19 +213,22 @@ class TierRestoreSim:
     Attributes:
         traffic: every rank's planning traffic (collectives), the check's and the load's.
         p2p: the planning bytes that went point to point (metadata from helpers), per rank.
-        coordinator_seconds: the coordinator's time in its steps, check and load.
-        check_seconds / load_seconds: of it, in the check (survey, record, checks) and in the load.
+        coordinator_seconds: the coordinator's time in its steps: open, check and load.
+        open_seconds / check_seconds / load_seconds: of it, in the tier's open and listing of
+            its steps (nodes, steps on the nodes, steps), in the check (survey, record, checks)
+            and in the load.
         excluded: per rank of the job, how many data files the check kept it from reading.
         remote_servers: per rank, how many ranks serve it bytes.
         plans: per rank, its load plan (its ops and servers), kept with ``keep_plans``.
         lost / why: as ``LocalTier._check`` returns them (the coordinator's); gone: the writers
             of the files it names as from lost nodes.
-        log: every collective of the check, then of the load, as ``SimWorld.log`` has it.
+        log: every collective of the open, the check, then the load, as ``SimWorld.log`` has it.
     """
 
     traffic: dict[int, Traffic]
     p2p: dict[int, Traffic]
     coordinator_seconds: float
+    open_seconds: float
     check_seconds: float
     load_seconds: float
     excluded: dict[int, int] = field(default_factory=dict)
@@ -229,15 +251,20 @@ def simulate_tier_restore(
 ) -> TierRestoreSim:
     """Restore the step of ``metadata_json`` into the job of ``layouts`` on ``nodes`` (its
     ranks per node), node j's local directory ``dirs[j]`` (None: a new node, empty). Runs the
-    check, then the load, as :meth:`~paddle_dcp.tiers.LocalTier.restore` does; the step must
-    be whole on the nodes (no global tier is simulated)."""
+    tier's open (the ranks' markers are written into ``dirs``), the check, then the load, as
+    :meth:`~paddle_dcp.tiers.LocalTier.restore` does; the step must be whole on the nodes (no
+    global tier is simulated)."""
     ranks = tuple(sorted(layouts))
     nodes = tuple(tuple(sorted(n)) for n in nodes)
-    empty = NodeFiles(-1, {}, {})
-    store_of = {r: (dirs[j] or empty) for j, n in enumerate(nodes) for r in n}
+    stores = [d if d is not None else NodeFiles(-1 - j, {}, {}) for j, d in enumerate(dirs)]  # a new node: empty
+    store_of = {r: stores[j] for j, n in enumerate(nodes) for r in n}
     step = parse_metadata(metadata_json, lazy=True).unique_id
     memo: dict = {}
     tiers = {r: _SimTier(_SimComm(r, ranks, coordinator), nodes, store_of[r], replicas, r == coordinator, memo) for r in ranks}
+    opened = SimWorld(ranks, coordinator)
+    found = opened.run({r: _open_and_list(tiers[r]) for r in ranks}, timed=(coordinator,))
+    if found[coordinator] != (nodes, step):
+        raise ValueError(f"the tier's open found nodes and newest step {found[coordinator]!r:.200}, not the job's")
     check = SimWorld(ranks, coordinator)
     with _every_file_intact():
         checked = check.run({r: tiers[r]._check(step) for r in ranks}, timed=(coordinator,))
@@ -260,12 +287,14 @@ def simulate_tier_restore(
 
     load = SimWorld(ranks, coordinator)
     results = load.run({r: protocol.load(side_of(r)) for r in ranks}, timed=(coordinator,))
-    traffic = {r: Traffic(check.traffic[r].sent + load.traffic[r].sent, check.traffic[r].received + load.traffic[r].received,
-                          check.traffic[r].collectives + load.traffic[r].collectives) for r in ranks}
+    worlds = (opened, check, load)
+    traffic = {r: Traffic(sum(w.traffic[r].sent for w in worlds), sum(w.traffic[r].received for w in worlds),
+                          sum(w.traffic[r].collectives for w in worlds)) for r in ranks}
     return TierRestoreSim(
         traffic=traffic,
         p2p=p2p,
-        coordinator_seconds=check.seconds[coordinator] + load.seconds[coordinator],
+        coordinator_seconds=sum(w.seconds[coordinator] for w in worlds),
+        open_seconds=opened.seconds[coordinator],
         check_seconds=check.seconds[coordinator],
         load_seconds=load.seconds[coordinator],
         excluded={r: len(checked[r][1]) for r in ranks},
@@ -273,6 +302,6 @@ def simulate_tier_restore(
         lost=tuple(lost),
         gone=frozenset((parse_data_name(name) or (-1,))[0] for name in gone),  # the check names files
         why=why,
-        log=[("check " + n, a, b) for n, a, b in check.log] + [("load " + n, a, b) for n, a, b in load.log],
+        log=[(f"{what} {n}", a, b) for what, w in zip(("open", "check", "load"), worlds) for n, a, b in w.log],
         plans={r: results[r][1].plan for r in ranks} if keep_plans else {},
     )

@@ -15,10 +15,11 @@ load code (paddle_dcp.tools.simulate_tier), in three cases:
     python scripts/bench scale-elastic --model llama-70b --ranks 1024 [--lost-node 1] [--repeat 2] [--json-out F]
 
 Figures per case (seconds, bytes):
-  coord_s                   everything the coordinator does in the restore's planning: the
-                            survey, the record's broadcast, the check's agreements (no hashing),
-                            the load's metadata read, planning, routing
-  coord_check_s / coord_load_s   of it, the check and the load
+  coord_s                   everything the coordinator does in the resume's planning: the
+                            tier's open (nodes from the markers, steps on the nodes, the steps
+                            to restore), the survey, the record's broadcast, the check's
+                            agreements (no hashing), the load's metadata read, planning, routing
+  coord_open_s / coord_check_s / coord_load_s   of it, the open, the check and the load
   rank_recv_bytes_max       the most planning bytes any rank but the coordinator receives
                             (collectives and agreements), and rank_send_bytes_max it sends
   coord_recv_bytes          what the coordinator receives
@@ -99,6 +100,7 @@ def row(case: str, sim, ranks: int, coordinator: int = 0) -> dict:
         "case": case,
         "ranks": ranks,
         "coord_s": round(sim.coordinator_seconds, 3),
+        "coord_open_s": round(sim.open_seconds, 3),
         "coord_check_s": round(sim.check_seconds, 3),
         "coord_load_s": round(sim.load_seconds, 3),
         "rank_recv_bytes_max": max(sim.traffic[r].received for r in others),
@@ -138,7 +140,8 @@ def measure(model: str, ranks: int, tp: int, pp: int, lost: int, replicas: int, 
     return out
 
 
-COLUMNS = [("case", "case"), ("ranks", "ranks"), ("run", "run"), ("coord_s", "coord s"), ("coord_check_s", "check s"),
+COLUMNS = [("case", "case"), ("ranks", "ranks"), ("run", "run"), ("coord_s", "coord s"), ("coord_open_s", "open s"),
+           ("coord_check_s", "check s"),
            ("coord_load_s", "load s"), ("rank_recv_bytes_max", "rank recv B"), ("rank_send_bytes_max", "rank send B"),
            ("coord_recv_bytes", "coord recv B"), ("p2p_recv_bytes_max", "p2p recv B"), ("collectives", "collectives"),
            ("remote_servers_max", "servers"), ("goal_met", "goal met")]

@@ -61,7 +61,7 @@ def test_each_node_records_the_job_and_its_stages_mesh():
 def test_a_cases_figures_leave_the_coordinator_out_of_the_ranks_maxima():
     sim = TierRestoreSim(
         traffic={0: Traffic(900, 5000, 9), 1: Traffic(40, 300, 9), 2: Traffic(60, 200, 9)},
-        p2p={2: Traffic(10, 700)}, coordinator_seconds=0.5, check_seconds=0.2, load_seconds=0.3,
+        p2p={2: Traffic(10, 700)}, coordinator_seconds=0.5, open_seconds=0.1, check_seconds=0.2, load_seconds=0.2,
         remote_servers={0: 1, 1: 3, 2: 0}, gone=frozenset({4, 5}),
         log=[("check 0 AllGather", 200, 4000), ("load 1 Gather", 10, 1000)])
     row = elastic.row("new-node", sim, 3)

@@ -93,3 +93,20 @@ def test_the_survivors_restore_into_one_replica_fewer(saved):
     assert sim.lost == () and sim.gone == frozenset(NODES[1])
     _check_plans(sim, layouts, nodes, running)
     assert sum(t.collectives for t in sim.traffic.values()) > 0 and sim.coordinator_seconds > 0
+
+
+@pytest.mark.parametrize("dp", [8, 64])
+def test_a_rank_receives_a_few_hundred_bytes_of_planning_whatever_the_job_size(dp):
+    """The resume's open, check and load on a job of dp nodes, node 1 new: the coordinator
+    gathers, every other rank receives its own answers only (the all-gathers of every rank's
+    findings cost each rank dp * TP * (their width) instead), and the same at 8 and 64 nodes."""
+    nodes = tuple(tuple(range(n * TP, (n + 1) * TP)) for n in range(dp))
+    layouts = _layouts(dp, TP)
+    save = simulate_save(layouts, unique_id=7)
+    dirs = saved_nodes(save.metadata_json, nodes, 1, [JobLayout(dp * TP, None, nodes)] * dp)
+    dirs[1] = None
+    sim = simulate_tier_restore(save.metadata_json, dirs, nodes, layouts)
+    assert sim.lost == () and sim.gone == frozenset(nodes[1])
+    most = max(t.received for r, t in sim.traffic.items() if r != 0)
+    assert most <= 1500, (most, sorted(sim.log, key=lambda x: -x[1])[:4])
+    assert sim.traffic[0].received > (dp * TP - 1) * 8 * 4  # the coordinator gathered from every rank
