@@ -523,11 +523,11 @@ class LocalTier:
             layout = JobLayout.from_json(mine["layout"], RECORD)
             names = {int(w): n for w, n in mine["names"].items()}
             return wire.encode_json({"layout": wire.encode_layout(layout),
-                                     "lost": sorted(names[w] for w in wire.from_runs(told["gone"]))})
+                                     "lost": wire.pack_names(sorted(names[w] for w in wire.from_runs(told["gone"])))})
 
         said = yield from protocol.local("local tier: the step's record", say)
         doc = wire.decode_json((yield protocol.Broadcast(said, holder)))
-        return wire.decode_layout(doc["layout"]), tuple(doc["lost"])
+        return wire.decode_layout(doc["layout"]), tuple(wire.unpack_names(doc["lost"]))
 
     def _repair(self, step: int, lost: tuple[int, ...], digest: int, fallback: Storage) -> protocol.Protocol:
         """The ``lost`` files copied from the global tier's same step (the same metadata,

@@ -240,6 +240,23 @@ def unpack_ints(text: str) -> list[int]:
     return np.cumsum(np.frombuffer(raw, dtype="<i8")).tolist()
 
 
+def pack_names(names: Sequence[str]) -> str:
+    """Names (of a step's data files: alike but for a rank) as a few bytes of text."""
+    return base64.b64encode(zlib.compress("\n".join(names).encode(), 9)).decode("ascii")
+
+
+def unpack_names(text: str) -> list[str]:
+    """The names :func:`pack_names` packed."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(base64.b64decode(text.encode("ascii"), validate=True), _MAX_PACKED_INTS)
+        if d.unconsumed_tail or not d.eof:
+            raise ValueError("longer than a message holds")
+        return raw.decode().split("\n") if raw else []
+    except (ValueError, TypeError, AttributeError, zlib.error) as exc:
+        raise FormatError(f"a peer's packed names do not unpack: {exc}") from None
+
+
 def encode_layout(layout: JobLayout) -> dict:
     """A job's layout as JSON values whose rank lists are packed (:func:`pack_ints`): a few
     hundred bytes for thousands of ranks on regular nodes and meshes."""

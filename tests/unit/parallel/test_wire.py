@@ -146,3 +146,32 @@ def test_a_summary_with_shapes_out_of_range_is_refused(index, value):
 def test_a_summary_of_scalars_only_has_no_shape_entries_to_check():
     back = wire.decode_summary(wire.encode_summary(make_summary(2, [Box((), ())])), 2)
     assert back.global_shapes == ((),) and back.ndims.tolist() == [0] and back.shapes.shape == (1, 0)
+
+
+@pytest.mark.parametrize("values", [[], [5], list(range(1024)), [3, -7, 2**40, 0, 0, 12], [8] * 128])
+def test_packed_ints_round_trip(values):
+    assert wire.unpack_ints(wire.pack_ints(values)) == values
+
+
+def test_ints_with_a_pattern_pack_into_a_few_bytes():
+    assert len(wire.pack_ints(list(range(8192)))) < 200
+    assert len(wire.encode_json(wire.pack_nodes([tuple(range(i, i + 8)) for i in range(0, 8192, 8)]))) < 300
+
+
+@pytest.mark.parametrize("text", ["", "not base64!", "AAAA", wire.pack_names(["a"])])
+def test_packings_that_do_not_unpack_are_refused(text):
+    with pytest.raises(FormatError):
+        wire.unpack_ints(text) if text != "" else wire.unpack_nodes([text, text])
+
+
+def test_a_layout_and_names_cross_the_wire_whole():
+    from paddle_dcp.core.job_layout import JobLayout, Mesh
+
+    layout = JobLayout(1024, (Mesh((16, 8), tuple(range(128, 256)), ("dp", "tp")),),
+                       tuple(tuple(range(i, i + 8)) for i in range(0, 1024, 8)))
+    doc = wire.encode_layout(layout)
+    assert wire.decode_layout(wire.decode_json(wire.encode_json(doc))) == layout and len(wire.encode_json(doc)) < 300
+    assert wire.decode_layout(wire.encode_layout(JobLayout(3))) == JobLayout(3)
+    names = [f"{r}_1000.distcp" for r in range(8, 72)]
+    assert wire.unpack_names(wire.pack_names(names)) == names and len(wire.pack_names(names)) < 200
+    assert wire.unpack_names(wire.pack_names([])) == []
