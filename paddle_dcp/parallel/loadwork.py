@@ -20,7 +20,7 @@ import xxhash
 
 from ..core import checksums
 from ..io import reads
-from . import exchange, servers, wire
+from . import exchange, servers
 from .comm import Comm
 from .options import LoadOptions
 from .device import PinnedStage
