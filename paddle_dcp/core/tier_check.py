@@ -14,7 +14,7 @@ and which names it found damaged. Pure: sets of ints and names in, dicts out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,6 @@ class TierCheck:
             common["lost"] = self.lost
         return common, [{"bad": sorted(now - was)} for now, was in zip(self.bad, before)]
 
-    def _take_bad(self, ranks: Sequence[int], bad) -> None:
+    def _take_bad(self, ranks: Sequence[int], bad: Iterable[Sequence[str]]) -> None:
         for r, names in zip(ranks, bad):
             self.bad[self._node_of[r]].update(names)
-
-    def node_of(self, rank: int) -> int:
-        return self._node_of[rank]
