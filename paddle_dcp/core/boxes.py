@@ -262,6 +262,12 @@ UNDECIDED = "undecided"  # first_overlap_nd's answer when its split cannot tell
 SPLITS = 16  # pairs of dimensions first_overlap_nd tries as the leading two
 
 
+def _alike(offsets: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per dim, whether every box [offsets, ends) spans it alike (such a dim tells no box
+    from another)."""
+    return (offsets == offsets[0]).all(axis=0) & (ends == ends[0]).all(axis=0)
+
+
 def first_overlap_nd(offsets: np.ndarray, ends: np.ndarray) -> "tuple[int, int] | None | str":
     """A pair of indices of boxes [offsets, ends) of any number of dims that share an element,
     None, or :data:`UNDECIDED`, in O(p log p) for each of at most :data:`SPLITS` tries.
@@ -272,8 +278,7 @@ def first_overlap_nd(offsets: np.ndarray, ends: np.ndarray) -> "tuple[int, int] 
     their leading two dims do. UNDECIDED: no pair of leading dims made the trailing boxes
     disjoint (the caller falls back to comparing boxes that are open together)."""
     p = len(offsets)
-    same = (offsets == offsets[0]).all(axis=0) & (ends == ends[0]).all(axis=0)
-    varying = np.flatnonzero(~same)
+    varying = np.flatnonzero(~_alike(offsets, ends))
     if not len(varying):
         return (0, 1) if p > 1 else None
     o, e = offsets[:, varying], ends[:, varying]
@@ -319,7 +324,7 @@ def untiled_point(offsets: np.ndarray, ends: np.ndarray, global_shape: Sequence[
     tensor exactly when their signed corners, added up, are the tensor's own. Where they are
     not, the sum's lowest corner (least coordinate sum) is an index it covers 0 or 2+ times.
     Dimensions every box spans alike are left out: they cannot tell boxes apart."""
-    same = (offsets == offsets[0]).all(axis=0) & (ends == ends[0]).all(axis=0)
+    same = _alike(offsets, ends)
     varying = np.flatnonzero(~same)
     shape = np.asarray(global_shape, dtype=np.int64)
     point = offsets[0].copy()
