@@ -20,6 +20,9 @@ from ports import free_port, free_ports
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "scripts"
 REPO = HERE.parent.parent
+if str(REPO / "scripts") not in sys.path:
+    sys.path.insert(0, str(REPO / "scripts"))
+from bench.launch import kill_started  # noqa: E402 - scripts/ first on the path
 
 PASS_RE = re.compile(r"^PASS (\S+) rank=(\d+)$", re.M)
 TAIL_LINES = 60
@@ -54,33 +57,10 @@ def _report(log_dir: Path, launcher_output: str) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill the launcher this module started, and the workers it started.
-
-    The launcher runs in its own process group (``start_new_session``), killed by its id.
-    Paddle's launcher puts every worker in a session of its own (``os.setsid``), out of reach
-    of that group, so the workers, found as the launcher's descendants before it dies, are
-    killed by their own group ids (they lead them) or pids. Nothing else is touched.
-    """
-    try:
-        import psutil
-
-        workers = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - no psutil, or the launcher already gone
-        workers = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this module started, by its id
-    except ProcessLookupError:
-        pass
-    for worker in workers:
-        try:
-            if os.getpgid(worker.pid) == worker.pid:  # a group leader: its own session
-                os.killpg(worker.pid, signal.SIGKILL)
-            else:
-                worker.kill()
-        except (ProcessLookupError, PermissionError, OSError):
-            pass
-        except Exception:  # noqa: BLE001 - psutil.NoSuchProcess: already gone
-            pass
+    """Kill the launcher this module started (in its own session), and the workers it started
+    (paddle's launcher puts each in a session of its own), by their ids: the one way a launch
+    is ended, shared with the benchmarks (``scripts/bench/launch.kill_started``)."""
+    kill_started(proc)
 
 
 class Launch:
