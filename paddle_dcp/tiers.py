@@ -21,8 +21,10 @@ does not hash them again. None of this depends on the job that restores having t
 the one that saved: any number of ranks, on any nodes and meshes, restores a step, each rank
 planning its reads from the metadata as any load does.
 
-Each node keeps a record of the steps it published (``paddle_dcp_tier.json``, written by its
-first rank just before the step's metadata): the layout the step was saved on
+Each node keeps a record of the steps it saved (``paddle_dcp_tier.json``, written by its
+first rank once its ranks' files are written, before the copies and the step's metadata, so a
+node that gets the metadata only when a restarted job completes the step has it too): the
+layout the step was saved on
 (:class:`paddle_dcp.core.job_layout.JobLayout`) and which ranks' originals the node holds. A
 restore reads it to report that layout and the files whose original node is gone
 (:class:`RestoreReport`).
@@ -294,13 +296,18 @@ class LocalTier:
         return (lambda result: self._replicate(rank, result, layout),)
 
     def _replicate(self, rank: LocalSaveRank, result: protocol.SaveResult, layout: JobLayout) -> protocol.Protocol:
-        """Copies of every data file on ranks of other nodes, then the node's record of the
-        step (``layout``) and the metadata on every node, last; then ``rank``'s older
-        generations of the id, and the steps past ``max_to_keep``, removed."""
+        """The node's record of the step (``layout``), copies of every data file on ranks of
+        other nodes, then the metadata on every node, last; then ``rank``'s older generations
+        of the id, and the steps past ``max_to_keep``, removed."""
         comm = self.comm
         data = yield from protocol.local("commit", lambda: metafile.encode(result.built()) if comm.is_coordinator else b"")
         data = yield protocol.Broadcast(data, comm.coordinator)
-        sends, receives = yield from protocol.local("local tier: plan copies", lambda: self._copies(comm.rank, data))
+        def plan() -> tuple[dict[int, str], dict[int, str]]:
+            if self.is_leader:  # before any copy: a node whose metadata comes later (_complete_everywhere) has it too
+                self._record(result.unique_id, layout, _digest(data))
+            return self._copies(comm.rank, data)
+
+        sends, receives = yield from protocol.local("local tier: record, plan copies", plan)
         writers = yield protocol.Pairwise("local tier: copy", lambda c: copy_files(c, self.store, sends, receives))
         try:
             yield from protocol.local("local tier: commit copies", lambda: [w.commit(self.durable) for w in writers])
@@ -311,7 +318,6 @@ class LocalTier:
 
         def publish() -> None:
             if self.is_leader:
-                self._record(result.unique_id, layout, _digest(data))
                 storage.commit_metadata(self.store, result.unique_id, data, self.durable)
 
         yield from protocol.local("local tier: publish", publish)

@@ -238,6 +238,11 @@ def test_a_step_published_on_one_node_before_a_kill_survives_the_loss_of_that_no
     wipe(tmp_path, there)
     logs = run(tmp_path, 1, "restore", 3, name="tiers_crash.py", timeout=120)
     assert_passed(logs, ["restore_3"], 2)
+    # the other node recorded the step before its copies, though its metadata came at the
+    # restart: the report names the victim's file as taken from a copy, and the saving nodes
+    lost = re.findall(r"^LOST rank=(\d+) (.*) (.*)$", logs, re.M)
+    assert sorted((int(r), json.loads(f), json.loads(n)) for r, f, n in lost) == [
+        (r, ["1_3.distcp"], [[0], [1]]) for r in range(2)], lost
 
 
 # ------------------------------------------------------------------------------ elastic restores (issue 39, points 2 and 3)

@@ -37,6 +37,7 @@ Kill points (the victim is the last rank, N - 1), while step 3 is saved:
                   victim is dead, before their own removal, as paddle's launcher stops every
                   rank once one failed: 1.metadata stays on their node alone
 """
+import json
 import os
 import sys
 import time
@@ -150,12 +151,17 @@ def arm() -> None:
         original = local.LocalStorage.write_atomic
 
         def write_atomic(self, name, data, durable=False):
-            if name != "3.metadata" or os.path.abspath(self.path) != LOCAL:
+            if os.path.abspath(self.path) != LOCAL:
                 return original(self, name, data, durable)
-            if R == VICTIM:
+            if R == VICTIM and name == "3.metadata":
                 original(self, name, data, durable)
                 die()
-            stop()
+            # the survivor stops at its first write once every copy is in place (the victim's
+            # copy here): the step's metadata, or anything written with it
+            copied = os.path.exists(os.path.join(LOCAL, f"{VICTIM}_3.distcp"))
+            if R != VICTIM and copied and name in ("3.metadata", "paddle_dcp_tier.json"):
+                stop()
+            return original(self, name, data, durable)
 
         local.LocalStorage.write_atomic = write_atomic
     elif POINT in ("retention", "retention_stopped"):
@@ -225,6 +231,10 @@ def restore(step: int) -> None:
         assert m.restore(sd, step) == step and m.last_restore.tier == "local", m.last_restore
         c.check_state(sd, LEAVES, step, R)
         assert sd["step"] == step, sd["step"]
+        report = m.last_restore
+        nodes = None if report.saved_on.nodes is None else [list(n) for n in report.saved_on.nodes]
+        print(f"LOST rank={R} {json.dumps(list(report.from_lost_nodes), separators=(',', ':'))} "
+              f"{json.dumps(nodes, separators=(',', ':'))}", flush=True)
 
 
 if PHASE == "crash":
