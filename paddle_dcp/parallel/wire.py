@@ -213,47 +213,51 @@ def from_runs(runs) -> set[int]:
     return {v for first, last in runs for v in range(int(first), int(last) + 1)}
 
 
-def in_runs(runs, value: int) -> bool:
-    """Whether ``value`` lies in one of the [first, last] ``runs``."""
-    return any(int(first) <= value <= int(last) for first, last in runs)
+_MAX_PACKED_INTS = 1 << 24  # ints a packing of ints may stand for, and bytes a packing of names
 
 
-_MAX_PACKED_INTS = 1 << 24
+def _pack(raw: bytes) -> str:
+    return base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
+
+
+def _unpack(text: str, what: str, limit: int) -> bytes:
+    """The bytes :func:`_pack` packed (at most ``limit``); FormatError naming ``what`` when
+    ``text`` is not such a packing."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(base64.b64decode(text.encode("ascii"), validate=True), limit)
+        if d.unconsumed_tail or not d.eof:
+            raise ValueError("not a whole packing, or longer than a message holds")
+    except (ValueError, TypeError, AttributeError, zlib.error) as exc:
+        raise FormatError(f"a peer's packed {what} do not unpack: {exc}") from None
+    return raw
 
 
 def pack_ints(values: Sequence[int]) -> str:
     """Ints as text of a few bytes when they follow a pattern (consecutive ranks, equal
     sizes): their differences, deflated, in base64."""
-    deltas = np.diff(np.asarray(values, dtype="<i8"), prepend=np.int64(0))
-    return base64.b64encode(zlib.compress(deltas.tobytes(), 9)).decode("ascii")
+    return _pack(np.diff(np.asarray(values, dtype="<i8"), prepend=np.int64(0)).tobytes())
 
 
 def unpack_ints(text: str) -> list[int]:
     """The ints :func:`pack_ints` packed; FormatError when ``text`` is not such a packing."""
-    try:
-        d = zlib.decompressobj()
-        raw = d.decompress(base64.b64decode(text.encode("ascii"), validate=True), 8 * _MAX_PACKED_INTS)
-        if d.unconsumed_tail or not d.eof or len(raw) % 8:
-            raise ValueError("not a whole list of ints")
-    except (ValueError, TypeError, AttributeError, zlib.error) as exc:
-        raise FormatError(f"a peer's packed ints do not unpack: {exc}") from None
+    raw = _unpack(text, "ints", 8 * _MAX_PACKED_INTS)
+    if len(raw) % 8:
+        raise FormatError("a peer's packed ints do not unpack: not a whole list of ints")
     return np.cumsum(np.frombuffer(raw, dtype="<i8")).tolist()
 
 
 def pack_names(names: Sequence[str]) -> str:
     """Names (of a step's data files: alike but for a rank) as a few bytes of text."""
-    return base64.b64encode(zlib.compress("\n".join(names).encode(), 9)).decode("ascii")
+    return _pack("\n".join(names).encode())
 
 
 def unpack_names(text: str) -> list[str]:
     """The names :func:`pack_names` packed."""
+    raw = _unpack(text, "names", _MAX_PACKED_INTS)
     try:
-        d = zlib.decompressobj()
-        raw = d.decompress(base64.b64decode(text.encode("ascii"), validate=True), _MAX_PACKED_INTS)
-        if d.unconsumed_tail or not d.eof:
-            raise ValueError("longer than a message holds")
         return raw.decode().split("\n") if raw else []
-    except (ValueError, TypeError, AttributeError, zlib.error) as exc:
+    except UnicodeDecodeError as exc:
         raise FormatError(f"a peer's packed names do not unpack: {exc}") from None
 
 
