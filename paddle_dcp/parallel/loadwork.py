@@ -89,8 +89,7 @@ class LoadPlan:
             name = self.meta.files[op.file].name
             server = answer.servers.get(servers.file_key(name))
             if server is None:
-                keys = sorted({seg.piece.key for seg in op.segments})
-                raise StorageError(f"no rank can read data file {name} of checkpoint {self.meta.unique_id}, needed for {keys}")
+                raise _unreadable(name, self.meta.unique_id, op)
             remote.setdefault(server, []).append(op)
         return replace(self, remote=remote)
 
@@ -240,11 +239,16 @@ def split_ops(ops, meta: Metadata, sources: Sources) -> tuple[list, list]:
         if name in sources.visible:
             local.append(op)
         elif servers.file_key(name) is None:  # not a data file of ours: no other rank lists it
-            keys = sorted({seg.piece.key for seg in op.segments})
-            raise StorageError(f"no rank can read data file {name} of checkpoint {sources.uid}, needed for {keys}")
+            raise _unreadable(name, sources.uid, op)
         else:
             elsewhere.append(op)
     return local, elsewhere
+
+
+def _unreadable(name: str, uid: int, op) -> StorageError:
+    """The error of an op on a data file no rank can read, naming the file and its tensors."""
+    keys = sorted({seg.piece.key for seg in op.segments})
+    return StorageError(f"no rank can read data file {name} of checkpoint {uid}, needed for {keys}")
 
 
 @dataclass(frozen=True)

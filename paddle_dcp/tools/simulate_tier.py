@@ -150,9 +150,10 @@ def _every_file_intact() -> Iterator[None]:
 
 
 class _NodeLoadRank(SimLoadRank):
-    """A rank of the tier's load (node-local listings): every rank plans its reads and picks
-    its servers for real; only the coordinator reads its metadata (the others share the
-    parsed file); a rank whose node has no metadata gets the part it needs from a helper."""
+    """A rank of the tier's load (node-local listings): every rank plans its reads for real,
+    and the coordinator names their servers; only the coordinator reads its metadata (the
+    others share the parsed file); a rank whose node has no metadata gets the part it needs
+    from a helper."""
 
     def __init__(self, rank, ranks, coordinator, listing, metadata_json, shared, layout, wanted, read_bytes, starts,
                  p2p: dict, answers: dict, layouts: Mapping[int, RankLayout], parsed: dict):
