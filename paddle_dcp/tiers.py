@@ -431,7 +431,7 @@ class LocalTier:
         from which a rank of this job copies it back into its node first (the file's writer
         when it is one). Returns (what it did, "") or (None, why the step cannot be restored
         from this tier), the same on every rank."""
-        why, exclude, lost, digest, record, lost_files = protocol.run(self.comm, self._check(step))
+        why, exclude, lost, digest, recorded, lost_files = protocol.run(self.comm, self._check(step))
         repaired: dict[int, list] = {}
         if lost:
             if fallback is None:
@@ -449,7 +449,7 @@ class LocalTier:
             "peer": sum(op.nbytes for ops in work.plan.remote.values() for op in ops),
             "global": sum(n for _, n in repaired.get(self.comm.rank, ())),
         }
-        saved_on = JobLayout(meta.world_size) if record is None else record
+        saved_on = JobLayout(meta.world_size) if recorded is None else recorded
         return Restored(nbytes, saved_on, lost_files), ""
 
     def _check(self, step: int) -> protocol.Protocol:
@@ -527,7 +527,7 @@ class LocalTier:
             if self.comm.rank != holder:
                 return b""
             layout = JobLayout.from_json(mine["layout"], RECORD)
-            names = {int(w): n for w, n in mine["names"].items()}
+            names = mine["names"]
             return wire.encode_json({"layout": wire.encode_layout(layout),
                                      "lost": wire.pack_names(sorted(names[w] for w in wire.from_runs(told["gone"])))})
 
@@ -604,8 +604,10 @@ class LocalTier:
             record = None  # a record of another save of this step
         survey = Survey(True, frozenset(writer.values()), frozenset(here), (), digest,
                         None if record is None else frozenset(record["node"]))
+        if record is None:
+            return survey, copies, None
         names = {w: n for n, w in writer.items()}  # to name the files of lost nodes, if this rank says
-        return survey, copies, None if record is None else {"layout": record["layout"], "names": names}
+        return survey, copies, {"layout": record["layout"], "names": names}
 
     def _check_files(self, step: int, writers: set, originals: bool) -> tuple[dict, set]:
         """This rank's share of its node's check of ``step``: the originals (with
