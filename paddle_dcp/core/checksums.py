@@ -37,7 +37,7 @@ def checksum(buf: Buffer, seed: int = 0) -> int:
 
 def block_checksum(buf: Buffer, seed: int, index: int) -> int:
     """The checksum of block ``index`` of a piece whose seed is ``seed``."""
-    return xxhash.xxh3_64_intdigest(buf, seed=(seed + index) & _MASK64)
+    return checksum(buf, (seed + index) & _MASK64)
 
 
 def blocks(start: int, stop: int, piece_start: int, block_bytes: int) -> Iterator[tuple[int, int, int]]:
@@ -104,7 +104,7 @@ def check_blocks(meta: Metadata, seg: Segment, data: memoryview, where: str) -> 
     if len(data) <= meta.block_bytes and into % meta.block_bytes == 0:  # one block (a small piece)
         k = into // meta.block_bytes
         recorded = int(meta.tensors[piece.key].pieces.checksums[piece.first_block + k])
-        if checksum(data, (seed_of(meta, piece) + k) & _MASK64) == recorded:  # as hashed() does
+        if block_checksum(data, seed_of(meta, piece), k) == recorded:
             return
     checked = segment_blocks(meta, seg, seg.start + len(data))
     bad = failing(checked, hashed(checked, lambda at, n: data[at - seg.start : at - seg.start + n]))
